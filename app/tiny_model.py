@@ -1,0 +1,216 @@
+"""The embedded default model: a tiny Qwen2 built here, with nothing downloaded.
+
+GRPO needs a base that is sometimes right and sometimes wrong, so groups have mixed rewards.
+We build a ~0.5M-parameter Qwen2 (random init) and a byte-level BPE tokenizer trained with
+`tokenizers` in Qwen2's own shape (same pre-tokenizer regex, byte-level decoder), so that
+transformers' `Qwen2Tokenizer`, which AutoTokenizer and vLLM pick for `model_type=qwen2` whatever
+the folder says, tokenizes exactly like the tokenizer we trained. A short supervised warm-up on
+generated additions stops on a held-out accuracy threshold (the jump happens at a different step
+for each seed). The folder is cached under a key of its config, so it is built once.
+
+    python -m app.tiny_model [--config FILE] [--set model.tiny.seed=1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from app.config import ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
+from app.tasks import Problem, arithmetic_prompt, make_arithmetic
+
+EOS = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
+# Qwen2's pre-tokenizer: digits split one by one, so numbers are sequences of digit tokens.
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BUILD_VERSION = 1  # bump when the build recipe changes, so stale caches are not reused
+
+
+def cache_key(tiny: TinyModelConfig, task: TaskConfig) -> str:
+    """Everything the built folder depends on: its shape, its warm-up and the held-out split it avoids."""
+    spec = {"v": BUILD_VERSION, "tiny": tiny.model_dump(), "heldout": [task.seed, task.num_heldout]}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _tokenizer_corpus(rng: random.Random, digits: int) -> list[str]:
+    limit = 10**digits
+    texts = [arithmetic_prompt(rng.randrange(limit), rng.randrange(limit)) + str(rng.randrange(2 * limit))
+             for _ in range(2000)]
+    texts += ["The quick brown fox jumps over the lazy dog. What is the answer? Let us think step by step.",
+              "user assistant system You are a helpful assistant. Please reason and put the answer in \\boxed{}."]
+    return texts
+
+
+def build_tokenizer(digits: int, seed: int):
+    """A byte-level BPE tokenizer in Qwen2's shape, trained on the task's text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(random.Random(seed), digits), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE,
+        model_max_length=4096, clean_up_tokenization_spaces=False,
+    )
+
+
+def load_tokenizer(path: str | Path):
+    """Load a model folder's tokenizer and check that token ids round-trip through text.
+
+    A tokenizer that silently changes text (dropping spaces, say) makes the sampler and the
+    learner see different prompts, and learning collapses without an error; fail loudly instead.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    probe = "Compute 12+345. Answer: 357 and some words, with  two spaces."
+    ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if text != probe or tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
+        raise RuntimeError(f"tokenizer at {path} does not round-trip text ({probe!r} -> {text!r})")
+    return tokenizer
+
+
+def build_model(tiny: TinyModelConfig, vocab_size: int, eos_id: int, max_len: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers, num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads, max_position_embeddings=max_len,
+        tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        use_sliding_window=False, dtype="float32",
+    )
+    torch.manual_seed(tiny.seed)
+    return Qwen2ForCausalLM(config)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int, batch_size: int = 256) -> float:
+    """Share of problems whose greedy completion is exactly the answer (plain PyTorch, no vLLM)."""
+    model.eval()
+    tokenizer.padding_side = "left"
+    correct = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i : i + batch_size]
+        enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(t.strip() == p.answer for t, p in zip(texts, chunk, strict=True))
+    model.train()
+    return correct / len(problems)
+
+
+def warm_up(model, tokenizer, tiny: TinyModelConfig, heldout: list[Problem], log=print) -> tuple[float, int]:
+    """Supervised steps on fresh additions (never a held-out one) until held-out accuracy crosses the target."""
+    rng = random.Random(tiny.seed + 1)
+    limit = 10**tiny.digits
+    avoid = {p.prompt for p in heldout}
+    opt = torch.optim.AdamW(model.parameters(), lr=tiny.warmup_lr)
+    eos = tokenizer.eos_token_id
+    acc, step = 0.0, 0
+    for step in range(1, tiny.warmup_max_steps + 1):
+        rows, masks = [], []
+        while len(rows) < tiny.warmup_batch_size:
+            a, b = rng.randrange(limit), rng.randrange(limit)
+            prompt = arithmetic_prompt(a, b)
+            if prompt in avoid:
+                continue
+            p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            c_ids = tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [eos]
+            rows.append(p_ids + c_ids)
+            masks.append([0] * len(p_ids) + [1] * len(c_ids))
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [eos] * (width - len(r)) for r in rows])
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 5 == 0:
+            acc = greedy_accuracy(model, tokenizer, heldout, max_new_tokens=tiny.digits + 2)
+            log(f"warm-up step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}")
+            if acc >= tiny.warmup_target_accuracy:
+                break
+    return acc, step
+
+
+def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> tuple[Path, dict]:
+    """Build the tiny model folder once per config (atomically, so concurrent callers are safe); reuse after."""
+    tiny = model_cfg.tiny
+    root = Path(os.path.expanduser(model_cfg.cache_dir))
+    folder = root / f"tiny-qwen2-{cache_key(tiny, task_cfg)}"
+    info_file = folder / "spotrl_tiny.json"
+    if info_file.exists():
+        return folder, {**json.loads(info_file.read_text()), "cached": True}
+
+    t0 = time.time()
+    heldout = make_arithmetic(tiny.digits, 1, task_cfg.num_heldout, task_cfg.seed).heldout
+    tokenizer = build_tokenizer(tiny.digits, tiny.seed)
+    model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
+    acc, steps = warm_up(model, tokenizer, tiny, heldout, log=log)
+    info = {"heldout_accuracy": acc, "warmup_steps": steps, "build_s": round(time.time() - t0, 1),
+            "num_parameters": sum(p.numel() for p in model.parameters()), "config": tiny.model_dump()}
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=root))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "spotrl_tiny.json").write_text(json.dumps(info, indent=1))
+    load_tokenizer(tmp)  # the saved folder, as every other process will load it, must round-trip
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished first: theirs is as good as ours
+        shutil.rmtree(tmp, ignore_errors=True)
+        return folder, {**json.loads(info_file.read_text()), "cached": True}
+    return folder, {**info, "cached": False}
+
+
+def resolve_model_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> str:
+    """The local folder (or hub name) that the learner and the fleet load."""
+    if model_cfg.name_or_path == "tiny":
+        return str(ensure_tiny_model(model_cfg, task_cfg, log=log)[0])
+    return model_cfg.name_or_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    cfg = config_from_args(parser.parse_args(argv))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    path, info = ensure_tiny_model(cfg.model, cfg.task, log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps({"path": str(path), **{k: v for k, v in info.items() if k != "config"}}))
+
+
+if __name__ == "__main__":
+    main()
