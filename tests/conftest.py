@@ -1,0 +1,27 @@
+"""Shared fixtures: the tiny model (built once, cached), and every test bound to loopback only."""
+
+import os
+
+import pytest
+
+# Nothing in tests may reach a hub or any address but 127.0.0.1.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+@pytest.fixture(scope="session")
+def default_config():
+    from app.config import load_config
+
+    return load_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(default_config) -> str:
+    """The embedded default's tiny model folder (built on first use, then reused from the cache)."""
+    from app.tiny_model import resolve_model_path
+
+    return resolve_model_path(default_config.model, default_config.task)
