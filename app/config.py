@@ -39,7 +39,6 @@ class TinyModelConfig(Section):
     num_attention_heads: int = Field(4, gt=0, description="Number of query heads.")
     num_key_value_heads: int = Field(2, gt=0, description="Number of key/value heads (GQA).")
     max_position_embeddings: int = Field(256, gt=0, description="Longest sequence the model accepts.")
-    digits: int = Field(3, ge=1, le=6, description="Largest number of digits of an operand in the arithmetic task.")
     warmup_lr: float = Field(1e-3, gt=0, description="Learning rate of the supervised warm-up.")
     warmup_batch_size: int = Field(128, gt=0, description="Problems per supervised warm-up step.")
     warmup_max_steps: int = Field(3000, gt=0, description="Upper bound on supervised warm-up steps.")
@@ -81,7 +80,8 @@ class TaskConfig(Section):
 
     name: Literal["arithmetic", "math"] = Field("arithmetic", description="Task family.")
     dataset: str | None = Field(None, description="MATH data: a .jsonl/.parquet file or a datasets name (task=math).")
-    num_train: int = Field(20000, gt=0, description="Arithmetic problems in the train split.")
+    digits: int = Field(2, ge=1, le=6, description="Most digits of an operand in the arithmetic task.")
+    num_train: int = Field(4000, gt=0, description="Arithmetic problems in the train split.")
     num_heldout: int = Field(256, gt=0, description="Problems in the held-out split used for evaluation.")
     seed: int = Field(1234, description="Seed of the task's splits.")
     reward_funcs: list[str] = Field(

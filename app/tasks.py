@@ -96,8 +96,8 @@ def load_math(source: str, num_heldout: int, seed: int) -> TaskSplits:
     return TaskSplits(train=problems[cut:], heldout=problems[:cut])
 
 
-def load_task(task_cfg, digits: int = 3) -> TaskSplits:
+def load_task(task_cfg) -> TaskSplits:
     """The splits a config's `task` section names."""
     if task_cfg.name == "arithmetic":
-        return make_arithmetic(digits, task_cfg.num_train, task_cfg.num_heldout, task_cfg.seed)
+        return make_arithmetic(task_cfg.digits, task_cfg.num_train, task_cfg.num_heldout, task_cfg.seed)
     return load_math(task_cfg.dataset, task_cfg.num_heldout, task_cfg.seed)

@@ -44,7 +44,7 @@ BUILD_VERSION = 1  # bump when the build recipe changes, so stale caches are not
 
 def cache_key(tiny: TinyModelConfig, task: TaskConfig) -> str:
     """Everything the built folder depends on: its shape, its warm-up and the held-out split it avoids."""
-    spec = {"v": BUILD_VERSION, "tiny": tiny.model_dump(), "heldout": [task.seed, task.num_heldout]}
+    spec = {"v": BUILD_VERSION, "tiny": tiny.model_dump(), "task": [task.digits, task.seed, task.num_heldout]}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -128,10 +128,10 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: i
     return correct / len(problems)
 
 
-def warm_up(model, tokenizer, tiny: TinyModelConfig, heldout: list[Problem], log=print) -> tuple[float, int]:
+def warm_up(model, tokenizer, tiny: TinyModelConfig, digits: int, heldout: list[Problem], log=print) -> tuple[float, int]:
     """Supervised steps on fresh additions (never a held-out one) until held-out accuracy crosses the target."""
     rng = random.Random(tiny.seed + 1)
-    limit = 10**tiny.digits
+    limit = 10**digits
     avoid = {p.prompt for p in heldout}
     opt = torch.optim.AdamW(model.parameters(), lr=tiny.warmup_lr)
     eos = tokenizer.eos_token_id
@@ -158,7 +158,7 @@ def warm_up(model, tokenizer, tiny: TinyModelConfig, heldout: list[Problem], log
         loss.backward()
         opt.step()
         if step % 5 == 0:
-            acc = greedy_accuracy(model, tokenizer, heldout, max_new_tokens=tiny.digits + 2)
+            acc = greedy_accuracy(model, tokenizer, heldout, max_new_tokens=digits + 2)
             log(f"warm-up step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}")
             if acc >= tiny.warmup_target_accuracy:
                 break
@@ -175,10 +175,10 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
         return folder, {**json.loads(info_file.read_text()), "cached": True}
 
     t0 = time.time()
-    heldout = make_arithmetic(tiny.digits, 1, task_cfg.num_heldout, task_cfg.seed).heldout
-    tokenizer = build_tokenizer(tiny.digits, tiny.seed)
+    heldout = make_arithmetic(task_cfg.digits, 1, task_cfg.num_heldout, task_cfg.seed).heldout
+    tokenizer = build_tokenizer(task_cfg.digits, tiny.seed)
     model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
-    acc, steps = warm_up(model, tokenizer, tiny, heldout, log=log)
+    acc, steps = warm_up(model, tokenizer, tiny, task_cfg.digits, heldout, log=log)
     info = {"heldout_accuracy": acc, "warmup_steps": steps, "build_s": round(time.time() - t0, 1),
             "num_parameters": sum(p.numel() for p in model.parameters()), "config": tiny.model_dump()}
 

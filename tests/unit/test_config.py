@@ -1,0 +1,72 @@
+"""Config: YAML + overrides validate, and every mistake is one line naming the field."""
+
+import subprocess
+import sys
+
+import pytest
+
+from app.config import CONFIG_DIR, ConfigError, load_config
+
+
+def test_shipped_configs_validate():
+    tiny = load_config(CONFIG_DIR / "tiny-cpu.yaml")
+    assert tiny.model.name_or_path == "tiny" and tiny.learner.device == "cpu"
+    seed = load_config(CONFIG_DIR / "qwen2.5-math-1.5b.yaml")
+    assert (seed.lora.rank, seed.lora.alpha, seed.grpo.learning_rate) == (1, 2.0, 4e-5)
+    assert seed.grpo.max_staleness == 4 and seed.max_loras >= seed.grpo.max_staleness + 2
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["lora.rank=4", "grpo.learning_rate=3e-4", "fleet.router.block_size=32", "task.reward_funcs=[a, b]"])
+    assert cfg.lora.rank == 4 and cfg.grpo.learning_rate == 3e-4
+    assert cfg.fleet.router.block_size == 32 and cfg.task.reward_funcs == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("lora.rank=-1", "lora.rank"),
+        ("lora.rnak=4", "lora.rnak"),
+        ("grpo.max_staleness=many", "grpo.max_staleness"),
+        ("learner.batching=sorted", "learner.batching"),
+        ("lora.rank.x=1", "lora.rank"),
+        ("fleet.max_loras=1", "fleet.max_loras"),
+    ],
+)
+def test_bad_override_names_the_field(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_malformed_yaml_and_bad_shapes(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lora:\n  rank: [1,\n")
+    with pytest.raises(ConfigError, match="malformed YAML"):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, ["lora.rank"])
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "lora.rank=-1"], "lora.rank"),
+        (["--set", "bogus.key=1"], "bogus"),
+        (["--config", "MALFORMED"], "malformed YAML"),
+    ],
+)
+def test_train_cli_exits_2_with_one_line(args, needle, tmp_path):
+    if "MALFORMED" in args:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("grpo: {max_steps: 3\n")
+        args = ["--config", str(bad)]
+    proc = subprocess.run([sys.executable, "-m", "app.train", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr

@@ -1,0 +1,61 @@
+"""Rewards: TRL's signature, math-verify equivalences, truncation, and failures that never stop a run."""
+
+import time
+
+import pytest
+
+from app.rewards import RewardScorer, boxed_math, exact_answer, last_boxed, resolve_reward
+
+
+def test_exact_answer():
+    assert exact_answer(["42", " 41", "42 "], None, None, answer=["42", "42", "42"]) == [1.0, 0.0, 1.0]
+
+
+def test_last_boxed_balances_braces():
+    assert last_boxed(r"\boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert last_boxed("no box here") is None
+    assert last_boxed(r"\boxed{unclosed") is None
+
+
+def test_boxed_math_equivalences_and_truncation():
+    completions = [r"so \boxed{0.5}", r"\boxed{\frac{1}{3}}", "the answer is 1/2", r"\boxed{\frac12}"]
+    scores = boxed_math(completions, None, None, answer=[r"\frac{1}{2}"] * 4, truncated=[False, False, False, True])
+    assert scores == [1.0, 0.0, 0.0, 0.0]  # equivalent, wrong, no box, truncated
+
+
+def test_scorer_sums_functions():
+    def bonus(completions, prompts, completion_ids, **_):
+        return [0.5] * len(completions)
+
+    scores = RewardScorer([exact_answer, bonus]).score(["1", "2"], ["p", "p"], [[1], [2]], answer=["1", "1"])
+    assert scores.rewards == [1.5, 0.5]
+    assert scores.per_func["bonus"] == [0.5, 0.5]
+
+
+def test_raising_and_slow_rewards_give_none_and_are_counted():
+    def broken(completions, prompts, completion_ids, **_):
+        raise ZeroDivisionError("boom")
+
+    def slow(completions, prompts, completion_ids, **_):
+        time.sleep(2)
+        return [1.0] * len(completions)
+
+    def wrong_length(completions, prompts, completion_ids, **_):
+        return [1.0]
+
+    scorer = RewardScorer([exact_answer, broken, slow, wrong_length], timeout_s=0.5)
+    scores = scorer.score(["1", "2", "3"], ["p"] * 3, [[1]] * 3, answer=["1", "1", "1"])
+    assert scores.rewards == [1.0, 0.0, 0.0]  # only exact_answer counted
+    assert scores.per_func["broken"] == [None] * 3 and scores.per_func["slow"] == [None] * 3
+    assert scores.errors == {"broken": 3, "slow": 3, "wrong_length": 3}
+    scorer.score(["1"], ["p"], [[1]], answer=["1"])
+    assert scorer.metrics()["reward/errors/broken"] == 4.0
+
+
+def test_resolve_reward():
+    assert resolve_reward("exact_answer") is exact_answer
+    assert resolve_reward("app.rewards:boxed_math") is boxed_math
+    with pytest.raises(ValueError, match="unknown reward"):
+        resolve_reward("nope")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        resolve_reward("app.rewards:nope")
