@@ -1,0 +1,71 @@
+"""Held-out accuracy through the fleet: greedy completions of the held-out split, scored by the task's rewards.
+
+    python -m app.evaluate --config FILE [--adapter policy-vN] [--url http://127.0.0.1:8000]
+
+The driver calls `evaluate()` before and after training; as a command it evaluates against a fleet
+that is already running (`make serve` or a run in progress).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from app.config import add_config_args, config_from_args
+from app.rewards import RewardScorer
+from app.rollout import Generate, http_generate, prompt_token_ids
+from app.tasks import Problem
+
+
+async def evaluate_async(generate: Generate, tokenizer, problems: list[Problem], model: str, scorer: RewardScorer,
+                         max_tokens: int, concurrency: int = 32) -> dict:
+    """Accuracy = share of problems whose greedy completion gets a positive reward."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(problem: Problem) -> float:
+        async with gate:
+            (c,) = await generate(prompt_token_ids(tokenizer, problem), model, 1, max_tokens, 0.0)
+        scores = await asyncio.to_thread(scorer.score, [c.text], [problem.prompt], [c.token_ids],
+                                         answer=[problem.answer], truncated=[c.finish_reason == "length"])
+        return scores.rewards[0]
+
+    rewards = await asyncio.gather(*(one(p) for p in problems))
+    return {"model": model, "accuracy": sum(r > 0 for r in rewards) / len(rewards),
+            "mean_reward": sum(rewards) / len(rewards), "num_problems": len(problems)}
+
+
+def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None = None) -> dict:
+    """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split."""
+    from app.tasks import load_task
+    from app.tiny_model import load_tokenizer
+
+    problems = load_task(cfg.task).heldout
+    scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
+    generate = http_generate(base_url, token)
+    return asyncio.run(evaluate_async(generate, load_tokenizer(model_path), problems, model, scorer,
+                                      cfg.grpo.max_completion_length, cfg.rollout.max_inflight_tasks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
+    parser.add_argument("--adapter", default=None, help="policy-vN to evaluate (default: the newest in the bucket).")
+    parser.add_argument("--url", default=None, help="Fleet URL (default: http://fleet.host:fleet.port).")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    from app.bucket import AdapterStore
+    from app.samples import adapter_name
+    from app.tiny_model import resolve_model_path
+
+    model = args.adapter
+    if model is None:
+        latest = AdapterStore.from_config(cfg).latest()
+        model = adapter_name(latest) if latest is not None else "base"
+    url = args.url or f"http://{cfg.fleet.host}:{cfg.fleet.port}"
+    token = cfg.fleet.admin_token if cfg.fleet.protect_inference else None
+    print(json.dumps(evaluate(cfg, url, resolve_model_path(cfg.model, cfg.task), model, token)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The rollout side: an async producer that keeps the fleet busy and feeds the learner scored groups.
+
+It keeps up to `max_inflight_tasks` groups in flight, asks for the G samples of a prompt in one
+request (so the router keeps them on one replica and vLLM prefills the prompt once), tags each
+group with the policy version it was sampled under, scores it off the event loop and puts it on a
+bounded queue. A slot is held until its group is on the queue, so a slow learner stops new
+requests instead of growing memory (backpressure). Groups more than `max_staleness` versions
+behind the learner are dropped and counted when taken, never trained. A request that keeps failing
+costs its group, counted, never the worker.
+
+`RolloutWorker` is plain asyncio (testable with a fake `generate`); `RolloutActor` hosts it in Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import ray
+
+from app.rewards import RewardScorer
+from app.samples import Group, Sample, adapter_name
+from app.tasks import Problem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    """One choice of a completions response, as the rollout needs it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+# generate(prompt_ids, model, n, max_tokens, temperature, top_p, top_k) -> n completions
+Generate = Callable[..., Awaitable[list[Completion]]]
+
+
+class RolloutWorker:
+    """Produces scored, version-tagged groups into a bounded queue."""
+
+    def __init__(self, cfg, problems: list[Problem], prompt_ids: Callable[[Problem], list[int]],
+                 generate: Generate, scorer: RewardScorer, *, data_cursor: int = 0, policy_version: int = 0,
+                 consumed_group_ids: set[str] | frozenset = frozenset()):
+        self.cfg = cfg
+        self.problems, self.prompt_ids, self.generate, self.scorer = problems, prompt_ids, generate, scorer
+        self.cursor = data_cursor
+        self.sampling_version = policy_version  # version new requests use (the newest the fleet serves)
+        self.learner_version = policy_version  # version the learner trains now; staleness is measured to it
+        self.consumed = set(consumed_group_ids)
+        self.queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=cfg.rollout.queue_maxsize)
+        self._slots = asyncio.Semaphore(cfg.rollout.max_inflight_tasks)
+        self._tasks: set[asyncio.Task] = set()
+        self._producer: asyncio.Task | None = None
+        self.inflight = 0  # requests on the wire (a slot waiting to enqueue is not one)
+        self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "request_retries": 0,
+                         "groups_taken": 0, "completion_tokens": 0}
+        self._token_times: deque[tuple[float, int]] = deque(maxlen=512)
+
+    # -- data order ------------------------------------------------------------------------
+    def _problem_at(self, index: int) -> Problem:
+        """Epoch-shuffled order, a pure function of the index, so a resumed cursor replays exactly."""
+        epoch, pos = divmod(index, len(self.problems))
+        order = list(range(len(self.problems)))
+        random.Random(self.cfg.grpo.seed + epoch).shuffle(order)
+        return self.problems[order[pos]]
+
+    # -- producing -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._producer is None:
+            self._producer = asyncio.get_running_loop().create_task(self._produce_forever())
+
+    async def _produce_forever(self) -> None:
+        while True:
+            await self._slots.acquire()
+            index = self.cursor
+            self.cursor += 1
+            group_id = f"g{index}"
+            if group_id in self.consumed:  # trained before a restart: never feed it twice
+                self._slots.release()
+                continue
+            task = asyncio.create_task(self._produce_group(group_id, self._problem_at(index)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _produce_group(self, group_id: str, problem: Problem) -> None:
+        try:
+            group = await self._sample_and_score(group_id, problem)
+            if group is not None:
+                await self.queue.put(group)  # blocks while the queue is full: backpressure
+                self.counters["groups_produced"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug in scoring must not kill the producer; count the group as lost
+            log.exception("group %s failed", group_id)
+            self.counters["dropped_failed"] += 1
+        finally:
+            self._slots.release()
+
+    async def _sample_and_score(self, group_id: str, problem: Problem) -> Group | None:
+        g, cfg = self.cfg.grpo, self.cfg.rollout
+        version = self.sampling_version
+        prompt_ids = self.prompt_ids(problem)
+        for attempt in range(cfg.max_retries + 1):
+            self.inflight += 1
+            try:
+                completions = await asyncio.wait_for(
+                    self.generate(prompt_ids, adapter_name(version), g.num_generations, g.max_completion_length,
+                                  g.temperature, g.top_p, g.top_k),
+                    timeout=cfg.request_timeout_s,
+                )
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.counters["request_retries"] += 1
+                log.warning("generation for %s failed (attempt %d/%d): %s", group_id, attempt + 1,
+                            cfg.max_retries + 1, e)
+                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+            finally:
+                self.inflight -= 1
+        else:
+            self.counters["dropped_failed"] += 1
+            return None
+        ntok = sum(len(c.token_ids) for c in completions)
+        self.counters["completion_tokens"] += ntok
+        self._token_times.append((time.monotonic(), ntok))
+        texts = [c.text for c in completions]
+        truncated = [c.finish_reason == "length" for c in completions]
+        columns = {"answer": [problem.answer] * len(texts), "truncated": truncated,
+                   **{k: [v] * len(texts) for k, v in problem.columns.items()}}
+        scores = await asyncio.to_thread(self.scorer.score, texts, [problem.prompt] * len(texts),
+                                         [c.token_ids for c in completions], **columns)
+        samples = [Sample(c.token_ids, c.logprobs, r, t, c.text)
+                   for c, r, t in zip(completions, scores.rewards, truncated, strict=True)]
+        return Group(group_id, problem.id, prompt_ids, version, samples, time.time(), dict(scores.errors))
+
+    # -- consuming -------------------------------------------------------------------------
+    def set_versions(self, policy_version: int) -> None:
+        """The learner published (and the fleet loaded) `policy_version`: sample with it, measure staleness to it."""
+        self.sampling_version = max(self.sampling_version, policy_version)
+        self.learner_version = max(self.learner_version, policy_version)
+
+    async def get_groups(self, n: int, timeout_s: float | None = None) -> list[Group]:
+        """Take `n` fresh groups (waiting for them), dropping and counting those too stale to train."""
+        groups: list[Group] = []
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(groups) < n:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                group = await asyncio.wait_for(self.queue.get(), timeout=remaining)
+            except TimeoutError:
+                break
+            if self.learner_version - group.policy_version > self.cfg.grpo.max_staleness:
+                self.counters["dropped_stale"] += 1
+                continue
+            groups.append(group)
+        self.counters["groups_taken"] += len(groups)
+        self.consumed.update(g.group_id for g in groups)
+        return groups
+
+    def generated_tok_s(self, window_s: float = 30.0) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._token_times if now - t <= window_s]
+        if len(recent) < 2:
+            return 0.0
+        return sum(n for _, n in recent[1:]) / max(1e-6, recent[-1][0] - recent[0][0])
+
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        seen = c["groups_taken"] + c["dropped_stale"]
+        return {
+            "sample/rollout_queue_size": self.queue.qsize(),
+            "rollout/inflight": self.inflight,
+            "rollout/generated_tok_s": self.generated_tok_s(),
+            "sample/dropped_stale_total": c["dropped_stale"],
+            "sample/dropped_stale_share": c["dropped_stale"] / seen if seen else 0.0,
+            "rollout/dropped_failed_total": c["dropped_failed"],
+            "rollout/request_retries_total": c["request_retries"],
+            "rollout/groups_produced_total": c["groups_produced"],
+            "rollout/data_cursor": self.cursor,
+            **self.scorer.metrics(),
+        }
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._producer, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._producer = None
+
+
+def http_generate(base_url: str, token: str | None = None) -> Generate:
+    """A `Generate` over the fleet's OpenAI-compatible `/v1/completions` (token-id prompts, n samples)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    client = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None,
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def generate(prompt_ids, model, n, max_tokens, temperature, top_p=1.0, top_k=-1) -> list[Completion]:
+        body = {"model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+                "top_p": top_p, "top_k": top_k, "logprobs": 0, "return_token_ids": True}
+        resp = await client.post("/v1/completions", json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"/v1/completions answered {resp.status_code}: {resp.text[:200]}")
+        return [Completion(list(ch["token_ids"]), list(ch["logprobs"]["token_logprobs"]), ch["text"],
+                           ch["finish_reason"]) for ch in resp.json()["choices"]]
+
+    return generate
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class RolloutActor:
+    """Hosts a RolloutWorker in Ray, talking to the fleet over HTTP."""
+
+    def __init__(self, cfg, model_path: str, fleet_url: str, state: dict):
+        from app.tasks import load_task
+        from app.tiny_model import load_tokenizer
+
+        logging.basicConfig(level=logging.WARNING)
+        tokenizer = load_tokenizer(model_path)
+        self.worker = RolloutWorker(
+            cfg, load_task(cfg.task).train, lambda p: prompt_token_ids(tokenizer, p),
+            http_generate(fleet_url, cfg.fleet.admin_token if cfg.fleet.protect_inference else None),
+            RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s),
+            data_cursor=state.get("data_cursor", 0), policy_version=state.get("policy_version", 0),
+            consumed_group_ids=set(state.get("consumed_group_ids", ())),
+        )
+
+    async def start(self) -> None:
+        self.worker.start()
+
+    async def set_versions(self, policy_version: int) -> None:
+        self.worker.set_versions(policy_version)
+
+    async def get_groups(self, n: int, timeout_s: float | None = None) -> list[Group]:
+        return await self.worker.get_groups(n, timeout_s)
+
+    async def stats(self) -> dict[str, float]:
+        return self.worker.stats()
+
+    async def stop(self) -> None:
+        await self.worker.stop()
+
+
+def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:
+    """Token ids of a problem's prompt: plain text as is, chat messages through the model's template."""
+    if isinstance(problem.prompt, str):
+        return tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+    return list(tokenizer.apply_chat_template(problem.prompt, add_generation_prompt=True, tokenize=True))
