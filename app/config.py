@@ -122,6 +122,9 @@ class GRPOConfig(Section):
 class RolloutConfig(Section):
     """The asynchronous producer of scored groups."""
 
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: generate ahead while the learner trains; sync: generate a batch only when asked."
+    )
     max_inflight_tasks: int = Field(32, ge=1, description="Generation requests in flight across the whole fleet.")
     queue_maxsize: int = Field(64, ge=1, description="Scored groups waiting for the learner (backpressure beyond).")
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one generation request.")
@@ -191,6 +194,7 @@ class LearnerConfig(Section):
         description="Peak FLOP/s per device kind, for perf/mfu_fwd_bwd.",
     )
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per learner worker.")
+    max_restarts: int = Field(3, ge=-1, description="Restarts of a dead learner worker (-1: no limit); it resumes.")
 
 
 class LoggingConfig(Section):

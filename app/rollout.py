@@ -61,6 +61,7 @@ class RolloutWorker:
         self._tasks: set[asyncio.Task] = set()
         self._producer: asyncio.Task | None = None
         self.inflight = 0  # requests on the wire (a slot waiting to enqueue is not one)
+        self._pending: set[int] = set()  # indices issued but not yet taken or lost: the resume frontier
         self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "request_retries": 0,
                          "groups_taken": 0, "completion_tokens": 0}
         self._token_times: deque[tuple[float, int]] = deque(maxlen=512)
@@ -75,33 +76,40 @@ class RolloutWorker:
 
     # -- producing -------------------------------------------------------------------------
     def start(self) -> None:
-        if self._producer is None:
+        """Start producing ahead of the learner (async mode); in sync mode `get_groups` generates on demand."""
+        if self._producer is None and self.cfg.rollout.mode == "async":
             self._producer = asyncio.get_running_loop().create_task(self._produce_forever())
 
     async def _produce_forever(self) -> None:
         while True:
-            await self._slots.acquire()
-            index = self.cursor
-            self.cursor += 1
-            group_id = f"g{index}"
-            if group_id in self.consumed:  # trained before a restart: never feed it twice
-                self._slots.release()
-                continue
-            task = asyncio.create_task(self._produce_group(group_id, self._problem_at(index)))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            await self._spawn_next()
 
-    async def _produce_group(self, group_id: str, problem: Problem) -> None:
+    async def _spawn_next(self) -> None:
+        await self._slots.acquire()
+        index = self.cursor
+        self.cursor += 1
+        if f"g{index}" in self.consumed:  # trained before a restart: never feed it twice
+            self._slots.release()
+            return
+        self._pending.add(index)
+        task = asyncio.create_task(self._produce_group(index, self._problem_at(index)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _produce_group(self, index: int, problem: Problem) -> None:
         try:
-            group = await self._sample_and_score(group_id, problem)
-            if group is not None:
+            group = await self._sample_and_score(f"g{index}", problem)
+            if group is None:
+                self._pending.discard(index)
+            else:
                 await self.queue.put(group)  # blocks while the queue is full: backpressure
                 self.counters["groups_produced"] += 1
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug in scoring must not kill the producer; count the group as lost
-            log.exception("group %s failed", group_id)
+            log.exception("group g%d failed", index)
             self.counters["dropped_failed"] += 1
+            self._pending.discard(index)
         finally:
             self._slots.release()
 
@@ -153,12 +161,21 @@ class RolloutWorker:
         """Take `n` fresh groups (waiting for them), dropping and counting those too stale to train."""
         groups: list[Group] = []
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        synchronous = self.cfg.rollout.mode == "sync"
         while len(groups) < n:
+            if synchronous:  # generate exactly what is missing, with the current version, only now
+                for _ in range(n - len(groups) - len(self._tasks) - self.queue.qsize()):
+                    await self._spawn_next()
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if synchronous:  # wake up now and then: a failed group must be generated again
+                remaining = 0.5 if remaining is None else min(remaining, 0.5)
             try:
                 group = await asyncio.wait_for(self.queue.get(), timeout=remaining)
             except TimeoutError:
+                if synchronous and (deadline is None or time.monotonic() < deadline):
+                    continue
                 break
+            self._pending.discard(int(group.group_id[1:]))
             if self.learner_version - group.policy_version > self.cfg.grpo.max_staleness:
                 self.counters["dropped_stale"] += 1
                 continue
@@ -166,6 +183,11 @@ class RolloutWorker:
         self.counters["groups_taken"] += len(groups)
         self.consumed.update(g.group_id for g in groups)
         return groups
+
+    @property
+    def frontier(self) -> int:
+        """Lowest data index not yet settled: a resumed run restarts here (consumed ids skip the trained ones)."""
+        return min(self._pending, default=self.cursor)
 
     def generated_tok_s(self, window_s: float = 30.0) -> float:
         now = time.monotonic()
@@ -187,6 +209,7 @@ class RolloutWorker:
             "rollout/request_retries_total": c["request_retries"],
             "rollout/groups_produced_total": c["groups_produced"],
             "rollout/data_cursor": self.cursor,
+            "rollout/data_frontier": self.frontier,
             **self.scorer.metrics(),
         }
 

@@ -1,10 +1,26 @@
-"""Entry point of a run: `python -m app.train --config FILE [--set key=value ...]`."""
+"""The driver: `python -m app.train --config FILE [--set key=value ...] [--address ADDR]`.
+
+Reads top to bottom like a recipe: start or join Ray, bring the fleet up unless one runs, start
+the learner (which resumes or publishes policy-v0) and the rollout actor, evaluate the base, loop
+to `max_steps` feeding the learner groups from the rollout queue, evaluate again and write the
+summary. What it started, it stops, on success, on error and on Ctrl-C alike.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+from contextlib import ExitStack
 
-from app.config import add_config_args, config_from_args
+from app.config import RunConfig, add_config_args, config_from_args
+
+log = logging.getLogger("spotrl.train")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -14,10 +30,186 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def start_ray(address: str | None) -> bool:
+    """Join `address`, or start a loopback-only local Ray; True when we started it (so we stop it)."""
+    import ray
+
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(
+        address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=True,
+        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=True,
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    return True
+
+
+def staleness_of(groups, learner_version: int) -> list[int]:
+    return [learner_version - g.policy_version for g in groups]
+
+
+def window_mean(values: list[float], share: float, last: bool) -> float | None:
+    if not values:
+        return None
+    k = max(1, round(len(values) * share))
+    chunk = values[-k:] if last else values[:k]
+    return statistics.fmean(chunk)
+
+
+class Run:
+    """State of one training run, so the loop and the summary read the same numbers."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.history: list[dict] = []
+        self.staleness: list[int] = []
+        self.samples_trained = 0
+        self.t0 = time.time()
+
+    def summary(self, before: dict | None, after: dict | None, rollout_stats: dict, router: dict | None) -> dict:
+        rewards = [m["reward"] for m in self.history if "reward" in m]
+        ratios = [m["ratio"] for m in self.history if "ratio" in m]
+        return {
+            "run_name": self.cfg.logging.run_name,
+            "steps": len(self.history),
+            "samples_trained": self.samples_trained,
+            "policy_version": self.history[-1].get("policy_version") if self.history else None,
+            "reward_first_10pct": window_mean(rewards, 0.1, last=False),
+            "reward_last_10pct": window_mean(rewards, 0.1, last=True),
+            "heldout_accuracy_before": before and before["accuracy"],
+            "heldout_accuracy_after": after and after["accuracy"],
+            "heldout_models": [before and before["model"], after and after["model"]],
+            "affinity_share": router_affinity(router),
+            "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
+            "staleness_max": max(self.staleness) if self.staleness else None,
+            "dropped_stale_share": rollout_stats.get("sample/dropped_stale_share"),
+            "dropped_failed_total": rollout_stats.get("rollout/dropped_failed_total"),
+            "ratio_mean": statistics.fmean(ratios) if ratios else None,
+            "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
+            "wall_time_s": round(time.time() - self.t0, 1),
+        }
+
+
+def router_affinity(router: dict | None) -> float | None:
+    """Share of routed requests that matched a specific prefix, from the fleet's /router/stats."""
+    if not router:
+        return None
+    totals = router.get("totals", router)
+    routed = totals.get("routed", 0)
+    return totals.get("affinity", 0) / routed if routed else None
+
+
+def train(cfg: RunConfig, address: str | None = None) -> dict:
+    import ray
+
+    from app.diagnosis import diagnose
+    from app.evaluate import evaluate
+    from app.fleet_client import FleetClient
+    from app.learner import LearnerGroup
+    from app.metrics_sink import MetricsSink
+    from app.rollout import RolloutActor
+    from app.samples import adapter_name
+    from app.tiny_model import resolve_model_path
+    from deployments.app import deploy_fleet, fleet_is_running, shutdown_fleet
+
+    run = Run(cfg)
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
+    token = os.environ.get("SPOTRL_ADMIN_TOKEN") or cfg.fleet.admin_token
+    inference_token = token if cfg.fleet.protect_inference else None
+
+    with ExitStack() as stack:
+        if start_ray(address):
+            stack.callback(ray.shutdown)
+        if fleet_is_running(cfg):
+            base_url = f"http://{cfg.fleet.host}:{cfg.fleet.port}"
+            log.info("using the fleet already running at %s", base_url)
+        else:
+            log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
+            base_url = deploy_fleet(cfg, model_path)
+            stack.callback(shutdown_fleet, cfg)
+        fleet = FleetClient(base_url, token=token)
+
+        learner = LearnerGroup(cfg, model_path, fleet_url=base_url, fleet_token=token)
+        stack.callback(learner.shutdown)
+        state = learner.start()
+        version = state["policy_version"]
+        log.info("learner at step %d, policy version %d", state["step"], version)
+
+        before = evaluate(cfg, base_url, model_path, adapter_name(version), inference_token)
+        log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
+
+        rollout = RolloutActor.remote(cfg, model_path, base_url, state)
+        stack.callback(lambda: ray.get(rollout.stop.remote(), timeout=30))
+        ray.get(rollout.start.remote())
+
+        sink = MetricsSink(run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
+        stack.callback(sink.close)
+        bar = progress_bar(cfg, state["step"])
+        stack.callback(bar.close)
+
+        step = state["step"]
+        while step < cfg.grpo.max_steps:
+            t_wait = time.perf_counter()
+            groups = ray.get(rollout.get_groups.remote(cfg.grpo.num_prompts_per_step))
+            rollout_wait_s = time.perf_counter() - t_wait
+            stale = staleness_of(groups, version)
+            rollout_stats = ray.get(rollout.stats.remote())
+            metrics = learner.train_step(groups, data_cursor=rollout_stats["rollout/data_frontier"])
+            step = metrics["step"]
+            if metrics["policy_version"] != version:
+                version = metrics["policy_version"]
+                ray.get(rollout.set_versions.remote(version))
+            rewards = [r for g in groups for r in g.rewards]
+            metrics.update(rollout_stats)
+            metrics.update({
+                "reward": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+                "sample/staleness_mean": statistics.fmean(stale), "sample/staleness_max": max(stale),
+                "perf/rollout_wait_s": rollout_wait_s, "samples": len(rewards),
+            })
+            run.history.append(metrics)
+            run.staleness.extend(stale)
+            run.samples_trained += len(rewards)
+            sink.log(metrics, step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", step_s=f"{metrics['perf/step_s']:.2f}",
+                            stale=f"{metrics['sample/staleness_mean']:.1f}",
+                            queue=int(metrics["sample/rollout_queue_size"]))
+            if step % cfg.logging.diagnose_every == 0:
+                bar.write(str(diagnose(run.history[-cfg.logging.diagnose_every:], cfg)))
+
+        verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2):], cfg)
+        after = evaluate(cfg, base_url, model_path, adapter_name(version), inference_token)
+        final_stats = ray.get(rollout.stats.remote())
+        summary = run.summary(before, after, final_stats, fleet.router_stats())
+        summary["bottleneck"] = verdict.kind
+        summary["bottleneck_detail"] = str(verdict)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        bar.write(str(verdict))
+    return summary
+
+
+def progress_bar(cfg: RunConfig, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.grpo.max_steps, initial=initial, desc=cfg.logging.run_name, unit="step",
+                disable=not cfg.logging.progress_bar, dynamic_ncols=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = config_from_args(args)
-    print(f"config ok: run {cfg.logging.run_name}, {cfg.grpo.max_steps} steps")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM ends a run like Ctrl-C does, so the cleanup in train() also runs when a scheduler stops us.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        summary = train(cfg, args.address)
+    except KeyboardInterrupt:
+        print("interrupted: stopped what this run started", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
         w.start()
         first = await w.get_groups(2)
         assert [g.policy_version for g in first] == [0, 0] and len(first[0].samples) == 8
+        while w.queue.qsize() < 4:  # a full queue of v0 groups
+            await asyncio.sleep(0.01)
         w.set_versions(2)  # learner two versions ahead: queued v0 groups are now too stale
         fresh = await w.get_groups(3)
         assert all(g.policy_version == 2 for g in fresh)
@@ -129,3 +131,19 @@ def test_stats_names_follow_trl():
     for key in ("sample/rollout_queue_size", "rollout/inflight", "rollout/generated_tok_s",
                 "sample/dropped_stale_total"):
         assert key in s
+
+
+def test_sync_mode_generates_only_when_asked():
+    async def main():
+        calls = []
+        w = make_worker(echo_answer_generate(calls, fail_first=1), **{"rollout.mode": "sync", "rollout.max_retries": 0})
+        w.start()
+        await asyncio.sleep(0.3)
+        assert calls == [] and w.queue.qsize() == 0
+        groups = await w.get_groups(4)
+        assert len(groups) == 4 and w.counters["dropped_failed"] == 1  # the failed one was generated again
+        await asyncio.sleep(0.3)
+        assert len(calls) == 5 and w.queue.qsize() == 0
+        await w.stop()
+
+    run(main())
