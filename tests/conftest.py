@@ -25,3 +25,6 @@ def tiny_model_path(default_config) -> str:
     from app.tiny_model import resolve_model_path
 
     return resolve_model_path(default_config.model, default_config.task)
+
+
+from tests.s3_server import bucket_url, file_bucket_url, s3_bucket_url, s3_server  # noqa: E402, F401

@@ -1,0 +1,192 @@
+"""Pure logic of app.bucket: URL and name rules, error classification, redaction, the retry loop.
+
+No server here: stores are constructed (s3fs connects lazily) and their naming methods exercised;
+the retry loop is driven with a fake failing function and a fake sleep.
+"""
+
+import os
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+
+from app.bucket import (
+    AdapterStore,
+    BucketError,
+    CheckpointStore,
+    InvalidName,
+    VersionExists,
+    is_precondition_failed,
+    is_transient,
+    make_filesystem,
+    redact,
+)
+from app.config import load_config
+
+
+def client_error(code: str, status: int, op: str = "PutObject") -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, op)
+
+
+def wrapped(cause: BaseException, outer: BaseException) -> BaseException:
+    """An exception the way s3fs raises it: a translated OSError whose __cause__ is botocore's."""
+    outer.__cause__ = cause
+    return outer
+
+
+def test_errors_are_classified_as_s3fs_raises_them():
+    assert is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert is_transient(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert is_transient(ConnectionRefusedError())
+    assert is_transient(wrapped(client_error("SlowDown", 503), OSError(5, "SlowDown")))
+    assert is_transient(wrapped(client_error("InternalError", 500), OSError(121, "InternalError")))
+    assert is_transient(client_error("TooManyRequests", 429))
+    assert is_transient(client_error("ConditionalRequestConflict", 409))
+    assert not is_transient(wrapped(client_error("AccessDenied", 403), PermissionError("denied")))
+    assert not is_transient(FileNotFoundError("bucket/key"))
+    # SeaweedFS answers a lost create-only race with EINVAL, AWS with FileExistsError: both are a lost race.
+    seaweed = wrapped(client_error("PreconditionFailed", 412), OSError(22, "pre-conditions"))
+    assert is_precondition_failed(seaweed) and not is_transient(seaweed)
+    assert is_precondition_failed(FileExistsError("MANIFEST.json"))
+    assert not is_precondition_failed(OSError(22, "The specified bucket is not valid."))
+
+
+def test_redact_removes_credentials_and_url_userinfo(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "super-secret-value-123")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEKEYID")
+    text = redact("s3://user:pw@bkt/x signed with AKIAEXAMPLEKEYID and super-secret-value-123")
+    assert "super-secret" not in text and "AKIAEXAMPLE" not in text and "pw@" not in text
+    assert text.startswith("s3://***@bkt/x")
+
+
+@pytest.mark.parametrize(
+    "url, scheme, root",
+    [
+        ("file:///tmp/b", "file", "/tmp/b"),
+        ("file://runs/x/bucket", "file", os.path.join(os.getcwd(), "runs/x/bucket")),
+        ("runs/x/bucket", "file", os.path.join(os.getcwd(), "runs/x/bucket")),
+        ("s3://bkt/a/b/", "s3", "bkt/a/b"),
+        ("s3://bkt", "s3", "bkt"),
+    ],
+)
+def test_bucket_urls(url, scheme, root):
+    fs, got = make_filesystem(url)
+    assert got == root
+    assert ("s3" in type(fs).__name__.lower()) == (scheme == "s3")
+
+
+@pytest.mark.parametrize("url", ["gs://bkt/x", "s3://", "s3://bkt/../x", "s3://bkt//x", "file://", ""])
+def test_bad_bucket_urls_are_refused(url):
+    with pytest.raises(InvalidName):
+        AdapterStore(url)
+
+
+@pytest.mark.parametrize("url", ["s3://bkt/run", "file:///tmp/spotrl-unit/bucket", "file://runs/r/bucket"])
+def test_resolve_accepts_our_names_and_urls(url):
+    store = AdapterStore(url)
+    assert store.resolve("policy-v3") == 3
+    assert store.resolve("policy-v0") == 0
+    assert store.resolve("adapters/policy-v12") == 12
+    assert store.resolve("policy-v3/") == 3
+    assert store.resolve(store.url_of(7)) == 7
+    assert store.resolve(store.url_of(7) + "/") == 7
+    if url.startswith("file://runs"):  # the relative spelling of the same place
+        assert store.resolve("file://runs/r/bucket/adapters/policy-v5") == 5
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "policy-v03", "policy-v-1", "policy-v", "policy-3", "Policy-v3", "step-3", "policy-v3.0", " policy-v3",
+        "../policy-v3", "adapters/../adapters/policy-v3", "adapters/policy-v3/../policy-v4", "/adapters/policy-v3",
+        "checkpoints/policy-v3", "x/adapters/policy-v3", "adapters/policy-v3/MANIFEST.json", "adapters\\policy-v3",
+        "s3://other/run/adapters/policy-v3", "s3://bkt/run/adapters/../adapters/policy-v3", "s3://bkt/adapters/policy-v3",
+        "s3://bkt/run/checkpoints/policy-v3", "file:///bkt/run/adapters/policy-v3", "http://bkt/run/adapters/policy-v3",
+        "", 3, None,
+    ],
+)  # fmt: skip
+def test_resolve_refuses_everything_else(ref):
+    with pytest.raises(InvalidName):
+        AdapterStore("s3://bkt/run").resolve(ref)
+
+
+def test_url_of_and_bad_numbers():
+    assert AdapterStore("s3://bkt/run").url_of(3) == "s3://bkt/run/adapters/policy-v3"
+    assert CheckpointStore("file:///tmp/b").url_of(40) == "file:///tmp/b/checkpoints/step-40"
+    for bad in (-1, True, "3", 1.0, None):
+        with pytest.raises(InvalidName):
+            AdapterStore("s3://bkt/run").url_of(bad)
+
+
+def test_from_config_fills_run_name_and_bucket_settings():
+    cfg = load_config(None, ["bucket.url=s3://bkt/{run_name}", "bucket.max_attempts=3", "logging.run_name=r1"])
+    store = CheckpointStore.from_config(cfg)
+    assert store.url_of(1) == "s3://bkt/r1/checkpoints/step-1"
+    assert store.max_attempts == 3
+
+
+class Flaky:
+    """Fails with `error` the first `failures` calls, then returns "ok"."""
+
+    def __init__(self, failures: int, error: BaseException):
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return "ok"
+
+
+def store_with_fake_sleep(**kwargs) -> tuple[AdapterStore, list[float]]:
+    store = AdapterStore("s3://bkt/run", **kwargs)
+    pauses: list[float] = []
+    store._sleep = pauses.append
+    return store, pauses
+
+
+def test_retry_backs_off_exponentially_then_succeeds():
+    store, pauses = store_with_fake_sleep(max_attempts=6, backoff_s=0.1)
+    flaky = Flaky(4, EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert store._retry("publish", "s3://bkt/run", "upload", flaky) == "ok"
+    assert flaky.calls == 5 and len(pauses) == 4
+    for i, pause in enumerate(pauses):  # 0.1 * 2**i, jittered by 0.5x..1.5x
+        assert 0.05 * 2**i <= pause <= 0.15 * 2**i
+
+
+def test_retry_is_bounded_and_its_error_names_url_and_operation(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-leak-this-secret")
+    store, pauses = store_with_fake_sleep(max_attempts=3)
+    error = wrapped(client_error("SlowDown", 503), OSError(5, "SlowDown do-not-leak-this-secret"))
+    flaky = Flaky(10, error)
+    with pytest.raises(BucketError) as info:
+        store._retry("fetch", "s3://bkt/run/adapters/policy-v1", "download adapter_model.safetensors", flaky)
+    message = str(info.value)
+    assert flaky.calls == 3 and len(pauses) == 2
+    assert message.startswith(
+        "fetch s3://bkt/run/adapters/policy-v1: download adapter_model.safetensors failed after 3"
+    )
+    assert "do-not-leak" not in message and info.value.__cause__ is None
+
+
+def test_retry_does_not_retry_what_a_retry_cannot_fix():
+    store, pauses = store_with_fake_sleep()
+    flaky = Flaky(1, wrapped(client_error("AccessDenied", 403), PermissionError("Forbidden")))
+    with pytest.raises(PermissionError):
+        store._retry("publish", "s3://bkt/run", "upload", flaky)
+    assert flaky.calls == 1 and pauses == []
+
+
+def test_error_hierarchy_lets_callers_catch_broadly_or_precisely():
+    assert issubclass(VersionExists, BucketError) and issubclass(BucketError, RuntimeError)
+    assert issubclass(InvalidName, ValueError)
+
+
+def test_publish_refuses_a_folder_that_is_not_an_adapter(tmp_path):
+    store = AdapterStore(f"file://{tmp_path}/bucket")
+    (tmp_path / "a").mkdir()
+    with pytest.raises(BucketError, match="adapter_config.json"):
+        store.publish(tmp_path / "a", 1)
+    (tmp_path / "a" / "adapter_config.json").write_text("{}")
+    with pytest.raises(BucketError, match="adapter_model"):
+        store.publish(tmp_path / "a", 1)
+    assert store.versions() == []
