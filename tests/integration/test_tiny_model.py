@@ -43,8 +43,8 @@ def test_loads_in_transformers_and_peft(tiny_model_path):
 def test_vllm_and_transformers_agree_on_logprobs(tiny_model_path):
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("vllm_logprobs_check.py")), tiny_model_path],
-        capture_output=True, text=True, timeout=600, env=env,
+        [sys.executable, "-m", "tests.integration.vllm_logprobs_check", tiny_model_path],
+        capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[2],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
