@@ -62,6 +62,7 @@ class RolloutWorker:
         self._producer: asyncio.Task | None = None
         self.inflight = 0  # requests on the wire (a slot waiting to enqueue is not one)
         self._pending: set[int] = set()  # indices issued but not yet taken or lost: the resume frontier
+        self._idle_s, self._idle_since = 0.0, time.monotonic()  # time with no request on the wire
         self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "request_retries": 0,
                          "groups_taken": 0, "completion_tokens": 0}
         self._token_times: deque[tuple[float, int]] = deque(maxlen=512)
@@ -118,7 +119,7 @@ class RolloutWorker:
         version = self.sampling_version
         prompt_ids = self.prompt_ids(problem)
         for attempt in range(cfg.max_retries + 1):
-            self.inflight += 1
+            self._count_inflight(+1)
             try:
                 completions = await asyncio.wait_for(
                     self.generate(prompt_ids, adapter_name(version), g.num_generations, g.max_completion_length,
@@ -134,7 +135,7 @@ class RolloutWorker:
                             cfg.max_retries + 1, e)
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
             finally:
-                self.inflight -= 1
+                self._count_inflight(-1)
         else:
             self.counters["dropped_failed"] += 1
             return None
@@ -150,6 +151,18 @@ class RolloutWorker:
         samples = [Sample(c.token_ids, c.logprobs, r, t, c.text)
                    for c, r, t in zip(completions, scores.rewards, truncated, strict=True)]
         return Group(group_id, problem.id, prompt_ids, version, samples, time.time(), dict(scores.errors))
+
+    def _count_inflight(self, delta: int) -> None:
+        now = time.monotonic()
+        if self.inflight == 0 and delta > 0:
+            self._idle_s += now - self._idle_since
+        self.inflight += delta
+        if self.inflight == 0:
+            self._idle_since = now
+
+    def idle_s(self) -> float:
+        """Seconds so far with no generation request on the wire (the fleet idle, as far as we know)."""
+        return self._idle_s + (time.monotonic() - self._idle_since if self.inflight == 0 else 0.0)
 
     # -- consuming -------------------------------------------------------------------------
     def set_versions(self, policy_version: int) -> None:
@@ -210,6 +223,7 @@ class RolloutWorker:
             "rollout/groups_produced_total": c["groups_produced"],
             "rollout/data_cursor": self.cursor,
             "rollout/data_frontier": self.frontier,
+            "rollout/idle_s": self.idle_s(),
             **self.scorer.metrics(),
         }
 

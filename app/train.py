@@ -66,6 +66,9 @@ class Run:
         self.staleness: list[int] = []
         self.samples_trained = 0
         self.t0 = time.time()
+        self.loop_t0: float | None = None  # start of the training loop, after start-up and the first evaluation
+        self.loop_s = 0.0
+        self.idle_at_loop_start = 0.0
 
     def summary(self, before: dict | None, after: dict | None, rollout_stats: dict, router: dict | None) -> dict:
         rewards = [m["reward"] for m in self.history if "reward" in m]
@@ -87,6 +90,10 @@ class Run:
             "dropped_failed_total": rollout_stats.get("rollout/dropped_failed_total"),
             "ratio_mean": statistics.fmean(ratios) if ratios else None,
             "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
+            "loop_wall_s": round(self.loop_s, 1),
+            "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history) / self.loop_s if self.loop_s else None,
+            "generation_idle_share": ((rollout_stats.get("rollout/idle_s", 0.0) - self.idle_at_loop_start) / self.loop_s
+                                      if self.loop_s else None),
             "wall_time_s": round(time.time() - self.t0, 1),
         }
 
@@ -151,6 +158,8 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         stack.callback(bar.close)
 
         step = state["step"]
+        run.loop_t0 = time.time()
+        run.idle_at_loop_start = ray.get(rollout.stats.remote())["rollout/idle_s"]
         while step < cfg.grpo.max_steps:
             t_wait = time.perf_counter()
             groups = ray.get(rollout.get_groups.remote(cfg.grpo.num_prompts_per_step))
@@ -167,6 +176,8 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
             metrics.update({
                 "reward": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
                 "sample/staleness_mean": statistics.fmean(stale), "sample/staleness_max": max(stale),
+                "sample/version_min": min(g.policy_version for g in groups),
+                "sample/version_max": max(g.policy_version for g in groups),
                 "perf/rollout_wait_s": rollout_wait_s, "samples": len(rewards),
             })
             run.history.append(metrics)
@@ -180,9 +191,10 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
             if step % cfg.logging.diagnose_every == 0:
                 bar.write(str(diagnose(run.history[-cfg.logging.diagnose_every:], cfg)))
 
+        run.loop_s = time.time() - run.loop_t0
+        final_stats = ray.get(rollout.stats.remote())
         verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2):], cfg)
         after = evaluate(cfg, base_url, model_path, adapter_name(version), inference_token)
-        final_stats = ray.get(rollout.stats.remote())
         summary = run.summary(before, after, final_stats, fleet.router_stats())
         summary["bottleneck"] = verdict.kind
         summary["bottleneck_detail"] = str(verdict)
