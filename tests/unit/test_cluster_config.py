@@ -12,9 +12,10 @@ def load_cluster() -> dict:
 
 
 def test_cluster_yaml_passes_rays_schema():
-    from ray.autoscaler._private.util import validate_config
+    from ray.autoscaler._private.util import fillout_defaults, validate_config
 
-    validate_config(load_cluster())  # raises on any schema violation
+    # What `ray up` does before launching: merge the provider's defaults, then validate (no cloud call).
+    validate_config(fillout_defaults(load_cluster()))  # raises on any schema violation
 
 
 def test_cluster_layout_on_demand_head_and_spot_workers():
