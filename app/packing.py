@@ -1,0 +1,221 @@
+"""Turning scored groups into the micro-batches the learner forwards: padding-free packing or padding.
+
+GRPO completions vary a lot in length (a few tokens to the whole `max_completion_length`), so a
+padded batch spends much of its forward on pad tokens. Packing lays whole samples end to end in one
+row of at most `token_budget` tokens and restarts `position_ids` at every sample. transformers (5.x)
+reads a restart in `position_ids`, when no attention mask is given, as a sequence boundary and
+builds a block-diagonal causal mask (sdpa and eager on the CPU; flash-attention's varlen kernel on a
+GPU), so attention never crosses samples and no pad token is forwarded. Fixed-count padded batches
+stay as the baseline the benchmark compares against.
+
+Rows are filled first-fit-decreasing, which keeps them nearly full; a sample longer than the budget
+gets a row of its own rather than being cut (cutting would change its log-probs). Only the logits of
+positions that predict a completion token are computed (`logits_to_keep`), since the vocabulary
+projection dominates memory for real vocabularies.
+
+With several ranks, every rank computes the same plan from the same groups and takes its share of
+micro-batches (longest-processing-time first, by tokens); ranks with fewer micro-batches get filler
+ones (one token, zero weight), because FSDP needs every rank to run the same number of forward and
+backward passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from app.grpo_loss import group_advantages
+from app.samples import Group
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One completion with its prompt, ready to score: what the loss needs and nothing else."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampling_logprobs: list[float]
+    advantage: float
+    group_id: str
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+
+def samples_from_groups(groups: Sequence[Group]) -> list[TrainSample]:
+    """Flatten groups into samples with group-normalised advantages; empty completions train nothing."""
+    out = []
+    for group in groups:
+        if not group.prompt_ids:
+            raise ValueError(f"group {group.group_id}: empty prompt")
+        for sample, advantage in zip(group.samples, group_advantages(group.rewards), strict=True):
+            if len(sample.sampling_logprobs) != len(sample.completion_ids):
+                raise ValueError(
+                    f"group {group.group_id}: {len(sample.completion_ids)} completion tokens but "
+                    f"{len(sample.sampling_logprobs)} sampling log-probs"
+                )
+            if sample.completion_ids:
+                out.append(
+                    TrainSample(
+                        list(group.prompt_ids),
+                        list(sample.completion_ids),
+                        list(sample.sampling_logprobs),
+                        float(advantage),
+                        group.group_id,
+                    )
+                )
+    return out
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward pass: B rows of T tokens and the completion tokens scored in them.
+
+    The model returns logits only at `logits_to_keep` (sequence positions shared by all rows);
+    target m is predicted by `logits[target_rows[m], target_cols[m]]`.
+    """
+
+    input_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor | None  # (B, T) for padded batches; None for packed rows
+    logits_to_keep: torch.Tensor  # (K,)
+    target_rows: torch.Tensor  # (M,)
+    target_cols: torch.Tensor  # (M,) indices into logits_to_keep
+    targets: torch.Tensor  # (M,) the completion tokens
+    sampling_logprobs: torch.Tensor  # (M,)
+    advantages: torch.Tensor  # (M,)
+    target_sample: torch.Tensor  # (M,) index of each target's sample in the list that was packed
+    num_samples: int
+    num_tokens: int  # real (non-pad) tokens forwarded
+    is_filler: bool = False  # a zero-weight pass that only keeps FSDP's collectives in step
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots forwarded, pad included."""
+        return self.input_ids.numel()
+
+    @property
+    def num_targets(self) -> int:
+        return self.targets.numel()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        return MicroBatch(**moved)
+
+
+def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool) -> MicroBatch:
+    """Place (index, sample) pairs: `packed` puts each row's samples end to end; else one per row, padded."""
+    width = max(sum(len(s) for _, s in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    t_rows, t_pos, targets, logps, advs, t_sample = [], [], [], [], [], []
+    for r, row in enumerate(rows):
+        offset = 0
+        for index, s in row:
+            n = len(s)
+            ids[r, offset : offset + n] = torch.tensor(s.input_ids)
+            pos[r, offset : offset + n] = torch.arange(n)
+            mask[r, offset : offset + n] = 1
+            # The logits at position p predict token p + 1: completion token j is predicted at prompt_len - 1 + j.
+            first = offset + len(s.prompt_ids) - 1
+            t_rows += [r] * len(s.completion_ids)
+            t_pos += range(first, first + len(s.completion_ids))
+            targets += s.completion_ids
+            logps += s.sampling_logprobs
+            advs += [s.advantage] * len(s.completion_ids)
+            t_sample += [index] * len(s.completion_ids)
+            offset += n
+    t_pos_t = torch.tensor(t_pos, dtype=torch.long)
+    keep, cols = torch.unique(t_pos_t, sorted=True, return_inverse=True)
+    if not packed:
+        pos = torch.arange(width).expand(len(rows), width).clone()  # right padding: real tokens sit at 0..n-1
+    return MicroBatch(
+        input_ids=ids,
+        position_ids=pos,
+        attention_mask=None if packed else mask,
+        logits_to_keep=keep,
+        target_rows=torch.tensor(t_rows, dtype=torch.long),
+        target_cols=cols,
+        targets=torch.tensor(targets, dtype=torch.long),
+        sampling_logprobs=torch.tensor(logps, dtype=torch.float32),
+        advantages=torch.tensor(advs, dtype=torch.float32),
+        target_sample=torch.tensor(t_sample, dtype=torch.long),
+        num_samples=sum(len(row) for row in rows),
+        num_tokens=int(mask.sum()),
+    )
+
+
+def pack(samples: Sequence[TrainSample], token_budget: int, pad_id: int) -> list[MicroBatch]:
+    """Padding-free rows of at most `token_budget` tokens (first-fit decreasing), one row per micro-batch."""
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i]))  # stable: ties keep input order
+    rows: list[list[tuple[int, TrainSample]]] = []
+    loads: list[int] = []
+    for i in order:
+        n = len(samples[i])
+        for r, load in enumerate(loads):
+            if load + n <= token_budget:
+                rows[r].append((i, samples[i]))
+                loads[r] += n
+                break
+        else:
+            rows.append([(i, samples[i])])
+            loads.append(n)
+    return [_layout([row], pad_id, packed=True) for row in rows]
+
+
+def pad(samples: Sequence[TrainSample], batch_size: int, pad_id: int) -> list[MicroBatch]:
+    """The baseline: `batch_size` samples per micro-batch in arrival order, right-padded to the longest."""
+    return [
+        _layout([[(j, samples[j])] for j in range(i, min(i + batch_size, len(samples)))], pad_id, packed=False)
+        for i in range(0, len(samples), batch_size)
+    ]
+
+
+def filler(pad_id: int) -> MicroBatch:
+    """A one-token micro-batch whose loss the learner multiplies by zero."""
+    mb = _layout([[(0, TrainSample([pad_id], [pad_id], [0.0], 0.0, ""))]], pad_id, packed=True)
+    mb.is_filler = True
+    return mb
+
+
+def shard(batches: Sequence[MicroBatch], rank: int, world_size: int, pad_id: int) -> list[MicroBatch]:
+    """This rank's micro-batches: balanced by tokens over ranks, padded with fillers to the same count."""
+    if world_size == 1:
+        return list(batches)
+    order = sorted(range(len(batches)), key=lambda i: -batches[i].num_slots)
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for i in order:
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        owned[r].append(i)
+        loads[r] += batches[i].num_slots
+    count = max(len(o) for o in owned)
+    mine = [batches[i] for i in sorted(owned[rank])]
+    return mine + [filler(pad_id) for _ in range(count - len(mine))]
+
+
+def batch_metrics(batches: Sequence[MicroBatch], token_budget: int | None) -> dict[str, float]:
+    """How well the forward was used: pad share, row fill (against the budget when packed), samples per row."""
+    slots = sum(b.num_slots for b in batches)
+    tokens = sum(b.num_tokens for b in batches)
+    rows = sum(b.input_ids.shape[0] for b in batches)
+    samples = sum(b.num_samples for b in batches)
+    capacity = rows * token_budget if token_budget else slots
+    return {
+        "batch/microbatches": float(len(batches)),
+        "batch/rows": float(rows),
+        "batch/samples": float(samples),
+        "batch/samples_per_row": samples / max(rows, 1),
+        "batch/forwarded_tokens": float(slots),
+        "batch/real_tokens": float(tokens),
+        "batch/trained_tokens": float(sum(b.num_targets for b in batches)),
+        "batch/pad_frac": 1 - tokens / max(slots, 1),
+        "batch/row_fill_frac": tokens / max(capacity, 1),
+    }

@@ -1,0 +1,167 @@
+"""Packing: layout, budget, rank sharding, and the two properties training relies on —
+a packed row scores each sample exactly as a forward of that sample alone, and packed and padded
+batches of the same samples give the same gradient.
+
+`random_model` and `random_groups` are shared with the learner's integration tests.
+"""
+
+import random
+
+import pytest
+import torch
+
+from app.config import RunConfig
+from app.packing import batch_metrics, filler, pack, pad, samples_from_groups, shard
+from app.samples import Group, Sample
+
+VOCAB = 64
+
+
+def random_model(folder) -> str:
+    """A small random Qwen2 saved as a model folder (no tokenizer: the learner works on token ids)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_sliding_window=False,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+def random_groups(
+    n_groups: int, group_size: int = 4, seed: int = 0, prefix: str = "g", max_completion: int = 12
+) -> list[Group]:
+    """Groups shaped like GRPO rollouts: one prompt per group, completions of very different lengths."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 8))]
+        samples = []
+        for _ in range(group_size):
+            n = rng.randint(1, max_completion)
+            samples.append(
+                Sample(
+                    completion_ids=[rng.randrange(1, VOCAB) for _ in range(n)],
+                    sampling_logprobs=[-rng.uniform(3.5, 4.8) for _ in range(n)],  # near log(1/64): ratios near 1
+                    reward=float(rng.random() < 0.5),
+                )
+            )
+        groups.append(Group(f"{prefix}{seed}-{g}", f"p{g}", prompt, 0, samples))
+    return groups
+
+
+def learner_config(**learner) -> RunConfig:
+    cfg = RunConfig()
+    cfg.lora.rank, cfg.lora.alpha = 2, 4.0
+    for key, value in learner.items():
+        setattr(cfg.learner, key, value)
+    return cfg
+
+
+def test_layout_aligns_targets_and_restarts_positions():
+    samples = samples_from_groups(random_groups(3))
+    for mb in pack(samples, token_budget=40, pad_id=0):
+        assert mb.input_ids.shape[0] == 1 and mb.attention_mask is None
+        pos = mb.logits_to_keep[mb.target_cols]
+        # the logits at position p predict token p + 1
+        assert torch.equal(mb.input_ids[mb.target_rows, pos + 1], mb.targets)
+        starts = (mb.position_ids[0] == 0).nonzero().flatten().tolist()
+        assert len(starts) == mb.num_samples
+    by_index = {}
+    for mb in pad(samples, batch_size=5, pad_id=0):
+        pos = mb.logits_to_keep[mb.target_cols]
+        assert torch.equal(mb.input_ids[mb.target_rows, pos + 1], mb.targets)
+        for i, t in zip(mb.target_sample.tolist(), mb.targets.tolist(), strict=True):
+            by_index.setdefault(i, []).append(t)
+    assert [by_index[i] for i in range(len(samples))] == [s.completion_ids for s in samples]
+
+
+def test_pack_respects_budget_keeps_every_sample_and_isolates_oversized_ones():
+    samples = samples_from_groups(random_groups(6))
+    budget = 30
+    batches = pack(samples, budget, pad_id=0)
+    assert sum(mb.num_samples for mb in batches) == len(samples)
+    assert all(mb.num_tokens <= budget for mb in batches)
+    assert sum(mb.num_targets for mb in batches) == sum(len(s.completion_ids) for s in samples)
+    metrics = batch_metrics(batches, budget)
+    assert metrics["batch/pad_frac"] == 0.0
+    assert metrics["batch/row_fill_frac"] > 0.8  # first-fit decreasing leaves little room
+    assert metrics["batch/samples_per_row"] > 1
+    big = samples_from_groups(random_groups(1, group_size=1, max_completion=40, seed=3))
+    assert len(pack(big + samples[:2], token_budget=len(big[0]) - 1, pad_id=0)) >= 2  # its own row, uncut
+    padded = batch_metrics(pad(samples, 8, pad_id=0), None)
+    assert 0 < padded["batch/pad_frac"] < 1 and padded["batch/samples_per_row"] == 1
+
+
+def test_shard_balances_ranks_and_evens_out_counts_with_fillers():
+    batches = pack(samples_from_groups(random_groups(5)), token_budget=25, pad_id=0)
+    shares = [shard(batches, r, 3, pad_id=0) for r in range(3)]
+    assert len({len(s) for s in shares}) == 1
+    real = [mb for s in shares for mb in s if not mb.is_filler]
+    assert sorted(id(mb) for mb in real) == sorted(id(mb) for mb in batches)
+    assert filler(0).num_targets == 1 and filler(0).is_filler
+
+
+def test_packed_row_scores_like_separate_forwards(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_model(tmp_path / "m"), attn_implementation="sdpa").eval()
+    samples = samples_from_groups(random_groups(2))
+    (mb,) = pack(samples, token_budget=1000, pad_id=0)
+    assert mb.num_samples == len(samples)
+    with torch.no_grad():
+        packed = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits[0]
+        p = mb.logits_to_keep[mb.target_cols]
+        for i, s in enumerate(samples):
+            alone = model(input_ids=torch.tensor([s.input_ids]), use_cache=False).logits[0]
+            mine = mb.target_sample == i
+            first = len(s.prompt_ids) - 1
+            expected = alone[first : first + len(s.completion_ids)]
+            torch.testing.assert_close(packed[p[mine]], expected, atol=2e-5, rtol=1e-5)
+        # Without the restart in position_ids the samples would see each other: the check above can fail.
+        leaky = model(input_ids=mb.input_ids, use_cache=False).logits[0]
+        assert (leaky[p] - packed[p]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_and_padded_batches_give_the_same_gradient(tmp_path, checkpointing):
+    from app.learner_rank import Learner
+
+    torch.set_num_threads(1)
+    path = random_model(tmp_path / "m")
+    groups = random_groups(4, seed=1)
+    grads = {}
+    for batching in ("packed", "padded"):
+        cfg = learner_config(
+            batching=batching, token_budget=48, per_device_train_batch_size=3, gradient_checkpointing=checkpointing
+        )
+        learner = Learner(cfg, path)
+        learner.setup()
+        # LoRA B starts at zero, which makes A's gradient zero: give B a value so every gradient is exercised.
+        torch.manual_seed(1)
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1)
+        metrics = learner.forward_backward(groups)
+        grads[batching] = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
+        assert metrics["batch/trained_tokens"] == sum(len(s.completion_ids) for g in groups for s in g.samples)
+        if batching == "packed":
+            assert metrics["batch/pad_frac"] == 0.0
+        else:
+            assert metrics["batch/pad_frac"] > 0.1
+    assert grads["packed"].keys() == grads["padded"].keys()
+    assert max(g.abs().max().item() for g in grads["packed"].values()) > 1e-4  # not trivially zero
+    for name, g in grads["packed"].items():
+        torch.testing.assert_close(g, grads["padded"][name], atol=1e-6, rtol=1e-4, msg=name)
