@@ -1,0 +1,213 @@
+"""The learner as the driver sees it: a group of Ray actors, one per device, that survives their deaths.
+
+`LearnerGroup` starts `learner.num_workers` `LearnerWorker` actors (each a `Learner` rank from
+`app.learner_rank`), has rank 0 pick a rendezvous port on its node, and joins them into one
+torch.distributed group. With several GPU workers they are placed on one node (STRICT_PACK): NCCL
+stays inside the learner node, and nothing but the bucket connects the learner to the fleet.
+
+A dead worker (a preempted spot node, an OOM kill) is restarted by Ray (`max_restarts`). Its peers
+are then stuck in a collective that will never complete, so the group kills and restarts them too,
+and every rank resumes from the newest committed checkpoint in the bucket. The step that was
+interrupted is retried once on the same groups, so the driver sees a slower step, not an error;
+`learner/restarts` in the metrics counts these recoveries, and `step` tells how far the learner
+fell back (to its last checkpoint). An error raised by the training code itself is not retried (it
+would fail again) but the group is still reset so that it can be used afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from app.config import RunConfig
+from app.learner_rank import Learner
+from app.samples import Group
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Learner", "LearnerGroup", "LearnerWorker"]
+
+RESTART_TIMEOUT_S = 600.0
+_DEAD = RayActorError  # ActorDiedError, ActorUnavailableError and their kin
+
+
+class LearnerWorker(Learner):
+    """One learner rank in its own Ray actor process."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_path: str,
+        rank: int,
+        world_size: int,
+        fleet_url: str | None = None,
+        fleet_token: str | None = None,
+    ):
+        import torch
+
+        # Ray reserves CPUs per actor but does not stop torch from starting a thread per core.
+        torch.set_num_threads(max(1, int(cfg.learner.num_cpus_per_worker)))
+        super().__init__(cfg, model_path, rank, world_size, fleet_url, fleet_token)
+
+    def ping(self) -> int:
+        return self.rank
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address of this node and a free port on it, for torch.distributed's TCP rendezvous."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+
+class LearnerGroup:
+    """1..N learner ranks behind one interface: `start`, `train_step`, `shutdown`."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, fleet_url: str | None = None, fleet_token: str | None = None):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.cfg = cfg
+        self.restarts = 0
+        self.last_resume: dict | None = None  # what the ranks resumed from at the last recovery
+        lcfg = cfg.learner
+        n = lcfg.num_workers
+        bundle = {"CPU": lcfg.num_cpus_per_worker, **({"GPU": 1} if lcfg.device == "cuda" else {})}
+        self._pg = None
+        options = {
+            "max_restarts": lcfg.max_restarts,
+            "max_task_retries": 0,
+            "num_cpus": lcfg.num_cpus_per_worker,
+            "num_gpus": 1 if lcfg.device == "cuda" else 0,
+        }
+        if n > 1:
+            self._pg = placement_group([bundle] * n, strategy="STRICT_PACK" if lcfg.device == "cuda" else "PACK")
+            ray.get(self._pg.ready())
+        actor = ray.remote(LearnerWorker)
+        self.workers = []
+        for rank in range(n):
+            opts = dict(options)
+            if self._pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=rank
+                )
+            self.workers.append(actor.options(**opts).remote(cfg, model_path, rank, n, fleet_url, fleet_token))
+        self._setup()
+
+    def _setup(self) -> None:
+        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
+        self._all("setup", addr, port)
+
+    @staticmethod
+    def _wait_all(refs: list) -> None:
+        """Wait for every rank's result, raising the first failure without waiting for the other ranks
+        (which may be blocked forever in a collective with the failed one)."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done[0])
+
+    def _all(self, method: str, *args) -> list:
+        """Call a method on every rank and return their results."""
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        self._wait_all(refs)
+        return ray.get(refs)
+
+    def _reset(self, dead: set[int]) -> dict:
+        """Restart every rank (the dead ones are already restarting) and resume them from the bucket."""
+        for i, w in enumerate(self.workers):
+            if i not in dead:
+                ray.kill(w, no_restart=False)
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        for w in self.workers:
+            while True:
+                try:
+                    ray.get(w.ping.remote(), timeout=30)
+                    break
+                except (_DEAD, GetTimeoutError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
+        self.restarts += 1
+        self._setup()
+        self.last_resume = self.start()
+        return self.last_resume
+
+    def _dead_ranks(self, refs_by_rank: list) -> set[int]:
+        dead = set()
+        for i, ref in enumerate(refs_by_rank):
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                try:
+                    ray.get(ref)
+                except _DEAD:
+                    dead.add(i)
+                except RayTaskError:
+                    pass
+        return dead
+
+    def start(self) -> dict:
+        """Resume from the newest committed checkpoint if any, else publish the untrained adapter as policy-v0.
+
+        Returns {"step", "policy_version", "data_cursor", "consumed_group_ids"}."""
+        return self._all("start")[0]
+
+    def train_step(self, groups: list[Group], data_cursor=None) -> dict:
+        """One optimizer step on these groups (those already trained on are skipped); returns rank 0's metrics.
+
+        When a worker dies during the step, the group restarts every rank from the newest checkpoint and
+        retries the step once; the metrics then carry `learner/restarts` and `learner/resumed_step`."""
+        groups_ref = ray.put(groups)  # one copy in the object store, however many ranks read it
+        resumed_step = None
+        for attempt in range(2):
+            refs = [w.train_step.remote(groups_ref, data_cursor) for w in self.workers]
+            try:
+                self._wait_all(refs)
+            except _DEAD as exc:
+                if attempt == 1:
+                    raise
+                log.warning("a learner worker died during a step (%s); restarting the group from the bucket", exc)
+                resumed = self._reset(self._dead_ranks(refs))
+                resumed_step = resumed["step"]
+                log.warning("learner resumed at step %s, policy version %s", resumed_step, resumed["policy_version"])
+                continue
+            except RayTaskError:
+                if len(self.workers) > 1:  # peers of the failed rank are stuck in a collective
+                    self._reset(self._dead_ranks(refs))
+                raise
+            metrics = ray.get(refs[0])
+            metrics["learner/restarts"] = float(self.restarts)
+            if resumed_step is not None:
+                metrics["learner/resumed_step"] = float(resumed_step)
+            return metrics
+        raise AssertionError("unreachable")
+
+    def state(self) -> dict:
+        """{"step", "policy_version", "data_cursor", "consumed_group_ids"} as rank 0 holds them."""
+        return ray.get(self.workers[0].get_state.remote())
+
+    def adapter_state_dict(self) -> dict:
+        """The whole adapter, gathered from every shard."""
+        return self._all("adapter_state_dict")[0]
+
+    def optimizer_state_dict(self) -> dict:
+        """The whole AdamW state, keyed by parameter name."""
+        return self._all("optimizer_state_dict")[0]
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.info("learner close: %s", exc)
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None

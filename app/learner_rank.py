@@ -1,0 +1,434 @@
+"""One rank of the learner: a PEFT LoRA policy trained with GRPO, FSDP2-sharded when there are several.
+
+`Learner` holds no Ray: unit tests drive it in-process, and `app.learner` runs one per device as a
+Ray actor (`LearnerWorker`) behind `LearnerGroup`, which joins them with torch.distributed (gloo on
+the CPU; NCCL only between the GPUs of one learner node, never to the fleet).
+
+A step: drop groups already trained on (a restarted learner may be fed them again), turn groups
+into samples with group-normalised advantages, pack them into micro-batches (`app.packing`),
+accumulate the GRPO loss's gradient (`app.grpo_loss`) over this rank's micro-batches, clip, AdamW.
+Every `weight_sync_steps` the whole adapter is gathered from the FSDP shards and published to the
+bucket as the next `policy-v{N}` (and the fleet is asked to load it); every `save_steps` the whole
+learner state goes to the bucket as a checkpoint (`app.learner_state`).
+
+Versions are monotonic across restarts: a learner resumed from a checkpoint older than the newest
+published adapter (it died after publishing) republishes its restored adapter as a new version
+above everything in the bucket, so the fleet never serves weights from the lost future under a
+number the learner will reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from app.config import RunConfig
+from app.grpo_loss import LossStats, grpo_loss, token_logprobs
+from app.learner_state import (
+    ADAPTER_DIR,
+    LearnerState,
+    full_adapter_state,
+    full_optimizer_state,
+    gather_rng_states,
+    load_adapter_weights,
+    read_state,
+    restore_training_state,
+    write_adapter,
+    write_checkpoint,
+)
+from app.packing import MicroBatch, TrainSample, batch_metrics, pack, pad, samples_from_groups, shard
+from app.perf import Stopwatch, flops_per_token, mfu_percent
+from app.samples import Group, adapter_name
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def _loopback_interface() -> str | None:
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+
+
+class Learner:
+    """One rank of the learner. Call `setup` (joins the process group, loads the model), then `start`."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_path: str,
+        rank: int = 0,
+        world_size: int = 1,
+        fleet_url: str | None = None,
+        fleet_token: str | None = None,
+    ):
+        self.cfg, self.model_path = cfg, model_path
+        self.rank, self.world_size = rank, world_size
+        self.fleet_url, self.fleet_token = fleet_url, fleet_token
+        self.state = LearnerState()
+        self._consumed: set[str] = set()
+        self.model = self.optimizer = self.scheduler = None
+        self._started = False
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"spotrl-learner-r{rank}-"))
+
+    # ---- set-up -----------------------------------------------------------------------------------
+
+    def setup(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
+        """Join the process group (world_size > 1) and load the base model with a fresh adapter (unsharded)."""
+        lcfg = self.cfg.learner
+        if lcfg.device == "cuda":
+            torch.cuda.set_device(0)  # Ray gives each worker one visible GPU
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+        if self.world_size > 1 and not dist.is_initialized():
+            if master_addr.startswith("127.") and lcfg.device == "cpu":
+                # gloo otherwise binds the interface its hostname resolves to, which may be a public one.
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface() or "lo")
+            dist.init_process_group(
+                "nccl" if lcfg.device == "cuda" else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=COLLECTIVE_TIMEOUT,
+            )
+        self.model = self._build_model()
+
+    def _build_model(self):
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=DTYPES[self.cfg.model.dtype], attn_implementation="sdpa"
+        )
+        base.config.use_cache = False
+        if self.cfg.learner.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora = self.cfg.lora
+        # Every rank must draw the same LoRA init (FSDP shards assume identical replicas): seed it.
+        torch.manual_seed(self.cfg.grpo.seed)
+        model = get_peft_model(
+            base,
+            LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
+        self.pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
+        return model.to(self.device)
+
+    def _shard_and_build_optimizer(self) -> None:
+        """FSDP2-shard the model (world_size > 1), then AdamW over the LoRA parameters and the LR schedule."""
+        from transformers import get_scheduler
+
+        if self.world_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            block_names = set(getattr(self.model.base_model.model, "_no_split_modules", None) or [])
+            for module in self.model.modules():
+                if type(module).__name__ in block_names:
+                    fully_shard(module, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+        g = self.cfg.grpo
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=g.learning_rate, betas=(g.adam_beta1, g.adam_beta2), weight_decay=g.weight_decay
+        )
+        name = "constant_with_warmup" if g.lr_scheduler_type == "constant" and g.warmup_steps else g.lr_scheduler_type
+        self.scheduler = get_scheduler(
+            name, self.optimizer, num_warmup_steps=g.warmup_steps, num_training_steps=g.max_steps
+        )
+
+    def _rank0_decides(self, value):
+        """Rank 0's value on every rank: bucket listings are read once, so ranks never disagree."""
+        if self.world_size == 1:
+            return value
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def start(self) -> dict:
+        """Resume from the newest committed checkpoint, or start fresh; make sure the fleet has our weights."""
+        from app.bucket import AdapterStore, CheckpointStore
+
+        self.adapters = AdapterStore.from_config(self.cfg)
+        self.checkpoints = CheckpointStore.from_config(self.cfg)
+        step = self._rank0_decides(self.checkpoints.latest() if self.rank == 0 else None)
+        folder = None
+        if step is not None:
+            folder = self.checkpoints.load(step, self._tmp / f"ckpt-{step}-{time.monotonic_ns()}")
+            self.state = read_state(folder)
+            self._consumed = set(self.state.consumed_group_ids)
+            load_adapter_weights(self.model, folder / ADAPTER_DIR)
+        self._shard_and_build_optimizer()
+        if folder is not None:
+            restore_training_state(
+                folder, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, rank=self.rank
+            )
+            log.info("learner rank %d resumed from checkpoint step %d", self.rank, step)
+        latest = self._rank0_decides(self.adapters.latest() if self.rank == 0 else None)
+        if self.state.policy_version is None or latest != self.state.policy_version:
+            # Fresh start (publish the untrained adapter as v0), or the bucket holds versions from after our
+            # checkpoint: publish what we hold above all of them, so versions only ever grow.
+            candidates = [v for v in (latest, self.state.policy_version) if v is not None]
+            self._publish(max(candidates) + 1 if candidates else 0)
+        self._started = True
+        return self.state.summary()
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def _batches(self, samples: list[TrainSample]) -> tuple[list[MicroBatch], int | None]:
+        """Micro-batches of samples (the config's batching) and the row budget they were packed to."""
+        lcfg = self.cfg.learner
+        if lcfg.batching == "packed":
+            return pack(samples, lcfg.token_budget, self.pad_id), lcfg.token_budget
+        return pad(samples, lcfg.per_device_train_batch_size, self.pad_id), None
+
+    def plan(self, groups: list[Group]) -> tuple[list[MicroBatch], int, dict]:
+        """All ranks' micro-batches of these groups, the step's completion-token count, and batch metrics."""
+        samples = samples_from_groups(groups)
+        batches, budget = self._batches(samples)
+        metrics = {**batch_metrics(batches, budget), "batch/groups": float(len(groups))}
+        return batches, sum(len(s.completion_ids) for s in samples), metrics
+
+    def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            attention_mask=mb.attention_mask,
+            logits_to_keep=mb.logits_to_keep,
+            use_cache=False,
+        )
+        logits = out.logits[mb.target_rows, mb.target_cols]
+        return token_logprobs(logits, mb.targets, self.cfg.grpo.temperature)
+
+    def forward_backward(self, groups: list[Group]) -> dict:
+        """Accumulate the GRPO loss's gradient over these groups into `.grad` (no optimizer step).
+
+        Returns the batch, loss and timing metrics of the pass, reduced over ranks (every rank must call).
+        """
+        g = self.cfg.grpo
+        batches, n_tokens, metrics = self.plan(groups)
+        if n_tokens == 0:
+            return metrics
+        watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
+        stats, loss_sum = LossStats.empty(), 0.0
+        self.model.train()
+        with watch("fwd_bwd"):
+            for mb in shard(batches, self.rank, self.world_size, self.pad_id):
+                mb = mb.to(self.device)
+                logp, entropy = self._forward(mb)
+                # FSDP averages gradients over ranks; dividing by tokens/world_size makes that average the
+                # sum over all ranks' tokens divided once by the step's token count.
+                loss, mb_stats = grpo_loss(
+                    logp,
+                    mb.sampling_logprobs,
+                    mb.advantages,
+                    n_tokens / self.world_size,
+                    epsilon=g.epsilon,
+                    epsilon_high=g.epsilon_high,
+                    entropy=entropy,
+                    tis_cap=g.vllm_importance_sampling_cap if g.vllm_importance_sampling_correction else None,
+                )
+                if mb.is_filler:
+                    loss = loss * 0.0  # runs forward and backward only to keep FSDP's collectives in step
+                else:
+                    stats.add(mb_stats)
+                    loss_sum += loss.item() / self.world_size
+                loss.backward()
+        stats, loss_sum = self._reduce(stats, loss_sum)
+        metrics.update(stats.metrics(tis=g.vllm_importance_sampling_correction))
+        metrics.update({"loss": loss_sum, "perf/fwd_bwd_s": watch.get("fwd_bwd")})
+        return metrics
+
+    def train_step(self, groups: list[Group], data_cursor=None) -> dict:
+        """One optimizer step on the groups not yet trained on; publish and checkpoint on schedule."""
+        if not self._started:
+            raise RuntimeError("call start() before train_step()")
+        t_step = time.perf_counter()
+        g, lcfg = self.cfg.grpo, self.cfg.learner
+        fresh = [grp for grp in groups if grp.group_id not in self._consumed]
+        if data_cursor is not None:
+            self.state.data_cursor = data_cursor
+        metrics = self.forward_backward(fresh)
+        metrics["batch/skipped_groups"] = float(len(groups) - len(fresh))
+        if metrics["batch/trained_tokens"] == 0:  # all trained on before (or no completion tokens): no step
+            self._mark_consumed(fresh)
+            return {**metrics, "step": self.state.step, "policy_version": self.state.policy_version}
+
+        watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
+        with watch("optimizer"):
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, g.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self._mark_consumed(fresh)
+        metrics.update({"grad_norm": float(grad_norm), "learning_rate": lr, "perf/optimizer_s": watch.get("optimizer")})
+        if self.state.step % g.weight_sync_steps == 0:
+            metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
+        if self.state.step % lcfg.save_steps == 0:
+            metrics["perf/checkpoint_s"] = self.save_checkpoint()
+        metrics.update(self._perf_metrics(metrics, time.perf_counter() - t_step))
+        metrics.update({"step": self.state.step, "policy_version": self.state.policy_version})
+        return metrics
+
+    def _mark_consumed(self, groups: list[Group]) -> None:
+        for grp in groups:
+            if grp.group_id not in self._consumed:
+                self._consumed.add(grp.group_id)
+                self.state.consumed_group_ids.append(grp.group_id)
+
+    def _reduce(self, stats: LossStats, loss_sum: float) -> tuple[LossStats, float]:
+        """Sum token statistics over ranks (min/max for the importance weights): one small all-reduce each."""
+        if self.world_size == 1:
+            return stats, loss_sum
+        sums, lo, hi = stats.as_tensors()
+        sums = torch.cat([sums, torch.tensor([loss_sum], dtype=torch.float64)]).to(self.device)
+        lo, hi = lo.to(self.device), hi.to(self.device)
+        dist.all_reduce(sums)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        sums, lo, hi = sums.cpu(), lo.cpu(), hi.cpu()
+        return LossStats.from_tensors(sums[:-1], lo, hi), sums[-1].item()
+
+    def _perf_metrics(self, metrics: dict, step_s: float) -> dict:
+        fwd_bwd_s = metrics["perf/fwd_bwd_s"]
+        real_tokens = metrics["batch/real_tokens"]
+        trained = metrics["batch/trained_tokens"]
+        mean_len = real_tokens / max(metrics["batch/samples"], 1.0)
+        flops = flops_per_token(self.model.base_model.model.config, mean_len) * real_tokens
+        peak = self.cfg.learner.peak_flops.get(self.cfg.learner.device, math.nan)
+        return {
+            "perf/step_s": step_s,
+            "perf/mfu_fwd_bwd": mfu_percent(flops, fwd_bwd_s, self.world_size, peak),
+            "perf/trained_tok_s": trained / step_s,
+            "perf/trained_tok_s_fwd_bwd": trained / max(fwd_bwd_s, 1e-9),
+            "perf/forwarded_tok_s_fwd_bwd": metrics["batch/forwarded_tokens"] / max(fwd_bwd_s, 1e-9),
+        }
+
+    # ---- weights out: publish, checkpoint ---------------------------------------------------------
+
+    def save_adapter(self, dest: str | os.PathLike) -> str | None:
+        """Write the whole adapter as a PEFT folder at `dest` (rank 0 writes; every rank must call)."""
+        state = full_adapter_state(self.model)
+        return str(write_adapter(self.model, state, Path(dest))) if self.rank == 0 else None
+
+    def _publish(self, version: int) -> float:
+        """Publish the adapter as `policy-v{version}` and ask the fleet to load it; returns seconds taken."""
+        t0 = time.perf_counter()
+        state = full_adapter_state(self.model)  # a collective: every rank gathers, rank 0 uploads
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory(dir=self._tmp) as d:
+                write_adapter(self.model, state, Path(d))
+                self.adapters.publish(d, version)
+            self.adapters.gc(self.cfg.bucket.keep_versions)
+            if self.fleet_url:
+                self._fleet_load(version)
+        self.state.policy_version = version
+        return time.perf_counter() - t0
+
+    def _fleet_load(self, version: int) -> None:
+        """Broadcast the new version to the replicas. A failure is logged, not raised: the version is in the
+        bucket, where replicas that (re)start pick it up, and the next sync tries again with a newer one."""
+        from app.fleet_client import FleetClient
+
+        try:
+            FleetClient(self.fleet_url, token=self.fleet_token).load_adapter(
+                adapter_name(version), self.adapters.url_of(version)
+            )
+        except Exception as exc:  # noqa: BLE001 - any fleet error must not kill training
+            log.warning("fleet did not load %s: %s", adapter_name(version), exc)
+
+    def save_checkpoint(self) -> float:
+        """Commit the whole learner state to the bucket as `step-{step}`; returns seconds taken."""
+        t0 = time.perf_counter()
+        adapter = full_adapter_state(self.model)
+        optim = full_optimizer_state(self.model, self.optimizer)
+        rng = gather_rng_states(self.world_size)
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory(dir=self._tmp) as d:
+                write_checkpoint(
+                    Path(d),
+                    peft_model=self.model,
+                    adapter_state=adapter,
+                    optimizer_state=optim,
+                    scheduler=self.scheduler,
+                    rng_states=rng,
+                    state=self.state,
+                    world_size=self.world_size,
+                )
+                meta = {"policy_version": self.state.policy_version, "data_cursor": self.state.data_cursor}
+                self.checkpoints.save(self.state.step, d, meta=meta)
+            self.checkpoints.gc(self.cfg.bucket.keep_checkpoints)
+        return time.perf_counter() - t0
+
+    # ---- inspection (tests, evaluation) ------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, groups: list[Group]) -> list[list[list[float]]]:
+        """The learner's log-prob of every completion token, at the sampling temperature, per group and sample.
+
+        Goes through the training path (same batching, same forward) without gradients. Each rank
+        forwards everything, so under FSDP every rank must call it, and each returns the full answer.
+        """
+        keys, samples = [], []
+        for gi, grp in enumerate(groups):
+            for si, smp in enumerate(grp.samples):
+                if smp.completion_ids:
+                    keys.append((gi, si))
+                    samples.append(
+                        TrainSample(
+                            list(grp.prompt_ids),
+                            list(smp.completion_ids),
+                            [math.nan] * len(smp.completion_ids),
+                            0.0,
+                            grp.group_id,
+                        )
+                    )
+        batches, _ = self._batches(samples)
+        out: list[list[list[float]]] = [[[] for _ in grp.samples] for grp in groups]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for mb in batches:
+                logp, _ = self._forward(mb.to(self.device))
+                # Targets of one sample are laid out in order, so appending keeps each sample's tokens in order.
+                for index, value in zip(mb.target_sample.tolist(), logp.cpu().tolist(), strict=True):
+                    gi, si = keys[index]
+                    out[gi][si].append(value)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole adapter (a collective under FSDP)."""
+        return full_adapter_state(self.model)
+
+    def optimizer_state_dict(self) -> dict:
+        """The whole optimizer state, keyed by parameter name (a collective under FSDP)."""
+        return full_optimizer_state(self.model, self.optimizer)
+
+    def get_state(self) -> dict:
+        return self.state.summary()
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

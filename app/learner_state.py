@@ -1,0 +1,165 @@
+"""What a learner must write down to be resumed exactly: adapter, optimizer, scheduler, RNG, counters.
+
+Checkpoints are world-size-agnostic: the adapter and the optimizer state are stored *full* (gathered
+from every FSDP shard, keyed by parameter name) and re-sharded on load, so a run checkpointed on two
+ranks resumes on one and vice versa. Only the LoRA parameters are trainable, so "full" is a few
+megabytes even for the seed's 1.5B model; the frozen base weights are never gathered or stored.
+
+Layout of one checkpoint folder (what `CheckpointStore.save` uploads):
+    adapter/adapter_model.safetensors, adapter/adapter_config.json   the adapter, in PEFT format
+    optimizer.pt       full AdamW state, keyed by parameter name (torch.distributed.checkpoint helpers)
+    scheduler.pt       learning-rate scheduler state
+    rng.pt             RNG states of every rank (python, numpy, torch, cuda)
+    learner_state.json step, policy version, data cursor, consumed group ids, world size
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+ADAPTER_DIR = "adapter"
+STATE_FILE = "learner_state.json"
+
+
+@dataclass
+class LearnerState:
+    """The learner's counters; `policy_version` is the last version it published (None before any)."""
+
+    step: int = 0
+    policy_version: int | None = None
+    data_cursor: Any = None
+    consumed_group_ids: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "data_cursor": self.data_cursor,
+            "consumed_group_ids": list(self.consumed_group_ids),
+        }
+
+
+def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable (LoRA) parameter, whole, on the CPU, keyed by its name in `model`.
+
+    Under FSDP each rank holds a shard of every parameter (a DTensor); `full_tensor()` all-gathers it,
+    so every rank must call this, in the same order, even though only rank 0 writes the result.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            out[name] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def write_adapter(peft_model, adapter_state: dict[str, torch.Tensor], dest: Path) -> Path:
+    """Save a full adapter state as a PEFT folder (adapter_model.safetensors + adapter_config.json)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    weights = get_peft_model_state_dict(peft_model, state_dict=adapter_state, save_embedding_layers=False)
+    weights = {k: v.contiguous() for k, v in weights.items()}
+    save_file(weights, dest / "adapter_model.safetensors", metadata={"format": "pt"})
+    peft_model.peft_config["default"].save_pretrained(str(dest))
+    return dest
+
+
+def load_adapter_weights(peft_model, adapter_dir: Path) -> None:
+    """Load a PEFT folder's weights into an (unsharded) PEFT model, refusing any missing LoRA tensor."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(peft_model, load_file(Path(adapter_dir) / "adapter_model.safetensors"))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing:
+        raise RuntimeError(f"adapter at {adapter_dir} lacks {len(missing)} LoRA tensors, e.g. {missing[0]}")
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states(world_size: int) -> list[dict]:
+    """Every rank's RNG state, in rank order (a collective when world_size > 1)."""
+    mine = _rng_state()
+    if world_size == 1:
+        return [mine]
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """The optimizer state with whole tensors, keyed by parameter name (a collective under FSDP)."""
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def write_checkpoint(
+    dest: Path,
+    *,
+    peft_model,
+    adapter_state,
+    optimizer_state,
+    scheduler,
+    rng_states,
+    state: LearnerState,
+    world_size: int,
+) -> Path:
+    """Write one checkpoint folder (rank 0 only; the inputs were gathered by every rank)."""
+    dest = Path(dest)
+    write_adapter(peft_model, adapter_state, dest / ADAPTER_DIR)
+    torch.save(optimizer_state, dest / "optimizer.pt")
+    torch.save(scheduler.state_dict(), dest / "scheduler.pt")
+    torch.save(rng_states, dest / "rng.pt")
+    (dest / STATE_FILE).write_text(json.dumps({**asdict(state), "world_size": world_size}))
+    return dest
+
+
+def read_state(folder: Path) -> LearnerState:
+    data = json.loads((Path(folder) / STATE_FILE).read_text())
+    data.pop("world_size", None)
+    return LearnerState(**data)
+
+
+def restore_training_state(folder: Path, *, model, optimizer, scheduler, rank: int) -> None:
+    """Load optimizer, scheduler and this rank's RNG from a checkpoint folder (adapter loaded before sharding).
+
+    Every rank reads the full optimizer state and keeps its own shard of it. A rank that did not
+    exist when the checkpoint was written (the world grew) takes rank 0's RNG state.
+    """
+    folder = Path(folder)
+    optim_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+    set_optimizer_state_dict(
+        model, optimizer, optim_state_dict=optim_state, options=StateDictOptions(full_state_dict=True)
+    )
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+    rng_states = torch.load(folder / "rng.pt", weights_only=False)
+    _set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
