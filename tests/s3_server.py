@@ -83,12 +83,18 @@ class S3Server:
         *,
         access_key: str = TEST_ACCESS_KEY,
         secret_key: str = TEST_SECRET_KEY,
+        extra_args: tuple[str, ...] = (),
+        gomemlimit: str = "256MiB",
     ):
         self.data_dir = Path(data_dir)
         self.base_port = base_port
         self._fixed_port = base_port is not None
         self.access_key = access_key
         self.secret_key = secret_key
+        self.extra_args = tuple(extra_args)  # more `weed mini` flags, e.g. -master.volumeSizeLimitMB=1024
+        # Go's soft memory limit: small for tests beside everything else; a benchmark moving gigabytes
+        # wants more, or the server spends its time collecting garbage.
+        self.gomemlimit = gomemlimit
         self.log_path = Path(f"{self.data_dir}.log")  # beside the data folder, which weed owns
         self._proc: subprocess.Popen | None = None
 
@@ -127,6 +133,7 @@ class S3Server:
             f"-filer.port={b + 2}",
             f"-s3.port={b + 3}",
             f"-admin.port={b + 4}",
+            *self.extra_args,
         ]
 
     def start(self, timeout: float = 30.0) -> S3Server:
@@ -141,7 +148,7 @@ class S3Server:
                 **os.environ,
                 "AWS_ACCESS_KEY_ID": self.access_key,
                 "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "GOMEMLIMIT": "256MiB",
+                "GOMEMLIMIT": self.gomemlimit,
             }
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
@@ -233,7 +240,7 @@ def s3_server(tmp_path_factory):
     try:
         yield server
     finally:
-        server.stop()
+        server.kill()  # its data is thrown away with the temporary folder: no need for a graceful stop
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
