@@ -83,6 +83,9 @@ def test_publish_versions_fetch_gc_round_trip(bucket_url, tmp_path, cache):
     explicit = store.fetch(3, tmp_path / "dest")
     assert explicit == tmp_path / "dest" and (explicit / "adapter_config.json").is_file()
     assert store.fetch(3, tmp_path / "dest") == explicit
+    latest = store.fetch(3)
+    assert store.prune_cache(keep=1) == [path]  # a replica's disk keeps only what it may still serve
+    assert latest.is_dir() and not path.exists()
 
     with pytest.raises(VersionExists):
         store.publish(tmp_path / "a1", 3)
@@ -266,19 +269,32 @@ def test_a_second_process_sees_a_new_version_at_once(bucket_url, tmp_path, cache
 CONCURRENT_FETCHER = """
     import sys
     from app.bucket import AdapterStore
-    print(AdapterStore(sys.argv[1], cache_dir=sys.argv[2]).fetch(1), flush=True)
+    store = AdapterStore(sys.argv[1], cache_dir=sys.argv[2])
+    store.versions()                           # imports and client start-up done before the race
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(store.fetch(1), flush=True)
 """
 
 
 def test_processes_fetching_one_version_at_once_share_one_verified_folder(bucket_url, tmp_path, cache):
     store = AdapterStore(bucket_url, cache_dir=cache)
     store.publish(make_adapter(tmp_path / "a", seed=1, size=4 << 20), 1)
-    children = [run_child(CONCURRENT_FETCHER, bucket_url, str(cache)) for _ in range(3)]
-    paths = []
-    for child in children:
-        out, err = child.communicate(timeout=120)
-        assert child.returncode == 0, err
-        paths.append(out.strip())
+    children = [run_child(CONCURRENT_FETCHER, bucket_url, str(cache), stdin=subprocess.PIPE) for _ in range(2)]
+    try:
+        for child in children:
+            assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        paths = [str(store.fetch(1))]  # this process races the two children
+        for child in children:
+            out, err = child.communicate(timeout=120)
+            assert child.returncode == 0, err
+            paths.append(out.strip())
+    finally:
+        for child in children:
+            child.kill()
     assert len(set(paths)) == 1
     assert sha(Path(paths[0]) / "adapter_model.safetensors") == sha(tmp_path / "a" / "adapter_model.safetensors")
     assert [p.name for p in Path(paths[0]).parent.iterdir()] == [Path(paths[0]).name]  # no staging left behind
@@ -354,6 +370,9 @@ def test_s3_errors_name_the_url_and_operation_and_never_the_credentials(s3_serve
     message = str(info.value)
     assert message.startswith(f"versions {s3_bucket_url}/adapters: list failed after 2 attempts")
     assert s3_server.secret_key not in message and s3_server.access_key not in message
+
+    with pytest.raises(BucketError, match="the bucket does not exist"):
+        AdapterStore("s3://no-such-bucket-anywhere/run").versions()  # not an empty list: a typo must be loud
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "a-wrong-secret-that-must-not-show")
     started = time.monotonic()
