@@ -183,6 +183,12 @@ class S3Server:
             time.sleep(0.05)
         return False
 
+    def _remove_sockets(self) -> None:
+        """weed leaves /tmp/seaweedfs-<part>-<port>.sock behind when killed; clear ours once it is gone."""
+        for offset in _OFFSETS:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{self.base_port + offset}.sock"):
+                sock.unlink(missing_ok=True)
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout` seconds."""
         if self._proc is None:
@@ -195,6 +201,7 @@ class S3Server:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+        self._remove_sockets()
 
     def kill(self) -> None:
         """SIGKILL, as a crash or a preempted machine would: no flush, no goodbye."""
@@ -204,6 +211,7 @@ class S3Server:
             self._proc.kill()
             self._proc.wait()
         self._proc = None
+        self._remove_sockets()
 
     def restart(self, timeout: float = 30.0) -> S3Server:
         self.stop()
