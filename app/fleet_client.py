@@ -1,0 +1,220 @@
+"""A small HTTP client of the rollout fleet, for the learner, the rollout actor, the driver and the benchmarks.
+
+The fleet speaks OpenAI's API plus vLLM's admin calls (`deployments/api.py`); this wraps the calls
+spotrl makes, parses the answers, and retries what is safe to retry: connection failures and
+"no live replica" (503) while replicas restart. Generation is retried too, which at worst samples
+a request twice; the fleet itself already retries requests whose replica died. Admin calls are
+idempotent on the fleet's side (loading the same adapter twice is a no-op), so retrying them is safe.
+
+    client = FleetClient("http://127.0.0.1:8000", token=os.environ.get("SPOTRL_ADMIN_TOKEN"))
+    client.load_adapter("policy-v3", store.url_of(3))
+    choices = client.completions(prompt_ids, model="policy-v3", n=8, max_tokens=6, temperature=1.0)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+# Worth another try: the fleet is (re)starting or a replica is being replaced.
+RETRY_STATUSES = (502, 503, 504)
+_TRANSPORT_ERRORS = (httpx.TransportError,)
+
+
+class FleetError(RuntimeError):
+    """A fleet call failed; `status` is the HTTP status (None when the fleet could not be reached)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Choice:
+    """One completion as the rollout needs it."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]  # the sampled tokens' log-probs at the sampling temperature
+    text: str
+    finish_reason: str | None
+
+
+def parse_choices(body: dict[str, Any]) -> list[Choice]:
+    """Choices of a `/v1/completions` answer, in index order."""
+    out = []
+    for c in sorted(body["choices"], key=lambda c: c["index"]):
+        logprobs = (c.get("logprobs") or {}).get("token_logprobs") or []
+        out.append(Choice(c["index"], list(c.get("token_ids") or []), list(logprobs), c["text"], c["finish_reason"]))
+    return out
+
+
+class FleetClient:
+    """Sync calls over one `httpx.Client`; `acompletions` uses an `httpx.AsyncClient` on the caller's loop."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 300.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self._client = httpx.Client(
+            base_url=self.base_url, headers=self._headers, timeout=self._timeout, trust_env=False
+        )
+        self._async: httpx.AsyncClient | None = None
+
+    def __repr__(self) -> str:  # never the token
+        return f"FleetClient({self.base_url!r})"
+
+    def close(self) -> None:
+        self._client.close()
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            await self._async.aclose()
+            self._async = None
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs) -> Any:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._client.request(method, path, **kwargs)
+            except _TRANSPORT_ERRORS as e:
+                if attempt == self.retries:
+                    raise FleetError(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}") from None
+            else:
+                if response.status_code not in RETRY_STATUSES or attempt == self.retries:
+                    return self._parse(method, path, response)
+            time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _arequest(self, method: str, path: str, **kwargs) -> Any:
+        import asyncio
+
+        if self._async is None:
+            self._async = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=self._headers,
+                timeout=self._timeout,
+                trust_env=False,
+                limits=httpx.Limits(max_connections=None),
+            )
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self._async.request(method, path, **kwargs)
+            except _TRANSPORT_ERRORS as e:
+                if attempt == self.retries:
+                    raise FleetError(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}") from None
+            else:
+                if response.status_code not in RETRY_STATUSES or attempt == self.retries:
+                    return self._parse(method, path, response)
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _parse(self, method: str, path: str, response: httpx.Response) -> Any:
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code >= 400:
+            message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+            raise FleetError(
+                f"{method} {path}: {response.status_code} {message or response.text[:300]}", response.status_code
+            )
+        return body
+
+    # ---- inference --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _completion_body(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, logprobs, extra) -> dict:
+        return {
+            "model": model,
+            "prompt": list(prompt_ids),
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "logprobs": logprobs,
+            "return_token_ids": True,
+            **extra,
+        }
+
+    def completions(
+        self,
+        prompt_ids: list[int],
+        model: str,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        logprobs: int = 0,
+        **extra: Any,
+    ) -> list[Choice]:
+        """Sample `n` completions of a token-id prompt under `model` (`policy-vN` or the base model)."""
+        body = self._completion_body(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, logprobs, extra)
+        return parse_choices(self._request("POST", "/v1/completions", json=body))
+
+    async def acompletions(
+        self,
+        prompt_ids: list[int],
+        model: str,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        logprobs: int = 0,
+        **extra: Any,
+    ) -> list[Choice]:
+        """`completions` on the caller's event loop (one loop per client)."""
+        body = self._completion_body(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, logprobs, extra)
+        return parse_choices(await self._arequest("POST", "/v1/completions", json=body))
+
+    def health(self) -> dict[str, Any]:
+        return self._request("GET", "/health")
+
+    def models(self) -> list[dict[str, Any]]:
+        """The base model first, then the loaded adapters (each with `max_model_len`)."""
+        return self._request("GET", "/v1/models")["data"]
+
+    def server_info(self) -> dict[str, Any]:
+        return self._request("GET", "/server_info", params={"config_format": "json"})
+
+    def router_stats(self) -> dict[str, Any]:
+        return self._request("GET", "/router/stats")
+
+    def engine_stats(self) -> list[dict[str, Any]]:
+        """vLLM's counters per replica: prefix-cache queries and hits, tokens, running and waiting requests."""
+        return self._request("GET", "/engine/stats")["replicas"]
+
+    # ---- admin (every replica or none) -------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load `name` (e.g. `policy-v3`) on every replica from `path`, a bucket URL or a path inside the bucket."""
+        return self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    def unload_adapter(self, name: str) -> dict[str, Any]:
+        """Unload everywhere once in-flight requests finish; an unknown name is not an error."""
+        return self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def pause(self, mode: str = "keep") -> dict[str, Any]:
+        return self._request("POST", "/pause", params={"mode": mode})
+
+    def resume(self) -> dict[str, Any]:
+        return self._request("POST", "/resume")
+
+    def reset_prefix_cache(self) -> dict[str, Any]:
+        return self._request("POST", "/reset_prefix_cache")

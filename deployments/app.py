@@ -1,0 +1,174 @@
+"""Builds and runs the fleet: one Serve application = an Ingress in front of N VLLMReplicas.
+
+Two ways in, one builder (`fleet_app`):
+- `serve run serve_config.yaml` (`make serve`) imports `build_app`, which reads a run config file;
+- the driver calls `deploy_fleet(cfg, model_path)` on an already initialised Ray and gets the base
+  URL back once every replica has loaded the live adapters; `fleet_is_running` and `shutdown_fleet`
+  complete the lifecycle.
+
+Paths are made absolute here, in the process that reads the config, because replicas run in other
+processes (other machines, in a cluster) whose working directory means nothing to the config file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from app.config import REPO_ROOT, RunConfig, load_config
+
+log = logging.getLogger(__name__)
+
+PREFIX_ROUTER = "deployments.router:PrefixHashRouter"
+REPLICA_DEPLOYMENT = "VLLMReplica"
+INGRESS_DEPLOYMENT = "Ingress"
+
+
+def absolute_bucket_url(url: str) -> str:
+    """`file://runs/x` means runs/x under this process's working directory; say so explicitly."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return f"file://{os.path.abspath(url)}"
+    if scheme == "file" and not rest.startswith("/"):
+        return f"file://{os.path.abspath(rest)}"
+    return url
+
+
+def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PREFIX_ROUTER):
+    """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments.ingress import Ingress, Secret
+    from deployments.replica import VLLMReplica
+
+    fleet = cfg.fleet
+    model_path = str(Path(model_path).expanduser().resolve()) if Path(model_path).expanduser().exists() else model_path
+    # Requests name the base model by its folder (as vLLM does, and as TRL sends it) or by the config's name.
+    aliases = sorted({cfg.model.name_or_path, model_path, Path(model_path).name} - {model_path})
+    config = cfg.model_dump(mode="json")
+    bucket_url = absolute_bucket_url(cfg.bucket_url)
+    on_gpu = fleet.num_gpus_per_replica > 0
+    replica = serve.deployment(
+        VLLMReplica,
+        name=REPLICA_DEPLOYMENT,
+        num_replicas=fleet.num_replicas,
+        # An engine batches hundreds of sequences; Serve's default of 5 would starve it.
+        max_ongoing_requests=fleet.max_ongoing_requests,
+        # On a CPU box the engines pin cores themselves (VLLM_CPU_OMP_THREADS_BIND per replica); reserving
+        # Ray CPUs for them as well would starve the learner of the same machine.
+        ray_actor_options={"num_cpus": 0, "num_gpus": fleet.num_gpus_per_replica} if on_gpu else {"num_cpus": 0},
+        request_router_config=RequestRouterConfig(request_router_class=request_router_class),
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=30,
+    ).bind(model_path, model_path, config, bucket_url)
+    token = os.environ.get("SPOTRL_ADMIN_TOKEN")
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=max(1000, fleet.max_ongoing_requests * fleet.num_replicas),
+        ray_actor_options={"num_cpus": 0},
+    )
+    # The router class is part of the ingress's arguments so that changing it restarts the ingress,
+    # whose handle then builds the new router (the benchmark swaps routers on the same replicas).
+    return ingress.bind(
+        replica, model_path, aliases, model_path, config, Secret(token) if token else None, request_router_class
+    )
+
+
+def build_app(args: dict[str, Any]):
+    """Entry point of `serve run serve_config.yaml`: args `config` (a run config file) and `overrides`."""
+    from app.tiny_model import resolve_model_path
+
+    path = Path(args.get("config") or REPO_ROOT / "configs" / "tiny-cpu.yaml")
+    if not path.is_absolute() and not path.exists():
+        path = REPO_ROOT / path  # `serve run` may build the app in a process started elsewhere
+    cfg = load_config(path, list(args.get("overrides") or []))
+    model_path = resolve_model_path(cfg.model, cfg.task, log=log.info)
+    log.info("fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, cfg.bucket_url)
+    return fleet_app(cfg, model_path)
+
+
+def _serve_client():
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False)
+
+
+def fleet_is_running(cfg: RunConfig) -> bool:
+    """Whether the fleet's Serve application is up and RUNNING on the connected Ray cluster."""
+    from ray import serve
+
+    if _serve_client() is None:
+        return False
+    app = serve.status().applications.get(cfg.fleet.app_name)
+    return app is not None and app.status == "RUNNING"
+
+
+def fleet_url(cfg: RunConfig) -> str:
+    """Base URL of the fleet: Serve's actual HTTP address when it runs, else the configured one."""
+    client = _serve_client()
+    host, port = (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.port)
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def deploy_fleet(cfg: RunConfig, model_path: str, *, timeout_s: float = 900.0) -> str:
+    """Run the fleet on the already initialised Ray; return its base URL once every replica is healthy.
+
+    Healthy means each replica finished start-up, which includes loading the newest committed
+    adapter versions from the bucket, and answers `/health`. Idempotent: a fleet already running with
+    the same config is left alone (Serve sees no change).
+    """
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    serve.start(http_options=HTTPOptions(host=cfg.fleet.host, port=cfg.fleet.port))
+    base_url = fleet_url(cfg)
+    if base_url != f"http://{cfg.fleet.host}:{cfg.fleet.port}":
+        log.warning(
+            "Serve was already running at %s; the fleet is served there, not at %s:%d",
+            base_url,
+            cfg.fleet.host,
+            cfg.fleet.port,
+        )
+    started = time.monotonic()
+    serve.run(fleet_app(cfg, model_path), name=cfg.fleet.app_name, route_prefix="/")
+    wait_healthy(base_url, cfg.fleet.num_replicas, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
+    log.info("fleet up at %s in %.0fs", base_url, time.monotonic() - started)
+    return base_url
+
+
+def wait_healthy(base_url: str, num_replicas: int, *, timeout_s: float = 300.0) -> None:
+    """Block until `/health` reports `num_replicas` live replicas."""
+    from app.fleet_client import FleetClient, FleetError
+
+    client = FleetClient(base_url, retries=0, timeout_s=10)
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            health = client.health()
+            if health.get("replicas", 0) >= num_replicas:
+                return
+            last = f"{health.get('replicas', 0)} of {num_replicas} replicas live"
+        except FleetError as e:
+            last = str(e)
+        time.sleep(1.0)
+    raise TimeoutError(f"fleet at {base_url} not healthy after {timeout_s:.0f}s: {last}")
+
+
+def shutdown_fleet(cfg: RunConfig) -> None:
+    """Delete the fleet's application (stopping its engines); shut Serve down if nothing else runs on it."""
+    from ray import serve
+
+    if _serve_client() is None:
+        return
+    if cfg.fleet.app_name in serve.status().applications:
+        serve.delete(cfg.fleet.app_name)
+    if not serve.status().applications:
+        serve.shutdown()

@@ -1,0 +1,146 @@
+"""The fleet's front door as a Ray Serve deployment: the HTTP API over a handle to the vLLM replicas.
+
+One ingress replica holds the tokenizer and a `DeploymentHandle` to `VLLMReplica`; the handle's
+request router is the PrefixHashRouter, so it lives in this process and `/router/stats` reads its
+counters directly. The ingress is where failures are hidden from clients: a generation whose replica
+died (spot preemption, OOM, a crashed engine) is sent again, and the router, told of the death by
+Serve, picks a live replica. Admin calls are broadcast to every live replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from app.config import RunConfig
+from deployments.api import ApiSettings, make_app
+from deployments.replica import ReplicaUnavailable
+
+log = logging.getLogger("ray.serve")
+
+# Attempts of one generation across replica deaths: the first retry normally lands on a live
+# replica; the later ones cover the seconds before Serve has noticed that a replica is gone.
+GENERATE_ATTEMPTS = 6
+RETRY_BACKOFF_S = 0.5
+
+
+class Secret:
+    """A token that never shows itself in a repr, a log line or an error message."""
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "Secret(***)"
+
+    __str__ = __repr__
+
+
+def _retryable(exc: BaseException) -> bool:
+    """The replica, not the request, failed: worth sending again elsewhere."""
+    from ray.exceptions import RayActorError
+
+    cause = getattr(exc, "cause", None)
+    return isinstance(exc, RayActorError | ReplicaUnavailable) or isinstance(cause, RayActorError | ReplicaUnavailable)
+
+
+class ServeBackend:
+    """`deployments.api.Backend` over a DeploymentHandle to the VLLMReplica deployment."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._server_info: dict[str, Any] | None = None
+
+    async def generate(self, prompt_ids: list[int], model: str, sampling: dict[str, Any]) -> dict[str, Any]:
+        # Positional arguments on purpose: the router reads (prompt ids, model) from them.
+        for attempt in range(1, GENERATE_ATTEMPTS + 1):
+            try:
+                return await self._handle.generate.remote(prompt_ids, model, sampling)
+            except Exception as e:
+                if not _retryable(e) or attempt == GENERATE_ATTEMPTS:
+                    raise
+                log.warning("generation hit a dead replica (%s); retry %d", type(e).__name__, attempt)
+                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+        raise AssertionError("unreachable")
+
+    async def broadcast(self, method: str, *args: Any) -> list[Any]:
+        return await self._handle.broadcast(method, *args).results_async(return_exceptions=True)
+
+    async def server_info(self) -> dict[str, Any]:
+        if self._server_info is None:  # every replica runs the same engine config: ask one, once
+            self._server_info = await self._handle.server_info.remote()
+        return self._server_info
+
+    def router_stats(self) -> dict[str, Any]:
+        from deployments.router import router_stats
+
+        return router_stats()
+
+
+def tokenizer_functions(model_path: str):
+    """(encode, decode, chat_ids, vocab_size) with the round-trip-checked tokenizer of the model folder."""
+    from app.tiny_model import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_ids(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return encode(text)
+
+    config_file = Path(model_path) / "config.json"
+    vocab_size = len(tokenizer)
+    if config_file.is_file():  # the embedding table may be larger than the tokenizer
+        vocab_size = max(vocab_size, int(json.loads(config_file.read_text()).get("vocab_size") or 0))
+    return encode, decode, chat_ids, vocab_size
+
+
+class Ingress:
+    """A Ray Serve deployment class; `deployments.app` wraps it with `serve.ingress()` and `serve.deployment`."""
+
+    def __init__(
+        self,
+        replicas,
+        base_model: str,
+        model_aliases: list[str],
+        model_path: str,
+        config: dict,
+        admin_token: Secret | None = None,
+        request_router: str = "",
+    ):
+        cfg = RunConfig.model_validate(config)
+        encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
+        # The environment of the ingress process wins, then a token handed over by the builder, then the config.
+        token = os.environ.get("SPOTRL_ADMIN_TOKEN") or (admin_token.value if admin_token else None)
+        token = token or cfg.fleet.admin_token
+        settings = ApiSettings(
+            base_model=base_model,
+            model_aliases=frozenset(model_aliases),
+            max_model_len=cfg.model.max_model_len,
+            vocab_size=vocab_size,
+            encode=encode,
+            decode=decode,
+            chat_ids=chat_ids,
+            admin_token=token or None,
+            protect_inference=cfg.fleet.protect_inference,
+            num_replicas=cfg.fleet.num_replicas,
+        )
+        self._app = make_app(ServeBackend(replicas), settings)
+        log.info(
+            "fleet ingress up: base model %s, router %s, admin token %s",
+            base_model,
+            request_router or "default",
+            "set" if token else "not set",
+        )
+
+    def __serve_build_asgi_app__(self):
+        return self._app

