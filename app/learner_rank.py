@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -45,7 +46,16 @@ from app.learner_state import (
     write_adapter,
     write_checkpoint,
 )
-from app.packing import MicroBatch, TrainSample, batch_metrics, pack, pad, samples_from_groups, shard
+from app.packing import (
+    MicroBatch,
+    TrainSample,
+    batch_metrics,
+    pack,
+    pad,
+    register_packed_attention,
+    samples_from_groups,
+    shard,
+)
 from app.perf import Stopwatch, flops_per_token, mfu_percent
 from app.samples import Group, adapter_name
 
@@ -78,6 +88,8 @@ class Learner:
         self._consumed: set[str] = set()
         self.model = self.optimizer = self.scheduler = None
         self._started = False
+        self._fleet = None
+        self.fleet_load_failures = 0
         self._tmp = Path(tempfile.mkdtemp(prefix=f"spotrl-learner-r{rank}-"))
 
     # ---- set-up -----------------------------------------------------------------------------------
@@ -108,7 +120,7 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=DTYPES[self.cfg.model.dtype], attn_implementation="sdpa"
+            self.model_path, dtype=DTYPES[self.cfg.model.dtype], attn_implementation=register_packed_attention()
         )
         base.config.use_cache = False
         if self.cfg.learner.gradient_checkpointing:
@@ -165,6 +177,8 @@ class Learner:
         """Resume from the newest committed checkpoint, or start fresh; make sure the fleet has our weights."""
         from app.bucket import AdapterStore, CheckpointStore
 
+        if self._started:  # the model is sharded and the optimizer built: a second start has nothing to do
+            return self.state.summary()
         self.adapters = AdapterStore.from_config(self.cfg)
         self.checkpoints = CheckpointStore.from_config(self.cfg)
         step = self._rank0_decides(self.checkpoints.latest() if self.rank == 0 else None)
@@ -179,6 +193,7 @@ class Learner:
             restore_training_state(
                 folder, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, rank=self.rank
             )
+            shutil.rmtree(folder, ignore_errors=True)
             log.info("learner rank %d resumed from checkpoint step %d", self.rank, step)
         latest = self._rank0_decides(self.adapters.latest() if self.rank == 0 else None)
         if self.state.policy_version is None or latest != self.state.policy_version:
@@ -206,12 +221,15 @@ class Learner:
         return batches, sum(len(s.completion_ids) for s in samples), metrics
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # No attention mask: packed rows pass their sample boundaries instead, padded rows are right-padded
+        # (see app.packing); position_ids restart at every packed sample, for the rotary embedding.
+        extra = {"packed_cu_seqlens": mb.cu_seqlens} if mb.cu_seqlens is not None else {}
         out = self.model(
             input_ids=mb.input_ids,
             position_ids=mb.position_ids,
-            attention_mask=mb.attention_mask,
             logits_to_keep=mb.logits_to_keep,
             use_cache=False,
+            **extra,
         )
         logits = out.logits[mb.target_rows, mb.target_cols]
         return token_logprobs(logits, mb.targets, self.cfg.grpo.temperature)
@@ -284,6 +302,8 @@ class Learner:
         metrics.update({"grad_norm": float(grad_norm), "learning_rate": lr, "perf/optimizer_s": watch.get("optimizer")})
         if self.state.step % g.weight_sync_steps == 0:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
+            if self.fleet_url:
+                metrics["weight_sync/fleet_load_failures"] = float(self.fleet_load_failures)
         if self.state.step % lcfg.save_steps == 0:
             metrics["perf/checkpoint_s"] = self.save_checkpoint()
         metrics.update(self._perf_metrics(metrics, time.perf_counter() - t_step))
@@ -346,15 +366,16 @@ class Learner:
         return time.perf_counter() - t0
 
     def _fleet_load(self, version: int) -> None:
-        """Broadcast the new version to the replicas. A failure is logged, not raised: the version is in the
-        bucket, where replicas that (re)start pick it up, and the next sync tries again with a newer one."""
+        """Broadcast the new version to the replicas. A failure is logged and counted, not raised: the version
+        is in the bucket, where replicas that (re)start pick it up, and the next sync tries a newer one."""
         from app.fleet_client import FleetClient
 
+        if self._fleet is None:
+            self._fleet = FleetClient(self.fleet_url, token=self.fleet_token)
         try:
-            FleetClient(self.fleet_url, token=self.fleet_token).load_adapter(
-                adapter_name(version), self.adapters.url_of(version)
-            )
+            self._fleet.load_adapter(adapter_name(version), self.adapters.url_of(version))
         except Exception as exc:  # noqa: BLE001 - any fleet error must not kill training
+            self.fleet_load_failures += 1
             log.warning("fleet did not load %s: %s", adapter_name(version), exc)
 
     def save_checkpoint(self) -> float:
@@ -430,5 +451,8 @@ class Learner:
         return self.state.summary()
 
     def close(self) -> None:
+        if self._fleet is not None:
+            self._fleet.close()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        shutil.rmtree(self._tmp, ignore_errors=True)

@@ -2,11 +2,16 @@
 
 GRPO completions vary a lot in length (a few tokens to the whole `max_completion_length`), so a
 padded batch spends much of its forward on pad tokens. Packing lays whole samples end to end in one
-row of at most `token_budget` tokens and restarts `position_ids` at every sample. transformers (5.x)
-reads a restart in `position_ids`, when no attention mask is given, as a sequence boundary and
-builds a block-diagonal causal mask (sdpa and eager on the CPU; flash-attention's varlen kernel on a
-GPU), so attention never crosses samples and no pad token is forwarded. Fixed-count padded batches
-stay as the baseline the benchmark compares against.
+row of at most `token_budget` tokens, with `position_ids` restarting at every sample, and attention
+never crosses samples. How attention stays inside a sample matters for speed: a block-diagonal mask
+(what transformers builds from restarting `position_ids` for sdpa) is exact but still computes every
+masked-out block, which on the CPU made a packed row *slower* than padding; flash-attention's varlen
+kernel is not available on the CPU. So the learner's model runs `PACKED_ATTENTION`: sdpa called once
+per sample segment (`cu_seqlens`), causal, no mask at all, costing the sum of the samples' squared
+lengths instead of the row's. Padded batches go through the same function as plain causal attention
+without a mask, which is exact because they are right-padded: a real token only attends to earlier
+positions, never to the pads after it. Fixed-count padded batches stay as the baseline the benchmark
+compares against.
 
 Rows are filled first-fit-decreasing, which keeps them nearly full; a sample longer than the budget
 gets a row of its own rather than being cut (cutting would change its log-probs). Only the logits of
@@ -21,6 +26,7 @@ backward passes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +34,42 @@ import torch
 
 from app.grpo_loss import group_advantages
 from app.samples import Group
+
+PACKED_ATTENTION = "spotrl_packed_sdpa"
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, *, packed_cu_seqlens=None, **kwargs):
+    """transformers attention function: causal sdpa within each packed sample, or over the whole row.
+
+    `query` is (B, heads, T, head_dim); `packed_cu_seqlens` (S + 1,) are the sample boundaries of a
+    one-row packed batch. Returns (B, T, heads, head_dim) like every transformers attention function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None:
+        raise ValueError(f"{PACKED_ATTENTION} takes no attention mask (rows are packed or right-padded)")
+    kwargs.pop("is_causal", None)  # always causal
+    if packed_cu_seqlens is None:
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+    bounds = packed_cu_seqlens.tolist()
+    parts = [
+        sdpa_attention_forward(
+            module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, is_causal=True, **kwargs
+        )[0]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat(parts, dim=1), None
+
+
+def register_packed_attention() -> str:
+    """Make `PACKED_ATTENTION` a valid `attn_implementation` (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    # No mask is ever materialised: segments are causal on their own, padded rows are right-padded.
+    AttentionMaskInterface.register(PACKED_ATTENTION, lambda *args, **kwargs: None)
+    return PACKED_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -84,6 +126,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # (B, T)
     position_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor | None  # (B, T) for padded batches; None for packed rows
+    cu_seqlens: torch.Tensor | None  # (S + 1,) sample boundaries of a packed row; None for padded batches
     logits_to_keep: torch.Tensor  # (K,)
     target_rows: torch.Tensor  # (M,)
     target_cols: torch.Tensor  # (M,) indices into logits_to_keep
@@ -105,7 +148,12 @@ class MicroBatch:
         return self.targets.numel()
 
     def to(self, device: torch.device) -> MicroBatch:
-        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
+        # cu_seqlens stays on the host: attention slices with its values, and reading them from a GPU would
+        # synchronise once per layer.
+        moved = {
+            k: v.to(device) if isinstance(v, torch.Tensor) and k != "cu_seqlens" else v
+            for k, v in self.__dict__.items()
+        }
         return MicroBatch(**moved)
 
 
@@ -134,12 +182,18 @@ def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool
             offset += n
     t_pos_t = torch.tensor(t_pos, dtype=torch.long)
     keep, cols = torch.unique(t_pos_t, sorted=True, return_inverse=True)
-    if not packed:
+    cu_seqlens = None
+    if packed:
+        if len(rows) != 1:
+            raise ValueError("a packed micro-batch is one row")
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(len(s) for _, s in rows[0])], dtype=torch.int32)
+    else:
         pos = torch.arange(width).expand(len(rows), width).clone()  # right padding: real tokens sit at 0..n-1
     return MicroBatch(
         input_ids=ids,
         position_ids=pos,
         attention_mask=None if packed else mask,
+        cu_seqlens=cu_seqlens,
         logits_to_keep=keep,
         target_rows=torch.tensor(t_rows, dtype=torch.long),
         target_cols=cols,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.config import RunConfig
-from app.packing import batch_metrics, filler, pack, pad, samples_from_groups, shard
+from app.packing import batch_metrics, filler, pack, pad, register_packed_attention, samples_from_groups, shard
 from app.samples import Group, Sample
 
 VOCAB = 64
@@ -117,22 +117,40 @@ def test_shard_balances_ranks_and_evens_out_counts_with_fillers():
 def test_packed_row_scores_like_separate_forwards(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(random_model(tmp_path / "m"), attn_implementation="sdpa").eval()
+    path = random_model(tmp_path / "m")
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    packed_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=register_packed_attention()).eval()
     samples = samples_from_groups(random_groups(2))
     (mb,) = pack(samples, token_budget=1000, pad_id=0)
-    assert mb.num_samples == len(samples)
+    assert mb.num_samples == len(samples) and mb.cu_seqlens.tolist()[-1] == mb.num_tokens
     with torch.no_grad():
-        packed = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits[0]
+        packed = packed_model(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, packed_cu_seqlens=mb.cu_seqlens, use_cache=False
+        ).logits[0]
         p = mb.logits_to_keep[mb.target_cols]
         for i, s in enumerate(samples):
-            alone = model(input_ids=torch.tensor([s.input_ids]), use_cache=False).logits[0]
+            alone = reference(input_ids=torch.tensor([s.input_ids]), use_cache=False).logits[0]
             mine = mb.target_sample == i
             first = len(s.prompt_ids) - 1
             expected = alone[first : first + len(s.completion_ids)]
             torch.testing.assert_close(packed[p[mine]], expected, atol=2e-5, rtol=1e-5)
-        # Without the restart in position_ids the samples would see each other: the check above can fail.
-        leaky = model(input_ids=mb.input_ids, use_cache=False).logits[0]
+        # Without the boundaries the samples would see each other: the check above can fail.
+        leaky = packed_model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits[0]
         assert (leaky[p] - packed[p]).abs().max() > 1e-2
+
+
+def test_padded_batch_needs_no_mask_when_right_padded(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = random_model(tmp_path / "m")
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    packed_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=register_packed_attention()).eval()
+    (mb,) = pad(samples_from_groups(random_groups(2)), batch_size=100, pad_id=0)
+    with torch.no_grad():
+        masked = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        causal = packed_model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+    real = mb.attention_mask.bool()
+    torch.testing.assert_close(causal[real], masked[real], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
