@@ -4,6 +4,10 @@ A small random Qwen2 keeps these fast; the log-prob agreement with vLLM on the r
 test_learner_vllm.py. Ray runs on loopback only, with 2 CPUs (one per learner rank).
 """
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -126,3 +130,45 @@ def test_killed_worker_resumes_from_checkpoint_and_matches_uninterrupted_run(ray
     assert state["step"] == 2 and state["data_cursor"] == 2 and state["policy_version"] == 4
     assert AdapterStore.from_config(cfg).latest() == 4
     assert again.train_step(STEP_GROUPS[2])["policy_version"] == 5
+
+
+class _FakeFleet(BaseHTTPRequestHandler):
+    """Records admin calls; answers 400 (not retried) once `fail` is set."""
+
+    calls: list = []
+    fail = False
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).calls.append((self.path, body, self.headers.get("Authorization")))
+        payload = json.dumps({"error": "refused"} if self.fail else {"ok": True}).encode()
+        self.send_response(400 if self.fail else 200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_each_publish_asks_the_fleet_to_load_it_and_a_fleet_error_does_not_stop_training(tmp_path, model_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeFleet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cfg = _config(tmp_path, "fleet")
+    store = AdapterStore.from_config(cfg)
+    learner = Learner(cfg, model_path, fleet_url=f"http://127.0.0.1:{server.server_port}", fleet_token="secret")
+    try:
+        learner.setup()
+        learner.start()
+        assert _FakeFleet.calls == [
+            ("/v1/load_lora_adapter", {"lora_name": "policy-v0", "lora_path": store.url_of(0)}, "Bearer secret")
+        ]
+        _FakeFleet.fail = True
+        metrics = learner.train_step(STEP_GROUPS[0])
+        assert metrics["policy_version"] == 1 and metrics["weight_sync/fleet_load_failures"] == 1
+        assert _FakeFleet.calls[-1][1]["lora_name"] == "policy-v1"
+        assert store.latest() == 1  # in the bucket all the same, for replicas that start later
+    finally:
+        learner.close()
+        server.shutdown()
