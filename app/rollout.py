@@ -176,16 +176,17 @@ class RolloutWorker:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         synchronous = self.cfg.rollout.mode == "sync"
         while len(groups) < n:
+            self._raise_if_producer_died()
             if synchronous:  # generate exactly what is missing, with the current version, only now
                 for _ in range(n - len(groups) - len(self._tasks) - self.queue.qsize()):
                     await self._spawn_next()
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if synchronous:  # wake up now and then: a failed group must be generated again
-                remaining = 0.5 if remaining is None else min(remaining, 0.5)
+            # Wake up now and then: a failed group must be generated again (sync), a dead producer noticed.
+            remaining = 1.0 if remaining is None else min(remaining, 1.0)
             try:
                 group = await asyncio.wait_for(self.queue.get(), timeout=remaining)
             except TimeoutError:
-                if synchronous and (deadline is None or time.monotonic() < deadline):
+                if deadline is None or time.monotonic() < deadline:
                     continue
                 break
             self._pending.discard(int(group.group_id[1:]))
@@ -196,6 +197,11 @@ class RolloutWorker:
         self.counters["groups_taken"] += len(groups)
         self.consumed.update(g.group_id for g in groups)
         return groups
+
+    def _raise_if_producer_died(self) -> None:
+        """The producer only ends by a bug; waiting for groups it will never make would hang the run."""
+        if self._producer is not None and self._producer.done() and not self._producer.cancelled():
+            raise RuntimeError("the rollout producer died") from self._producer.exception()
 
     @property
     def frontier(self) -> int:
@@ -269,7 +275,7 @@ class RolloutActor:
             cfg, load_task(cfg.task).train, lambda p: prompt_token_ids(tokenizer, p),
             http_generate(fleet_url, cfg.fleet.admin_token if cfg.fleet.protect_inference else None),
             RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s),
-            data_cursor=state.get("data_cursor", 0), policy_version=state.get("policy_version", 0),
+            data_cursor=state.get("data_cursor") or 0, policy_version=state.get("policy_version") or 0,
             consumed_group_ids=set(state.get("consumed_group_ids", ())),
         )
 

@@ -35,11 +35,12 @@ def start_ray(address: str | None) -> bool:
     import ray
 
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address)
         return False
+    # Actor and replica logs stay in Ray's session folder (and the dashboard), so the terminal shows the run.
     ray.init(
         address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=True,
-        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=True,
+        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False,
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
     return True
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cfg = config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the run
     # SIGTERM ends a run like Ctrl-C does, so the cleanup in train() also runs when a scheduler stops us.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from app.config import load_config
 from app.rewards import RewardScorer, exact_answer
 from app.rollout import Completion, RolloutWorker
@@ -145,5 +147,16 @@ def test_sync_mode_generates_only_when_asked():
         await asyncio.sleep(0.3)
         assert len(calls) == 5 and w.queue.qsize() == 0
         await w.stop()
+
+    run(main())
+
+
+def test_a_dead_producer_is_an_error_not_a_hang():
+    async def main():
+        w = make_worker(echo_answer_generate())
+        w.cursor = None  # a bug that kills the producer
+        w.start()
+        with pytest.raises(RuntimeError, match="producer died"):
+            await w.get_groups(1, timeout_s=10)
 
     run(main())
