@@ -63,6 +63,7 @@ class RolloutWorker:
         self.inflight = 0  # requests on the wire (a slot waiting to enqueue is not one)
         self._pending: set[int] = set()  # indices issued but not yet taken or lost: the resume frontier
         self._idle_s, self._idle_since = 0.0, time.monotonic()  # time with no request on the wire
+        self.queue_size_at_take = 0
         self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "request_retries": 0,
                          "groups_taken": 0, "completion_tokens": 0}
         self._token_times: deque[tuple[float, int]] = deque(maxlen=512)
@@ -173,6 +174,8 @@ class RolloutWorker:
     async def get_groups(self, n: int, timeout_s: float | None = None) -> list[Group]:
         """Take `n` fresh groups (waiting for them), dropping and counting those too stale to train."""
         groups: list[Group] = []
+        # What the learner found when it asked: right after a take, blocked producers refill the queue at once.
+        self.queue_size_at_take = self.queue.qsize()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         synchronous = self.cfg.rollout.mode == "sync"
         while len(groups) < n:
@@ -219,7 +222,8 @@ class RolloutWorker:
         c = self.counters
         seen = c["groups_taken"] + c["dropped_stale"]
         return {
-            "sample/rollout_queue_size": self.queue.qsize(),
+            "sample/rollout_queue_size": self.queue_size_at_take,
+            "rollout/queue_size_now": self.queue.qsize(),
             "rollout/inflight": self.inflight,
             "rollout/generated_tok_s": self.generated_tok_s(),
             "sample/dropped_stale_total": c["dropped_stale"],
