@@ -233,6 +233,9 @@ class VLLMReplica:
             block_size=self.block_size,
             max_num_seqs=fleet.max_num_seqs,
             logprobs_mode="processed_logprobs",
+            # torch.compile takes minutes on a CPU (and timed out under load) for no gain on a tiny model;
+            # GPUs keep compilation and CUDA graphs.
+            enforce_eager=on_cpu,
             disable_log_stats=False,
             # Engines seeded alike draw the same samples for unseeded requests of one prompt: every
             # replica (and every restart of one) gets its own seed.

