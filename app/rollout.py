@@ -47,9 +47,18 @@ Generate = Callable[..., Awaitable[list[Completion]]]
 class RolloutWorker:
     """Produces scored, version-tagged groups into a bounded queue."""
 
-    def __init__(self, cfg, problems: list[Problem], prompt_ids: Callable[[Problem], list[int]],
-                 generate: Generate, scorer: RewardScorer, *, data_cursor: int = 0, policy_version: int = 0,
-                 consumed_group_ids: set[str] | frozenset = frozenset()):
+    def __init__(
+        self,
+        cfg,
+        problems: list[Problem],
+        prompt_ids: Callable[[Problem], list[int]],
+        generate: Generate,
+        scorer: RewardScorer,
+        *,
+        data_cursor: int = 0,
+        policy_version: int = 0,
+        consumed_group_ids: set[str] | frozenset = frozenset(),
+    ):
         self.cfg = cfg
         self.problems, self.prompt_ids, self.generate, self.scorer = problems, prompt_ids, generate, scorer
         self.cursor = data_cursor
@@ -64,8 +73,14 @@ class RolloutWorker:
         self._pending: set[int] = set()  # indices issued but not yet taken or lost: the resume frontier
         self._idle_s, self._idle_since = 0.0, time.monotonic()  # time with no request on the wire
         self.queue_size_at_take = 0
-        self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "request_retries": 0,
-                         "groups_taken": 0, "completion_tokens": 0}
+        self.counters = {
+            "groups_produced": 0,
+            "dropped_stale": 0,
+            "dropped_failed": 0,
+            "request_retries": 0,
+            "groups_taken": 0,
+            "completion_tokens": 0,
+        }
         self._token_times: deque[tuple[float, int]] = deque(maxlen=512)
 
     # -- data order ------------------------------------------------------------------------
@@ -123,8 +138,15 @@ class RolloutWorker:
             self._count_inflight(+1)
             try:
                 completions = await asyncio.wait_for(
-                    self.generate(prompt_ids, adapter_name(version), g.num_generations, g.max_completion_length,
-                                  g.temperature, g.top_p, g.top_k),
+                    self.generate(
+                        prompt_ids,
+                        adapter_name(version),
+                        g.num_generations,
+                        g.max_completion_length,
+                        g.temperature,
+                        g.top_p,
+                        g.top_k,
+                    ),
                     timeout=cfg.request_timeout_s,
                 )
                 break
@@ -132,8 +154,9 @@ class RolloutWorker:
                 raise
             except Exception as e:
                 self.counters["request_retries"] += 1
-                log.warning("generation for %s failed (attempt %d/%d): %s", group_id, attempt + 1,
-                            cfg.max_retries + 1, e)
+                log.warning(
+                    "generation for %s failed (attempt %d/%d): %s", group_id, attempt + 1, cfg.max_retries + 1, e
+                )
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
             finally:
                 self._count_inflight(-1)
@@ -145,12 +168,18 @@ class RolloutWorker:
         self._token_times.append((time.monotonic(), ntok))
         texts = [c.text for c in completions]
         truncated = [c.finish_reason == "length" for c in completions]
-        columns = {"answer": [problem.answer] * len(texts), "truncated": truncated,
-                   **{k: [v] * len(texts) for k, v in problem.columns.items()}}
-        scores = await asyncio.to_thread(self.scorer.score, texts, [problem.prompt] * len(texts),
-                                         [c.token_ids for c in completions], **columns)
-        samples = [Sample(c.token_ids, c.logprobs, r, t, c.text)
-                   for c, r, t in zip(completions, scores.rewards, truncated, strict=True)]
+        columns = {
+            "answer": [problem.answer] * len(texts),
+            "truncated": truncated,
+            **{k: [v] * len(texts) for k, v in problem.columns.items()},
+        }
+        scores = await asyncio.to_thread(
+            self.scorer.score, texts, [problem.prompt] * len(texts), [c.token_ids for c in completions], **columns
+        )
+        samples = [
+            Sample(c.token_ids, c.logprobs, r, t, c.text)
+            for c, r, t in zip(completions, scores.rewards, truncated, strict=True)
+        ]
         return Group(group_id, problem.id, prompt_ids, version, samples, time.time(), dict(scores.errors))
 
     def _count_inflight(self, delta: int) -> None:
@@ -250,17 +279,32 @@ def http_generate(base_url: str, token: str | None = None) -> Generate:
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    client = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None,
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    client = httpx.AsyncClient(
+        base_url=base_url,
+        headers=headers,
+        timeout=None,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+    )
 
     async def generate(prompt_ids, model, n, max_tokens, temperature, top_p=1.0, top_k=-1) -> list[Completion]:
-        body = {"model": model, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": top_p, "top_k": top_k, "logprobs": 0, "return_token_ids": True}
+        body = {
+            "model": model,
+            "prompt": prompt_ids,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
         resp = await client.post("/v1/completions", json=body)
         if resp.status_code != 200:
             raise RuntimeError(f"/v1/completions answered {resp.status_code}: {resp.text[:200]}")
-        return [Completion(list(ch["token_ids"]), list(ch["logprobs"]["token_logprobs"]), ch["text"],
-                           ch["finish_reason"]) for ch in resp.json()["choices"]]
+        return [
+            Completion(list(ch["token_ids"]), list(ch["logprobs"]["token_logprobs"]), ch["text"], ch["finish_reason"])
+            for ch in resp.json()["choices"]
+        ]
 
     return generate
 
@@ -276,10 +320,13 @@ class RolloutActor:
         logging.basicConfig(level=logging.WARNING)
         tokenizer = load_tokenizer(model_path)
         self.worker = RolloutWorker(
-            cfg, load_task(cfg.task).train, lambda p: prompt_token_ids(tokenizer, p),
+            cfg,
+            load_task(cfg.task).train,
+            lambda p: prompt_token_ids(tokenizer, p),
             http_generate(fleet_url, cfg.fleet.admin_token if cfg.fleet.protect_inference else None),
             RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s),
-            data_cursor=state.get("data_cursor") or 0, policy_version=state.get("policy_version") or 0,
+            data_cursor=state.get("data_cursor") or 0,
+            policy_version=state.get("policy_version") or 0,
             consumed_group_ids=set(state.get("consumed_group_ids", ())),
         )
 

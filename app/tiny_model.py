@@ -50,10 +50,14 @@ def cache_key(tiny: TinyModelConfig, task: TaskConfig) -> str:
 
 def _tokenizer_corpus(rng: random.Random, digits: int) -> list[str]:
     limit = 10**digits
-    texts = [arithmetic_prompt(rng.randrange(limit), rng.randrange(limit)) + str(rng.randrange(2 * limit))
-             for _ in range(2000)]
-    texts += ["The quick brown fox jumps over the lazy dog. What is the answer? Let us think step by step.",
-              "user assistant system You are a helpful assistant. Please reason and put the answer in \\boxed{}."]
+    texts = [
+        arithmetic_prompt(rng.randrange(limit), rng.randrange(limit)) + str(rng.randrange(2 * limit))
+        for _ in range(2000)
+    ]
+    texts += [
+        "The quick brown fox jumps over the lazy dog. What is the answer? Let us think step by step.",
+        "user assistant system You are a helpful assistant. Please reason and put the answer in \\boxed{}.",
+    ]
     return texts
 
 
@@ -64,19 +68,27 @@ def build_tokenizer(digits: int, seed: int):
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=384,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_tokenizer_corpus(random.Random(seed), digits), trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE,
-        model_max_length=4096, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=EOS,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -101,11 +113,19 @@ def build_model(tiny: TinyModelConfig, vocab_size: int, eos_id: int, max_len: in
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
-        num_hidden_layers=tiny.num_hidden_layers, num_attention_heads=tiny.num_attention_heads,
-        num_key_value_heads=tiny.num_key_value_heads, max_position_embeddings=max_len,
-        tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-        use_sliding_window=False, dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        use_sliding_window=False,
+        dtype="float32",
     )
     torch.manual_seed(tiny.seed)
     return Qwen2ForCausalLM(config)
@@ -120,15 +140,22 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: i
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         correct += sum(t.strip() == p.answer for t, p in zip(texts, chunk, strict=True))
     model.train()
     return correct / len(problems)
 
 
-def warm_up(model, tokenizer, tiny: TinyModelConfig, digits: int, heldout: list[Problem], log=print) -> tuple[float, int]:
+def warm_up(
+    model, tokenizer, tiny: TinyModelConfig, digits: int, heldout: list[Problem], log=print
+) -> tuple[float, int]:
     """Supervised steps on fresh additions (never a held-out one) until held-out accuracy crosses the target."""
     rng = random.Random(tiny.seed + 1)
     limit = 10**digits
@@ -179,8 +206,13 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
     tokenizer = build_tokenizer(task_cfg.digits, tiny.seed)
     model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
     acc, steps = warm_up(model, tokenizer, tiny, task_cfg.digits, heldout, log=log)
-    info = {"heldout_accuracy": acc, "warmup_steps": steps, "build_s": round(time.time() - t0, 1),
-            "num_parameters": sum(p.numel() for p in model.parameters()), "config": tiny.model_dump()}
+    info = {
+        "heldout_accuracy": acc,
+        "warmup_steps": steps,
+        "build_s": round(time.time() - t0, 1),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "config": tiny.model_dump(),
+    }
 
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=root))

@@ -39,9 +39,15 @@ def start_ray(address: str | None) -> bool:
         return False
     # Actor and replica logs stay in Ray's session folder (and the dashboard), so the terminal shows the run.
     ray.init(
-        address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=True,
-        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False,
-        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        address="local",
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        },
     )
     return True
 
@@ -92,9 +98,14 @@ class Run:
             "ratio_mean": statistics.fmean(ratios) if ratios else None,
             "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
             "loop_wall_s": round(self.loop_s, 1),
-            "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history) / self.loop_s if self.loop_s else None,
-            "generation_idle_share": ((rollout_stats.get("rollout/idle_s", 0.0) - self.idle_at_loop_start) / self.loop_s
-                                      if self.loop_s else None),
+            "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history) / self.loop_s
+            if self.loop_s
+            else None,
+            "generation_idle_share": (
+                (rollout_stats.get("rollout/idle_s", 0.0) - self.idle_at_loop_start) / self.loop_s
+                if self.loop_s
+                else None
+            ),
             "wall_time_s": round(time.time() - self.t0, 1),
         }
 
@@ -174,27 +185,35 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
                 ray.get(rollout.set_versions.remote(version))
             rewards = [r for g in groups for r in g.rewards]
             metrics.update(rollout_stats)
-            metrics.update({
-                "reward": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-                "sample/staleness_mean": statistics.fmean(stale), "sample/staleness_max": max(stale),
-                "sample/version_min": min(g.policy_version for g in groups),
-                "sample/version_max": max(g.policy_version for g in groups),
-                "perf/rollout_wait_s": rollout_wait_s, "samples": len(rewards),
-            })
+            metrics.update(
+                {
+                    "reward": statistics.fmean(rewards),
+                    "reward_std": statistics.pstdev(rewards),
+                    "sample/staleness_mean": statistics.fmean(stale),
+                    "sample/staleness_max": max(stale),
+                    "sample/version_min": min(g.policy_version for g in groups),
+                    "sample/version_max": max(g.policy_version for g in groups),
+                    "perf/rollout_wait_s": rollout_wait_s,
+                    "samples": len(rewards),
+                }
+            )
             run.history.append(metrics)
             run.staleness.extend(stale)
             run.samples_trained += len(rewards)
             sink.log(metrics, step)
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", step_s=f"{metrics['perf/step_s']:.2f}",
-                            stale=f"{metrics['sample/staleness_mean']:.1f}",
-                            queue=int(metrics["sample/rollout_queue_size"]))
+            bar.set_postfix(
+                reward=f"{metrics['reward']:.2f}",
+                step_s=f"{metrics['perf/step_s']:.2f}",
+                stale=f"{metrics['sample/staleness_mean']:.1f}",
+                queue=int(metrics["sample/rollout_queue_size"]),
+            )
             if step % cfg.logging.diagnose_every == 0:
-                bar.write(str(diagnose(run.history[-cfg.logging.diagnose_every:], cfg)))
+                bar.write(str(diagnose(run.history[-cfg.logging.diagnose_every :], cfg)))
 
         run.loop_s = time.time() - run.loop_t0
         final_stats = ray.get(rollout.stats.remote())
-        verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2):], cfg)
+        verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
         after = evaluate(cfg, base_url, model_path, adapter_name(version), inference_token)
         summary = run.summary(before, after, final_stats, fleet.router_stats())
         summary["bottleneck"] = verdict.kind
@@ -207,8 +226,14 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
 def progress_bar(cfg: RunConfig, initial: int):
     from tqdm import tqdm
 
-    return tqdm(total=cfg.grpo.max_steps, initial=initial, desc=cfg.logging.run_name, unit="step",
-                disable=not cfg.logging.progress_bar, dynamic_ncols=True)
+    return tqdm(
+        total=cfg.grpo.max_steps,
+        initial=initial,
+        desc=cfg.logging.run_name,
+        unit="step",
+        disable=not cfg.logging.progress_bar,
+        dynamic_ncols=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,10 +30,25 @@ VARIANTS = {
 
 def run_variant(name: str, sets: list[str], steps: int, extra: list[str], workdir: Path) -> dict:
     out = workdir / name.split()[0]
-    sets = [*sets, f"grpo.max_steps={steps}", f"logging.output_dir={out}", "logging.run_name=bench",
-            f"bucket.url=file://{out}/bucket", f"bucket.cache_dir={out}/cache", "logging.trackio=false",
-            "logging.progress_bar=false", *extra]
-    cmd = [sys.executable, "-m", "app.train", "--config", "configs/tiny-cpu.yaml", *(a for s in sets for a in ("--set", s))]
+    sets = [
+        *sets,
+        f"grpo.max_steps={steps}",
+        f"logging.output_dir={out}",
+        "logging.run_name=bench",
+        f"bucket.url=file://{out}/bucket",
+        f"bucket.cache_dir={out}/cache",
+        "logging.trackio=false",
+        "logging.progress_bar=false",
+        *extra,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.train",
+        "--config",
+        "configs/tiny-cpu.yaml",
+        *(a for s in sets for a in ("--set", s)),
+    ]
     print(f"running {name}: {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
@@ -47,16 +62,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="spotrl-bench-") as tmp:
-        results = {name: run_variant(name, sets, args.steps, args.overrides, Path(tmp)) for name, sets in VARIANTS.items()}
+        results = {
+            name: run_variant(name, sets, args.steps, args.overrides, Path(tmp)) for name, sets in VARIANTS.items()
+        }
     a, s = results.values()
-    keys = ["loop_wall_s", "step_s_median", "trainer_idle_share", "generation_idle_share", "reward_last_10pct",
-            "heldout_accuracy_before", "heldout_accuracy_after", "staleness_mean", "dropped_stale_share"]
+    keys = [
+        "loop_wall_s",
+        "step_s_median",
+        "trainer_idle_share",
+        "generation_idle_share",
+        "reward_last_10pct",
+        "heldout_accuracy_before",
+        "heldout_accuracy_after",
+        "staleness_mean",
+        "dropped_stale_share",
+    ]
     rows = [[k, *(f"{r[k]:.3f}" if isinstance(r.get(k), float) else r.get(k) for r in results.values())] for k in keys]
     ratio = s["loop_wall_s"] / a["loop_wall_s"]
     print_table(["metric", *results], rows, title=f"pipeline: {args.steps} steps, same config")
     print(f"\nsync / async wall time of the training loop: {ratio:.2f}x")
-    path = write_result("pipeline", {"steps": args.steps, "overrides": args.overrides, "variants": results,
-                                     "ratios": {"sync_over_async_loop_wall": ratio}})
+    path = write_result(
+        "pipeline",
+        {
+            "steps": args.steps,
+            "overrides": args.overrides,
+            "variants": results,
+            "ratios": {"sync_over_async_loop_wall": ratio},
+        },
+    )
     print(f"wrote {path}")
 
 

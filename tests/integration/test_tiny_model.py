@@ -44,7 +44,11 @@ def test_vllm_and_transformers_agree_on_logprobs(tiny_model_path):
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integration.vllm_logprobs_check", tiny_model_path],
-        capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=Path(__file__).parents[2],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -23,18 +23,37 @@ def free_port() -> int:
 
 def train_cmd(tmp_path: Path, steps: int, *extra: str) -> list[str]:
     sets = [
-        f"grpo.max_steps={steps}", f"logging.output_dir={tmp_path}", "logging.run_name=smoke",
-        f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache", f"fleet.port={free_port()}",
-        "logging.progress_bar=false", "logging.diagnose_every=5", *extra,
+        f"grpo.max_steps={steps}",
+        f"logging.output_dir={tmp_path}",
+        "logging.run_name=smoke",
+        f"bucket.url=file://{tmp_path}/bucket",
+        f"bucket.cache_dir={tmp_path}/cache",
+        f"fleet.port={free_port()}",
+        "logging.progress_bar=false",
+        "logging.diagnose_every=5",
+        *extra,
     ]
-    return [sys.executable, "-m", "app.train", "--config", "configs/tiny-cpu.yaml", *(a for s in sets for a in ("--set", s))]
+    return [
+        sys.executable,
+        "-m",
+        "app.train",
+        "--config",
+        "configs/tiny-cpu.yaml",
+        *(a for s in sets for a in ("--set", s)),
+    ]
 
 
 @pytest.mark.slow
 def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
     steps = 20
-    proc = subprocess.run(train_cmd(tmp_path, steps), cwd=REPO, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")})
+    proc = subprocess.run(
+        train_cmd(tmp_path, steps),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")},
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
     assert " ERROR " not in proc.stderr, proc.stderr[-5000:]
@@ -49,11 +68,27 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
     assert summary["staleness_max"] <= 2  # the config's grpo.max_staleness
     assert all(m["sample/staleness_max"] <= 2 for m in metrics)
     assert 0.99 <= summary["ratio_mean"] <= 1.01
-    for key in ("reward", "ratio", "perf/step_s", "perf/rollout_wait_s", "sample/rollout_queue_size",
-                "rollout/inflight", "batch/pad_frac", "policy_version"):
+    for key in (
+        "reward",
+        "ratio",
+        "perf/step_s",
+        "perf/rollout_wait_s",
+        "sample/rollout_queue_size",
+        "rollout/inflight",
+        "batch/pad_frac",
+        "policy_version",
+    ):
         assert all(key in m for m in metrics), key
-    for key in ("heldout_accuracy_before", "heldout_accuracy_after", "affinity_share", "dropped_stale_share",
-                "reward_first_10pct", "reward_last_10pct", "wall_time_s", "staleness_mean"):
+    for key in (
+        "heldout_accuracy_before",
+        "heldout_accuracy_after",
+        "affinity_share",
+        "dropped_stale_share",
+        "reward_first_10pct",
+        "reward_last_10pct",
+        "wall_time_s",
+        "staleness_mean",
+    ):
         assert summary[key] is not None, key
     assert "bottleneck:" in proc.stderr + proc.stdout
 
@@ -64,8 +99,14 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
 
 @pytest.mark.slow
 def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model_path):
-    proc = subprocess.Popen(train_cmd(tmp_path, 10_000), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")})
+    proc = subprocess.Popen(
+        train_cmd(tmp_path, 10_000),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")},
+    )
     metrics = tmp_path / "smoke" / "metrics.jsonl"
     deadline = time.time() + 900
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):

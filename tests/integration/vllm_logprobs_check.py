@@ -16,9 +16,18 @@ def main(model_path: str) -> None:
     from app.tiny_model import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
-    llm = LLM(model=model_path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=64 * 2**20,
-              enforce_eager=True, logprobs_mode="processed_logprobs", seed=0)
-    prompts = [tokenizer(arithmetic_prompt(a, b), add_special_tokens=False)["input_ids"] for a, b in [(12, 34), (7, 99)]]
+    llm = LLM(
+        model=model_path,
+        dtype="float32",
+        max_model_len=64,
+        kv_cache_memory_bytes=64 * 2**20,
+        enforce_eager=True,
+        logprobs_mode="processed_logprobs",
+        seed=0,
+    )
+    prompts = [
+        tokenizer(arithmetic_prompt(a, b), add_special_tokens=False)["input_ids"] for a, b in [(12, 34), (7, 99)]
+    ]
     params = SamplingParams(n=4, temperature=1.0, max_tokens=6, logprobs=0, seed=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 

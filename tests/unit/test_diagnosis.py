@@ -7,8 +7,14 @@ CFG = load_config(None, ["rollout.queue_maxsize=16", "rollout.max_inflight_tasks
 
 
 def window(queue, inflight, wait_s, step_s=1.0, n=4):
-    return [{"sample/rollout_queue_size": queue, "rollout/inflight": inflight, "perf/rollout_wait_s": wait_s,
-             "perf/step_s": step_s}] * n
+    return [
+        {
+            "sample/rollout_queue_size": queue,
+            "rollout/inflight": inflight,
+            "perf/rollout_wait_s": wait_s,
+            "perf/step_s": step_s,
+        }
+    ] * n
 
 
 def test_full_queue_and_no_wait_is_trainer_bound():

@@ -41,8 +41,10 @@ def run(coro):
 def test_groups_carry_version_and_stale_ones_are_dropped():
     async def main():
         calls = []
-        w = make_worker(echo_answer_generate(calls), **{"grpo.max_staleness": 1, "rollout.queue_maxsize": 4,
-                                                        "rollout.max_inflight_tasks": 2})
+        w = make_worker(
+            echo_answer_generate(calls),
+            **{"grpo.max_staleness": 1, "rollout.queue_maxsize": 4, "rollout.max_inflight_tasks": 2},
+        )
         w.start()
         first = await w.get_groups(2)
         assert [g.policy_version for g in first] == [0, 0] and len(first[0].samples) == 8
@@ -75,15 +77,17 @@ def test_backpressure_bounds_what_is_buffered():
 
 def test_generation_failures_are_retried_then_dropped():
     async def main():
-        w = make_worker(echo_answer_generate(fail_first=2), **{"rollout.max_retries": 3,
-                                                                "rollout.max_inflight_tasks": 1})
+        w = make_worker(
+            echo_answer_generate(fail_first=2), **{"rollout.max_retries": 3, "rollout.max_inflight_tasks": 1}
+        )
         w.start()
         groups = await w.get_groups(1)
         assert len(groups) == 1 and w.counters["request_retries"] == 2 and w.counters["dropped_failed"] == 0
         await w.stop()
 
-        always = make_worker(echo_answer_generate(fail_first=10**9), **{"rollout.max_retries": 1,
-                                                                         "rollout.max_inflight_tasks": 2})
+        always = make_worker(
+            echo_answer_generate(fail_first=10**9), **{"rollout.max_retries": 1, "rollout.max_inflight_tasks": 2}
+        )
         always.start()
         assert await always.get_groups(1, timeout_s=2.0) == []
         assert always.counters["dropped_failed"] >= 1 and always._producer is not None and not always._producer.done()
@@ -110,8 +114,15 @@ def test_raising_reward_scores_none_and_worker_goes_on():
 def test_consumed_groups_are_never_produced_again():
     async def main():
         cfg = load_config(None, ["rollout.max_inflight_tasks=1"])
-        w = RolloutWorker(cfg, PROBLEMS, lambda p: [1], echo_answer_generate(), RewardScorer([exact_answer]),
-                          data_cursor=0, consumed_group_ids={"g0", "g1"})
+        w = RolloutWorker(
+            cfg,
+            PROBLEMS,
+            lambda p: [1],
+            echo_answer_generate(),
+            RewardScorer([exact_answer]),
+            data_cursor=0,
+            consumed_group_ids={"g0", "g1"},
+        )
         w.start()
         groups = await w.get_groups(2)
         assert [g.group_id for g in groups] == ["g2", "g3"]
@@ -130,8 +141,12 @@ def test_data_order_is_a_function_of_the_cursor():
 def test_stats_names_follow_trl():
     w = make_worker(echo_answer_generate())
     s = w.stats()
-    for key in ("sample/rollout_queue_size", "rollout/inflight", "rollout/generated_tok_s",
-                "sample/dropped_stale_total"):
+    for key in (
+        "sample/rollout_queue_size",
+        "rollout/inflight",
+        "rollout/generated_tok_s",
+        "sample/dropped_stale_total",
+    ):
         assert key in s
 
 
