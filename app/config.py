@@ -206,6 +206,9 @@ class LearnerConfig(Section):
     )
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per learner worker.")
     max_restarts: int = Field(3, ge=-1, description="Restarts of a dead learner worker (-1: no limit); it resumes.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources of rank 0, e.g. {learner_node: 1}; ranks pack with it."
+    )
 
 
 class LoggingConfig(Section):

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Learner", "LearnerGroup", "LearnerWorker"]
 
 RESTART_TIMEOUT_S = 600.0
+PLACEMENT_TIMEOUT_S = 900.0
 _DEAD = RayActorError  # ActorDiedError, ActorUnavailableError and their kin
 
 
@@ -85,8 +86,19 @@ class LearnerGroup:
             "num_gpus": 1 if lcfg.device == "cuda" else 0,
         }
         if n > 1:
-            self._pg = placement_group([bundle] * n, strategy="STRICT_PACK" if lcfg.device == "cuda" else "PACK")
-            ray.get(self._pg.ready())
+            # Custom resources (the cluster's `learner_node`) go on rank 0's bundle only: the node has one unit,
+            # and STRICT_PACK puts every GPU rank beside rank 0 (NCCL never leaves the learner node).
+            bundles = [{**bundle, **lcfg.ray_resources}] + [bundle] * (n - 1)
+            self._pg = placement_group(bundles, strategy="STRICT_PACK" if lcfg.device == "cuda" else "PACK")
+            try:  # an autoscaler may have to bring the (spot) learner node up first
+                ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except GetTimeoutError:
+                raise RuntimeError(
+                    f"learner: no room for {n} workers {bundles} within {PLACEMENT_TIMEOUT_S:.0f} s "
+                    f"(cluster resources: {ray.cluster_resources()})"
+                ) from None
+        elif lcfg.ray_resources:
+            options["resources"] = dict(lcfg.ray_resources)
         actor = ray.remote(LearnerWorker)
         self.workers = []
         for rank in range(n):

@@ -25,7 +25,12 @@ def ray_local():
     import ray
 
     ray.init(
-        address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False
+        address="local",
+        num_cpus=2,
+        resources={"learner_node": 1},  # as cluster.yaml labels the learner node
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
     )
     yield ray
     ray.shutdown()
@@ -61,7 +66,7 @@ def _assert_same_tensors(a: dict, b: dict, atol: float):
 
 def test_two_fsdp_ranks_update_the_adapter_like_one(ray_local, tmp_path, model_path):
     ref, ref_metrics = _run_in_process(_config(tmp_path, "one"), model_path, STEP_GROUPS)
-    group = LearnerGroup(_config(tmp_path, "two", num_workers=2), model_path)
+    group = LearnerGroup(_config(tmp_path, "two", num_workers=2, ray_resources={"learner_node": 1}), model_path)
     try:
         assert group.start()["policy_version"] == 0
         metrics = [group.train_step(groups, data_cursor=i + 1) for i, groups in enumerate(STEP_GROUPS)]
