@@ -63,13 +63,15 @@ class FleetClient:
         timeout_s: float = 300.0,
         retries: int = 3,
         backoff_s: float = 0.5,
+        transport: httpx.BaseTransport | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
+        # `transport` lets tests talk to the ASGI app in-process; real use goes over TCP.
         self._client = httpx.Client(
-            base_url=self.base_url, headers=self._headers, timeout=self._timeout, trust_env=False
+            base_url=self.base_url, headers=self._headers, timeout=self._timeout, trust_env=False, transport=transport
         )
         self._async: httpx.AsyncClient | None = None
 

@@ -117,12 +117,16 @@ def fleet_url(cfg: RunConfig) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
-def deploy_fleet(cfg: RunConfig, model_path: str, *, timeout_s: float = 900.0) -> str:
+def deploy_fleet(
+    cfg: RunConfig, model_path: str, *, timeout_s: float = 900.0, request_router_class: str = PREFIX_ROUTER
+) -> str:
     """Run the fleet on the already initialised Ray; return its base URL once every replica is healthy.
 
     Healthy means each replica finished start-up, which includes loading the newest committed
-    adapter versions from the bucket, and answers `/health`. Idempotent: a fleet already running with
-    the same config is left alone (Serve sees no change).
+    adapter versions from the bucket, and answers `/health`. Deploying again replaces the running
+    fleet (Ray Serve versions every imperative deploy anew, so the engines restart): call
+    `fleet_is_running` first to reuse one. `request_router_class` swaps the router (the benchmark
+    compares PrefixHashRouter with Serve's own).
     """
     from ray import serve
     from ray.serve.config import HTTPOptions
@@ -137,7 +141,11 @@ def deploy_fleet(cfg: RunConfig, model_path: str, *, timeout_s: float = 900.0) -
             cfg.fleet.port,
         )
     started = time.monotonic()
-    serve.run(fleet_app(cfg, model_path), name=cfg.fleet.app_name, route_prefix="/")
+    serve.run(
+        fleet_app(cfg, model_path, request_router_class=request_router_class),
+        name=cfg.fleet.app_name,
+        route_prefix="/",
+    )
     wait_healthy(base_url, cfg.fleet.num_replicas, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
     log.info("fleet up at %s in %.0fs", base_url, time.monotonic() - started)
     return base_url

@@ -356,6 +356,8 @@ class VLLMReplica:
                 adapter.inflight -= 1
                 if adapter.draining and adapter.inflight == 0:
                     await self._remove(adapter)
+        if final is None:  # aborted before any output, e.g. by /pause?mode=abort
+            raise FleetError(f"replica {self.replica_id}: the request was aborted", 503)
         choices = []
         for out in sorted(final.outputs, key=lambda o: o.index):
             token_ids = list(out.token_ids)

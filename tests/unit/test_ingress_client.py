@@ -1,0 +1,77 @@
+"""FleetClient against the fleet's API in-process (the fake backend of test_ingress): parsing, errors, retries."""
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from app.fleet_client import FleetClient, FleetError
+from deployments.api import make_app
+from deployments.local import free_port
+from tests.unit.test_ingress import BASE, TOKEN, FakeBackend, _settings
+
+
+def _client(backend, token=TOKEN, **kwargs):
+    """A FleetClient whose requests are served by the ASGI app, counting them."""
+    app = TestClient(make_app(backend, _settings()), raise_server_exceptions=False)
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        r = app.request(
+            request.method,
+            request.url.path,
+            params=request.url.params,
+            content=request.content,
+            headers=dict(request.headers),
+        )
+        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+    client = FleetClient(
+        "http://fleet.test", token=token, transport=httpx.MockTransport(handler), backoff_s=0, **kwargs
+    )
+    return client, seen
+
+
+def test_completions_come_back_as_choices():
+    client, seen = _client(FakeBackend())
+    choices = client.completions([1, 2, 3], BASE, n=2, max_tokens=2, temperature=1.0)
+    assert [c.index for c in choices] == [0, 1]
+    assert choices[0].token_ids == [5, 6] and choices[0].logprobs == [-0.5, -1.0]
+    assert choices[0].text == "fg" and choices[0].finish_reason == "length"
+    body = seen[-1].read()
+    assert b'"return_token_ids":true' in body.replace(b" ", b"") and b'"logprobs":0' in body.replace(b" ", b"")
+
+
+def test_admin_calls_send_the_token_and_errors_carry_the_status():
+    backend = FakeBackend()
+    client, seen = _client(backend)
+    assert client.load_adapter("policy-v1", "adapters/policy-v1")["replicas"] == 2
+    assert seen[-1].headers["authorization"] == f"Bearer {TOKEN}"
+    anonymous, _ = _client(backend, token=None)
+    with pytest.raises(FleetError) as denied:
+        anonymous.pause()
+    assert denied.value.status == 401 and TOKEN not in str(denied.value)
+    with pytest.raises(FleetError) as missing:
+        client.completions([1], "policy-v9", max_tokens=1)
+    assert missing.value.status == 404
+    assert TOKEN not in repr(client)
+
+
+def test_no_live_replica_is_retried_then_reported():
+    backend = FakeBackend()
+
+    async def nobody(method, *args):
+        return []
+
+    backend.broadcast = nobody
+    client, seen = _client(backend, retries=2)
+    with pytest.raises(FleetError) as unavailable:
+        client.health()
+    assert unavailable.value.status == 503 and len(seen) == 3
+
+
+def test_an_unreachable_fleet_is_a_fleet_error_without_status():
+    client = FleetClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0, timeout_s=5)
+    with pytest.raises(FleetError) as down:
+        client.models()
+    assert down.value.status is None and "ConnectError" in str(down.value)

