@@ -23,10 +23,8 @@ import logging
 import math
 import os
 import shutil
-import socket
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ import torch.distributed as dist
 
 from app.config import RunConfig
 from app.grpo_loss import LossStats, grpo_loss, token_logprobs
+from app.learner_model import build_lora_model, build_optimizer, fully_shard_model, init_distributed
 from app.learner_state import (
     ADAPTER_DIR,
     LearnerState,
@@ -52,21 +51,13 @@ from app.packing import (
     batch_metrics,
     pack,
     pad,
-    register_packed_attention,
     samples_from_groups,
     shard,
 )
-from app.perf import Stopwatch, flops_per_token, mfu_percent
+from app.perf import Stopwatch, step_perf_metrics
 from app.samples import Group, adapter_name
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-
-
-def _loopback_interface() -> str | None:
-    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
 
 
 class Learner:
@@ -96,74 +87,14 @@ class Learner:
 
     def setup(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
         """Join the process group (world_size > 1) and load the base model with a fresh adapter (unsharded)."""
-        lcfg = self.cfg.learner
-        if lcfg.device == "cuda":
+        if self.cfg.learner.device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each worker one visible GPU
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        if self.world_size > 1 and not dist.is_initialized():
-            if master_addr.startswith("127.") and lcfg.device == "cpu":
-                # gloo otherwise binds the interface its hostname resolves to, which may be a public one.
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface() or "lo")
-            dist.init_process_group(
-                "nccl" if lcfg.device == "cuda" else "gloo",
-                init_method=f"tcp://{master_addr}:{master_port}",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=COLLECTIVE_TIMEOUT,
-            )
-        self.model = self._build_model()
-
-    def _build_model(self):
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=DTYPES[self.cfg.model.dtype], attn_implementation=register_packed_attention()
-        )
-        base.config.use_cache = False
-        if self.cfg.learner.gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lora = self.cfg.lora
-        # Every rank must draw the same LoRA init (FSDP shards assume identical replicas): seed it.
-        torch.manual_seed(self.cfg.grpo.seed)
-        model = get_peft_model(
-            base,
-            LoraConfig(
-                r=lora.rank,
-                lora_alpha=lora.alpha,
-                lora_dropout=lora.dropout,
-                target_modules=lora.target_modules,
-                task_type="CAUSAL_LM",
-            ),
-        )
-        self.pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
-        return model.to(self.device)
-
-    def _shard_and_build_optimizer(self) -> None:
-        """FSDP2-shard the model (world_size > 1), then AdamW over the LoRA parameters and the LR schedule."""
-        from transformers import get_scheduler
-
         if self.world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-            block_names = set(getattr(self.model.base_model.model, "_no_split_modules", None) or [])
-            for module in self.model.modules():
-                if type(module).__name__ in block_names:
-                    fully_shard(module, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
-        g = self.cfg.grpo
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=g.learning_rate, betas=(g.adam_beta1, g.adam_beta2), weight_decay=g.weight_decay
-        )
-        name = "constant_with_warmup" if g.lr_scheduler_type == "constant" and g.warmup_steps else g.lr_scheduler_type
-        self.scheduler = get_scheduler(
-            name, self.optimizer, num_warmup_steps=g.warmup_steps, num_training_steps=g.max_steps
-        )
+            init_distributed(self.rank, self.world_size, master_addr, master_port, self.device.type)
+        self.model, self.pad_id = build_lora_model(self.cfg, self.model_path, self.device)
 
     def _rank0_decides(self, value):
         """Rank 0's value on every rank: bucket listings are read once, so ranks never disagree."""
@@ -188,7 +119,9 @@ class Learner:
             self.state = read_state(folder)
             self._consumed = set(self.state.consumed_group_ids)
             load_adapter_weights(self.model, folder / ADAPTER_DIR)
-        self._shard_and_build_optimizer()
+        if self.world_size > 1:
+            fully_shard_model(self.model, self.world_size, self.device.type)
+        self.optimizer, self.scheduler = build_optimizer(self.cfg, self.model)
         if folder is not None:
             restore_training_state(
                 folder, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, rank=self.rank
@@ -306,7 +239,9 @@ class Learner:
                 metrics["weight_sync/fleet_load_failures"] = float(self.fleet_load_failures)
         if self.state.step % lcfg.save_steps == 0:
             metrics["perf/checkpoint_s"] = self.save_checkpoint()
-        metrics.update(self._perf_metrics(metrics, time.perf_counter() - t_step))
+        peak = self.cfg.learner.peak_flops.get(self.cfg.learner.device, math.nan)
+        config = self.model.base_model.model.config
+        metrics.update(step_perf_metrics(config, metrics, time.perf_counter() - t_step, self.world_size, peak))
         metrics.update({"step": self.state.step, "policy_version": self.state.policy_version})
         return metrics
 
@@ -328,21 +263,6 @@ class Learner:
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         sums, lo, hi = sums.cpu(), lo.cpu(), hi.cpu()
         return LossStats.from_tensors(sums[:-1], lo, hi), sums[-1].item()
-
-    def _perf_metrics(self, metrics: dict, step_s: float) -> dict:
-        fwd_bwd_s = metrics["perf/fwd_bwd_s"]
-        real_tokens = metrics["batch/real_tokens"]
-        trained = metrics["batch/trained_tokens"]
-        mean_len = real_tokens / max(metrics["batch/samples"], 1.0)
-        flops = flops_per_token(self.model.base_model.model.config, mean_len) * real_tokens
-        peak = self.cfg.learner.peak_flops.get(self.cfg.learner.device, math.nan)
-        return {
-            "perf/step_s": step_s,
-            "perf/mfu_fwd_bwd": mfu_percent(flops, fwd_bwd_s, self.world_size, peak),
-            "perf/trained_tok_s": trained / step_s,
-            "perf/trained_tok_s_fwd_bwd": trained / max(fwd_bwd_s, 1e-9),
-            "perf/forwarded_tok_s_fwd_bwd": metrics["batch/forwarded_tokens"] / max(fwd_bwd_s, 1e-9),
-        }
 
     # ---- weights out: publish, checkpoint ---------------------------------------------------------
 

@@ -58,3 +58,21 @@ class Stopwatch:
 
     def get(self, name: str) -> float:
         return self.totals.get(name, 0.0)
+
+
+def step_perf_metrics(model_config, metrics: dict, step_s: float, world_size: int, peak_flops: float) -> dict:
+    """The `perf/*` throughput metrics of one step, from its `batch/*` counts and `perf/fwd_bwd_s`.
+
+    FLOPs count the real (non-pad) tokens forwarded: pad tokens are wasted work, so packing's gain shows.
+    """
+    fwd_bwd_s = max(metrics["perf/fwd_bwd_s"], 1e-9)
+    real_tokens = metrics["batch/real_tokens"]
+    trained = metrics["batch/trained_tokens"]
+    flops = flops_per_token(model_config, real_tokens / max(metrics["batch/samples"], 1.0)) * real_tokens
+    return {
+        "perf/step_s": step_s,
+        "perf/mfu_fwd_bwd": mfu_percent(flops, fwd_bwd_s, world_size, peak_flops),
+        "perf/trained_tok_s": trained / step_s,
+        "perf/trained_tok_s_fwd_bwd": trained / fwd_bwd_s,
+        "perf/forwarded_tok_s_fwd_bwd": metrics["batch/forwarded_tokens"] / fwd_bwd_s,
+    }
