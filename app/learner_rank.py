@@ -19,6 +19,7 @@ number the learner will reuse.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -214,12 +215,19 @@ class Learner:
         g, lcfg = self.cfg.grpo, self.cfg.learner
         fresh = [grp for grp in groups if grp.group_id not in self._consumed]
         if data_cursor is not None:
+            json.dumps(data_cursor)  # it goes into the checkpoint's JSON: fail here, not at save time
             self.state.data_cursor = data_cursor
         metrics = self.forward_backward(fresh)
         metrics["batch/skipped_groups"] = float(len(groups) - len(fresh))
         if metrics["batch/trained_tokens"] == 0:  # all trained on before (or no completion tokens): no step
             self._mark_consumed(fresh)
-            return {**metrics, "step": self.state.step, "policy_version": self.state.policy_version}
+            return {
+                **metrics,
+                "learner/skipped_step": 1.0,
+                "perf/step_s": time.perf_counter() - t_step,
+                "step": self.state.step,
+                "policy_version": self.state.policy_version,
+            }
 
         watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
         with watch("optimizer"):

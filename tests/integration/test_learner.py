@@ -122,7 +122,7 @@ def test_killed_worker_resumes_from_checkpoint_and_matches_uninterrupted_run(ray
             _assert_same_tensors(resumed_optim[name], ref_optim[name], atol=1e-7)
 
         replay = group.train_step(STEP_GROUPS[2], data_cursor=4)  # the driver re-sends groups: not trained twice
-        assert replay["batch/skipped_groups"] == 3 and replay["step"] == 3
+        assert replay["batch/skipped_groups"] == 3 and replay["step"] == 3 and replay["learner/skipped_step"] == 1
     finally:
         group.shutdown()
 
