@@ -20,7 +20,7 @@ from typing import Any
 
 from app.config import REPO_ROOT, RunConfig, load_config
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the app-build and controller logs
 
 PREFIX_ROUTER = "deployments.router:PrefixHashRouter"
 REPLICA_DEPLOYMENT = "VLLMReplica"
@@ -90,7 +90,9 @@ def build_app(args: dict[str, Any]):
         path = REPO_ROOT / path  # `serve run` may build the app in a process started elsewhere
     cfg = load_config(path, list(args.get("overrides") or []))
     model_path = resolve_model_path(cfg.model, cfg.task, log=log.info)
-    log.info("fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, cfg.bucket_url)
+    log.info(
+        "fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, absolute_bucket_url(cfg.bucket_url)
+    )
     return fleet_app(cfg, model_path)
 
 
@@ -170,13 +172,17 @@ def wait_healthy(base_url: str, num_replicas: int, *, timeout_s: float = 300.0) 
     raise TimeoutError(f"fleet at {base_url} not healthy after {timeout_s:.0f}s: {last}")
 
 
-def shutdown_fleet(cfg: RunConfig) -> None:
-    """Delete the fleet's application (stopping its engines); shut Serve down if nothing else runs on it."""
+def shutdown_fleet(cfg: RunConfig, *, stop_serve: bool = True) -> None:
+    """Delete the fleet's application (stopping its engines); shut Serve down if nothing else runs on it.
+
+    `stop_serve=False` when Ray itself is about to stop: its shutdown ends Serve's controller anyway,
+    and stopping Serve first only races it (Ray then reports a failed graceful_shutdown task).
+    """
     from ray import serve
 
     if _serve_client() is None:
         return
     if cfg.fleet.app_name in serve.status().applications:
         serve.delete(cfg.fleet.app_name)
-    if not serve.status().applications:
+    if stop_serve and not serve.status().applications:
         serve.shutdown()

@@ -12,11 +12,16 @@ export RAY_ADDRESS="${RAY_ADDRESS:-127.0.0.1:6379}"
 # deployments.* and app.*: put the repository on their path even when the project is not installed.
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export RAY_USAGE_STATS_ENABLED=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# `ray start --node-ip-address 127.0.0.1` swaps loopback for the machine's external address; with this
+# (Ray's single-machine mode) the node address stays 127.0.0.1 for the head and every process it starts.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+# Token auth on for the head and, explicitly, for `serve run` too (which otherwise connects without the token).
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 
 if ! "$BIN/ray" status --address "$RAY_ADDRESS" >/dev/null 2>&1; then
   echo "serve_local: starting a Ray head on $RAY_ADDRESS (metrics on 127.0.0.1:${RAY_METRICS_EXPORT_PORT:-8080})"
   "$BIN/ray" start --head --node-ip-address 127.0.0.1 --port "${RAY_ADDRESS##*:}" \
-    --dashboard-host 127.0.0.1 --metrics-export-port "${RAY_METRICS_EXPORT_PORT:-8080}" \
-    --disable-usage-stats >/dev/null
+    --dashboard-host 127.0.0.1 --dashboard-port "${RAY_DASHBOARD_PORT:-8265}" \
+    --metrics-export-port "${RAY_METRICS_EXPORT_PORT:-8080}" --disable-usage-stats >/dev/null
 fi
 exec "$BIN/serve" run "$CONFIG"
