@@ -119,6 +119,21 @@ def router_affinity(router: dict | None) -> float | None:
     return totals.get("affinity", 0) / routed if routed else None
 
 
+def ensure_served(fleet, cfg: RunConfig, version: int) -> None:
+    """Make sure the fleet serves the learner's version before sampling from it.
+
+    The learner asks the fleet to load each version it publishes but only counts a failed load
+    (training goes on); at start-up there is no point going on without it, so load it here or fail.
+    """
+    from app.bucket import AdapterStore
+    from app.samples import adapter_name
+
+    name = adapter_name(version)
+    if name not in {m["id"] for m in fleet.models()}:
+        log.info("the fleet does not serve %s yet: loading it from the bucket", name)
+        fleet.load_adapter(name, AdapterStore.from_config(cfg).url_of(version))
+
+
 def train(cfg: RunConfig, address: str | None = None) -> dict:
     import ray
 
@@ -140,7 +155,8 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
     inference_token = token if cfg.fleet.protect_inference else None
 
     with ExitStack() as stack:
-        if start_ray(address):
+        ray_is_ours = start_ray(address)
+        if ray_is_ours:
             stack.callback(ray.shutdown)
         if fleet_is_running(cfg):
             base_url = f"http://{cfg.fleet.host}:{cfg.fleet.port}"
@@ -148,7 +164,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         else:
             log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
             base_url = deploy_fleet(cfg, model_path)
-            stack.callback(shutdown_fleet, cfg)
+            stack.callback(shutdown_fleet, cfg, stop_serve=not ray_is_ours)
         fleet = FleetClient(base_url, token=token)
 
         learner = LearnerGroup(cfg, model_path, fleet_url=base_url, fleet_token=token)
@@ -156,6 +172,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         state = learner.start()
         version = state["policy_version"]
         log.info("learner at step %d, policy version %d", state["step"], version)
+        ensure_served(fleet, cfg, version)
 
         before = evaluate(cfg, base_url, model_path, adapter_name(version), inference_token)
         log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])

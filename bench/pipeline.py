@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,13 @@ VARIANTS = {
 }
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on, so a fleet already running elsewhere is never joined by mistake."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_variant(name: str, sets: list[str], steps: int, extra: list[str], workdir: Path) -> dict:
     out = workdir / name.split()[0]
     sets = [
@@ -39,6 +47,7 @@ def run_variant(name: str, sets: list[str], steps: int, extra: list[str], workdi
         f"bucket.cache_dir={out}/cache",
         "logging.trackio=false",
         "logging.progress_bar=false",
+        f"fleet.port={free_port()}",
         *extra,
     ]
     cmd = [
