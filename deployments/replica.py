@@ -418,7 +418,18 @@ class VLLMReplica:
             self._adapters[name] = adapter
             self._unloaded.discard(name)
             log.info("replica %s loaded %s from %s", self.replica_id, name, redact(source))
-            return {"replica": self.replica_id, "loaded": True}
+        await self._retire_old_versions()
+        return {"replica": self.replica_id, "loaded": True}
+
+    async def _retire_old_versions(self) -> None:
+        """Unload policy versions older than the newest `max_staleness + 1`: no sample may use them any more.
+
+        With at most one version draining beside that window, the engine never holds more than
+        `max_loras` adapters, so vLLM's silent LRU eviction never drops one that requests still name.
+        """
+        versions = sorted((int(m.group(1)), n) for n in self._adapters if (m := POLICY_NAME.fullmatch(n)))
+        for _, name in versions[: max(0, len(versions) - self._window)]:
+            await self.unload_adapter(name)
 
     async def _fetch(self, name: str, ref: str) -> tuple[str, Path]:
         """(source, verified local folder) for a reference: a bucket version, or a trusted local folder."""

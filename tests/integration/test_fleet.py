@@ -49,6 +49,7 @@ def fleet(tmp_path_factory, tiny_model_path):
     publish_random_adapters(store, tiny_model_path, [1], work)  # committed before start-up: loaded by every replica
     metrics_port = free_port()
     start_local_ray(num_cpus=2, metrics_export_port=metrics_port)
+    saved = os.environ.get("SPOTRL_ADMIN_TOKEN")
     os.environ["SPOTRL_ADMIN_TOKEN"] = TOKEN  # as a user would export it before deploying
     try:
         url = deploy_fleet(cfg, tiny_model_path, timeout_s=600)
@@ -56,7 +57,10 @@ def fleet(tmp_path_factory, tiny_model_path):
         ray.shutdown()
         raise
     finally:
-        del os.environ["SPOTRL_ADMIN_TOKEN"]
+        if saved is None:
+            del os.environ["SPOTRL_ADMIN_TOKEN"]
+        else:
+            os.environ["SPOTRL_ADMIN_TOKEN"] = saved
     client = FleetClient(url, token=TOKEN)
     base = client.models()[0]["id"]
     yield SimpleNamespace(

@@ -35,9 +35,10 @@ def test_table_match_counts_only_blocks_some_replica_lacks():
     assert table.match(prompt, {"a", "b"}) == {}  # everyone holds the shared blocks: no preference
     table.record(prompt, "b")
     assert table.match(prompt, {"a", "b"}) == {"b": 4}
-    # With "b" dead, "a" holds the shared prefix alone, which is then specific to it.
-    assert table.match(prompt, {"a"}) == {}  # ...but a single live replica holds "everything live"
+    # "Everyone" means the live replicas: with a fresh "c" beside "a", the shared blocks point to "a" ...
     assert table.match(prompt, {"a", "c"}) == {"a": 2}
+    # ... and a lone live replica holds everything there is to hold, which prefers nothing.
+    assert table.match(prompt, {"a"}) == {}
 
 
 def test_table_match_stops_at_first_unknown_block():

@@ -43,3 +43,24 @@ def test_sampled_token_logprobs_and_top_alternatives():
     assert chosen == [-0.1, -1.5] and top is None  # the sampled token's, even when it is not the most likely
     _, top = _token_logprobs([7, 4], positions, top=2)
     assert top == [{7: -0.1, 9: -2.5}, {8: -0.3, 2: -0.9}]
+
+
+def test_versions_that_fall_out_of_the_window_drain_then_leave_the_engine():
+    import asyncio
+
+    from deployments.replica import VLLMReplica, _Adapter
+
+    removed = []
+
+    async def remove_lora(int_id):
+        removed.append(int_id)
+
+    replica = object.__new__(VLLMReplica)  # the bookkeeping alone, without an engine behind it
+    replica.replica_id, replica._window, replica._unloaded = "r", 3, set()
+    replica.engine = SimpleNamespace(remove_lora=remove_lora)
+    replica._adapters = {f"policy-v{v}": _Adapter(f"policy-v{v}", v, "/x", "s") for v in (1, 2, 3, 4)}
+    replica._adapters["policy-v1"].inflight = 2  # still sampling for two requests
+    replica._adapters["trl-policy-v9"] = _Adapter("trl-policy-v9", 9, "/y", "t")  # not a bucket version
+    asyncio.run(replica._retire_old_versions())
+    assert sorted(replica._adapters) == ["policy-v2", "policy-v3", "policy-v4", "trl-policy-v9"]
+    assert removed == [] and "policy-v1" in replica._unloaded  # refused from now on, removed once drained
