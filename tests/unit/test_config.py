@@ -18,10 +18,10 @@ def test_shipped_configs_validate():
 
 def test_overrides_are_typed_and_nested():
     cfg = load_config(
-        None, ["lora.rank=4", "grpo.learning_rate=3e-4", "fleet.router.block_size=32", "task.reward_funcs=[a, b]"]
+        None, ["lora.rank=4", "grpo.learning_rate=3e-4", "fleet.router.block_size=64", "task.reward_funcs=[a, b]"]
     )
     assert cfg.lora.rank == 4 and cfg.grpo.learning_rate == 3e-4
-    assert cfg.fleet.router.block_size == 32 and cfg.task.reward_funcs == ["a", "b"]
+    assert cfg.fleet.router.block_size == 64 and cfg.task.reward_funcs == ["a", "b"]
 
 
 @pytest.mark.parametrize(
