@@ -13,8 +13,9 @@ import asyncio
 import json
 
 from app.config import add_config_args, config_from_args
+from app.fleet_client import FleetClient
 from app.rewards import RewardScorer
-from app.rollout import Generate, http_generate, prompt_token_ids
+from app.rollout import Generate, inference_token, prompt_token_ids
 from app.tasks import Problem
 
 
@@ -59,7 +60,7 @@ def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None 
 
     problems = load_task(cfg.task).heldout
     scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
-    generate = http_generate(base_url, token)
+    generate = FleetClient(base_url, token).acompletions
     return asyncio.run(
         evaluate_async(
             generate,
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         latest = AdapterStore.from_config(cfg).latest()
         model = adapter_name(latest) if latest is not None else "base"
     url = args.url or f"http://{cfg.fleet.host}:{cfg.fleet.port}"
-    token = cfg.fleet.admin_token if cfg.fleet.protect_inference else None
+    token = inference_token(cfg)
     print(json.dumps(evaluate(cfg, url, resolve_model_path(cfg.model, cfg.task), model, token)))
 
 

@@ -19,10 +19,10 @@ import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import ray
 
+from app.fleet_client import Choice, FleetClient
 from app.rewards import RewardScorer
 from app.samples import Group, Sample, adapter_name
 from app.tasks import Problem
@@ -30,18 +30,8 @@ from app.tasks import Problem
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Completion:
-    """One choice of a completions response, as the rollout needs it."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
-
-
-# generate(prompt_ids, model, n, max_tokens, temperature, top_p, top_k) -> n completions
-Generate = Callable[..., Awaitable[list[Completion]]]
+# generate(prompt_ids, model, n, max_tokens, temperature, top_p, top_k) -> n choices: FleetClient.acompletions
+Generate = Callable[..., Awaitable[list[Choice]]]
 
 
 class RolloutWorker:
@@ -274,41 +264,6 @@ class RolloutWorker:
         self._producer = None
 
 
-def http_generate(base_url: str, token: str | None = None) -> Generate:
-    """A `Generate` over the fleet's OpenAI-compatible `/v1/completions` (token-id prompts, n samples)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    client = httpx.AsyncClient(
-        base_url=base_url,
-        headers=headers,
-        timeout=None,
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-    )
-
-    async def generate(prompt_ids, model, n, max_tokens, temperature, top_p=1.0, top_k=-1) -> list[Completion]:
-        body = {
-            "model": model,
-            "prompt": prompt_ids,
-            "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
-        resp = await client.post("/v1/completions", json=body)
-        if resp.status_code != 200:
-            raise RuntimeError(f"/v1/completions answered {resp.status_code}: {resp.text[:200]}")
-        return [
-            Completion(list(ch["token_ids"]), list(ch["logprobs"]["token_logprobs"]), ch["text"], ch["finish_reason"])
-            for ch in resp.json()["choices"]
-        ]
-
-    return generate
-
-
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class RolloutActor:
     """Hosts a RolloutWorker in Ray, talking to the fleet over HTTP."""
@@ -323,7 +278,10 @@ class RolloutActor:
             cfg,
             load_task(cfg.task).train,
             lambda p: prompt_token_ids(tokenizer, p),
-            http_generate(fleet_url, cfg.fleet.admin_token if cfg.fleet.protect_inference else None),
+            # The worker retries a failed request itself (and counts it), so the client does not.
+            FleetClient(
+                fleet_url, inference_token(cfg), retries=0, timeout_s=cfg.rollout.request_timeout_s
+            ).acompletions,
             RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s),
             data_cursor=state.get("data_cursor") or 0,
             policy_version=state.get("policy_version") or 0,
@@ -344,6 +302,15 @@ class RolloutActor:
 
     async def stop(self) -> None:
         await self.worker.stop()
+
+
+def inference_token(cfg) -> str | None:
+    """The token inference calls carry: the admin token, when the fleet protects inference too."""
+    import os
+
+    if not cfg.fleet.protect_inference:
+        return None
+    return os.environ.get("SPOTRL_ADMIN_TOKEN") or cfg.fleet.admin_token
 
 
 def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:

@@ -142,7 +142,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
     from app.fleet_client import FleetClient
     from app.learner import LearnerGroup
     from app.metrics_sink import MetricsSink
-    from app.rollout import RolloutActor
+    from app.rollout import RolloutActor, inference_token
     from app.samples import adapter_name
     from app.tiny_model import resolve_model_path
     from deployments.app import deploy_fleet, fleet_is_running, shutdown_fleet
@@ -152,7 +152,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
     token = os.environ.get("SPOTRL_ADMIN_TOKEN") or cfg.fleet.admin_token
-    inference_token = token if cfg.fleet.protect_inference else None
+    eval_token = inference_token(cfg)
 
     with ExitStack() as stack:
         ray_is_ours = start_ray(address)
@@ -174,7 +174,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         log.info("learner at step %d, policy version %d", state["step"], version)
         ensure_served(fleet, cfg, version)
 
-        before = evaluate(cfg, base_url, model_path, adapter_name(version), inference_token)
+        before = evaluate(cfg, base_url, model_path, adapter_name(version), eval_token)
         log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
 
         rollout = RolloutActor.remote(cfg, model_path, base_url, state)
@@ -231,7 +231,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         run.loop_s = time.time() - run.loop_t0
         final_stats = ray.get(rollout.stats.remote())
         verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
-        after = evaluate(cfg, base_url, model_path, adapter_name(version), inference_token)
+        after = evaluate(cfg, base_url, model_path, adapter_name(version), eval_token)
         summary = run.summary(before, after, final_stats, fleet.router_stats())
         summary["bottleneck"] = verdict.kind
         summary["bottleneck_detail"] = str(verdict)

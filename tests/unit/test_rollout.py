@@ -5,8 +5,9 @@ import asyncio
 import pytest
 
 from app.config import load_config
+from app.fleet_client import Choice
 from app.rewards import RewardScorer, exact_answer
-from app.rollout import Completion, RolloutWorker
+from app.rollout import RolloutWorker
 from app.tasks import make_arithmetic
 
 PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
@@ -29,7 +30,7 @@ def echo_answer_generate(calls=None, delay=0.0, fail_first=0):
         if state["n"] <= fail_first:
             raise ConnectionError("replica went away")
         await asyncio.sleep(delay)
-        return [Completion([5, 6], [-0.1, -0.2], str(i), "stop") for i in range(n)]
+        return [Choice(i, [5, 6], [-0.1, -0.2], str(i), "stop") for i in range(n)]
 
     return generate
 
