@@ -119,6 +119,15 @@ def router_affinity(router: dict | None) -> float | None:
     return totals.get("affinity", 0) / routed if routed else None
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse to start a fleet where another server already listens: the run would silently talk to it."""
+    import socket
+
+    with socket.socket() as sock:
+        if sock.connect_ex((host, port)) == 0:
+            raise SystemExit(f"fleet.port: {host}:{port} is already in use by another server; pick a free one")
+
+
 def ensure_served(fleet, cfg: RunConfig, version: int) -> None:
     """Make sure the fleet serves the learner's version before sampling from it.
 
@@ -158,6 +167,8 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         ray_is_ours = start_ray(address)
         if ray_is_ours:
             stack.callback(ray.shutdown)
+            # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
+            check_port_free(cfg.fleet.host, cfg.fleet.port)
         if fleet_is_running(cfg):
             base_url = f"http://{cfg.fleet.host}:{cfg.fleet.port}"
             log.info("using the fleet already running at %s", base_url)
