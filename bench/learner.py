@@ -71,20 +71,9 @@ def make_groups(n_groups: int, group_size: int, seed: int):
 
 
 def build_model(folder: Path) -> str:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from app.tiny_model import random_qwen2
 
-    config = Qwen2Config(
-        **MODEL,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_sliding_window=False,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    random_qwen2(**MODEL, max_position_embeddings=512).save_pretrained(folder)
     return str(folder)
 
 

@@ -19,9 +19,9 @@ VOCAB = 64
 
 def random_model(folder) -> str:
     """A small random Qwen2 saved as a model folder (no tokenizer: the learner works on token ids)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from app.tiny_model import random_qwen2
 
-    config = Qwen2Config(
+    model = random_qwen2(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -29,14 +29,8 @@ def random_model(folder) -> str:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_sliding_window=False,
     )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    model.save_pretrained(folder)
     return str(folder)
 
 
