@@ -128,6 +128,17 @@ def check_port_free(host: str, port: int) -> None:
             raise SystemExit(f"fleet.port: {host}:{port} is already in use by another server; pick a free one")
 
 
+def stop_actor(actor, timeout_s: float = 10.0) -> None:
+    """Ask an actor to stop cleanly, then kill it whatever happened: cleanup must never mask why we stop."""
+    import ray
+
+    try:
+        ray.get(actor.stop.remote(), timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a busy or dead actor is killed below all the same
+        log.warning("%s did not stop cleanly (%s): killing it", actor, type(exc).__name__)
+    ray.kill(actor, no_restart=True)
+
+
 def ensure_served(fleet, cfg: RunConfig, version: int) -> None:
     """Make sure the fleet serves the learner's version before sampling from it.
 
@@ -189,7 +200,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
 
         rollout = RolloutActor.remote(cfg, model_path, base_url, state)
-        stack.callback(lambda: ray.get(rollout.stop.remote(), timeout=30))
+        stack.callback(stop_actor, rollout)
         ray.get(rollout.start.remote())
 
         sink = MetricsSink(run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
