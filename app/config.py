@@ -16,6 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Ray's built-in resource of the head node (the on-demand one in cluster.yaml): coordination pinned here
+# (the fleet's ingress, the rollout actor) survives the loss of any spot node.
+HEAD_NODE = {"node:__internal_head__": 0.001}
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny-cpu.yaml"
 
@@ -130,7 +133,9 @@ class RolloutConfig(Section):
     max_inflight_tasks: int = Field(32, ge=1, description="Generation requests in flight across the whole fleet.")
     queue_maxsize: int = Field(64, ge=1, description="Scored groups waiting for the learner (backpressure beyond).")
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one generation request.")
-    max_retries: int = Field(3, ge=0, description="Retries of a failed generation request before its group is dropped.")
+    max_retries: int = Field(
+        5, ge=0, description="Retries of a failed generation request (backoff from 0.2 s) before its group is dropped."
+    )
 
 
 class RouterConfig(Section):
@@ -166,6 +171,10 @@ class FleetConfig(Section):
         None, description="Token admin calls require (SPOTRL_ADMIN_TOKEN in the environment wins)."
     )
     protect_inference: bool = Field(False, description="Also require the admin token on inference endpoints.")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources of each replica, e.g. {rollout_node: 1} (its node group).",
+    )
     num_gpus_per_replica: float = Field(
         0, ge=0, description="GPUs per replica; 0 on a CPU box (engines pinned to cores)."
     )
@@ -181,7 +190,9 @@ class BucketConfig(Section):
     url: str = Field("file://runs/{run_name}/bucket", description="file:// or s3:// URL; {run_name} is filled in.")
     endpoint_url: str | None = Field(None, description="S3 endpoint of an S3-compatible store (None: AWS).")
     region: str | None = Field(None, description="S3 region.")
-    max_attempts: int = Field(6, ge=1, description="Attempts of a bucket operation on transient errors.")
+    max_attempts: int = Field(
+        9, ge=1, description="Attempts of a bucket operation on transient errors (9: rides out ~25-75 s of outage)."
+    )
     backoff_s: float = Field(0.2, gt=0, description="First retry delay; doubles each attempt.")
     keep_versions: int = Field(8, ge=1, description="Adapter versions kept in the bucket (gc beyond).")
     keep_checkpoints: int = Field(2, ge=1, description="Learner checkpoints kept in the bucket.")

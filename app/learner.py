@@ -8,7 +8,8 @@ stays inside the learner node, and nothing but the bucket connects the learner t
 A dead worker (a preempted spot node, an OOM kill) is restarted by Ray (`max_restarts`). Its peers
 are then stuck in a collective that will never complete, so the group kills and restarts them too,
 and every rank resumes from the newest committed checkpoint in the bucket. The step that was
-interrupted is retried once on the same groups, so the driver sees a slower step, not an error;
+interrupted is retried once on the same groups, so the driver sees a slower step, not an error (a
+worker that died between steps is noticed at the next one: restarted, it answers `NotStarted`);
 `learner/restarts` in the metrics counts these recoveries, and `step` tells how far the learner
 fell back (to its last checkpoint). An error raised by the training code itself is not retried (it
 would fail again) but the group is still reset so that it can be used afterwards.
@@ -24,7 +25,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from app.config import RunConfig
-from app.learner_rank import Learner
+from app.learner_rank import Learner, NotStarted
 from app.samples import Group
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class LearnerGroup:
             if ready:
                 try:
                     ray.get(ref)
-                except _DEAD:
+                except (_DEAD, NotStarted):  # dead, or already restarted by Ray: either way not to be killed
                     dead.add(i)
                 except RayTaskError:
                     pass
@@ -179,10 +180,10 @@ class LearnerGroup:
             refs = [w.train_step.remote(groups_ref, data_cursor) for w in self.workers]
             try:
                 self._wait_all(refs)
-            except _DEAD as exc:
+            except (_DEAD, NotStarted) as exc:  # died during the step, or between steps (Ray restarted it)
                 if attempt == 1:
                     raise
-                log.warning("a learner worker died during a step (%s); restarting the group from the bucket", exc)
+                log.warning("a learner worker died (%s); restarting the group from the bucket", type(exc).__name__)
                 resumed = self._reset(self._dead_ranks(refs))
                 resumed_step = resumed["step"]
                 log.warning("learner resumed at step %s, policy version %s", resumed_step, resumed["policy_version"])

@@ -61,6 +61,10 @@ from app.samples import Group, adapter_name
 log = logging.getLogger(__name__)
 
 
+class NotStarted(RuntimeError):
+    """train_step before start(): in Ray, a worker that was restarted (its node died) and not yet resumed."""
+
+
 class Learner:
     """One rank of the learner. Call `setup` (joins the process group, loads the model), then `start`."""
 
@@ -210,7 +214,7 @@ class Learner:
     def train_step(self, groups: list[Group], data_cursor=None) -> dict:
         """One optimizer step on the groups not yet trained on; publish and checkpoint on schedule."""
         if not self._started:
-            raise RuntimeError("call start() before train_step()")
+            raise NotStarted("call start() before train_step()")
         t_step = time.perf_counter()
         g, lcfg = self.cfg.grpo, self.cfg.learner
         fresh = [grp for grp in groups if grp.group_id not in self._consumed]
@@ -219,6 +223,7 @@ class Learner:
             self.state.data_cursor = data_cursor
         metrics = self.forward_backward(fresh)
         metrics["batch/skipped_groups"] = float(len(groups) - len(fresh))
+        metrics["learner/trained_group_ids"] = [grp.group_id for grp in fresh]  # the driver's audit log, not a metric
         if metrics["batch/trained_tokens"] == 0:  # all trained on before (or no completion tokens): no step
             self._mark_consumed(fresh)
             return {

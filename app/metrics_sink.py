@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class MetricsSink:
                 log.warning("trackio disabled: %s", e)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        record = {"step": step, **metrics}
+        record = {"step": step, "time": round(time.time(), 3), **metrics}  # wall clock: stalls show as gaps
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
+from app.config import HEAD_NODE
 from app.fleet_client import Choice, FleetClient
 from app.rewards import RewardScorer
 from app.samples import Group, Sample, adapter_name
@@ -264,7 +265,9 @@ class RolloutWorker:
         self._producer = None
 
 
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+# On the head node, which cluster.yaml keeps on-demand. Should it restart all the same, Ray retries the
+# driver's calls on the new instance, which resumes from the bucket (`resume_state`).
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, resources=HEAD_NODE)
 class RolloutActor:
     """Hosts a RolloutWorker in Ray, talking to the fleet over HTTP."""
 
@@ -273,6 +276,10 @@ class RolloutActor:
         from app.tiny_model import load_tokenizer
 
         logging.basicConfig(level=logging.WARNING)
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # `state` is what the learner held when the run started: long outdated now.
+            state = resume_state(cfg)
+            log.warning("rollout actor restarted: resuming at %s", state)
         tokenizer = load_tokenizer(model_path)
         self.worker = RolloutWorker(
             cfg,
@@ -295,6 +302,7 @@ class RolloutActor:
         self.worker.set_versions(policy_version)
 
     async def get_groups(self, n: int, timeout_s: float | None = None) -> list[Group]:
+        self.worker.start()  # no-op unless this instance is a restart, which nobody else would start
         return await self.worker.get_groups(n, timeout_s)
 
     async def stats(self) -> dict[str, float]:
@@ -302,6 +310,20 @@ class RolloutActor:
 
     async def stop(self) -> None:
         await self.worker.stop()
+
+
+def resume_state(cfg) -> dict:
+    """Where a restarted rollout goes on, from the bucket: the newest checkpoint's data cursor, the newest version.
+
+    Groups trained since that checkpoint may be generated again; the learner, which remembers every
+    group id it trained on, skips them, so a restart costs some generation and never trains a group twice."""
+    from app.bucket import AdapterStore, CheckpointStore
+
+    checkpoints = CheckpointStore.from_config(cfg)
+    step = checkpoints.latest()
+    meta = checkpoints.manifest(step).get("meta", {}) if step is not None else {}
+    versions = [v for v in (AdapterStore.from_config(cfg).latest(), meta.get("policy_version")) if v is not None]
+    return {"data_cursor": meta.get("data_cursor") or 0, "policy_version": max(versions, default=0)}
 
 
 def inference_token(cfg) -> str | None:

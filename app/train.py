@@ -203,6 +203,9 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         stack.callback(stop_actor, rollout)
         ray.get(rollout.start.remote())
 
+        # Which groups each step trained: the audit trail of exactly-once across restarts (a resumed learner
+        # repeats step numbers; the last line of a step is the one its checkpoints descend from).
+        trained_log = stack.enter_context(open(run_dir / "trained_groups.jsonl", "a"))
         sink = MetricsSink(run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
         stack.callback(sink.close)
         bar = progress_bar(cfg, state["step"])
@@ -219,6 +222,8 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
             rollout_stats = ray.get(rollout.stats.remote())
             metrics = learner.train_step(groups, data_cursor=rollout_stats["rollout/data_frontier"])
             step = metrics["step"]
+            trained_log.write(json.dumps({"step": step, "groups": metrics.pop("learner/trained_group_ids")}) + "\n")
+            trained_log.flush()
             if metrics["policy_version"] != version:
                 version = metrics["policy_version"]
                 ray.get(rollout.set_versions.remote(version))

@@ -18,13 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import REPO_ROOT, RunConfig, load_config
+from app.config import HEAD_NODE, REPO_ROOT, RunConfig, load_config
 
 log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the app-build and controller logs
 
 PREFIX_ROUTER = "deployments.router:PrefixHashRouter"
 REPLICA_DEPLOYMENT = "VLLMReplica"
 INGRESS_DEPLOYMENT = "Ingress"
+# One access-log line per request drowns the replicas' own messages (and a joined driver's terminal) at
+# hundreds of requests a second; request counts and latencies are in Serve's metrics.
+QUIET = {"enable_access_log": False}
 
 
 def absolute_bucket_url(url: str) -> str:
@@ -60,8 +63,13 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
         max_ongoing_requests=fleet.max_ongoing_requests,
         # On a CPU box the engines pin cores themselves (VLLM_CPU_OMP_THREADS_BIND per replica); reserving
         # Ray CPUs for them as well would starve the learner of the same machine.
-        ray_actor_options={"num_cpus": 0, "num_gpus": fleet.num_gpus_per_replica} if on_gpu else {"num_cpus": 0},
+        ray_actor_options={
+            "num_cpus": 0,
+            **({"num_gpus": fleet.num_gpus_per_replica} if on_gpu else {}),
+            **({"resources": dict(fleet.replica_resources)} if fleet.replica_resources else {}),
+        },
         request_router_config=RequestRouterConfig(request_router_class=request_router_class),
+        logging_config=QUIET,
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
@@ -72,7 +80,9 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
         max_ongoing_requests=max(1000, fleet.max_ongoing_requests * fleet.num_replicas),
-        ray_actor_options={"num_cpus": 0},
+        # On the head node, beside the only HTTP proxy: losing a spot node never takes the front door with it.
+        ray_actor_options={"num_cpus": 0, "resources": dict(HEAD_NODE)},
+        logging_config=QUIET,
     )
     # The router class is part of the ingress's arguments so that changing it restarts the ingress,
     # whose handle then builds the new router (the benchmark swaps routers on the same replicas).
@@ -133,7 +143,8 @@ def deploy_fleet(
     from ray import serve
     from ray.serve.config import HTTPOptions
 
-    serve.start(http_options=HTTPOptions(host=cfg.fleet.host, port=cfg.fleet.port))
+    # One HTTP proxy, on the head (on-demand) node: clients have one address that outlives spot nodes.
+    serve.start(http_options=HTTPOptions(host=cfg.fleet.host, port=cfg.fleet.port), proxy_location="HeadOnly")
     base_url = fleet_url(cfg)
     if base_url != f"http://{cfg.fleet.host}:{cfg.fleet.port}":
         log.warning(

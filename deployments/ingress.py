@@ -68,7 +68,10 @@ class ServeBackend:
         raise AssertionError("unreachable")
 
     async def broadcast(self, method: str, *args: Any) -> list[Any]:
-        return await self._handle.broadcast(method, *args).results_async(return_exceptions=True)
+        """Each live replica's result or exception. A replica that died meanwhile is left out, not counted as a
+        failure: it is no longer part of the fleet, and its replacement reads the live versions from the bucket."""
+        results = await self._handle.broadcast(method, *args).results_async(return_exceptions=True)
+        return [r for r in results if not (isinstance(r, BaseException) and _retryable(r))]
 
     async def server_info(self) -> dict[str, Any]:
         if self._server_info is None:  # every replica runs the same engine config: ask one, once

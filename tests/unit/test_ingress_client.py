@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 from app.fleet_client import FleetClient, FleetError
 from deployments.api import make_app
 from deployments.local import free_port
+from deployments.replica import ModelNotFound
 from tests.unit.test_ingress import BASE, TOKEN, FakeBackend, _settings
 
 
@@ -75,3 +76,23 @@ def test_an_unreachable_fleet_is_a_fleet_error_without_status():
     with pytest.raises(FleetError) as down:
         client.models()
     assert down.value.status is None and "ConnectError" in str(down.value)
+
+
+def test_a_replica_that_died_is_left_out_of_a_broadcast_not_counted_as_failing():
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from deployments.ingress import ServeBackend
+
+    class Results:
+        async def results_async(self, return_exceptions):
+            return [{"replica": "a", "loaded": True}, ActorDiedError(), ModelNotFound("policy-v9")]
+
+    class Handle:
+        def broadcast(self, method, *args):
+            return Results()
+
+    results = asyncio.run(ServeBackend(Handle()).broadcast("load_adapter", "policy-v1", "ref", "id"))
+    assert results[0] == {"replica": "a", "loaded": True}
+    assert len(results) == 2 and isinstance(results[1], ModelNotFound)  # a real failure still counts
