@@ -17,6 +17,7 @@ import asyncio
 import logging
 import random
 import time
+import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -276,7 +277,10 @@ class RolloutActor:
         from app.tiny_model import load_tokenizer
 
         logging.basicConfig(level=logging.WARNING)
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        with warnings.catch_warnings():  # Ray 2.60's own property trips its deprecated `actor_id`
+            warnings.simplefilter("ignore")
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
             # `state` is what the learner held when the run started: long outdated now.
             state = resume_state(cfg)
             log.warning("rollout actor restarted: resuming at %s", state)

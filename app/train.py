@@ -199,7 +199,10 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         before = evaluate(cfg, base_url, model_path, adapter_name(version), eval_token)
         log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
 
-        rollout = RolloutActor.remote(cfg, model_path, base_url, state)
+        # Named, so that the dashboard and `ray.get_actor(name, namespace="spotrl")` find it.
+        rollout = RolloutActor.options(name=f"rollout-{cfg.logging.run_name}", namespace="spotrl").remote(
+            cfg, model_path, base_url, state
+        )
         stack.callback(stop_actor, rollout)
         ray.get(rollout.start.remote())
 

@@ -290,3 +290,21 @@ def test_a_bucket_outage_stalls_the_run_and_never_leaves_a_partial_version(spot)
     assert stall >= 8.0, "a step went through while the bucket was down: did it publish at all?"
     assert_versions_whole(spot)
     assert_exactly_once(spot, start + STEPS_PER_LEG)
+
+
+def test_a_crashed_rollout_actor_restarts_and_resumes_from_the_bucket(spot):
+    import ray
+
+    start = spot.resume_step()
+    proc = spot.start_driver(start + STEPS_PER_LEG)
+    spot.wait_for_step(proc, start + SAVE_STEPS + 1)
+
+    killed_at = time.time()
+    ray.kill(ray.get_actor("rollout-spot", namespace="spotrl"), no_restart=False)  # a crash: Ray restarts it
+    step_at = spot.wait_for_step(proc, max(m["step"] for m in spot.metrics()) + 1)
+    summary = spot.finish(proc)
+    report(f"rollout actor crashed: next step {step_at - killed_at:.1f} s after the kill")
+
+    assert "rollout actor restarted: resuming at" in spot.log_path.read_text(errors="replace")
+    assert summary["steps"] >= 1 and spot.metrics()[-1]["step"] == start + STEPS_PER_LEG
+    assert_exactly_once(spot, start + STEPS_PER_LEG)
