@@ -53,11 +53,22 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_base_port(attempts: int = 200) -> int:
-    """A base port whose whole block (see _OFFSETS) is free now; random so parallel sessions rarely collide."""
+    """A base port whose whole block (see _OFFSETS) is free now; random so parallel sessions rarely collide.
+
+    The block lies below the ephemeral range, where the OS never hands out a port on its own: while a
+    fault test has the server down, Ray's workers (which bind port 0) cannot take its ports away."""
     rng = random.Random()
+    top = _ephemeral_low() - _OFFSETS[-1] - 1
     for _ in range(attempts):
-        base = rng.randrange(20000, 45000)
+        base = rng.randrange(10000, top) if top > 11000 else rng.randrange(20000, 45000)
         if all(_port_free(base + off) for off in _OFFSETS):
             return base
     raise RuntimeError("no free block of ports for SeaweedFS on 127.0.0.1")
