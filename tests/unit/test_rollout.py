@@ -176,3 +176,23 @@ def test_a_dead_producer_is_an_error_not_a_hang():
             await w.get_groups(1, timeout_s=10)
 
     run(main())
+
+
+def test_a_restarted_rollout_resumes_from_the_newest_checkpoint_and_version(tmp_path):
+    from app.bucket import AdapterStore, CheckpointStore
+    from app.rollout import resume_state
+
+    cfg = load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache"])
+    assert resume_state(cfg) == {"data_cursor": 0, "policy_version": 0}  # nothing trained yet
+
+    checkpoints = CheckpointStore.from_config(cfg)
+    checkpoints.save(3, {"state.json": b"{}"}, meta={"policy_version": 3, "data_cursor": 40})
+    checkpoints.save(6, {"state.json": b"{}"}, meta={"policy_version": 6, "data_cursor": 97})
+    assert resume_state(cfg) == {"data_cursor": 97, "policy_version": 6}
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    AdapterStore.from_config(cfg).publish(adapter, 8)  # published after the checkpoint: sample with it
+    assert resume_state(cfg) == {"data_cursor": 97, "policy_version": 8}
