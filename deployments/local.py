@@ -38,7 +38,9 @@ def start_local_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -
 
 
 def random_adapter(model_path: str, folder: str | Path, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
-    """Save a PEFT LoRA (all linear layers) whose `lora_B` is random, so the adapter changes the outputs."""
+    """Save a PEFT LoRA (all linear layers) with random `lora_A` and `lora_B`, so the adapter changes the outputs.
+
+    Both come from `seed` alone (PEFT would draw `lora_A` from the global RNG): a seed is one adapter, always."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -48,7 +50,9 @@ def random_adapter(model_path: str, folder: str | Path, seed: int, rank: int = 8
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
+            if "lora_A" in name:  # PEFT's kaiming-uniform scale, ~1/sqrt(fan_in)
+                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+            elif "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     peft_model.save_pretrained(str(folder))
     return Path(folder)
