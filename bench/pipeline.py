@@ -14,26 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.common import print_table, write_result
+from deployments.local import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "async (max_staleness=4)": ["rollout.mode=async", "grpo.max_staleness=4"],
     "sync (max_staleness=0)": ["rollout.mode=sync", "grpo.max_staleness=0"],
 }
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on, so a fleet already running elsewhere is never joined by mistake."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_variant(name: str, sets: list[str], steps: int, extra: list[str], workdir: Path) -> dict:

@@ -39,7 +39,7 @@ class SpotCluster:
     def __init__(self, tmp: Path, s3: S3Server, model_path: str):
         from ray.cluster_utils import Cluster
 
-        from tests.integration.test_train import free_port
+        from deployments.local import free_port
 
         self.tmp, self.s3, self.model_path = tmp, s3, model_path
         self.bucket = s3.make_bucket("spot") + "/run"

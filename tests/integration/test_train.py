@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from deployments.local import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_cmd(tmp_path: Path, steps: int, *extra: str) -> list[str]:
