@@ -12,11 +12,13 @@ import argparse
 import asyncio
 import json
 
+from app.auth import inference_token
 from app.config import add_config_args, config_from_args
 from app.fleet_client import FleetClient
-from app.rewards import RewardScorer
-from app.rollout import Generate, inference_token, prompt_token_ids
-from app.tasks import Problem
+from app.models import prompt_token_ids
+from app.rollout.producer import Generate
+from app.tasks.problems import Problem
+from app.tasks.rewards import RewardScorer
 
 
 async def evaluate_async(
@@ -33,7 +35,7 @@ async def evaluate_async(
 
     async def one(problem: Problem) -> float:
         async with gate:
-            (c,) = await generate(prompt_token_ids(tokenizer, problem), model, 1, max_tokens, 0.0)
+            (c,) = await generate(prompt_token_ids(tokenizer, problem.prompt), model, 1, max_tokens, 0.0)
         scores = await asyncio.to_thread(
             scorer.score,
             [c.text],
@@ -55,8 +57,8 @@ async def evaluate_async(
 
 def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None = None) -> dict:
     """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split."""
-    from app.tasks import load_task
-    from app.tiny_model import load_tokenizer
+    from app.models import load_tokenizer
+    from app.tasks.problems import load_task
 
     problems = load_task(cfg.task).heldout
     scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
@@ -81,9 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", default=None, help="Fleet URL (default: http://fleet.host:fleet.port).")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    from app.bucket import AdapterStore
-    from app.samples import adapter_name
-    from app.tiny_model import resolve_model_path
+    from app.bucket.store import AdapterStore
+    from app.messages import adapter_name
+    from app.models import resolve_model_path
 
     model = args.adapter
     if model is None:

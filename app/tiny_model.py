@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from app.config import ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
-from app.tasks import Problem, arithmetic_prompt, make_arithmetic
+from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
@@ -90,23 +90,6 @@ def build_tokenizer(digits: int, seed: int):
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
-
-
-def load_tokenizer(path: str | Path):
-    """Load a model folder's tokenizer and check that token ids round-trip through text.
-
-    A tokenizer that silently changes text (dropping spaces, say) makes the sampler and the
-    learner see different prompts, and learning collapses without an error; fail loudly instead.
-    """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    probe = "Compute 12+345. Answer: 357 and some words, with  two spaces."
-    ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    if text != probe or tokenizer(text, add_special_tokens=False)["input_ids"] != ids:
-        raise RuntimeError(f"tokenizer at {path} does not round-trip text ({probe!r} -> {text!r})")
-    return tokenizer
 
 
 def random_qwen2(*, vocab_size: int, eos_id: int = 0, seed: int = 0, **shape):
@@ -232,6 +215,8 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "spotrl_tiny.json").write_text(json.dumps(info, indent=1))
+    from app.models import load_tokenizer  # app.models builds this module on demand: import at call time
+
     load_tokenizer(tmp)  # the saved folder, as every other process will load it, must round-trip
     try:
         tmp.rename(folder)
@@ -239,13 +224,6 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
         shutil.rmtree(tmp, ignore_errors=True)
         return folder, {**json.loads(info_file.read_text()), "cached": True}
     return folder, {**info, "cached": False}
-
-
-def resolve_model_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> str:
-    """The local folder (or hub name) that the learner and the fleet load."""
-    if model_cfg.name_or_path == "tiny":
-        return str(ensure_tiny_model(model_cfg, task_cfg, log=log)[0])
-    return model_cfg.name_or_path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import statistics
 import sys
@@ -28,28 +27,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_config_args(parser)
     parser.add_argument("--address", default=None, help="Join this Ray cluster (default: start a local one).")
     return parser.parse_args(argv)
-
-
-def start_ray(address: str | None) -> bool:
-    """Join `address`, or start a loopback-only local Ray; True when we started it (so we stop it)."""
-    import ray
-
-    if address:
-        ray.init(address=address)
-        return False
-    # Actor and replica logs stay in Ray's session folder (and the dashboard), so the terminal shows the run.
-    ray.init(
-        address="local",
-        num_cpus=max(8, os.cpu_count() or 1),
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        runtime_env={
-            "env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        },
-    )
-    return True
 
 
 def staleness_of(groups, learner_version: int) -> list[int]:
@@ -145,8 +122,8 @@ def ensure_served(fleet, cfg: RunConfig, version: int) -> None:
     The learner asks the fleet to load each version it publishes but only counts a failed load
     (training goes on); at start-up there is no point going on without it, so load it here or fail.
     """
-    from app.bucket import AdapterStore
-    from app.samples import adapter_name
+    from app.bucket.store import AdapterStore
+    from app.messages import adapter_name
 
     name = adapter_name(version)
     if name not in {m["id"] for m in fleet.models()}:
@@ -157,21 +134,23 @@ def ensure_served(fleet, cfg: RunConfig, version: int) -> None:
 def train(cfg: RunConfig, address: str | None = None) -> dict:
     import ray
 
+    from app.auth import admin_token, inference_token
     from app.diagnosis import diagnose
     from app.evaluate import evaluate
     from app.fleet_client import FleetClient
-    from app.learner import LearnerGroup
+    from app.learner.group import LearnerGroup
+    from app.local_ray import start_ray
+    from app.messages import adapter_name
     from app.metrics_sink import MetricsSink
-    from app.rollout import RolloutActor, inference_token
-    from app.samples import adapter_name
-    from app.tiny_model import resolve_model_path
-    from deployments.app import deploy_fleet, fleet_is_running, shutdown_fleet
+    from app.models import resolve_model_path
+    from app.rollout.producer import RolloutActor
+    from deployments.fleet import deploy_fleet, fleet_is_running, shutdown_fleet
 
     run = Run(cfg)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
-    token = os.environ.get("SPOTRL_ADMIN_TOKEN") or cfg.fleet.admin_token
+    token = admin_token(cfg)
     eval_token = inference_token(cfg)
 
     with ExitStack() as stack:

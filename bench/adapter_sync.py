@@ -2,7 +2,7 @@
 
 The design rests on this: after each sync the learner publishes a rank-1 adapter of a few megabytes
 and every replica pulls it, where full fine-tuning would move every weight. This measures, on a real
-S3 server (SeaweedFS on 127.0.0.1, through s3fs and app.bucket's commit protocol), the
+S3 server (SeaweedFS on 127.0.0.1, through s3fs and app.bucket.store's commit protocol), the
 publish-to-fetched latency (one store publishes, a second store with its own cache fetches and
 verifies, as learner and replica do) and the payload bytes moved (up + down), for
   (a) a rank-1 adapter of the embedded tiny model (app.config's tiny shape),
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from app.bucket import AdapterStore, CheckpointStore
+from app.bucket.store import AdapterStore, CheckpointStore
 from app.config import TinyModelConfig
 from bench.common import fmt_bytes, fmt_seconds, print_table, summarize, write_result
 

@@ -47,7 +47,7 @@ PADDED_BATCH = 16
 
 def make_groups(n_groups: int, group_size: int, seed: int):
     """Scored groups whose lengths spread like GRPO completions on math: mostly medium, a tail at the limit."""
-    from app.samples import Group, Sample
+    from app.messages import Group, Sample
 
     rng = random.Random(seed)
     vocab = MODEL["vocab_size"]
@@ -85,7 +85,7 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
     import torch
 
     from app.config import RunConfig
-    from app.learner_rank import Learner
+    from app.learner.rank import Learner
 
     global _learner
     torch.set_num_threads(threads)

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import print_table, write_result
-from deployments.local import free_port
+from tests.fleet_helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {

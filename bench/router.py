@@ -214,12 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown routers: {', '.join(sorted(unknown))}")
     import ray
 
-    from app.bucket import AdapterStore
+    from app.bucket.store import AdapterStore
     from app.config import load_config
     from app.fleet_client import FleetClient
-    from app.tiny_model import resolve_model_path
-    from deployments.app import deploy_fleet, shutdown_fleet
-    from deployments.local import free_port, publish_random_adapters, start_local_ray
+    from app.models import resolve_model_path
+    from deployments.fleet import deploy_fleet, shutdown_fleet
+    from tests.fleet_helpers import free_port, publish_random_adapters, start_local_ray
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-") as work:

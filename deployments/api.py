@@ -17,9 +17,6 @@ token 401; messages never carry the token, and the bucket's `redact` strips cred
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hmac
 import json
 import logging
 import time
@@ -32,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from app.bucket import redact
+from app.auth import redact, token_matches
 
 log = logging.getLogger("ray.serve")
 
@@ -179,37 +176,6 @@ class UnloadAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     lora_name: str = Field(min_length=1, max_length=128)
-
-
-# ---- auth ----------------------------------------------------------------------------------------
-
-
-def presented_token(authorization: str | None) -> str | None:
-    """The secret in an Authorization header: a Bearer token, or the password of HTTP Basic auth.
-
-    Basic is there for clients that send no header of their own but honour `~/.netrc` (TRL's
-    `requests`-based client): a netrc line `machine HOST login any password TOKEN` authenticates it.
-    """
-    if not authorization:
-        return None
-    scheme, _, credentials = authorization.strip().partition(" ")
-    credentials = credentials.strip()
-    if scheme.lower() == "bearer":
-        return credentials or None
-    if scheme.lower() == "basic":
-        try:
-            decoded = base64.b64decode(credentials, validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
-            return None
-        _, sep, password = decoded.partition(":")
-        return password if sep else None
-    return None
-
-
-def token_matches(authorization: str | None, token: str) -> bool:
-    given = presented_token(authorization)
-    # Constant-time comparison: a timing side channel must not spell the token out.
-    return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 # ---- the app -------------------------------------------------------------------------------------

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from app.auth import Secret
+from app.auth import admin_token as resolve_admin_token
 from app.config import RunConfig
 from deployments.api import ApiSettings, make_app
 from deployments.replica import ReplicaUnavailable
@@ -26,18 +27,6 @@ log = logging.getLogger("ray.serve")
 # replica; the later ones cover the seconds before Serve has noticed that a replica is gone.
 GENERATE_ATTEMPTS = 6
 RETRY_BACKOFF_S = 0.5
-
-
-class Secret:
-    """A token that never shows itself in a repr, a log line or an error message."""
-
-    def __init__(self, value: str):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return "Secret(***)"
-
-    __str__ = __repr__
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -86,7 +75,7 @@ class ServeBackend:
 
 def tokenizer_functions(model_path: str):
     """(encode, decode, chat_ids, vocab_size) with the round-trip-checked tokenizer of the model folder."""
-    from app.tiny_model import load_tokenizer
+    from app.models import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
 
@@ -108,7 +97,7 @@ def tokenizer_functions(model_path: str):
 
 
 class Ingress:
-    """A Ray Serve deployment class; `deployments.app` wraps it with `serve.ingress()` and `serve.deployment`."""
+    """A Ray Serve deployment class; `deployments.fleet` wraps it with `serve.ingress()` and `serve.deployment`."""
 
     def __init__(
         self,
@@ -123,8 +112,7 @@ class Ingress:
         cfg = RunConfig.model_validate(config)
         encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
         # The environment of the ingress process wins, then a token handed over by the builder, then the config.
-        token = os.environ.get("SPOTRL_ADMIN_TOKEN") or (admin_token.value if admin_token else None)
-        token = token or cfg.fleet.admin_token
+        token = resolve_admin_token(cfg, admin_token)
         settings = ApiSettings(
             base_model=base_model,
             model_aliases=frozenset(model_aliases),

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.bucket import AdapterStore, BucketError, IntegrityError, InvalidName, VersionNotFound, redact
+from app.auth import redact
+from app.bucket.store import AdapterStore, BucketError, IntegrityError, InvalidName, VersionNotFound
 from app.config import RunConfig
-from app.samples import adapter_name
+from app.messages import adapter_name
 from deployments.api import PAUSE_MODES
 
 log = logging.getLogger("ray.serve")
@@ -200,7 +201,7 @@ def _token_logprobs(token_ids: list[int], logprobs, top: int) -> tuple[list[floa
 
 
 class VLLMReplica:
-    """A Ray Serve deployment class: wrap with `serve.deployment` (see `deployments.app`)."""
+    """A Ray Serve deployment class: wrap with `serve.deployment` (see `deployments.fleet`)."""
 
     async def __init__(self, model_path: str, base_model: str, config: dict, bucket_url: str):
         from ray import serve

@@ -22,7 +22,7 @@ def default_config():
 @pytest.fixture(scope="session")
 def tiny_model_path(default_config) -> str:
     """The embedded default's tiny model folder (built on first use, then reused from the cache)."""
-    from app.tiny_model import resolve_model_path
+    from app.models import resolve_model_path
 
     return resolve_model_path(default_config.model, default_config.task)
 

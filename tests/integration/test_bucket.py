@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bucket import (
+from app.bucket.store import (
     MANIFEST,
     AdapterStore,
     BucketError,
@@ -133,7 +133,7 @@ def test_sixteen_racing_publishers_have_exactly_one_winner(bucket_url, tmp_path,
 
 KILLABLE_PUBLISHER = """
     import sys, time
-    from app.bucket import AdapterStore
+    from app.bucket.store import AdapterStore
     store = AdapterStore(sys.argv[1], max_attempts=2, backoff_s=0.05)
     upload = store._upload
     def upload_then_hang(source, remote):
@@ -239,7 +239,7 @@ def test_corrupted_file_is_refused_and_the_cache_holds_nothing_of_it(bucket_url,
 
 SECOND_PROCESS = """
     import sys
-    from app.bucket import AdapterStore
+    from app.bucket.store import AdapterStore
     store = AdapterStore(sys.argv[1])
     print(store.versions(), flush=True)       # warm: a listing cache, if there were one, is filled now
     store.publish(sys.argv[2], 1)
@@ -268,7 +268,7 @@ def test_a_second_process_sees_a_new_version_at_once(bucket_url, tmp_path, cache
 
 CONCURRENT_FETCHER = """
     import sys
-    from app.bucket import AdapterStore
+    from app.bucket.store import AdapterStore
     store = AdapterStore(sys.argv[1], cache_dir=sys.argv[2])
     store.versions()                           # imports and client start-up done before the race
     print("ready", flush=True)

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from app.bucket import AdapterStore
+from app.bucket.store import AdapterStore
 from app.fleet_client import FleetClient, FleetError
-from deployments.local import free_port, publish_random_adapters, start_local_ray
+from tests.fleet_helpers import free_port, publish_random_adapters, start_local_ray
 
 TOKEN = "fleet-test-token-7f3a9c"
 G = 8
@@ -30,7 +30,7 @@ def fleet(tmp_path_factory, tiny_model_path):
     import ray
 
     from app.config import load_config
-    from deployments.app import deploy_fleet, shutdown_fleet
+    from deployments.fleet import deploy_fleet, shutdown_fleet
 
     work = tmp_path_factory.mktemp("fleet")
     cfg = load_config(
@@ -125,7 +125,7 @@ def delta(after: dict, before: dict, key: str) -> int:
 
 
 def test_a_group_lands_on_one_replica_and_vllm_counts_its_prefix_hits(fleet):
-    from deployments.app import fleet_is_running
+    from deployments.fleet import fleet_is_running
 
     assert fleet_is_running(fleet.cfg)
     models = {m["id"]: m for m in fleet.client.models()}

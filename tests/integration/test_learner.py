@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.bucket import AdapterStore
-from app.learner import LearnerGroup
-from app.learner_rank import Learner
+from app.bucket.store import AdapterStore
+from app.learner.group import LearnerGroup
+from app.learner.rank import Learner
 from tests.unit.test_packing import learner_config, random_groups, random_model
 
 STEP_GROUPS = [random_groups(3, seed=s, prefix="step") for s in range(3)]

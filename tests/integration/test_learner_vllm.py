@@ -59,12 +59,12 @@ if __name__ == "__main__":
 import pytest  # noqa: E402 - the script above must not need pytest
 import torch  # noqa: E402
 
-from app.bucket import AdapterStore  # noqa: E402
+from app.bucket.store import AdapterStore  # noqa: E402
 from app.config import RunConfig  # noqa: E402
-from app.learner_rank import Learner  # noqa: E402
-from app.samples import Group, Sample  # noqa: E402
-from app.tasks import arithmetic_prompt  # noqa: E402
-from app.tiny_model import load_tokenizer  # noqa: E402
+from app.learner.rank import Learner  # noqa: E402
+from app.messages import Group, Sample  # noqa: E402
+from app.models import load_tokenizer  # noqa: E402
+from app.tasks.problems import arithmetic_prompt  # noqa: E402
 
 
 def _config(tmp_path) -> RunConfig:

@@ -39,7 +39,7 @@ class SpotCluster:
     def __init__(self, tmp: Path, s3: S3Server, model_path: str):
         from ray.cluster_utils import Cluster
 
-        from deployments.local import free_port
+        from tests.fleet_helpers import free_port
 
         self.tmp, self.s3, self.model_path = tmp, s3, model_path
         self.bucket = s3.make_bucket("spot") + "/run"
@@ -83,7 +83,7 @@ class SpotCluster:
         return load_config(None, self.overrides())
 
     def resume_step(self) -> int:
-        from app.bucket import CheckpointStore
+        from app.bucket.store import CheckpointStore
 
         return CheckpointStore.from_config(self.config()).latest() or 0
 
@@ -134,7 +134,7 @@ def spot(tmp_path_factory, tiny_model_path):
     import ray
     import ray._private.ray_constants as ray_constants
 
-    from deployments.app import deploy_fleet
+    from deployments.fleet import deploy_fleet
 
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False  # what LOOPBACK_ENV does for the drivers, for this process
@@ -200,7 +200,7 @@ def assert_exactly_once(spot: SpotCluster, final_step: int) -> None:
 
 def assert_versions_whole(spot: SpotCluster) -> list[int]:
     """Every committed version downloads and matches its manifest's checksums; none is missing."""
-    from app.bucket import AdapterStore
+    from app.bucket.store import AdapterStore
 
     store = AdapterStore.from_config(spot.config())
     versions = sorted(store.versions())
@@ -237,7 +237,7 @@ def test_losing_a_replica_node_keeps_generation_errors_from_the_learner(spot):
     from ray import serve
 
     from app.fleet_client import FleetClient
-    from deployments.app import wait_healthy
+    from deployments.fleet import wait_healthy
 
     start = spot.resume_step()
     proc = spot.start_driver(start + STEPS_PER_LEG)

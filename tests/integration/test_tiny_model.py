@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from app.tiny_model import load_tokenizer
+from app.models import load_tokenizer
 
 
 def test_tiny_model_is_cached_and_in_range(tiny_model_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from deployments.local import free_port
+from tests.fleet_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
         assert summary[key] is not None, key
     assert "bottleneck:" in proc.stderr + proc.stdout
 
-    from app.bucket import AdapterStore
+    from app.bucket.store import AdapterStore
 
     assert len(AdapterStore(f"file://{tmp_path}/bucket").versions()) >= 2
 

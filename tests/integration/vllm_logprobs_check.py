@@ -12,8 +12,8 @@ def main(model_path: str) -> None:
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from app.tasks import arithmetic_prompt
-    from app.tiny_model import load_tokenizer
+    from app.models import load_tokenizer
+    from app.tasks.problems import arithmetic_prompt
 
     tokenizer = load_tokenizer(model_path)
     llm = LLM(

@@ -1,4 +1,4 @@
-"""Pure logic of app.bucket: URL and name rules, error classification, redaction, the retry loop.
+"""Pure logic of app.bucket.store: URL and name rules, error classification, the retry loop.
 
 No server here: stores are constructed (s3fs connects lazily) and their naming methods exercised;
 the retry loop is driven with a fake failing function and a fake sleep.
@@ -9,7 +9,7 @@ import os
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from app.bucket import (
+from app.bucket.store import (
     AdapterStore,
     BucketError,
     CheckpointStore,
@@ -18,7 +18,6 @@ from app.bucket import (
     is_precondition_failed,
     is_transient,
     make_filesystem,
-    redact,
 )
 from app.config import load_config
 
@@ -48,14 +47,6 @@ def test_errors_are_classified_as_s3fs_raises_them():
     assert is_precondition_failed(seaweed) and not is_transient(seaweed)
     assert is_precondition_failed(FileExistsError("MANIFEST.json"))
     assert not is_precondition_failed(OSError(22, "The specified bucket is not valid."))
-
-
-def test_redact_removes_credentials_and_url_userinfo(monkeypatch):
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "super-secret-value-123")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEKEYID")
-    text = redact("s3://user:pw@bkt/x signed with AKIAEXAMPLEKEYID and super-secret-value-123")
-    assert "super-secret" not in text and "AKIAEXAMPLE" not in text and "pw@" not in text
-    assert text.startswith("s3://***@bkt/x")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.grpo_loss import group_advantages, grpo_loss, token_logprobs
+from app.learner.grpo_loss import group_advantages, grpo_loss, token_logprobs
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -5,7 +5,7 @@ import base64
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.api import ApiSettings, make_app, presented_token, token_matches
+from deployments.api import ApiSettings, make_app
 from deployments.replica import BadRequest, ModelNotFound
 
 TOKEN = "s3cret-token-value"
@@ -281,12 +281,3 @@ def test_unload_of_a_missing_name_is_not_an_error(client):
         "/v1/unload_lora_adapter", json={"lora_name": "policy-v7"}, headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert r.status_code == 200 and r.json()["unloaded"] == 0
-
-
-def test_presented_token_parsing():
-    assert presented_token("Bearer abc") == "abc"
-    assert presented_token("bearer   abc ") == "abc"
-    assert presented_token(_basic("pw:with:colons")["Authorization"]) == "pw:with:colons"
-    assert presented_token("Basic " + base64.b64encode(b"no-colon").decode()) is None
-    assert presented_token(None) is None and presented_token("Bearer") is None
-    assert token_matches("Bearer abc", "abc") and not token_matches("Bearer abd", "abc")

@@ -6,8 +6,8 @@ from fastapi.testclient import TestClient
 
 from app.fleet_client import FleetClient, FleetError
 from deployments.api import make_app
-from deployments.local import free_port
 from deployments.replica import ModelNotFound
+from tests.fleet_helpers import free_port
 from tests.unit.test_ingress import BASE, TOKEN, FakeBackend, _settings
 
 

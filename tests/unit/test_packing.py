@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from app.config import RunConfig
-from app.packing import batch_metrics, filler, pack, pad, register_packed_attention, samples_from_groups, shard
-from app.samples import Group, Sample
+from app.learner.packing import batch_metrics, filler, pack, pad, register_packed_attention, samples_from_groups, shard
+from app.messages import Group, Sample
 
 VOCAB = 64
 
@@ -149,7 +149,7 @@ def test_padded_batch_needs_no_mask_when_right_padded(tmp_path):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_packed_and_padded_batches_give_the_same_gradient(tmp_path, checkpointing):
-    from app.learner_rank import Learner
+    from app.learner.rank import Learner
 
     torch.set_num_threads(1)
     path = random_model(tmp_path / "m")

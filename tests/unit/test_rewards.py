@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from app.rewards import RewardScorer, boxed_math, exact_answer, last_boxed, resolve_reward
+from app.tasks.rewards import RewardScorer, boxed_math, exact_answer, last_boxed, resolve_reward
 
 
 def test_exact_answer():
@@ -54,8 +54,8 @@ def test_raising_and_slow_rewards_give_none_and_are_counted():
 
 def test_resolve_reward():
     assert resolve_reward("exact_answer") is exact_answer
-    assert resolve_reward("app.rewards:boxed_math") is boxed_math
+    assert resolve_reward("app.tasks.rewards:boxed_math") is boxed_math
     with pytest.raises(ValueError, match="unknown reward"):
         resolve_reward("nope")
     with pytest.raises(ValueError, match="cannot be imported"):
-        resolve_reward("app.rewards:nope")
+        resolve_reward("app.tasks.rewards:nope")

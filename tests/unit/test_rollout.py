@@ -6,9 +6,9 @@ import pytest
 
 from app.config import load_config
 from app.fleet_client import Choice
-from app.rewards import RewardScorer, exact_answer
-from app.rollout import RolloutWorker
-from app.tasks import make_arithmetic
+from app.rollout.producer import RolloutWorker
+from app.tasks.problems import make_arithmetic
+from app.tasks.rewards import RewardScorer, exact_answer
 
 PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 
@@ -179,8 +179,8 @@ def test_a_dead_producer_is_an_error_not_a_hang():
 
 
 def test_a_restarted_rollout_resumes_from_the_newest_checkpoint_and_version(tmp_path):
-    from app.bucket import AdapterStore, CheckpointStore
-    from app.rollout import resume_state
+    from app.bucket.store import AdapterStore, CheckpointStore
+    from app.rollout.producer import resume_state
 
     cfg = load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache"])
     assert resume_state(cfg) == {"data_cursor": 0, "policy_version": 0}  # nothing trained yet

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from app.tasks import load_math, make_arithmetic
+from app.tasks.problems import load_math, make_arithmetic
 
 FIXTURE = Path(__file__).parent.parent / "data" / "math_sanity_sample.jsonl"
 

@@ -38,7 +38,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from app.samples import adapter_name
+from app.auth import redact
+from app.messages import adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ _TRANSIENT_CODES = frozenset(
     "SlowDown Throttling ThrottlingException RequestThrottled RequestLimitExceeded TooManyRequests RequestTimeout "
     "RequestTimeoutException InternalError ServiceUnavailable OperationAborted ConditionalRequestConflict".split()
 )
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID")
-_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 
 
 class BucketError(RuntimeError):
@@ -76,16 +75,6 @@ class IntegrityError(BucketError):
 
 class InvalidName(BucketError, ValueError):
     """A version name, URL or path that is not ours: wrong spelling, outside the prefix, or traversal."""
-
-
-def redact(text: str) -> str:
-    """`text` without credentials: URL user-info and the values of the AWS credential variables."""
-    text = _USERINFO.sub("***@", text)
-    for var in _SECRET_ENV:
-        value = os.environ.get(var)
-        if value and len(value) >= 8:  # shorter values would blank out innocent words of the message
-            text = text.replace(value, "***")
-    return text
 
 
 def _describe(exc: BaseException) -> str:

@@ -23,11 +23,12 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
+from app.auth import inference_token
 from app.config import HEAD_NODE
 from app.fleet_client import Choice, FleetClient
-from app.rewards import RewardScorer
-from app.samples import Group, Sample, adapter_name
-from app.tasks import Problem
+from app.messages import Group, Sample, adapter_name
+from app.tasks.problems import Problem
+from app.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +274,8 @@ class RolloutActor:
     """Hosts a RolloutWorker in Ray, talking to the fleet over HTTP."""
 
     def __init__(self, cfg, model_path: str, fleet_url: str, state: dict):
-        from app.tasks import load_task
-        from app.tiny_model import load_tokenizer
+        from app.models import load_tokenizer, prompt_token_ids
+        from app.tasks.problems import load_task
 
         logging.basicConfig(level=logging.WARNING)
         with warnings.catch_warnings():  # Ray 2.60's own property trips its deprecated `actor_id`
@@ -288,7 +289,7 @@ class RolloutActor:
         self.worker = RolloutWorker(
             cfg,
             load_task(cfg.task).train,
-            lambda p: prompt_token_ids(tokenizer, p),
+            lambda p: prompt_token_ids(tokenizer, p.prompt),
             # The worker retries a failed request itself (and counts it), so the client does not.
             FleetClient(
                 fleet_url, inference_token(cfg), retries=0, timeout_s=cfg.rollout.request_timeout_s
@@ -321,26 +322,10 @@ def resume_state(cfg) -> dict:
 
     Groups trained since that checkpoint may be generated again; the learner, which remembers every
     group id it trained on, skips them, so a restart costs some generation and never trains a group twice."""
-    from app.bucket import AdapterStore, CheckpointStore
+    from app.bucket.store import AdapterStore, CheckpointStore
 
     checkpoints = CheckpointStore.from_config(cfg)
     step = checkpoints.latest()
     meta = checkpoints.manifest(step).get("meta", {}) if step is not None else {}
     versions = [v for v in (AdapterStore.from_config(cfg).latest(), meta.get("policy_version")) if v is not None]
     return {"data_cursor": meta.get("data_cursor") or 0, "policy_version": max(versions, default=0)}
-
-
-def inference_token(cfg) -> str | None:
-    """The token inference calls carry: the admin token, when the fleet protects inference too."""
-    import os
-
-    if not cfg.fleet.protect_inference:
-        return None
-    return os.environ.get("SPOTRL_ADMIN_TOKEN") or cfg.fleet.admin_token
-
-
-def prompt_token_ids(tokenizer, problem: Problem) -> list[int]:
-    """Token ids of a problem's prompt: plain text as is, chat messages through the model's template."""
-    if isinstance(problem.prompt, str):
-        return tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
-    return list(tokenizer.apply_chat_template(problem.prompt, add_generation_prompt=True, tokenize=True))

@@ -1,15 +1,15 @@
 """One rank of the learner: a PEFT LoRA policy trained with GRPO, FSDP2-sharded when there are several.
 
-`Learner` holds no Ray: unit tests drive it in-process, and `app.learner` runs one per device as a
+`Learner` holds no Ray: unit tests drive it in-process, and `app.learner.group` runs one per device as a
 Ray actor (`LearnerWorker`) behind `LearnerGroup`, which joins them with torch.distributed (gloo on
 the CPU; NCCL only between the GPUs of one learner node, never to the fleet).
 
 A step: drop groups already trained on (a restarted learner may be fed them again), turn groups
-into samples with group-normalised advantages, pack them into micro-batches (`app.packing`),
-accumulate the GRPO loss's gradient (`app.grpo_loss`) over this rank's micro-batches, clip, AdamW.
+into samples with group-normalised advantages, pack them into micro-batches (`app.learner.packing`),
+accumulate the GRPO loss's gradient (`app.learner.grpo_loss`) over this rank's micro-batches, clip, AdamW.
 Every `weight_sync_steps` the whole adapter is gathered from the FSDP shards and published to the
 bucket as the next `policy-v{N}` (and the fleet is asked to load it); every `save_steps` the whole
-learner state goes to the bucket as a checkpoint (`app.learner_state`).
+learner state goes to the bucket as a checkpoint (`app.learner.state`).
 
 Versions are monotonic across restarts: a learner resumed from a checkpoint older than the newest
 published adapter (it died after publishing) republishes its restored adapter as a new version
@@ -32,9 +32,19 @@ import torch
 import torch.distributed as dist
 
 from app.config import RunConfig
-from app.grpo_loss import LossStats, grpo_loss, token_logprobs
-from app.learner_model import build_lora_model, build_optimizer, fully_shard_model, init_distributed
-from app.learner_state import (
+from app.learner.grpo_loss import LossStats, grpo_loss, token_logprobs
+from app.learner.model import build_lora_model, build_optimizer, fully_shard_model, init_distributed
+from app.learner.packing import (
+    MicroBatch,
+    TrainSample,
+    batch_metrics,
+    pack,
+    pad,
+    samples_from_groups,
+    shard,
+)
+from app.learner.perf import Stopwatch, step_perf_metrics
+from app.learner.state import (
     ADAPTER_DIR,
     LearnerState,
     full_adapter_state,
@@ -46,17 +56,7 @@ from app.learner_state import (
     write_adapter,
     write_checkpoint,
 )
-from app.packing import (
-    MicroBatch,
-    TrainSample,
-    batch_metrics,
-    pack,
-    pad,
-    samples_from_groups,
-    shard,
-)
-from app.perf import Stopwatch, step_perf_metrics
-from app.samples import Group, adapter_name
+from app.messages import Group, adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Learner:
 
     def start(self) -> dict:
         """Resume from the newest committed checkpoint, or start fresh; make sure the fleet has our weights."""
-        from app.bucket import AdapterStore, CheckpointStore
+        from app.bucket.store import AdapterStore, CheckpointStore
 
         if self._started:  # the model is sharded and the optimizer built: a second start has nothing to do
             return self.state.summary()
@@ -160,7 +160,7 @@ class Learner:
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # No attention mask: packed rows pass their sample boundaries instead, padded rows are right-padded
-        # (see app.packing); position_ids restart at every packed sample, for the rotary embedding.
+        # (see app.learner.packing); position_ids restart at every packed sample, for the rotary embedding.
         extra = {"packed_cu_seqlens": mb.cu_seqlens} if mb.cu_seqlens is not None else {}
         out = self.model(
             input_ids=mb.input_ids,

@@ -1,6 +1,6 @@
 """Building a learner rank's model: process group, base model + PEFT LoRA, FSDP2 sharding, AdamW.
 
-Kept apart from the training loop (`app.learner_rank`) because its order matters and is easy to get
+Kept apart from the training loop (`app.learner.rank`) because its order matters and is easy to get
 wrong: the adapter is initialised with the same seed on every rank (FSDP assumes identical
 replicas), a checkpoint's adapter is loaded *before* sharding (plain tensors, no DTensor plumbing),
 and the optimizer is built *after* sharding (it must hold the sharded parameters).
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from app.config import RunConfig
-from app.packing import register_packed_attention
+from app.learner.packing import register_packed_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -44,7 +44,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 def build_lora_model(cfg: RunConfig, model_path: str, device: torch.device):
     """The base model with a fresh PEFT LoRA adapter (unsharded), and the pad token id; attention is
-    `app.packing`'s per-sample sdpa, so packed rows need no mask."""
+    `app.learner.packing`'s per-sample sdpa, so packed rows need no mask."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

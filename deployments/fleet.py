@@ -45,7 +45,8 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.ingress import Ingress, Secret
+    from app.auth import Secret, admin_token
+    from deployments.ingress import Ingress
     from deployments.replica import VLLMReplica
 
     fleet = cfg.fleet
@@ -74,7 +75,7 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
     ).bind(model_path, model_path, config, bucket_url)
-    token = os.environ.get("SPOTRL_ADMIN_TOKEN")
+    token = admin_token(cfg)
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
@@ -93,7 +94,7 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
 
 def build_app(args: dict[str, Any]):
     """Entry point of `serve run serve_config.yaml`: args `config` (a run config file) and `overrides`."""
-    from app.tiny_model import resolve_model_path
+    from app.models import resolve_model_path
 
     path = Path(args.get("config") or REPO_ROOT / "configs" / "tiny-cpu.yaml")
     if not path.is_absolute() and not path.exists():

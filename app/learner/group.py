@@ -1,7 +1,7 @@
 """The learner as the driver sees it: a group of Ray actors, one per device, that survives their deaths.
 
 `LearnerGroup` starts `learner.num_workers` `LearnerWorker` actors (each a `Learner` rank from
-`app.learner_rank`), has rank 0 pick a rendezvous port on its node, and joins them into one
+`app.learner.rank`), has rank 0 pick a rendezvous port on its node, and joins them into one
 torch.distributed group. With several GPU workers they are placed on one node (STRICT_PACK): NCCL
 stays inside the learner node, and nothing but the bucket connects the learner to the fleet.
 
@@ -25,8 +25,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from app.config import RunConfig
-from app.learner_rank import Learner, NotStarted
-from app.samples import Group
+from app.learner.rank import Learner, NotStarted
+from app.messages import Group
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from app.grpo_loss import group_advantages
-from app.samples import Group
+from app.learner.grpo_loss import group_advantages
+from app.messages import Group
 
 PACKED_ATTENTION = "spotrl_packed_sdpa"
 

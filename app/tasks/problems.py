@@ -3,7 +3,7 @@
 Two families share one shape (`Problem`): generated arithmetic (the embedded default, offline and
 seeded, with a held-out split that never overlaps the train split) and MATH questions in the
 schema of sail/Sanity-Test-R1D-1.5B (`prompt` + `reward_model.ground_truth`), read from JSONL,
-parquet or a `datasets` name. Rewards live in `app.rewards`.
+parquet or a `datasets` name. Rewards live in `app.tasks.rewards`.
 """
 
 from __future__ import annotations
