@@ -1,10 +1,11 @@
 """A small HTTP client of the rollout fleet, for the learner, the rollout actor, the driver and the benchmarks.
 
 The fleet speaks OpenAI's API plus vLLM's admin calls (`deployments/api.py`); this wraps the calls
-spotrl makes, parses the answers, and retries what is safe to retry: connection failures and
-"no live replica" (503) while replicas restart. Generation is retried too, which at worst samples
-a request twice; the fleet itself already retries requests whose replica died. Admin calls are
-idempotent on the fleet's side (loading the same adapter twice is a no-op), so retrying them is safe.
+spotrl makes, parses the answers, and retries (with `app.retry`, whose docstring says who retries
+what) only what the fleet could not answer: connection failures, timeouts and 502/503/504 while
+replicas restart. Generation is retried too, which at worst samples a request twice; a request whose
+replica died is retried by the ingress, not here. Admin calls are idempotent on the fleet's side
+(loading the same adapter twice is a no-op), so retrying them is safe.
 
     client = FleetClient("http://127.0.0.1:8000", token=os.environ.get("SPOTRL_ADMIN_TOKEN"))
     client.load_adapter("policy-v3", store.url_of(3))
@@ -13,15 +14,20 @@ idempotent on the fleet's side (loading the same adapter twice is a no-op), so r
 
 from __future__ import annotations
 
-import time
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from app.retry import Backoff, aretry, retry
+
+log = logging.getLogger("spotrl.fleet_client")
+
 # Worth another try: the fleet is (re)starting or a replica is being replaced.
 RETRY_STATUSES = (502, 503, 504)
-_TRANSPORT_ERRORS = (httpx.TransportError,)
+DEFAULT_BACKOFF = Backoff(attempts=4, first_s=0.5)
+NO_RETRY = Backoff(attempts=1, first_s=0.0)
 
 
 class FleetError(RuntimeError):
@@ -30,6 +36,11 @@ class FleetError(RuntimeError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+def worth_retrying(error: BaseException) -> bool:
+    """The fleet could not be reached or had no replica to answer: the same call may succeed shortly."""
+    return isinstance(error, FleetError) and (error.status is None or error.status in RETRY_STATUSES)
 
 
 @dataclass
@@ -61,12 +72,12 @@ class FleetClient:
         token: str | None = None,
         *,
         timeout_s: float = 300.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
+        backoff: Backoff = DEFAULT_BACKOFF,
         transport: httpx.BaseTransport | None = None,
     ):
         self.base_url = base_url.rstrip("/")
-        self.retries, self.backoff_s = retries, backoff_s
+        self.backoff = backoff
+        self.retries_done = 0  # retries made so far, for the caller's metrics
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=10.0)
         # `transport` lets tests talk to the ASGI app in-process; real use goes over TCP.
@@ -89,21 +100,16 @@ class FleetClient:
     # ---- plumbing ---------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, **kwargs) -> Any:
-        for attempt in range(self.retries + 1):
+        def once() -> Any:
             try:
                 response = self._client.request(method, path, **kwargs)
-            except _TRANSPORT_ERRORS as e:
-                if attempt == self.retries:
-                    raise FleetError(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}") from None
-            else:
-                if response.status_code not in RETRY_STATUSES or attempt == self.retries:
-                    return self._parse(method, path, response)
-            time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+            except httpx.TransportError as e:
+                raise self._unreachable(method, path, e) from None
+            return self._parse(method, path, response)
+
+        return retry(once, self.backoff, worth_retrying, self._count_retry)
 
     async def _arequest(self, method: str, path: str, **kwargs) -> Any:
-        import asyncio
-
         if self._async is None:
             self._async = httpx.AsyncClient(
                 base_url=self.base_url,
@@ -112,17 +118,22 @@ class FleetClient:
                 trust_env=False,
                 limits=httpx.Limits(max_connections=None),
             )
-        for attempt in range(self.retries + 1):
+
+        async def once() -> Any:
             try:
                 response = await self._async.request(method, path, **kwargs)
-            except _TRANSPORT_ERRORS as e:
-                if attempt == self.retries:
-                    raise FleetError(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}") from None
-            else:
-                if response.status_code not in RETRY_STATUSES or attempt == self.retries:
-                    return self._parse(method, path, response)
-            await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+            except httpx.TransportError as e:  # timeouts included
+                raise self._unreachable(method, path, e) from None
+            return self._parse(method, path, response)
+
+        return await aretry(once, self.backoff, worth_retrying, self._count_retry)
+
+    def _unreachable(self, method: str, path: str, error: Exception) -> FleetError:
+        return FleetError(f"{method} {self.base_url}{path}: {type(error).__name__}: {error}")
+
+    def _count_retry(self, error: BaseException, attempt: int, pause_s: float) -> None:
+        self.retries_done += 1
+        log.info("%s; retry %d/%d in %.2fs", error, attempt, self.backoff.attempts - 1, pause_s)
 
     def _parse(self, method: str, path: str, response: httpx.Response) -> Any:
         try:

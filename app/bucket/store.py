@@ -27,19 +27,34 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from app.auth import redact
+from app.bucket.filesystem import (
+    BucketError,
+    IntegrityError,
+    InvalidName,
+    VersionExists,
+    VersionNotFound,
+    describe_error,
+    error_chain,
+    is_missing,
+    is_precondition_failed,
+    is_transient,
+    make_filesystem,
+    parse_url,
+    s3_error_code,
+)
 from app.messages import adapter_name
+from app.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 
@@ -49,134 +64,6 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _STALE_STAGING_S = 3600  # a fetch staging folder this old belongs to a process that died
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _COMMIT = re.compile(r"[0-9a-f]{12}")
-# Codes that S3 and S3-compatible stores answer when a retry is the right move; AWS answers concurrent
-# conditional writes with ConditionalRequestConflict, and a retry then learns who won.
-_TRANSIENT_CODES = frozenset(
-    "SlowDown Throttling ThrottlingException RequestThrottled RequestLimitExceeded TooManyRequests RequestTimeout "
-    "RequestTimeoutException InternalError ServiceUnavailable OperationAborted ConditionalRequestConflict".split()
-)
-
-
-class BucketError(RuntimeError):
-    """A bucket operation failed (after retries, where retrying made sense); names the URL and operation."""
-
-
-class VersionExists(BucketError):
-    """The version (or step) is already committed: a racing publisher won, or it was published before."""
-
-
-class VersionNotFound(BucketError, LookupError):
-    """No committed manifest for that version (or step): never published, still uploading, or collected."""
-
-
-class IntegrityError(BucketError):
-    """A fetched file does not match the size or sha256 its manifest promises."""
-
-
-class InvalidName(BucketError, ValueError):
-    """A version name, URL or path that is not ours: wrong spelling, outside the prefix, or traversal."""
-
-
-def _describe(exc: BaseException) -> str:
-    return redact(f"{type(exc).__name__}: {exc}")[:500]
-
-
-def _chain(exc: BaseException | None) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _s3_code(exc: BaseException) -> tuple[str | None, int | None]:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None, None
-    return response.get("Error", {}).get("Code"), response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-def is_precondition_failed(exc: BaseException) -> bool:
-    """A create-only write lost: FileExistsError (local, AWS) or PreconditionFailed/412 (SeaweedFS: EINVAL)."""
-    for e in _chain(exc):
-        code, status = _s3_code(e)
-        if isinstance(e, FileExistsError) or code == "PreconditionFailed" or status == 412:
-            return True
-    return False
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: the store was unreachable, slow, overloaded or failing, not the request wrong."""
-    network: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
-    with contextlib.suppress(ImportError):
-        import botocore.exceptions as bex
-
-        network += (bex.ConnectionError, bex.HTTPClientError)
-    with contextlib.suppress(ImportError):
-        import aiohttp
-
-        network += (aiohttp.ClientError,)
-    if is_precondition_failed(exc):
-        return False
-    for e in _chain(exc):
-        code, status = _s3_code(e)
-        if code in _TRANSIENT_CODES or status == 429 or (status is not None and status >= 500):
-            return True
-        if isinstance(e, network):
-            return True
-    return False
-
-
-def _is_missing(exc: BaseException) -> bool:
-    """The object is absent; a missing bucket is a configuration error, never 'absent'."""
-    if any(_s3_code(e)[0] == "NoSuchBucket" for e in _chain(exc)):
-        return False
-    return any(isinstance(e, FileNotFoundError) for e in _chain(exc))
-
-
-def _parse_url(url: str) -> tuple[str, str]:
-    """(scheme, root) where root is the fs path of the prefix: an absolute local path or 'bucket/prefix'."""
-    if not isinstance(url, str) or not url or "\x00" in url or "\\" in url:
-        raise InvalidName(f"bucket URL {redact(str(url))!r}: not a file:// or s3:// URL")
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "file", url  # a bare local path
-    if scheme == "file":
-        if not rest:
-            raise InvalidName(f"bucket URL {url!r}: empty path")
-        # file://runs/x is relative to the working directory, file:///tmp/x is absolute.
-        return "file", os.path.abspath(rest)
-    if scheme == "s3":
-        parts = rest.rstrip("/").split("/")
-        if not parts[0] or any(p in ("", ".", "..") for p in parts):
-            raise InvalidName(f"bucket URL {redact(url)!r}: expected s3://bucket[/prefix] without empty, . or .. parts")
-        return "s3", "/".join(parts)
-    raise InvalidName(f"bucket URL {redact(url)!r}: unsupported scheme {scheme!r} (use file:// or s3://)")
-
-
-def make_filesystem(url: str, *, endpoint_url: str | None = None, region: str | None = None):
-    """(fsspec filesystem, root path) for a bucket URL; credentials come from the AWS chain, never from here."""
-    scheme, root = _parse_url(url)
-    if scheme == "file":
-        from fsspec.implementations.local import LocalFileSystem
-
-        return LocalFileSystem(auto_mkdir=True), root
-    import s3fs
-
-    fs = s3fs.S3FileSystem(
-        endpoint_url=endpoint_url,
-        client_kwargs={"region_name": region} if region else {},
-        # One retry policy (ours), and timeouts short enough that a dead server is noticed.
-        config_kwargs={
-            "retries": {"total_max_attempts": 1, "mode": "standard"},
-            "connect_timeout": 5,
-            "read_timeout": 60,
-        },
-        skip_instance_cache=True,
-        use_listings_cache=False,  # another process may have committed a version a moment ago
-    )
-    fs.retries = 1
-    return fs, root
 
 
 def _hash_file(path: Path) -> tuple[int, str]:
@@ -234,7 +121,7 @@ class _CommittedStore(abc.ABC):
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.cache_dir = Path(cache_dir).expanduser()
-        self._scheme, self._root = _parse_url(url)
+        self._scheme, self._root = parse_url(url)
         self._fs, _ = make_filesystem(url, endpoint_url=endpoint_url, region=region)
         self._local = self._scheme == "file"
         self._sleep = time.sleep  # replaced by unit tests that count backoff instead of waiting
@@ -282,31 +169,22 @@ class _CommittedStore(abc.ABC):
 
     def _retry(self, op: str, url: str, what: str, fn, *args, **kwargs):
         """fn(*args) retried on transient errors; other errors go up unchanged for the caller to read."""
-        delay = self.backoff_s
-        for attempt in range(1, self.max_attempts + 1):
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                if attempt == self.max_attempts:
-                    raise BucketError(
-                        f"{op} {redact(url)}: {what} failed after {attempt} attempts: {_describe(exc)}"
-                    ) from None
-                # Jitter, so that replicas hit by the same outage do not come back in lockstep.
-                pause = min(delay, 30.0) * (0.5 + random.random())
-                log.warning(
-                    "%s %s: %s failed (%s), retry %d/%d in %.2fs",
-                    op,
-                    redact(url),
-                    what,
-                    _describe(exc),
-                    attempt,
-                    self.max_attempts - 1,
-                    pause,
-                )
-                self._sleep(pause)
-                delay *= 2
+
+        def warn(exc: BaseException, attempt: int, pause_s: float) -> None:
+            log.warning(
+                "%s %s: %s failed (%s), retry %d/%d in %.2fs",
+                *(op, redact(url), what, describe_error(exc), attempt, self.max_attempts - 1, pause_s),
+            )
+
+        backoff = Backoff(attempts=self.max_attempts, first_s=self.backoff_s)
+        try:
+            return retry(lambda: fn(*args, **kwargs), backoff, is_transient, warn, sleep=self._sleep)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            raise BucketError(
+                f"{op} {redact(url)}: {what} failed after {self.max_attempts} attempts: {describe_error(exc)}"
+            ) from None
 
     @contextlib.contextmanager
     def _errors(self, op: str, url: str):
@@ -317,15 +195,15 @@ class _CommittedStore(abc.ABC):
         except BucketError:
             raise
         except Exception as exc:
-            if any(_s3_code(e)[0] == "NoSuchBucket" for e in _chain(exc)):
+            if any(s3_error_code(e)[0] == "NoSuchBucket" for e in error_chain(exc)):
                 raise BucketError(f"{op} {redact(url)}: the bucket does not exist") from None
-            raise BucketError(f"{op} {redact(url)}: {_describe(exc)}") from None
+            raise BucketError(f"{op} {redact(url)}: {describe_error(exc)}") from None
 
     def _read_or_none(self, op: str, url: str, path: str) -> bytes | None:
         try:
             return self._retry(op, url, f"read {path.rsplit('/', 1)[-1]}", self._fs.cat_file, path)
         except Exception as exc:
-            if _is_missing(exc):
+            if is_missing(exc):
                 return None
             raise
 
@@ -360,7 +238,7 @@ class _CommittedStore(abc.ABC):
         try:
             self._retry(op, url, f"remove {path}", self._fs.rm, path, recursive=recursive)
         except Exception as exc:
-            if not _is_missing(exc):  # a concurrent gc got there first
+            if not is_missing(exc):  # a concurrent gc got there first
                 raise
 
     # ---- the commit protocol ------------------------------------------------------------------------
@@ -416,7 +294,7 @@ class _CommittedStore(abc.ABC):
             try:
                 paths = self._retry(op, url, "list", self._fs.find, base)
             except Exception as exc:
-                if not _is_missing(exc):
+                if not is_missing(exc):
                     raise
                 paths = []
         committed, present = set(), set()
@@ -511,7 +389,7 @@ class _CommittedStore(abc.ABC):
                     try:
                         self._retry(op, url, f"download {rel}", self._fs.get_file, remote, str(local))
                     except Exception as exc:
-                        if not _is_missing(exc):
+                        if not is_missing(exc):
                             raise
                         if self._read_or_none(op, url, self._path(number, MANIFEST)) is None:
                             raise VersionNotFound(f"{op} {redact(url)}: collected while being fetched") from None

@@ -17,16 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bucket.store import (
-    MANIFEST,
-    AdapterStore,
-    BucketError,
-    CheckpointStore,
-    IntegrityError,
-    InvalidName,
-    VersionExists,
-    VersionNotFound,
-)
+from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionExists, VersionNotFound
+from app.bucket.store import MANIFEST, AdapterStore, CheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]
 

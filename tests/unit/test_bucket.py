@@ -9,16 +9,15 @@ import os
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from app.bucket.store import (
-    AdapterStore,
+from app.bucket.filesystem import (
     BucketError,
-    CheckpointStore,
     InvalidName,
     VersionExists,
     is_precondition_failed,
     is_transient,
     make_filesystem,
 )
+from app.bucket.store import AdapterStore, CheckpointStore
 from app.config import load_config
 
 
