@@ -20,21 +20,29 @@ def free_port() -> int:
 
 
 def start_local_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -> None:
-    """Start a fresh single-node Ray bound to 127.0.0.1 (metrics exported every second when a port is given)."""
+    """Start a fresh single-node Ray bound to 127.0.0.1 (metrics exported every second when a port is given).
+
+    Listens on loopback only, as `make train`'s Ray does (`app.local_ray`: one-machine mode, worker preload)."""
     import ray
 
+    from app.local_ray import LOOPBACK, loopback_system_config, single_machine_mode
+
+    system_config = loopback_system_config()
     kwargs = {}
     if metrics_export_port is not None:
-        kwargs = {"_metrics_export_port": metrics_export_port, "_system_config": {"metrics_report_interval_ms": 1000}}
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        configure_logging=False,
-        log_to_driver=False,
-        **kwargs,
-    )
+        kwargs = {"_metrics_export_port": metrics_export_port}
+        system_config["metrics_report_interval_ms"] = 1000
+    with single_machine_mode():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK,
+            configure_logging=False,
+            log_to_driver=False,
+            _system_config=system_config,
+            **kwargs,
+        )
 
 
 def random_adapter(model_path: str, folder: str | Path, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
@@ -63,3 +71,58 @@ def publish_random_adapters(store, model_path: str, versions: list[int], work_di
     for version in versions:
         folder = random_adapter(model_path, Path(work_dir) / f"adapter-v{version}", seed=version, rank=rank)
         store.publish(folder, version)
+
+
+# ---- What a process tree listens on (tests/integration/test_loopback.py) ---------------------------------
+
+
+def process_tree(*root_pids: int, marker: tuple[str, str] | None = None) -> list:
+    """The processes `root_pids` (none given and no marker: this process) and all their descendants, plus
+    every process whose environment holds `marker` (NAME, VALUE) and all of theirs: what `ray start`
+    spawns outlives it (re-parented to init) but inherits its environment: GCS, raylet, dashboard,
+    agents, then the workers the raylet starts and the vLLM engines under them."""
+    import psutil
+
+    roots = [psutil.Process(pid) for pid in root_pids] or ([] if marker else [psutil.Process()])
+    if marker is not None:
+        name, value = marker
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(name) == value:
+                    roots.append(proc)
+            except psutil.Error:  # gone, a zombie, or not ours to read
+                continue
+    found: dict[int, psutil.Process] = {}
+    for root in roots:
+        try:
+            for proc in [root, *root.children(recursive=True)]:
+                found.setdefault(proc.pid, proc)
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def listening_sockets(processes) -> list[tuple[str, int, int, str]]:
+    """(address, port, pid, command line) of every listening TCP socket (IPv4 and IPv6) of `processes`."""
+    import psutil
+
+    found = []
+    for proc in processes:
+        try:
+            # Ray workers and vLLM engines retitle themselves (`ray::ServeReplica:...`, `VLLM::EngineCore`).
+            name = " ".join(proc.cmdline()) or proc.name()
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.append((conn.laddr.ip, conn.laddr.port, proc.pid, name))
+        except psutil.Error:  # ended meanwhile
+            continue
+    return sorted(set(found))
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4-mapped loopback (`::ffff:127.0.0.1`, an IPv6 socket bound to 127.0.0.1)."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback

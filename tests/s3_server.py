@@ -114,6 +114,11 @@ class S3Server:
         return f"http://127.0.0.1:{self.base_port + 3}"
 
     @property
+    def pid(self) -> int | None:
+        """The `weed mini` process while it runs (tests/integration/test_loopback.py lists its sockets)."""
+        return self._proc.pid if self.running else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

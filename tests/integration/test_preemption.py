@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from app.local_ray import SINGLE_MACHINE_ENV
 from tests.s3_server import S3Server, free_base_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,8 +28,8 @@ STEPS_PER_LEG = 9
 SAVE_STEPS = 3  # a leg ends on a checkpoint, so the next one starts exactly there
 LEARNER_NODE = {"learner_node": 1}
 ROLLOUT_NODE = {"rollout_node": 1}
-# Ray advertises the machine's outward address unless told that this is a one-machine "cluster".
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray advertises the machine's outward address unless told that this is a one-machine "cluster" (app/local_ray.py).
+LOOPBACK_ENV = SINGLE_MACHINE_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +40,16 @@ class SpotCluster:
     def __init__(self, tmp: Path, s3: S3Server, model_path: str):
         from ray.cluster_utils import Cluster
 
+        from app.local_ray import loopback_system_config
         from tests.fleet_helpers import free_port
 
         self.tmp, self.s3, self.model_path = tmp, s3, model_path
         self.bucket = s3.make_bucket("spot") + "/run"
         self.port = free_port()
         node = {"node_ip_address": "127.0.0.1", "object_store_memory": 150 * 2**20}
-        self.cluster = Cluster(initialize_head=True, head_node_args={**node, "num_cpus": 2, "include_dashboard": False})
+        # Loopback only, as `make train`'s Ray (app/local_ray.py); the system config reaches every node through the GCS.
+        head = {**node, "num_cpus": 2, "include_dashboard": False, "_system_config": loopback_system_config()}
+        self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self._node_args = node
         self.learner_node = self.add_node(LEARNER_NODE, num_cpus=2)
         self.rollout_nodes = [self.add_node(ROLLOUT_NODE) for _ in range(2)]
@@ -132,31 +136,31 @@ class SpotCluster:
 @pytest.fixture(scope="module")
 def spot(tmp_path_factory, tiny_model_path):
     import ray
-    import ray._private.ray_constants as ray_constants
 
+    from app.local_ray import single_machine_mode
     from deployments.fleet import deploy_fleet
 
-    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False  # what LOOPBACK_ENV does for the drivers, for this process
     tmp = tmp_path_factory.mktemp("spot")
     s3 = S3Server(tmp / "s3", free_base_port()).start()  # fixed ports: it comes back where it was
     saved_env = {k: os.environ.get(k) for k in s3.env()}
     os.environ.update(s3.env())  # the nodes (started next) and the drivers inherit the credentials
     spot = None
-    try:
-        spot = SpotCluster(tmp, s3, tiny_model_path)
-        ray.init(address=spot.address)
-        t0 = time.time()
-        deploy_fleet(spot.config(), tiny_model_path)
-        report(f"spot cluster: fleet of 2 replicas up in {time.time() - t0:.0f} s")
-        yield spot
-    finally:
-        if spot is not None:
-            spot.shutdown()
-        s3.kill()
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        for k, v in saved_env.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    # Ray's one-machine mode (what LOOPBACK_ENV does for the drivers) for this process and every node it
+    # starts, now and when a test replaces one: all of them listen on 127.0.0.1 only.
+    with single_machine_mode():
+        try:
+            spot = SpotCluster(tmp, s3, tiny_model_path)
+            ray.init(address=spot.address)
+            t0 = time.time()
+            deploy_fleet(spot.config(), tiny_model_path)
+            report(f"spot cluster: fleet of 2 replicas up in {time.time() - t0:.0f} s")
+            yield spot
+        finally:
+            if spot is not None:
+                spot.shutdown()
+            s3.kill()
+            for k, v in saved_env.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 _pytest_config = None
