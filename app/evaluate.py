@@ -3,7 +3,8 @@
     python -m app.evaluate --config FILE [--adapter policy-vN] [--url http://127.0.0.1:8000]
 
 The driver calls `evaluate()` before and after training; as a command it evaluates against a fleet
-that is already running (`make serve` or a run in progress).
+that is already running (`make serve` or a run in progress): the newest version in the bucket, or
+the base model (under the name the fleet serves it) when none is published yet.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import json
 from app.auth import inference_token
 from app.config import add_config_args, config_from_args
 from app.fleet_client import FleetClient
+from app.messages import Generate
 from app.models import prompt_token_ids
-from app.rollout.producer import Generate
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
 
@@ -76,6 +77,20 @@ def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None 
     )
 
 
+def base_model_name(fleet: FleetClient) -> str:
+    """The name the fleet serves the base model under: the one model of `/v1/models` without a parent."""
+    return next(m["id"] for m in fleet.models() if m.get("parent") is None)
+
+
+def default_model(cfg, fleet: FleetClient) -> str:
+    """What to evaluate when no adapter is named: the newest version in the bucket, else the base model."""
+    from app.bucket.store import AdapterStore
+    from app.messages import adapter_name
+
+    latest = AdapterStore.from_config(cfg).latest()
+    return adapter_name(latest) if latest is not None else base_model_name(fleet)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
@@ -83,16 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", default=None, help="Fleet URL (default: http://fleet.host:fleet.port).")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    from app.bucket.store import AdapterStore
-    from app.messages import adapter_name
     from app.models import resolve_model_path
 
-    model = args.adapter
-    if model is None:
-        latest = AdapterStore.from_config(cfg).latest()
-        model = adapter_name(latest) if latest is not None else "base"
     url = args.url or f"http://{cfg.fleet.host}:{cfg.fleet.port}"
     token = inference_token(cfg)
+    model = args.adapter or default_model(cfg, FleetClient(url, token))
     print(json.dumps(evaluate(cfg, url, resolve_model_path(cfg.model, cfg.task), model, token)))
 
 

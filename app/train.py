@@ -1,9 +1,11 @@
 """The driver: `python -m app.train --config FILE [--set key=value ...] [--address ADDR]`.
 
 Reads top to bottom like a recipe: start or join Ray, bring the fleet up unless one runs, start
-the learner (which resumes or publishes policy-v0) and the rollout actor, evaluate the base, loop
-to `max_steps` feeding the learner groups from the rollout queue, evaluate again and write the
-summary. What it started, it stops, on success, on error and on Ctrl-C alike.
+the learner (which resumes or publishes policy-v0) and the rollout actor, evaluate the base, then
+loop to `max_steps`: get groups, train, log; evaluate again and write the summary. The driver only
+wires: the groups go from the rollout to the learner as an ObjectRef it never opens, and the
+roles answer with typed messages (`app.messages`). What it started, it stops, on success, on
+error and on Ctrl-C alike.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import sys
 import time
 from contextlib import ExitStack
 
+from app.auth import admin_token, inference_token
 from app.config import RunConfig, add_config_args, config_from_args
+from app.messages import ResumePoint, RolloutStats, StepResult, adapter_name
+from app.models import resolve_model_path
 
 log = logging.getLogger("spotrl.train")
 
@@ -29,10 +34,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def staleness_of(groups, learner_version: int) -> list[int]:
-    return [learner_version - g.policy_version for g in groups]
-
-
 def window_mean(values: list[float], share: float, last: bool) -> float | None:
     if not values:
         return None
@@ -42,7 +43,7 @@ def window_mean(values: list[float], share: float, last: bool) -> float | None:
 
 
 class Run:
-    """State of one training run, so the loop and the summary read the same numbers."""
+    """The numbers of one training run, so the loop and the summary read the same ones."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -54,7 +55,29 @@ class Run:
         self.loop_s = 0.0
         self.idle_at_loop_start = 0.0
 
-    def summary(self, before: dict | None, after: dict | None, rollout_stats: dict, router: dict | None) -> dict:
+    def start_loop(self, rollout_stats: RolloutStats) -> None:
+        self.loop_t0 = time.time()
+        self.idle_at_loop_start = rollout_stats.idle_s
+
+    def end_loop(self) -> None:
+        self.loop_s = time.time() - self.loop_t0
+
+    def record(self, result: StepResult, rollout_stats: RolloutStats, rollout_wait_s: float) -> dict:
+        """The step's metrics as logged: the learner's, the rollout's, its groups', and how long we waited for them."""
+        metrics = {
+            **result.metrics,
+            "policy_version": result.policy_version,
+            **rollout_stats.metrics(),
+            **(result.batch.metrics() if result.batch else {}),
+            "perf/rollout_wait_s": rollout_wait_s,
+        }
+        self.history.append(metrics)
+        if result.batch:
+            self.staleness.extend(result.batch.staleness)
+            self.samples_trained += result.batch.num_samples
+        return metrics
+
+    def summary(self, before: dict | None, after: dict | None, rollout: RolloutStats, router: dict | None) -> dict:
         rewards = [m["reward"] for m in self.history if "reward" in m]
         ratios = [m["ratio"] for m in self.history if "ratio" in m]
         return {
@@ -70,21 +93,51 @@ class Run:
             "affinity_share": router_affinity(router),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness) if self.staleness else None,
-            "dropped_stale_share": rollout_stats.get("sample/dropped_stale_share"),
-            "dropped_failed_total": rollout_stats.get("rollout/dropped_failed_total"),
+            "dropped_stale_share": rollout.dropped_stale_share,
+            "dropped_failed_total": rollout.dropped_failed_total,
             "ratio_mean": statistics.fmean(ratios) if ratios else None,
             "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
             "loop_wall_s": round(self.loop_s, 1),
             "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history) / self.loop_s
             if self.loop_s
             else None,
-            "generation_idle_share": (
-                (rollout_stats.get("rollout/idle_s", 0.0) - self.idle_at_loop_start) / self.loop_s
-                if self.loop_s
-                else None
-            ),
+            "generation_idle_share": (rollout.idle_s - self.idle_at_loop_start) / self.loop_s if self.loop_s else None,
             "wall_time_s": round(time.time() - self.t0, 1),
         }
+
+
+class StepLog:
+    """Where each step goes: the audit trail of trained groups, the metrics sink, the progress bar, the verdicts."""
+
+    def __init__(self, stack: ExitStack, run: Run, initial_step: int):
+        from app.metrics_sink import MetricsSink
+
+        cfg = run.cfg
+        self.cfg, self.run = cfg, run
+        # Which groups each step trained: the audit trail of exactly-once across restarts (a resumed learner
+        # repeats step numbers; the last line of a step is the one its checkpoints descend from).
+        self.trained = stack.enter_context(open(cfg.run_dir / "trained_groups.jsonl", "a"))
+        self.sink = MetricsSink(cfg.run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
+        stack.callback(self.sink.close)
+        self.bar = progress_bar(cfg, initial_step)
+        stack.callback(self.bar.close)
+
+    def write(self, result: StepResult, metrics: dict) -> None:
+        from app.diagnosis import diagnose
+
+        self.trained.write(json.dumps({"step": result.step, "groups": result.trained_group_ids}) + "\n")
+        self.trained.flush()
+        self.sink.log(metrics, result.step)
+        self.bar.update(1)
+        self.bar.set_postfix(
+            reward=f"{metrics['reward']:.2f}",
+            step_s=f"{metrics['perf/step_s']:.2f}",
+            stale=f"{metrics['sample/staleness_mean']:.1f}",
+            queue=int(metrics["sample/rollout_queue_size"]),
+        )
+        every = self.cfg.logging.diagnose_every
+        if result.step % every == 0:
+            self.bar.write(str(diagnose(self.run.history[-every:], self.cfg)))
 
 
 def router_affinity(router: dict | None) -> float | None:
@@ -116,136 +169,105 @@ def stop_actor(actor, timeout_s: float = 10.0) -> None:
     ray.kill(actor, no_restart=True)
 
 
-def ensure_served(fleet, cfg: RunConfig, version: int) -> None:
-    """Make sure the fleet serves the learner's version before sampling from it.
+def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
+    """Start or join Ray, and use the fleet that runs there or deploy one; returns an admin client of it."""
+    import ray
 
-    The learner asks the fleet to load each version it publishes but only counts a failed load
-    (training goes on); at start-up there is no point going on without it, so load it here or fail.
-    """
-    from app.bucket.store import AdapterStore
-    from app.messages import adapter_name
+    from app.fleet_client import FleetClient
+    from app.local_ray import start_ray
+    from deployments.fleet import deploy_fleet, fleet_is_running, shutdown_fleet
 
-    name = adapter_name(version)
-    if name not in {m["id"] for m in fleet.models()}:
-        log.info("the fleet does not serve %s yet: loading it from the bucket", name)
-        fleet.load_adapter(name, AdapterStore.from_config(cfg).url_of(version))
+    ray_is_ours = start_ray(address)
+    if ray_is_ours:
+        stack.callback(ray.shutdown)
+        # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
+        check_port_free(cfg.fleet.host, cfg.fleet.port)
+    if fleet_is_running(cfg):
+        base_url = f"http://{cfg.fleet.host}:{cfg.fleet.port}"
+        log.info("using the fleet already running at %s", base_url)
+    else:
+        log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
+        base_url = deploy_fleet(cfg, model_path)
+        stack.callback(shutdown_fleet, cfg, stop_serve=not ray_is_ours)
+    return FleetClient(base_url, token=admin_token(cfg))
+
+
+def start_rollout(stack: ExitStack, cfg: RunConfig, model_path: str, fleet_url: str, resume: ResumePoint):
+    """The rollout actor, producing from where the learner resumed."""
+    import ray
+
+    from app.rollout.actor import RolloutActor
+
+    # Named, so that the dashboard and `ray.get_actor(name, namespace="spotrl")` find it.
+    rollout = RolloutActor.options(name=f"rollout-{cfg.logging.run_name}", namespace="spotrl").remote(
+        cfg, model_path, fleet_url, resume
+    )
+    stack.callback(stop_actor, rollout)
+    ray.get(rollout.start.remote())
+    return rollout
+
+
+def take_groups(rollout, n: int):
+    """Ask the rollout for a step's groups and wait until they exist; returns their ObjectRef and the wait.
+
+    The driver never fetches them: the learner's ranks read them from the object store."""
+    import ray
+
+    t0 = time.perf_counter()
+    batch = rollout.get_groups.remote(n)
+    ray.wait([batch], fetch_local=False)
+    return batch, time.perf_counter() - t0
 
 
 def train(cfg: RunConfig, address: str | None = None) -> dict:
+    """Train to `grpo.max_steps`; returns the run's summary (also in runs/<name>/summary.json)."""
     import ray
 
-    from app.auth import admin_token, inference_token
     from app.diagnosis import diagnose
     from app.evaluate import evaluate
-    from app.fleet_client import FleetClient
     from app.learner.group import LearnerGroup
-    from app.local_ray import start_ray
-    from app.messages import adapter_name
-    from app.metrics_sink import MetricsSink
-    from app.models import resolve_model_path
-    from app.rollout.producer import RolloutActor
-    from deployments.fleet import deploy_fleet, fleet_is_running, shutdown_fleet
+    from app.weight_sync import ensure_served, tell_rollout
 
     run = Run(cfg)
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
-    token = admin_token(cfg)
     eval_token = inference_token(cfg)
 
     with ExitStack() as stack:
-        ray_is_ours = start_ray(address)
-        if ray_is_ours:
-            stack.callback(ray.shutdown)
-            # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
-            check_port_free(cfg.fleet.host, cfg.fleet.port)
-        if fleet_is_running(cfg):
-            base_url = f"http://{cfg.fleet.host}:{cfg.fleet.port}"
-            log.info("using the fleet already running at %s", base_url)
-        else:
-            log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
-            base_url = deploy_fleet(cfg, model_path)
-            stack.callback(shutdown_fleet, cfg, stop_serve=not ray_is_ours)
-        fleet = FleetClient(base_url, token=token)
-
-        learner = LearnerGroup(cfg, model_path, fleet_url=base_url, fleet_token=token)
+        fleet = start_fleet(stack, cfg, model_path, address)
+        learner = LearnerGroup(cfg, model_path, fleet_url=fleet.base_url, fleet_token=admin_token(cfg))
         stack.callback(learner.shutdown)
-        state = learner.start()
-        version = state["policy_version"]
-        log.info("learner at step %d, policy version %d", state["step"], version)
+        resume = learner.start()
+        version = resume.policy_version
+        log.info("learner at step %d, policy version %d", resume.step, version)
         ensure_served(fleet, cfg, version)
 
-        before = evaluate(cfg, base_url, model_path, adapter_name(version), eval_token)
+        before = evaluate(cfg, fleet.base_url, model_path, adapter_name(version), eval_token)
         log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
 
-        # Named, so that the dashboard and `ray.get_actor(name, namespace="spotrl")` find it.
-        rollout = RolloutActor.options(name=f"rollout-{cfg.logging.run_name}", namespace="spotrl").remote(
-            cfg, model_path, base_url, state
-        )
-        stack.callback(stop_actor, rollout)
-        ray.get(rollout.start.remote())
-
-        # Which groups each step trained: the audit trail of exactly-once across restarts (a resumed learner
-        # repeats step numbers; the last line of a step is the one its checkpoints descend from).
-        trained_log = stack.enter_context(open(run_dir / "trained_groups.jsonl", "a"))
-        sink = MetricsSink(run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
-        stack.callback(sink.close)
-        bar = progress_bar(cfg, state["step"])
-        stack.callback(bar.close)
-
-        step = state["step"]
-        run.loop_t0 = time.time()
-        run.idle_at_loop_start = ray.get(rollout.stats.remote())["rollout/idle_s"]
+        rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume)
+        steps = StepLog(stack, run, resume.step)
+        step = resume.step
+        run.start_loop(ray.get(rollout.stats.remote()))
         while step < cfg.grpo.max_steps:
-            t_wait = time.perf_counter()
-            groups = ray.get(rollout.get_groups.remote(cfg.grpo.num_prompts_per_step))
-            rollout_wait_s = time.perf_counter() - t_wait
-            stale = staleness_of(groups, version)
+            batch, rollout_wait_s = take_groups(rollout, cfg.grpo.num_prompts_per_step)
             rollout_stats = ray.get(rollout.stats.remote())
-            metrics = learner.train_step(groups, data_cursor=rollout_stats["rollout/data_frontier"])
-            step = metrics["step"]
-            trained_log.write(json.dumps({"step": step, "groups": metrics.pop("learner/trained_group_ids")}) + "\n")
-            trained_log.flush()
-            if metrics["policy_version"] != version:
-                version = metrics["policy_version"]
-                ray.get(rollout.set_versions.remote(version))
-            rewards = [r for g in groups for r in g.rewards]
-            metrics.update(rollout_stats)
-            metrics.update(
-                {
-                    "reward": statistics.fmean(rewards),
-                    "reward_std": statistics.pstdev(rewards),
-                    "sample/staleness_mean": statistics.fmean(stale),
-                    "sample/staleness_max": max(stale),
-                    "sample/version_min": min(g.policy_version for g in groups),
-                    "sample/version_max": max(g.policy_version for g in groups),
-                    "perf/rollout_wait_s": rollout_wait_s,
-                    "samples": len(rewards),
-                }
-            )
-            run.history.append(metrics)
-            run.staleness.extend(stale)
-            run.samples_trained += len(rewards)
-            sink.log(metrics, step)
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['reward']:.2f}",
-                step_s=f"{metrics['perf/step_s']:.2f}",
-                stale=f"{metrics['sample/staleness_mean']:.1f}",
-                queue=int(metrics["sample/rollout_queue_size"]),
-            )
-            if step % cfg.logging.diagnose_every == 0:
-                bar.write(str(diagnose(run.history[-cfg.logging.diagnose_every :], cfg)))
+            result = learner.train_step(batch)
+            if result.policy_version != version:
+                version = result.policy_version
+                tell_rollout(rollout, version)
+            step = result.step
+            steps.write(result, run.record(result, rollout_stats, rollout_wait_s))
+        run.end_loop()
 
-        run.loop_s = time.time() - run.loop_t0
         final_stats = ray.get(rollout.stats.remote())
         verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
-        after = evaluate(cfg, base_url, model_path, adapter_name(version), eval_token)
+        after = evaluate(cfg, fleet.base_url, model_path, adapter_name(version), eval_token)
         summary = run.summary(before, after, final_stats, fleet.router_stats())
         summary["bottleneck"] = verdict.kind
         summary["bottleneck_detail"] = str(verdict)
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        bar.write(str(verdict))
+        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        steps.bar.write(str(verdict))
     return summary
 
 

@@ -2,7 +2,7 @@
 
 The same GRPO-like steps (8 prompts x 8 completions each; prompts of 30-80 tokens, completions
 log-normal around 80 tokens with a tenth cut at the 256-token limit, as real completions spread) are
-trained by the real `Learner` on a small random Qwen2. Each variant runs in its own process, so its
+trained by the real `LearnerRank` on a small random Qwen2. Each variant runs in its own process, so its
 peak memory is its own, and their steps are interleaved, so other load on the machine slows them
 alike. Packing removes the pad tokens a padded batch forwards; gradient checkpointing trades
 recomputation for activation memory.
@@ -66,7 +66,7 @@ def make_groups(n_groups: int, group_size: int, seed: int):
                     truncated=truncated,
                 )
             )
-        groups.append(Group(f"bench-{seed}-{g}", f"p{g}", prompt, 0, samples))
+        groups.append(Group(seed * n_groups + g, f"p{g}", prompt, 0, samples))  # ids unique across steps
     return groups
 
 
@@ -85,7 +85,7 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
     import torch
 
     from app.config import RunConfig
-    from app.learner.rank import Learner
+    from app.learner.rank import LearnerRank
 
     global _learner
     torch.set_num_threads(threads)
@@ -98,7 +98,7 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
     cfg.grpo.weight_sync_steps = cfg.learner.save_steps = 10**6  # time the step, not the bucket
     cfg.bucket.url = f"file://{workdir}/bucket-{batching}-{int(checkpointing)}"
     cfg.bucket.cache_dir = f"{workdir}/cache"
-    _learner = Learner(cfg, model_path)
+    _learner = LearnerRank(cfg, model_path)
     _learner.setup()
     _learner.start()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -106,7 +106,9 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
 
 def step_variant(groups: int, seed: int) -> dict:
     """One training step of this process's variant; its metrics and the process's peak RSS so far."""
-    metrics = _learner.train_step(make_groups(groups, 8, seed=seed))
+    from app.messages import RolloutBatch
+
+    metrics = _learner.train_step(RolloutBatch(make_groups(groups, 8, seed=seed))).metrics
     return {**metrics, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

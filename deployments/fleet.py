@@ -167,9 +167,9 @@ def deploy_fleet(
 
 def wait_healthy(base_url: str, num_replicas: int, *, timeout_s: float = 300.0) -> None:
     """Block until `/health` reports `num_replicas` live replicas."""
-    from app.fleet_client import FleetClient, FleetError
+    from app.fleet_client import NO_RETRY, FleetClient, FleetError
 
-    client = FleetClient(base_url, retries=0, timeout_s=10)
+    client = FleetClient(base_url, backoff=NO_RETRY, timeout_s=10)
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:

@@ -2,14 +2,17 @@
 
 One ingress replica holds the tokenizer and a `DeploymentHandle` to `VLLMReplica`; the handle's
 request router is the PrefixHashRouter, so it lives in this process and `/router/stats` reads its
-counters directly. The ingress is where failures are hidden from clients: a generation whose replica
-died (spot preemption, OOM, a crashed engine) is sent again, and the router, told of the death by
-Serve, picks a live replica. Admin calls are broadcast to every live replica.
+counters directly. Generations go through the handle as one `GenerateRequest` each
+(`deployments.protocol`), the type the router reads and the replica samples from.
+
+The ingress is where failures are hidden from clients: a generation whose replica died (spot
+preemption, OOM, a crashed engine) is sent again (`app.retry.aretry`, whose docstring says who
+retries what), and the router, told of the death by Serve, picks a live replica. Admin calls are
+broadcast to every live replica.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from pathlib import Path
@@ -18,23 +21,28 @@ from typing import Any
 from app.auth import Secret
 from app.auth import admin_token as resolve_admin_token
 from app.config import RunConfig
+from app.retry import Backoff, aretry
 from deployments.api import ApiSettings, make_app
-from deployments.replica import ReplicaUnavailable
+from deployments.protocol import GENERATE_METHOD, Generated, GenerateRequest, ReplicaUnavailable
 
 log = logging.getLogger("ray.serve")
 
 # Attempts of one generation across replica deaths: the first retry normally lands on a live
-# replica; the later ones cover the seconds before Serve has noticed that a replica is gone.
-GENERATE_ATTEMPTS = 6
-RETRY_BACKOFF_S = 0.5
+# replica; the later ones cover the seconds before Serve has noticed that a replica is gone
+# (pauses 0.5, 1, 2, 2, 2 s, jittered: about 7.5 s in all).
+GENERATE_BACKOFF = Backoff(attempts=6, first_s=0.5, max_s=2.0)
 
 
-def _retryable(exc: BaseException) -> bool:
+def replica_failed(exc: BaseException) -> bool:
     """The replica, not the request, failed: worth sending again elsewhere."""
     from ray.exceptions import RayActorError
 
     cause = getattr(exc, "cause", None)
     return isinstance(exc, RayActorError | ReplicaUnavailable) or isinstance(cause, RayActorError | ReplicaUnavailable)
+
+
+def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
+    log.warning("generation hit a dead replica (%s); retry %d in %.1fs", type(exc).__name__, attempt, pause_s)
 
 
 class ServeBackend:
@@ -44,23 +52,19 @@ class ServeBackend:
         self._handle = handle
         self._server_info: dict[str, Any] | None = None
 
-    async def generate(self, prompt_ids: list[int], model: str, sampling: dict[str, Any]) -> dict[str, Any]:
-        # Positional arguments on purpose: the router reads (prompt ids, model) from them.
-        for attempt in range(1, GENERATE_ATTEMPTS + 1):
-            try:
-                return await self._handle.generate.remote(prompt_ids, model, sampling)
-            except Exception as e:
-                if not _retryable(e) or attempt == GENERATE_ATTEMPTS:
-                    raise
-                log.warning("generation hit a dead replica (%s); retry %d", type(e).__name__, attempt)
-                await asyncio.sleep(RETRY_BACKOFF_S * attempt)
-        raise AssertionError("unreachable")
+    async def generate(self, request: GenerateRequest) -> Generated:
+        # The handle's router (PrefixHashRouter) reads `request.prompt_ids` and `request.model` to pick the replica;
+        # a retry is routed afresh, away from the replica Serve now knows is dead.
+        def send():
+            return self._handle.options(method_name=GENERATE_METHOD).remote(request)
+
+        return await aretry(send, GENERATE_BACKOFF, replica_failed, _log_retry)
 
     async def broadcast(self, method: str, *args: Any) -> list[Any]:
         """Each live replica's result or exception. A replica that died meanwhile is left out, not counted as a
         failure: it is no longer part of the fleet, and its replacement reads the live versions from the bucket."""
         results = await self._handle.broadcast(method, *args).results_async(return_exceptions=True)
-        return [r for r in results if not (isinstance(r, BaseException) and _retryable(r))]
+        return [r for r in results if not (isinstance(r, BaseException) and replica_failed(r))]
 
     async def server_info(self) -> dict[str, Any]:
         if self._server_info is None:  # every replica runs the same engine config: ask one, once

@@ -12,6 +12,8 @@ The engine is configured for the router and the learner: KV block size = the rou
 enough for every version a sample may still use, and processed log-probs (after temperature), which
 is what the learner recomputes. The engine never detokenizes: text is decoded by the ingress with the
 tokenizer that was checked to round-trip, so the sampler and the learner see the same tokens.
+Generations arrive as `deployments.protocol.GenerateRequest`s and failures leave as its
+`ReplicaError`s, whose HTTP status the ingress answers with.
 
 vLLM's engine metrics reach Ray's metrics export through vLLM's own `RayPrometheusStatLogger`
 (tagged with the Serve replica id); `EngineCounters` keeps the same numbers in-process for
@@ -28,50 +30,32 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from app.auth import redact
-from app.bucket.store import AdapterStore, BucketError, IntegrityError, InvalidName, VersionNotFound
+from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionNotFound
+from app.bucket.store import AdapterStore
 from app.config import RunConfig
 from app.messages import adapter_name
-from deployments.api import PAUSE_MODES
+from deployments.protocol import (
+    PAUSE_MODES,
+    BadRequest,
+    Generated,
+    GenerateRequest,
+    ModelNotFound,
+    ReplicaError,
+    ReplicaUnavailable,
+    SampledChoice,
+    Sampling,
+)
 
 log = logging.getLogger("ray.serve")
 
 # Adapter names: what a client puts in `model`. `policy-v{N}` is reserved for bucket versions.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 POLICY_NAME = re.compile(r"policy-v(0|[1-9][0-9]*)")
-
-
-class FleetError(Exception):
-    """An error with an HTTP status, raised in a replica and answered as such by the ingress."""
-
-    status = 500
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.message = message
-        if status is not None:
-            self.status = status
-
-    def __reduce__(self):  # keep the status through Ray's pickling
-        return (type(self), (self.message, self.status))
-
-
-class BadRequest(FleetError):
-    status = 400
-
-
-class ModelNotFound(FleetError):
-    status = 404
-
-
-class ReplicaUnavailable(FleetError):
-    """This replica cannot serve (engine dead, shutting down): the ingress retries on another one."""
-
-    status = 503
 
 
 @dataclass
@@ -89,8 +73,8 @@ class _Adapter:
 class EngineCounters:
     """Cumulative engine numbers from vLLM's stat records (vLLM's own counting, kept in-process).
 
-    A vLLM per-engine stat logger: the engine calls `record` after every step, with the prefix-cache
-    queries and hits of that step (in tokens), the tokens processed, and the queue sizes.
+    Fed by the stat logger `_as_stat_logger` makes: after every step the engine reports the
+    prefix-cache queries and hits of that step (in tokens), the tokens processed, and the queue sizes.
     """
 
     prefix_cache_queries: int = 0
@@ -103,7 +87,7 @@ class EngineCounters:
     kv_cache_usage: float = 0.0
     steps: int = field(default=0, repr=False)
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+    def record(self, scheduler_stats, iteration_stats) -> None:
         if scheduler_stats is not None:
             self.prefix_cache_queries += scheduler_stats.prefix_cache_stats.queries
             self.prefix_cache_hits += scheduler_stats.prefix_cache_stats.hits
@@ -116,15 +100,6 @@ class EngineCounters:
             self.generation_tokens += iteration_stats.num_generation_tokens
             self.finished_requests += len(iteration_stats.finished_requests)
 
-    def log_engine_initialized(self) -> None:
-        pass
-
-    def log(self) -> None:
-        pass
-
-    def record_sleep_state(self, is_awake: int, level: int) -> None:
-        pass
-
     def snapshot(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "steps"}
 
@@ -133,12 +108,13 @@ def _as_stat_logger(counters: EngineCounters):
     """A vLLM per-engine stat-logger factory that hands every engine's records to `counters`."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
+    # StatLoggerBase's abstract methods; `log` and `record_sleep_state` keep the base's no-op defaults.
     class _Logger(StatLoggerBase):
         def __init__(self, vllm_config, engine_index: int = 0):
             pass
 
-        def record(self, *args, **kwargs):
-            counters.record(*args, **kwargs)
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            counters.record(scheduler_stats, iteration_stats)
 
         def log_engine_initialized(self):
             pass
@@ -179,13 +155,19 @@ def engine_block_size(configured: int, on_cpu: bool) -> int:
     return configured
 
 
-def sampling_params(sampling: dict[str, Any]):
-    """vLLM SamplingParams for one request: final outputs only, no detokenization (the ingress decodes)."""
+def sampling_params(sampling: Sampling):
+    """The request's sampling as vLLM's SamplingParams: final outputs only, no detokenization (the ingress decodes).
+
+    The one conversion: `Sampling`'s fields are SamplingParams' own, under the same names.
+    """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    # The default cumulative stream drops samples that stopped early when n > 1.
-    return SamplingParams(**sampling, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+    try:
+        # The default cumulative stream drops samples that stopped early when n > 1.
+        return SamplingParams(**asdict(sampling), output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+    except (ValueError, TypeError) as e:
+        raise BadRequest(f"invalid sampling parameters: {e}") from None
 
 
 def _token_logprobs(token_ids: list[int], logprobs, top: int) -> tuple[list[float], list[dict[int, float]] | None]:
@@ -198,6 +180,15 @@ def _token_logprobs(token_ids: list[int], logprobs, top: int) -> tuple[list[floa
             ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
             alternatives.append({int(t): float(lp.logprob) for t, lp in ranked[:top]})
     return chosen, alternatives
+
+
+def _sampled_choice(output, top: int) -> SampledChoice:
+    """One of the engine's completion outputs, with the sampled tokens' log-probs if they were asked for."""
+    token_ids = list(output.token_ids)
+    logprobs, alternatives = None, None
+    if output.logprobs is not None:
+        logprobs, alternatives = _token_logprobs(token_ids, output.logprobs, top)
+    return SampledChoice(output.index, token_ids, logprobs, alternatives, output.finish_reason, output.stop_reason)
 
 
 class VLLMReplica:
@@ -281,10 +272,11 @@ class VLLMReplica:
         )
 
     async def _load_newest(self) -> list[str]:
-        """Load the newest committed versions, oldest first (so the engine's LRU order matches age)."""
-        versions = await asyncio.to_thread(self.store.versions)
+        """Load the versions the fleet serves (`app.weight_sync` decides which), oldest first."""
+        from app.weight_sync import versions_to_serve
+
         names = []
-        for version in sorted(versions[: self._window]):
+        for version in await asyncio.to_thread(versions_to_serve, self.store, self._window):
             await self.load_adapter(adapter_name(version), adapter_name(version))
             names.append(adapter_name(version))
         return names
@@ -319,21 +311,24 @@ class VLLMReplica:
 
     # ---- generation -------------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], model: str, sampling: dict[str, Any]) -> dict[str, Any]:
-        """Sample completions of a token-id prompt; `model` is the base model's name or an adapter's.
-
-        The signature is the router's contract: it hashes `prompt_ids` under the namespace `model`.
-        """
-        from vllm.exceptions import VLLMClientError
-
+    async def generate(self, request: GenerateRequest) -> Generated:
+        """Sample completions of a token-id prompt under `request.model`, the base model's name or an adapter's."""
         if self.engine.errored:
             raise ReplicaUnavailable(f"replica {self.replica_id}: engine is dead")
-        adapter = None if model == self.base_model else await self._adapter_for(model)
-        top = int(sampling.get("logprobs") or 0)
-        try:
-            params = sampling_params(sampling)
-        except (ValueError, TypeError) as e:
-            raise BadRequest(f"invalid sampling parameters: {e}") from None
+        adapter = None if request.model == self.base_model else await self._adapter_for(request.model)
+        final = await self._sample(request.prompt_ids, sampling_params(request.sampling), adapter)
+        if final is None:  # aborted before any output, e.g. by /pause?mode=abort
+            # 503 but not ReplicaUnavailable: the abort was asked for, so the ingress must not send it elsewhere.
+            raise ReplicaError(f"replica {self.replica_id}: the request was aborted", 503)
+        top = request.sampling.logprobs or 0
+        return Generated(
+            self.replica_id, [_sampled_choice(out, top) for out in sorted(final.outputs, key=lambda o: o.index)]
+        )
+
+    async def _sample(self, prompt_ids: list[int], params, adapter: _Adapter | None):
+        """The engine's final output for one prompt (None if aborted); the adapter counts it as in flight."""
+        from vllm.exceptions import VLLMClientError
+
         lora = None
         if adapter is not None:
             from vllm.lora.request import LoRARequest
@@ -346,6 +341,7 @@ class VLLMReplica:
                 {"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex, lora_request=lora
             ):
                 final = output
+            return final
         except (ValueError, VLLMClientError) as e:  # vLLM's input checks: prompt too long, unknown token, ...
             raise BadRequest(str(e)) from None
         except Exception as e:
@@ -357,25 +353,6 @@ class VLLMReplica:
                 adapter.inflight -= 1
                 if adapter.draining and adapter.inflight == 0:
                     await self._remove(adapter)
-        if final is None:  # aborted before any output, e.g. by /pause?mode=abort
-            raise FleetError(f"replica {self.replica_id}: the request was aborted", 503)
-        choices = []
-        for out in sorted(final.outputs, key=lambda o: o.index):
-            token_ids = list(out.token_ids)
-            logprobs, alternatives = (None, None)
-            if out.logprobs is not None:
-                logprobs, alternatives = _token_logprobs(token_ids, out.logprobs, top)
-            choices.append(
-                {
-                    "index": out.index,
-                    "token_ids": token_ids,
-                    "logprobs": logprobs,
-                    "top_logprobs": alternatives,
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            )
-        return {"replica": self.replica_id, "prompt_tokens": len(prompt_ids), "choices": choices}
 
     async def _adapter_for(self, model: str) -> _Adapter:
         adapter = self._adapters.get(model)
@@ -385,9 +362,10 @@ class VLLMReplica:
         if match and model not in self._unloaded:
             # Published while this replica was starting, or its broadcast was missed: the bucket is the
             # record, so load it now if it is one of the versions the fleet serves.
+            from app.weight_sync import should_serve
+
             version = int(match.group(1))
-            versions = await asyncio.to_thread(self.store.versions)
-            if version in versions[: self._window]:
+            if await asyncio.to_thread(should_serve, self.store, version, self._window):
                 await self.load_adapter(model, model)
                 return self._adapters[model]
         raise ModelNotFound(f"model {model!r} is not loaded (base model: {self.base_model!r})")
@@ -404,7 +382,7 @@ class VLLMReplica:
             if existing is not None:
                 if existing.source == source:
                     return {"replica": self.replica_id, "loaded": False}
-                raise FleetError(f"adapter {name!r} is already loaded from another source; unload it first", 409)
+                raise ReplicaError(f"adapter {name!r} is already loaded from another source; unload it first", 409)
             from vllm.lora.request import LoRARequest
 
             adapter = _Adapter(name, next(self._ids), str(path), source, load_id)
@@ -415,7 +393,7 @@ class VLLMReplica:
             except (ValueError, TypeError, VLLMClientError) as e:  # rank above max_lora_rank, bad targets, ...
                 raise BadRequest(f"adapter {name!r} cannot be loaded: {redact(str(e))[:300]}") from None
             if not added:
-                raise FleetError(f"adapter {name!r}: the engine refused it")
+                raise ReplicaError(f"adapter {name!r}: the engine refused it")
             self._adapters[name] = adapter
             self._unloaded.discard(name)
             log.info("replica %s loaded %s from %s", self.replica_id, name, redact(source))
@@ -445,9 +423,9 @@ class VLLMReplica:
         except VersionNotFound:
             raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None
         except IntegrityError as e:
-            raise FleetError(f"{adapter_name(version)} failed verification: {e}", 502) from None
+            raise ReplicaError(f"{adapter_name(version)} failed verification: {e}", 502) from None
         except BucketError as e:
-            raise FleetError(f"bucket unavailable: {e}", 503) from None
+            raise ReplicaError(f"bucket unavailable: {e}", 503) from None
 
     def _trusted_folder(self, name: str, ref: str) -> tuple[str, Path]:
         """A PEFT folder under one of `fleet.extra_adapter_dirs` (TRL's own trainer writes adapters there)."""

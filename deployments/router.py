@@ -5,7 +5,8 @@ across replicas, so each replica prefills the same prompt again. This router has
 token blocks the way vLLM's prefix cache does (`deployments.prefix`) and sends a request to the
 replica that already holds the longest run of them, spilling to the least loaded replica when the
 preferred one is too far ahead. It sees only the arguments of the handle call, which is why the
-ingress calls `VLLMReplica.generate(prompt_ids, model, sampling)` with token ids, never raw text.
+ingress calls `VLLMReplica.generate` with a `GenerateRequest` (`deployments.protocol`) that carries
+token ids, never raw text: the router reads its `prompt_ids` and `model`.
 
 Settings (block size, spill threshold, table bound) come from the replicas' own metadata, which the
 replicas take from the run config: the block size is then by construction the engines' KV block
@@ -29,11 +30,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from app.config import RouterConfig
 from deployments.prefix import OUTCOMES, Decision, PrefixTable, block_hashes, decide
+from deployments.protocol import GENERATE_METHOD, GenerateRequest
 
 log = logging.getLogger("ray.serve")
 
-# The replica method whose calls are routed by prefix; its first two arguments are (prompt ids, model).
-ROUTED_METHOD = "generate"
 # Used until the replicas publish theirs (they do before any request can be routed to them).
 DEFAULT_SETTINGS = RouterConfig().model_dump()
 
@@ -90,26 +90,26 @@ class PrefixHashRouter(RequestRouter):
             return []
         by_id = {_rid(r): r for r in candidate_replicas}
         loads = {rid: self._inflight.get(rid, 0) for rid in by_id}
-        prompt = _routable(pending_request)
+        request = _generate_request(pending_request)
         if pending_request is not None:
             # Back off between rounds when every replica is full, instead of spinning.
             pending_request.routing_context.should_backoff = True
-        if prompt is None:  # a call that is not a generation: plain least-loaded order
+        if request is None:  # a call that is not a generation: plain least-loaded order
             return [sorted(candidate_replicas, key=lambda r: loads[_rid(r)])]
         context = pending_request.routing_context
         chosen = getattr(context, "spotrl_replica", None)
         if chosen not in by_id:
             # First attempt (or the replica chosen before has died): decide and record now, so the
             # rest of the group, arriving a moment later, matches these blocks.
-            decision = self._decide(prompt, loads)
+            decision = self._decide(request, loads)
             chosen = context.spotrl_replica = decision.replica
         rest = sorted((r for rid, r in by_id.items() if rid != chosen), key=lambda r: loads[_rid(r)])
         # If the chosen replica is full, Serve falls through to the next rank: the least loaded others.
         return [[by_id[chosen]], rest] if rest else [[by_id[chosen]]]
 
-    def _decide(self, prompt: tuple[list[int], str], loads: dict[str, int]) -> Decision:
-        token_ids, namespace = prompt
-        hashes = block_hashes(token_ids, self._settings["block_size"], namespace)
+    def _decide(self, request: GenerateRequest, loads: dict[str, int]) -> Decision:
+        # The adapter name seeds the chain: a prefix cached under policy-v3 is no match for policy-v4.
+        hashes = block_hashes(request.prompt_ids, self._settings["block_size"], request.model)
         depths = self._table.match(hashes, loads)
         decision = decide(depths, loads, self._settings["spill_threshold"], self._rng)
         self._table.record(hashes, decision.replica)
@@ -187,14 +187,12 @@ class PrefixHashRouter(RequestRouter):
         return {"settings": dict(self._settings), "table_entries": len(self._table), "replicas": replicas}
 
 
-def _routable(pending_request: PendingRequest | None) -> tuple[list[int], str] | None:
-    """(prompt token ids, adapter name) of a generation call, or None for any other call."""
-    if pending_request is None or pending_request.metadata.call_method != ROUTED_METHOD:
+def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    """The GenerateRequest of a generation call (passed by position or by keyword), or None for any other call."""
+    if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
         return None
-    args = pending_request.args
-    if len(args) < 2 or not isinstance(args[0], list) or not isinstance(args[1], str):
-        return None
-    return args[0], args[1]
+    arguments = (*pending_request.args, *pending_request.kwargs.values())
+    return next((a for a in arguments if isinstance(a, GenerateRequest)), None)
 
 
 class _RouterMetrics:

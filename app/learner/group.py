@@ -1,14 +1,16 @@
 """The learner as the driver sees it: a group of Ray actors, one per device, that survives their deaths.
 
-`LearnerGroup` starts `learner.num_workers` `LearnerWorker` actors (each a `Learner` rank from
+`LearnerGroup` starts `learner.num_workers` `LearnerRankActor` actors (each a `LearnerRank` from
 `app.learner.rank`), has rank 0 pick a rendezvous port on its node, and joins them into one
 torch.distributed group. With several GPU workers they are placed on one node (STRICT_PACK): NCCL
-stays inside the learner node, and nothing but the bucket connects the learner to the fleet.
+stays inside the learner node, and nothing but the bucket connects the learner to the fleet. A
+step's groups reach the ranks as an ObjectRef of the rollout's `RolloutBatch`, which each rank
+fetches from the object store itself: the driver never holds the data.
 
 A dead worker (a preempted spot node, an OOM kill) is restarted by Ray (`max_restarts`). Its peers
 are then stuck in a collective that will never complete, so the group kills and restarts them too,
 and every rank resumes from the newest committed checkpoint in the bucket. The step that was
-interrupted is retried once on the same groups, so the driver sees a slower step, not an error (a
+interrupted is retried once on the same batch, so the driver sees a slower step, not an error (a
 worker that died between steps is noticed at the next one: restarted, it answers `NotStarted`);
 `learner/restarts` in the metrics counts these recoveries, and `step` tells how far the learner
 fell back (to its last checkpoint). An error raised by the training code itself is not retried (it
@@ -25,19 +27,17 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from app.config import RunConfig
-from app.learner.rank import Learner, NotStarted
-from app.messages import Group
+from app.learner.rank import LearnerRank, NotStarted
+from app.messages import ResumePoint, RolloutBatch, StepResult
 
 log = logging.getLogger(__name__)
-
-__all__ = ["Learner", "LearnerGroup", "LearnerWorker"]
 
 RESTART_TIMEOUT_S = 600.0
 PLACEMENT_TIMEOUT_S = 900.0
 _DEAD = RayActorError  # ActorDiedError, ActorUnavailableError and their kin
 
 
-class LearnerWorker(Learner):
+class LearnerRankActor(LearnerRank):
     """One learner rank in its own Ray actor process."""
 
     def __init__(
@@ -75,7 +75,7 @@ class LearnerGroup:
 
         self.cfg = cfg
         self.restarts = 0
-        self.last_resume: dict | None = None  # what the ranks resumed from at the last recovery
+        self.last_resume: ResumePoint | None = None  # what the ranks resumed from at the last recovery
         lcfg = cfg.learner
         n = lcfg.num_workers
         bundle = {"CPU": lcfg.num_cpus_per_worker, **({"GPU": 1} if lcfg.device == "cuda" else {})}
@@ -100,7 +100,7 @@ class LearnerGroup:
                 ) from None
         elif lcfg.ray_resources:
             options["resources"] = dict(lcfg.ray_resources)
-        actor = ray.remote(LearnerWorker)
+        actor = ray.remote(LearnerRankActor)
         self.workers = []
         for rank in range(n):
             opts = dict(options)
@@ -130,7 +130,7 @@ class LearnerGroup:
         self._wait_all(refs)
         return ray.get(refs)
 
-    def _reset(self, dead: set[int]) -> dict:
+    def _reset(self, dead: set[int]) -> ResumePoint:
         """Restart every rank (the dead ones are already restarting) and resume them from the bucket."""
         for i, w in enumerate(self.workers):
             if i not in dead:
@@ -163,21 +163,22 @@ class LearnerGroup:
                     pass
         return dead
 
-    def start(self) -> dict:
-        """Resume from the newest committed checkpoint if any, else publish the untrained adapter as policy-v0.
-
-        Returns {"step", "policy_version", "data_cursor", "consumed_group_ids"}."""
+    def start(self) -> ResumePoint:
+        """Resume from the newest committed checkpoint if any, else publish the untrained adapter as policy-v0."""
         return self._all("start")[0]
 
-    def train_step(self, groups: list[Group], data_cursor=None) -> dict:
-        """One optimizer step on these groups (those already trained on are skipped); returns rank 0's metrics.
+    def train_step(self, batch: RolloutBatch | ray.ObjectRef) -> StepResult:
+        """One optimizer step on the batch's groups (those already trained on are skipped); rank 0's result.
 
-        When a worker dies during the step, the group restarts every rank from the newest checkpoint and
-        retries the step once; the metrics then carry `learner/restarts` and `learner/resumed_step`."""
-        groups_ref = ray.put(groups)  # one copy in the object store, however many ranks read it
+        `batch` is best an ObjectRef (of `RolloutActor.get_groups`): every rank fetches it from the object
+        store, and a retried step sends the same ref again. When a worker dies during the step, the group
+        restarts every rank from the newest checkpoint and retries the step once; the metrics then carry
+        `learner/restarts` and `learner/resumed_step`."""
+        # One copy in the object store, however many ranks read it.
+        batch_ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
         resumed_step = None
         for attempt in range(2):
-            refs = [w.train_step.remote(groups_ref, data_cursor) for w in self.workers]
+            refs = [w.train_step.remote(batch_ref) for w in self.workers]
             try:
                 self._wait_all(refs)
             except (_DEAD, NotStarted) as exc:  # died during the step, or between steps (Ray restarted it)
@@ -185,22 +186,22 @@ class LearnerGroup:
                     raise
                 log.warning("a learner worker died (%s); restarting the group from the bucket", type(exc).__name__)
                 resumed = self._reset(self._dead_ranks(refs))
-                resumed_step = resumed["step"]
-                log.warning("learner resumed at step %s, policy version %s", resumed_step, resumed["policy_version"])
+                resumed_step = resumed.step
+                log.warning("learner resumed at step %s, policy version %s", resumed_step, resumed.policy_version)
                 continue
             except RayTaskError:
                 if len(self.workers) > 1:  # peers of the failed rank are stuck in a collective
                     self._reset(self._dead_ranks(refs))
                 raise
-            metrics = ray.get(refs[0])
-            metrics["learner/restarts"] = float(self.restarts)
+            result = ray.get(refs[0])
+            result.metrics["learner/restarts"] = float(self.restarts)
             if resumed_step is not None:
-                metrics["learner/resumed_step"] = float(resumed_step)
-            return metrics
+                result.metrics["learner/resumed_step"] = float(resumed_step)
+            return result
         raise AssertionError("unreachable")
 
-    def state(self) -> dict:
-        """{"step", "policy_version", "data_cursor", "consumed_group_ids"} as rank 0 holds them."""
+    def state(self) -> ResumePoint:
+        """The learner's counters as rank 0 holds them."""
         return ray.get(self.workers[0].get_state.remote())
 
     def adapter_state_dict(self) -> dict:

@@ -80,7 +80,7 @@ class TrainSample:
     completion_ids: list[int]
     sampling_logprobs: list[float]
     advantage: float
-    group_id: str
+    group_id: int
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)

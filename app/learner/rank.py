@@ -1,14 +1,15 @@
 """One rank of the learner: a PEFT LoRA policy trained with GRPO, FSDP2-sharded when there are several.
 
-`Learner` holds no Ray: unit tests drive it in-process, and `app.learner.group` runs one per device as a
-Ray actor (`LearnerWorker`) behind `LearnerGroup`, which joins them with torch.distributed (gloo on
-the CPU; NCCL only between the GPUs of one learner node, never to the fleet).
+`LearnerRank` holds no Ray, so that tests can drive it in-process; `app.learner.group` runs one per
+device as a Ray actor (`LearnerRankActor`) behind `LearnerGroup`, which joins them with
+torch.distributed (gloo on the CPU; NCCL only between the GPUs of one learner node, never to the fleet).
 
-A step: drop groups already trained on (a restarted learner may be fed them again), turn groups
-into samples with group-normalised advantages, pack them into micro-batches (`app.learner.packing`),
-accumulate the GRPO loss's gradient (`app.learner.grpo_loss`) over this rank's micro-batches, clip, AdamW.
-Every `weight_sync_steps` the whole adapter is gathered from the FSDP shards and published to the
-bucket as the next `policy-v{N}` (and the fleet is asked to load it); every `save_steps` the whole
+A step takes a `RolloutBatch` and answers a `StepResult`: drop groups already trained on (a
+restarted learner may be fed them again), turn groups into samples with group-normalised
+advantages, pack them into micro-batches (`app.learner.packing`), accumulate the GRPO loss's
+gradient (`app.learner.grpo_loss`) over this rank's micro-batches, clip, AdamW. Every
+`weight_sync_steps` the whole adapter is gathered from the FSDP shards and handed to
+`app.weight_sync` as the next `policy-v{N}` (bucket, then fleet); every `save_steps` the whole
 learner state goes to the bucket as a checkpoint (`app.learner.state`).
 
 Versions are monotonic across restarts: a learner resumed from a checkpoint older than the newest
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -56,7 +56,8 @@ from app.learner.state import (
     write_adapter,
     write_checkpoint,
 )
-from app.messages import Group, adapter_name
+from app.messages import Group, ResumePoint, RolloutBatch, StepResult
+from app.weight_sync import AdapterPublisher
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class NotStarted(RuntimeError):
     """train_step before start(): in Ray, a worker that was restarted (its node died) and not yet resumed."""
 
 
-class Learner:
+class LearnerRank:
     """One rank of the learner. Call `setup` (joins the process group, loads the model), then `start`."""
 
     def __init__(
@@ -81,11 +82,10 @@ class Learner:
         self.rank, self.world_size = rank, world_size
         self.fleet_url, self.fleet_token = fleet_url, fleet_token
         self.state = LearnerState()
-        self._consumed: set[str] = set()
+        self._consumed: set[int] = set()
         self.model = self.optimizer = self.scheduler = None
+        self.publisher: AdapterPublisher | None = None
         self._started = False
-        self._fleet = None
-        self.fleet_load_failures = 0
         self._tmp = Path(tempfile.mkdtemp(prefix=f"spotrl-learner-r{rank}-"))
 
     # ---- set-up -----------------------------------------------------------------------------------
@@ -109,13 +109,13 @@ class Learner:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def start(self) -> dict:
+    def start(self) -> ResumePoint:
         """Resume from the newest committed checkpoint, or start fresh; make sure the fleet has our weights."""
-        from app.bucket.store import AdapterStore, CheckpointStore
+        from app.bucket.store import CheckpointStore
 
         if self._started:  # the model is sharded and the optimizer built: a second start has nothing to do
-            return self.state.summary()
-        self.adapters = AdapterStore.from_config(self.cfg)
+            return self.state.resume_point()
+        self.publisher = AdapterPublisher(self.cfg, self.fleet_url, self.fleet_token)
         self.checkpoints = CheckpointStore.from_config(self.cfg)
         step = self._rank0_decides(self.checkpoints.latest() if self.rank == 0 else None)
         folder = None
@@ -133,14 +133,14 @@ class Learner:
             )
             shutil.rmtree(folder, ignore_errors=True)
             log.info("learner rank %d resumed from checkpoint step %d", self.rank, step)
-        latest = self._rank0_decides(self.adapters.latest() if self.rank == 0 else None)
+        latest = self._rank0_decides(self.publisher.latest() if self.rank == 0 else None)
         if self.state.policy_version is None or latest != self.state.policy_version:
             # Fresh start (publish the untrained adapter as v0), or the bucket holds versions from after our
             # checkpoint: publish what we hold above all of them, so versions only ever grow.
             candidates = [v for v in (latest, self.state.policy_version) if v is not None]
             self._publish(max(candidates) + 1 if candidates else 0)
         self._started = True
-        return self.state.summary()
+        return self.state.resume_point()
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -211,28 +211,22 @@ class Learner:
         metrics.update({"loss": loss_sum, "perf/fwd_bwd_s": watch.get("fwd_bwd")})
         return metrics
 
-    def train_step(self, groups: list[Group], data_cursor=None) -> dict:
-        """One optimizer step on the groups not yet trained on; publish and checkpoint on schedule."""
+    def train_step(self, batch: RolloutBatch) -> StepResult:
+        """One optimizer step on the batch's groups not yet trained on; publish and checkpoint on schedule."""
         if not self._started:
             raise NotStarted("call start() before train_step()")
         t_step = time.perf_counter()
         g, lcfg = self.cfg.grpo, self.cfg.learner
-        fresh = [grp for grp in groups if grp.group_id not in self._consumed]
-        if data_cursor is not None:
-            json.dumps(data_cursor)  # it goes into the checkpoint's JSON: fail here, not at save time
-            self.state.data_cursor = data_cursor
+        fresh = [grp for grp in batch.groups if grp.group_id not in self._consumed]
+        if batch.data_cursor is not None:
+            json.dumps(batch.data_cursor)  # it goes into the checkpoint's JSON: fail here, not at save time
+            self.state.data_cursor = batch.data_cursor
         metrics = self.forward_backward(fresh)
-        metrics["batch/skipped_groups"] = float(len(groups) - len(fresh))
-        metrics["learner/trained_group_ids"] = [grp.group_id for grp in fresh]  # the driver's audit log, not a metric
+        metrics["batch/skipped_groups"] = float(len(batch.groups) - len(fresh))
         if metrics["batch/trained_tokens"] == 0:  # all trained on before (or no completion tokens): no step
             self._mark_consumed(fresh)
-            return {
-                **metrics,
-                "learner/skipped_step": 1.0,
-                "perf/step_s": time.perf_counter() - t_step,
-                "step": self.state.step,
-                "policy_version": self.state.policy_version,
-            }
+            metrics.update({"learner/skipped_step": 1.0, "perf/step_s": time.perf_counter() - t_step})
+            return self._result(batch, fresh, metrics)
 
         watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
         with watch("optimizer"):
@@ -249,14 +243,22 @@ class Learner:
         if self.state.step % g.weight_sync_steps == 0:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
             if self.fleet_url:
-                metrics["weight_sync/fleet_load_failures"] = float(self.fleet_load_failures)
+                metrics["weight_sync/fleet_load_failures"] = float(self.publisher.fleet_load_failures)
         if self.state.step % lcfg.save_steps == 0:
             metrics["perf/checkpoint_s"] = self.save_checkpoint()
         peak = self.cfg.learner.peak_flops.get(self.cfg.learner.device, math.nan)
         config = self.model.base_model.model.config
         metrics.update(step_perf_metrics(config, metrics, time.perf_counter() - t_step, self.world_size, peak))
-        metrics.update({"step": self.state.step, "policy_version": self.state.policy_version})
-        return metrics
+        return self._result(batch, fresh, metrics)
+
+    def _result(self, batch: RolloutBatch, trained: list[Group], metrics: dict) -> StepResult:
+        return StepResult(
+            step=self.state.step,
+            policy_version=self.state.policy_version,
+            trained_group_ids=[grp.group_id for grp in trained],
+            metrics=metrics,
+            batch=batch.stats(),
+        )
 
     def _mark_consumed(self, groups: list[Group]) -> None:
         for grp in groups:
@@ -279,37 +281,16 @@ class Learner:
 
     # ---- weights out: publish, checkpoint ---------------------------------------------------------
 
-    def save_adapter(self, dest: str | os.PathLike) -> str | None:
-        """Write the whole adapter as a PEFT folder at `dest` (rank 0 writes; every rank must call)."""
-        state = full_adapter_state(self.model)
-        return str(write_adapter(self.model, state, Path(dest))) if self.rank == 0 else None
-
     def _publish(self, version: int) -> float:
-        """Publish the adapter as `policy-v{version}` and ask the fleet to load it; returns seconds taken."""
+        """Hand the whole adapter to weight sync as `policy-v{version}` (bucket, then fleet); returns seconds taken."""
         t0 = time.perf_counter()
         state = full_adapter_state(self.model)  # a collective: every rank gathers, rank 0 uploads
         if self.rank == 0:
             with tempfile.TemporaryDirectory(dir=self._tmp) as d:
                 write_adapter(self.model, state, Path(d))
-                self.adapters.publish(d, version)
-            self.adapters.gc(self.cfg.bucket.keep_versions)
-            if self.fleet_url:
-                self._fleet_load(version)
+                self.publisher.publish(Path(d), version)
         self.state.policy_version = version
         return time.perf_counter() - t0
-
-    def _fleet_load(self, version: int) -> None:
-        """Broadcast the new version to the replicas. A failure is logged and counted, not raised: the version
-        is in the bucket, where replicas that (re)start pick it up, and the next sync tries a newer one."""
-        from app.fleet_client import FleetClient
-
-        if self._fleet is None:
-            self._fleet = FleetClient(self.fleet_url, token=self.fleet_token)
-        try:
-            self._fleet.load_adapter(adapter_name(version), self.adapters.url_of(version))
-        except Exception as exc:  # noqa: BLE001 - any fleet error must not kill training
-            self.fleet_load_failures += 1
-            log.warning("fleet did not load %s: %s", adapter_name(version), exc)
 
     def save_checkpoint(self) -> float:
         """Commit the whole learner state to the bucket as `step-{step}`; returns seconds taken."""
@@ -380,12 +361,12 @@ class Learner:
         """The whole optimizer state, keyed by parameter name (a collective under FSDP)."""
         return full_optimizer_state(self.model, self.optimizer)
 
-    def get_state(self) -> dict:
-        return self.state.summary()
+    def get_state(self) -> ResumePoint:
+        return self.state.resume_point()
 
     def close(self) -> None:
-        if self._fleet is not None:
-            self._fleet.close()
+        if self.publisher is not None:
+            self.publisher.close()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._tmp, ignore_errors=True)

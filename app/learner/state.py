@@ -11,6 +11,8 @@ Layout of one checkpoint folder (what `CheckpointStore.save` uploads):
     scheduler.pt       learning-rate scheduler state
     rng.pt             RNG states of every rank (python, numpy, torch, cuda)
     learner_state.json step, policy version, data cursor, consumed group ids, world size
+
+Consumed group ids are ints; checkpoints written when they were "g{index}" strings are converted on read.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from app.messages import ResumePoint, parse_group_ids
+
 ADAPTER_DIR = "adapter"
 STATE_FILE = "learner_state.json"
 
@@ -41,16 +45,17 @@ class LearnerState:
 
     step: int = 0
     policy_version: int | None = None
-    data_cursor: Any = None
-    consumed_group_ids: list[str] = field(default_factory=list)
+    data_cursor: int | None = None
+    consumed_group_ids: list[int] = field(default_factory=list)
 
-    def summary(self) -> dict:
-        return {
-            "step": self.step,
-            "policy_version": self.policy_version,
-            "data_cursor": self.data_cursor,
-            "consumed_group_ids": list(self.consumed_group_ids),
-        }
+    def resume_point(self) -> ResumePoint:
+        """The counters as the message the driver and the rollout receive (after `start`, a version exists)."""
+        return ResumePoint(
+            step=self.step,
+            policy_version=self.policy_version if self.policy_version is not None else 0,
+            data_cursor=self.data_cursor,
+            consumed_group_ids=tuple(self.consumed_group_ids),
+        )
 
 
 def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -146,6 +151,7 @@ def write_checkpoint(
 def read_state(folder: Path) -> LearnerState:
     data = json.loads((Path(folder) / STATE_FILE).read_text())
     data.pop("world_size", None)
+    data["consumed_group_ids"] = parse_group_ids(data.get("consumed_group_ids", ()))
     return LearnerState(**data)
 
 

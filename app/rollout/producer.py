@@ -1,14 +1,14 @@
-"""The rollout side: an async producer that keeps the fleet busy and feeds the learner scored groups.
+"""The rollout's producer: plain asyncio that keeps the fleet busy and feeds the learner scored groups.
 
 It keeps up to `max_inflight_tasks` groups in flight, asks for the G samples of a prompt in one
 request (so the router keeps them on one replica and vLLM prefills the prompt once), tags each
 group with the policy version it was sampled under, scores it off the event loop and puts it on a
 bounded queue. A slot is held until its group is on the queue, so a slow learner stops new
 requests instead of growing memory (backpressure). Groups more than `max_staleness` versions
-behind the learner are dropped and counted when taken, never trained. A request that keeps failing
-costs its group, counted, never the worker.
+behind the learner are dropped and counted when taken, never trained. A request that still fails
+after the fleet client's retries costs its group, counted, never the producer.
 
-`RolloutWorker` is plain asyncio (testable with a fake `generate`); `RolloutActor` hosts it in Ray.
+No Ray here, so that tests drive it with a fake `generate`; `app.rollout.actor` hosts it in Ray.
 """
 
 from __future__ import annotations
@@ -17,28 +17,18 @@ import asyncio
 import logging
 import random
 import time
-import warnings
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-import ray
-
-from app.auth import inference_token
-from app.config import HEAD_NODE
-from app.fleet_client import Choice, FleetClient
-from app.messages import Group, Sample, adapter_name
+from app.messages import Generate, Group, ResumePoint, RolloutBatch, RolloutStats, Sample, adapter_name
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
 
 
-# generate(prompt_ids, model, n, max_tokens, temperature, top_p, top_k) -> n choices: FleetClient.acompletions
-Generate = Callable[..., Awaitable[list[Choice]]]
-
-
-class RolloutWorker:
-    """Produces scored, version-tagged groups into a bounded queue."""
+class GroupProducer:
+    """Produces scored, version-tagged groups into a bounded queue; the learner takes them as `RolloutBatch`es."""
 
     def __init__(
         self,
@@ -48,16 +38,17 @@ class RolloutWorker:
         generate: Generate,
         scorer: RewardScorer,
         *,
-        data_cursor: int = 0,
-        policy_version: int = 0,
-        consumed_group_ids: set[str] | frozenset = frozenset(),
+        resume: ResumePoint | None = None,  # where to go on; None: a fresh run
+        retries_done: Callable[[], int] = lambda: 0,  # the fleet client's retries so far, for the metrics
     ):
         self.cfg = cfg
         self.problems, self.prompt_ids, self.generate, self.scorer = problems, prompt_ids, generate, scorer
-        self.cursor = data_cursor
-        self.sampling_version = policy_version  # version new requests use (the newest the fleet serves)
-        self.learner_version = policy_version  # version the learner trains now; staleness is measured to it
-        self.consumed = set(consumed_group_ids)
+        self.retries_done = retries_done
+        resume = resume or ResumePoint()
+        self.cursor = resume.data_cursor or 0
+        self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
+        self.learner_version = resume.policy_version  # version the learner trains now; staleness is measured to it
+        self.consumed = set(resume.consumed_group_ids)
         self.queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=cfg.rollout.queue_maxsize)
         self._slots = asyncio.Semaphore(cfg.rollout.max_inflight_tasks)
         self._tasks: set[asyncio.Task] = set()
@@ -70,7 +61,6 @@ class RolloutWorker:
             "groups_produced": 0,
             "dropped_stale": 0,
             "dropped_failed": 0,
-            "request_retries": 0,
             "groups_taken": 0,
             "completion_tokens": 0,
         }
@@ -98,7 +88,7 @@ class RolloutWorker:
         await self._slots.acquire()
         index = self.cursor
         self.cursor += 1
-        if f"g{index}" in self.consumed:  # trained before a restart: never feed it twice
+        if index in self.consumed:  # trained before a restart: never feed it twice
             self._slots.release()
             return
         self._pending.add(index)
@@ -108,7 +98,7 @@ class RolloutWorker:
 
     async def _produce_group(self, index: int, problem: Problem) -> None:
         try:
-            group = await self._sample_and_score(f"g{index}", problem)
+            group = await self._sample_and_score(index, problem)
             if group is None:
                 self._pending.discard(index)
             else:
@@ -117,45 +107,36 @@ class RolloutWorker:
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug in scoring must not kill the producer; count the group as lost
-            log.exception("group g%d failed", index)
+            log.exception("group %d failed", index)
             self.counters["dropped_failed"] += 1
             self._pending.discard(index)
         finally:
             self._slots.release()
 
-    async def _sample_and_score(self, group_id: str, problem: Problem) -> Group | None:
-        g, cfg = self.cfg.grpo, self.cfg.rollout
+    async def _sample_and_score(self, group_id: int, problem: Problem) -> Group | None:
+        g = self.cfg.grpo
         version = self.sampling_version
         prompt_ids = self.prompt_ids(problem)
-        for attempt in range(cfg.max_retries + 1):
-            self._count_inflight(+1)
-            try:
-                completions = await asyncio.wait_for(
-                    self.generate(
-                        prompt_ids,
-                        adapter_name(version),
-                        g.num_generations,
-                        g.max_completion_length,
-                        g.temperature,
-                        g.top_p,
-                        g.top_k,
-                    ),
-                    timeout=cfg.request_timeout_s,
-                )
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.counters["request_retries"] += 1
-                log.warning(
-                    "generation for %s failed (attempt %d/%d): %s", group_id, attempt + 1, cfg.max_retries + 1, e
-                )
-                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
-            finally:
-                self._count_inflight(-1)
-        else:
+        self._count_inflight(+1)
+        try:
+            # The fleet client retries what is worth retrying (`app.retry`): what still fails here is final.
+            completions = await self.generate(
+                prompt_ids,
+                adapter_name(version),
+                g.num_generations,
+                g.max_completion_length,
+                g.temperature,
+                g.top_p,
+                g.top_k,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("generation for group %d failed, dropping it: %s", group_id, e)
             self.counters["dropped_failed"] += 1
             return None
+        finally:
+            self._count_inflight(-1)
         ntok = sum(len(c.token_ids) for c in completions)
         self.counters["completion_tokens"] += ntok
         self._token_times.append((time.monotonic(), ntok))
@@ -188,13 +169,16 @@ class RolloutWorker:
         return self._idle_s + (time.monotonic() - self._idle_since if self.inflight == 0 else 0.0)
 
     # -- consuming -------------------------------------------------------------------------
-    def set_versions(self, policy_version: int) -> None:
+    def set_policy_version(self, policy_version: int) -> None:
         """The learner published (and the fleet loaded) `policy_version`: sample with it, measure staleness to it."""
         self.sampling_version = max(self.sampling_version, policy_version)
         self.learner_version = max(self.learner_version, policy_version)
 
-    async def get_groups(self, n: int, timeout_s: float | None = None) -> list[Group]:
-        """Take `n` fresh groups (waiting for them), dropping and counting those too stale to train."""
+    async def get_groups(self, n: int, timeout_s: float | None = None) -> RolloutBatch:
+        """Take `n` fresh groups (waiting for them), dropping and counting those too stale to train.
+
+        The batch carries the data frontier after the take (where a resumed run goes on) and the learner
+        version that staleness was measured to."""
         groups: list[Group] = []
         # What the learner found when it asked: right after a take, blocked producers refill the queue at once.
         self.queue_size_at_take = self.queue.qsize()
@@ -214,14 +198,14 @@ class RolloutWorker:
                 if deadline is None or time.monotonic() < deadline:
                     continue
                 break
-            self._pending.discard(int(group.group_id[1:]))
+            self._pending.discard(group.group_id)
             if self.learner_version - group.policy_version > self.cfg.grpo.max_staleness:
                 self.counters["dropped_stale"] += 1
                 continue
             groups.append(group)
         self.counters["groups_taken"] += len(groups)
         self.consumed.update(g.group_id for g in groups)
-        return groups
+        return RolloutBatch(groups, data_cursor=self.frontier, learner_version=self.learner_version)
 
     def _raise_if_producer_died(self) -> None:
         """The producer only ends by a bug; waiting for groups it will never make would hang the run."""
@@ -240,24 +224,24 @@ class RolloutWorker:
             return 0.0
         return sum(n for _, n in recent[1:]) / max(1e-6, recent[-1][0] - recent[0][0])
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> RolloutStats:
         c = self.counters
         seen = c["groups_taken"] + c["dropped_stale"]
-        return {
-            "sample/rollout_queue_size": self.queue_size_at_take,
-            "rollout/queue_size_now": self.queue.qsize(),
-            "rollout/inflight": self.inflight,
-            "rollout/generated_tok_s": self.generated_tok_s(),
-            "sample/dropped_stale_total": c["dropped_stale"],
-            "sample/dropped_stale_share": c["dropped_stale"] / seen if seen else 0.0,
-            "rollout/dropped_failed_total": c["dropped_failed"],
-            "rollout/request_retries_total": c["request_retries"],
-            "rollout/groups_produced_total": c["groups_produced"],
-            "rollout/data_cursor": self.cursor,
-            "rollout/data_frontier": self.frontier,
-            "rollout/idle_s": self.idle_s(),
-            **self.scorer.metrics(),
-        }
+        return RolloutStats(
+            queue_size_at_take=self.queue_size_at_take,
+            queue_size_now=self.queue.qsize(),
+            inflight=self.inflight,
+            generated_tok_s=self.generated_tok_s(),
+            dropped_stale_total=c["dropped_stale"],
+            dropped_stale_share=c["dropped_stale"] / seen if seen else 0.0,
+            dropped_failed_total=c["dropped_failed"],
+            request_retries_total=self.retries_done(),
+            groups_produced_total=c["groups_produced"],
+            data_cursor=self.cursor,
+            data_frontier=self.frontier,
+            idle_s=self.idle_s(),
+            reward_metrics=self.scorer.metrics(),
+        )
 
     async def stop(self) -> None:
         tasks = [t for t in (self._producer, *self._tasks) if t is not None]
@@ -265,67 +249,3 @@ class RolloutWorker:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._producer = None
-
-
-# On the head node, which cluster.yaml keeps on-demand. Should it restart all the same, Ray retries the
-# driver's calls on the new instance, which resumes from the bucket (`resume_state`).
-@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, resources=HEAD_NODE)
-class RolloutActor:
-    """Hosts a RolloutWorker in Ray, talking to the fleet over HTTP."""
-
-    def __init__(self, cfg, model_path: str, fleet_url: str, state: dict):
-        from app.models import load_tokenizer, prompt_token_ids
-        from app.tasks.problems import load_task
-
-        logging.basicConfig(level=logging.WARNING)
-        with warnings.catch_warnings():  # Ray 2.60's own property trips its deprecated `actor_id`
-            warnings.simplefilter("ignore")
-            restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        if restarted:
-            # `state` is what the learner held when the run started: long outdated now.
-            state = resume_state(cfg)
-            log.warning("rollout actor restarted: resuming at %s", state)
-        tokenizer = load_tokenizer(model_path)
-        self.worker = RolloutWorker(
-            cfg,
-            load_task(cfg.task).train,
-            lambda p: prompt_token_ids(tokenizer, p.prompt),
-            # The worker retries a failed request itself (and counts it), so the client does not.
-            FleetClient(
-                fleet_url, inference_token(cfg), retries=0, timeout_s=cfg.rollout.request_timeout_s
-            ).acompletions,
-            RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s),
-            data_cursor=state.get("data_cursor") or 0,
-            policy_version=state.get("policy_version") or 0,
-            consumed_group_ids=set(state.get("consumed_group_ids", ())),
-        )
-
-    async def start(self) -> None:
-        self.worker.start()
-
-    async def set_versions(self, policy_version: int) -> None:
-        self.worker.set_versions(policy_version)
-
-    async def get_groups(self, n: int, timeout_s: float | None = None) -> list[Group]:
-        self.worker.start()  # no-op unless this instance is a restart, which nobody else would start
-        return await self.worker.get_groups(n, timeout_s)
-
-    async def stats(self) -> dict[str, float]:
-        return self.worker.stats()
-
-    async def stop(self) -> None:
-        await self.worker.stop()
-
-
-def resume_state(cfg) -> dict:
-    """Where a restarted rollout goes on, from the bucket: the newest checkpoint's data cursor, the newest version.
-
-    Groups trained since that checkpoint may be generated again; the learner, which remembers every
-    group id it trained on, skips them, so a restart costs some generation and never trains a group twice."""
-    from app.bucket.store import AdapterStore, CheckpointStore
-
-    checkpoints = CheckpointStore.from_config(cfg)
-    step = checkpoints.latest()
-    meta = checkpoints.manifest(step).get("meta", {}) if step is not None else {}
-    versions = [v for v in (AdapterStore.from_config(cfg).latest(), meta.get("policy_version")) if v is not None]
-    return {"data_cursor": meta.get("data_cursor") or 0, "policy_version": max(versions, default=0)}

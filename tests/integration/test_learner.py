@@ -14,10 +14,15 @@ from safetensors.torch import load_file
 
 from app.bucket.store import AdapterStore
 from app.learner.group import LearnerGroup
-from app.learner.rank import Learner
+from app.learner.rank import LearnerRank
+from app.messages import ResumePoint, RolloutBatch
 from tests.unit.test_packing import learner_config, random_groups, random_model
 
-STEP_GROUPS = [random_groups(3, seed=s, prefix="step") for s in range(3)]
+STEP_GROUPS = [random_groups(3, seed=s, first_id=100 * s) for s in range(3)]
+
+
+def batch(step: int, data_cursor: int | None = None) -> RolloutBatch:
+    return RolloutBatch(STEP_GROUPS[step], data_cursor=data_cursor)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +56,11 @@ def _config(tmp_path, bucket: str, **learner):
 
 def _run_in_process(cfg, model_path, steps):
     torch.set_num_threads(1)
-    learner = Learner(cfg, model_path)
+    learner = LearnerRank(cfg, model_path)
     learner.setup()
     learner.start()
-    metrics = [learner.train_step(groups, data_cursor=i + 1) for i, groups in enumerate(steps)]
-    return learner, metrics
+    results = [learner.train_step(RolloutBatch(groups, data_cursor=i + 1)) for i, groups in enumerate(steps)]
+    return learner, results
 
 
 def _assert_same_tensors(a: dict, b: dict, atol: float):
@@ -65,11 +70,11 @@ def _assert_same_tensors(a: dict, b: dict, atol: float):
 
 
 def test_two_fsdp_ranks_update_the_adapter_like_one(ray_local, tmp_path, model_path):
-    ref, ref_metrics = _run_in_process(_config(tmp_path, "one"), model_path, STEP_GROUPS)
+    ref, ref_results = _run_in_process(_config(tmp_path, "one"), model_path, STEP_GROUPS)
     group = LearnerGroup(_config(tmp_path, "two", num_workers=2, ray_resources={"learner_node": 1}), model_path)
     try:
-        assert group.start()["policy_version"] == 0
-        metrics = [group.train_step(groups, data_cursor=i + 1) for i, groups in enumerate(STEP_GROUPS)]
+        assert group.start().policy_version == 0
+        results = [group.train_step(batch(i, data_cursor=i + 1)) for i in range(len(STEP_GROUPS))]
         two = group.adapter_state_dict()
     finally:
         group.shutdown()
@@ -81,10 +86,10 @@ def test_two_fsdp_ranks_update_the_adapter_like_one(ray_local, tmp_path, model_p
         > 1e-3
     )  # it did train
     _assert_same_tensors(two, one, atol=1e-5)
-    for m, r in zip(metrics, ref_metrics, strict=True):
-        assert m["loss"] == pytest.approx(r["loss"], abs=1e-6)
-        assert m["ratio"] == pytest.approx(r["ratio"], abs=1e-6)
-        assert m["policy_version"] == r["policy_version"]
+    for m, r in zip(results, ref_results, strict=True):
+        assert m.metrics["loss"] == pytest.approx(r.metrics["loss"], abs=1e-6)
+        assert m.metrics["ratio"] == pytest.approx(r.metrics["ratio"], abs=1e-6)
+        assert m.policy_version == r.policy_version
     # What was published is the whole adapter (gathered from both shards), in PEFT's naming.
     folder = AdapterStore.from_config(_config(tmp_path, "two")).fetch(3)
     published = load_file(folder / "adapter_model.safetensors")
@@ -94,47 +99,50 @@ def test_two_fsdp_ranks_update_the_adapter_like_one(ray_local, tmp_path, model_p
 
 
 def _initial(model_path):
-    fresh = Learner(learner_config(), model_path)
+    fresh = LearnerRank(learner_config(), model_path)
     fresh.setup()
     return fresh.adapter_state_dict()
 
 
 def test_killed_worker_resumes_from_checkpoint_and_matches_uninterrupted_run(ray_local, tmp_path, model_path):
-    ref, ref_metrics = _run_in_process(_config(tmp_path, "ref", save_steps=2), model_path, STEP_GROUPS)
+    ref, ref_results = _run_in_process(_config(tmp_path, "ref", save_steps=2), model_path, STEP_GROUPS)
     cfg = _config(tmp_path, "bucket", save_steps=2)
     group = LearnerGroup(cfg, model_path)
     try:
         group.start()
-        group.train_step(STEP_GROUPS[0], data_cursor=1)
-        group.train_step(STEP_GROUPS[1], data_cursor=2)  # checkpoint at step 2
+        group.train_step(batch(0, data_cursor=1))
+        group.train_step(batch(1, data_cursor=2))  # checkpoint at step 2
         ray_local.kill(group.workers[0], no_restart=False)  # as a preemption would: Ray restarts it
 
-        metrics = group.train_step(STEP_GROUPS[2], data_cursor=3)
-        consumed = [g.group_id for g in STEP_GROUPS[0] + STEP_GROUPS[1]]
-        assert group.last_resume == {"step": 2, "policy_version": 2, "data_cursor": 2, "consumed_group_ids": consumed}
-        assert metrics["learner/restarts"] == 1 and metrics["learner/resumed_step"] == 2
-        assert metrics["step"] == 3 and metrics["policy_version"] == ref_metrics[2]["policy_version"] == 3
-        assert metrics["loss"] == pytest.approx(ref_metrics[2]["loss"], abs=1e-7)
+        # The ObjectRef of a batch, as the driver passes the rollout's: retried after the death, it is sent again.
+        result = group.train_step(ray_local.put(batch(2, data_cursor=3)))
+        consumed = tuple(g.group_id for g in STEP_GROUPS[0] + STEP_GROUPS[1])
+        assert group.last_resume == ResumePoint(step=2, policy_version=2, data_cursor=2, consumed_group_ids=consumed)
+        assert result.metrics["learner/restarts"] == 1 and result.metrics["learner/resumed_step"] == 2
+        assert result.step == 3 and result.policy_version == ref_results[2].policy_version == 3
+        assert result.trained_group_ids == [g.group_id for g in STEP_GROUPS[2]]
+        assert result.metrics["loss"] == pytest.approx(ref_results[2].metrics["loss"], abs=1e-7)
         _assert_same_tensors(group.adapter_state_dict(), ref.adapter_state_dict(), atol=1e-7)
         resumed_optim, ref_optim = group.optimizer_state_dict()["state"], ref.optimizer_state_dict()["state"]
         assert resumed_optim.keys() == ref_optim.keys()
         for name in ref_optim:
             _assert_same_tensors(resumed_optim[name], ref_optim[name], atol=1e-7)
 
-        replay = group.train_step(STEP_GROUPS[2], data_cursor=4)  # the driver re-sends groups: not trained twice
-        assert replay["batch/skipped_groups"] == 3 and replay["step"] == 3 and replay["learner/skipped_step"] == 1
+        replay = group.train_step(batch(2, data_cursor=4))  # the driver re-sends groups: not trained twice
+        assert replay.metrics["batch/skipped_groups"] == 3 and replay.step == 3
+        assert replay.metrics["learner/skipped_step"] == 1 and replay.trained_group_ids == []
     finally:
         group.shutdown()
 
     # The whole learner restarts (a new driver): it resumes from the step-2 checkpoint, but policy-v3 (from
     # the lost step 3) is in the bucket, so it republishes its weights above it: versions never go back.
-    # (In-process: the same `Learner.start` the workers run, without paying for a new worker process.)
-    again = Learner(cfg, model_path)
+    # (In-process: the same `LearnerRank.start` the workers run, without paying for a new worker process.)
+    again = LearnerRank(cfg, model_path)
     again.setup()
     state = again.start()
-    assert state["step"] == 2 and state["data_cursor"] == 2 and state["policy_version"] == 4
+    assert state.step == 2 and state.data_cursor == 2 and state.policy_version == 4
     assert AdapterStore.from_config(cfg).latest() == 4
-    assert again.train_step(STEP_GROUPS[2])["policy_version"] == 5
+    assert again.train_step(batch(2)).policy_version == 5
 
 
 class _FakeFleet(BaseHTTPRequestHandler):
@@ -162,7 +170,7 @@ def test_each_publish_asks_the_fleet_to_load_it_and_a_fleet_error_does_not_stop_
     threading.Thread(target=server.serve_forever, daemon=True).start()
     cfg = _config(tmp_path, "fleet")
     store = AdapterStore.from_config(cfg)
-    learner = Learner(cfg, model_path, fleet_url=f"http://127.0.0.1:{server.server_port}", fleet_token="secret")
+    learner = LearnerRank(cfg, model_path, fleet_url=f"http://127.0.0.1:{server.server_port}", fleet_token="secret")
     try:
         learner.setup()
         learner.start()
@@ -170,8 +178,8 @@ def test_each_publish_asks_the_fleet_to_load_it_and_a_fleet_error_does_not_stop_
             ("/v1/load_lora_adapter", {"lora_name": "policy-v0", "lora_path": store.url_of(0)}, "Bearer secret")
         ]
         _FakeFleet.fail = True
-        metrics = learner.train_step(STEP_GROUPS[0])
-        assert metrics["policy_version"] == 1 and metrics["weight_sync/fleet_load_failures"] == 1
+        result = learner.train_step(batch(0))
+        assert result.policy_version == 1 and result.metrics["weight_sync/fleet_load_failures"] == 1
         assert _FakeFleet.calls[-1][1]["lora_name"] == "policy-v1"
         assert store.latest() == 1  # in the bucket all the same, for replicas that start later
     finally:

@@ -1,4 +1,5 @@
-"""The fleet's HTTP API over a fake backend: request parsing, OpenAI shapes, auth, all-or-nothing admin calls."""
+"""The fleet's HTTP API (`deployments.api`, `deployments.api_schema`) over a fake backend: request parsing,
+OpenAI shapes, auth, all-or-nothing admin calls."""
 
 import base64
 
@@ -6,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.api import ApiSettings, make_app
-from deployments.replica import BadRequest, ModelNotFound
+from deployments.protocol import BadRequest, Generated, GenerateRequest, ModelNotFound, SampledChoice
 
 TOKEN = "s3cret-token-value"
 BASE = "/models/tiny"
@@ -20,23 +21,24 @@ class FakeBackend:
         self.fail_load_on: set[int] = set()
         self.adapters = {0: set(), 1: set()}
 
-    async def generate(self, prompt_ids, model, sampling):
-        self.calls.append(("generate", prompt_ids, model, sampling))
-        if model not in (BASE, "policy-v1"):
-            raise ModelNotFound(f"model {model!r} is not loaded")
-        n = sampling["n"]
+    async def generate(self, request: GenerateRequest) -> Generated:
+        self.calls.append(("generate", request))
+        if request.model not in (BASE, "policy-v1"):
+            raise ModelNotFound(f"model {request.model!r} is not loaded")
+        sampling = request.sampling
+        top = [{5: -0.5, 9: -2.0}, {6: -1.0, 9: -2.5}, {7: -1.5, 9: -3.0}] if sampling.logprobs else None
         choices = [
-            {
-                "index": i,
-                "token_ids": [5, 6, 7][: sampling["max_tokens"]],
-                "logprobs": [-0.5, -1.0, -1.5][: sampling["max_tokens"]],
-                "top_logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-            }
-            for i in range(n)
+            SampledChoice(
+                index=i,
+                token_ids=[5, 6, 7][: sampling.max_tokens],
+                logprobs=[-0.5, -1.0, -1.5][: sampling.max_tokens],
+                top_logprobs=top[: sampling.max_tokens] if top else None,
+                finish_reason="length",
+                stop_reason=None,
+            )
+            for i in range(sampling.n)
         ]
-        return {"replica": "r0", "prompt_tokens": len(prompt_ids), "choices": choices}
+        return Generated("r0", choices)
 
     async def broadcast(self, method, *args):
         self.calls.append((method, *args))
@@ -135,15 +137,17 @@ def test_completion_with_token_ids_has_the_openai_shape(client, backend):
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
     assert r.headers["x-spotrl-replica"] == "r0"
     # The alias resolves to the base model's canonical name: the router hashes one namespace for both.
-    _, prompt, model, sampling = backend.calls[-1]
-    assert (prompt, model) == ([1, 2, 3], BASE)
-    assert sampling["top_k"] == 0 and sampling["seed"] == 7 and sampling["logprobs"] == 0
+    _, request = backend.calls[-1]
+    assert (request.prompt_ids, request.model) == ([1, 2, 3], BASE)
+    sampling = request.sampling
+    assert sampling.top_k == 0 and sampling.seed == 7 and sampling.logprobs == 0
+    assert (sampling.n, sampling.max_tokens, sampling.temperature) == (2, 3, 0.7)
 
 
 def test_text_prompts_are_tokenized_by_the_ingress(client, backend):
     r = client.post("/v1/completions", json={"model": BASE, "prompt": "abc", "max_tokens": 2})
     assert r.status_code == 200, r.text
-    assert backend.calls[-1][1] == [0, 1, 2]
+    assert backend.calls[-1][1].prompt_ids == [0, 1, 2]
     assert r.json()["choices"][0]["logprobs"] is None and r.json()["choices"][0]["token_ids"] is None
 
 
@@ -200,7 +204,7 @@ def test_chat_completion_uses_the_chat_template(client, backend):
     assert out["object"] == "chat.completion"
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "fg"}
     assert [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]] == [-0.5, -1.0]
-    assert backend.calls[-1][1] == [0, 1, 26]  # template applied with the generation prompt
+    assert backend.calls[-1][1].prompt_ids == [0, 1, 26]  # template applied with the generation prompt
     r = client.post("/v1/chat/completions", json={"model": BASE, "messages": []})
     assert r.status_code == 400
 
@@ -281,3 +285,45 @@ def test_unload_of_a_missing_name_is_not_an_error(client):
         "/v1/unload_lora_adapter", json={"lora_name": "policy-v7"}, headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert r.status_code == 200 and r.json()["unloaded"] == 0
+
+
+def test_top_logprobs_name_alternatives_by_their_text(client):
+    body = {"model": BASE, "prompt": [1, 2], "max_tokens": 2, "logprobs": 2}
+    logprobs = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["f", "g"] and logprobs["text_offset"] == [0, 1]
+    assert logprobs["top_logprobs"] == [{"f": -0.5, "j": -2.0}, {"g": -1.0, "j": -2.5}]
+    chat = {"model": BASE, "messages": [{"role": "user", "content": "a"}], "max_tokens": 1}
+    content = client.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2}).json()
+    (first,) = content["choices"][0]["logprobs"]["content"]
+    assert first["token"] == "f" and first["bytes"] == [ord("f")]
+    assert [(t["token"], t["logprob"]) for t in first["top_logprobs"]] == [("f", -0.5), ("j", -2.0)]
+
+
+def test_logprob_tokens_are_decoded_once_per_token_id_or_not_at_all(backend):
+    """Per-token strings cost a decode only when asked for, once per token id, and never as token ids."""
+    decoded = []
+    plain = _settings().decode
+
+    def counting_decode(ids):
+        decoded.append(list(ids))
+        return plain(ids)
+
+    client = TestClient(make_app(backend, _settings(decode=counting_decode)))
+    body = {"model": BASE, "prompt": [1, 2], "n": 2, "max_tokens": 3, "logprobs": 0}
+    r = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True})
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:5", "token_id:6", "token_id:7"] and logprobs["text_offset"] == [0, 10, 20]
+    assert logprobs["token_logprobs"] == [-0.5, -1.0, -1.5]
+    assert decoded == [[5, 6, 7]] * 2  # the two choices' texts, nothing per token
+    decoded.clear()
+    for _ in range(2):
+        r = client.post("/v1/completions", json=body)
+        assert r.json()["choices"][1]["logprobs"]["tokens"] == list("fgh")
+    assert sorted(decoded) == sorted([[5, 6, 7]] * 4 + [[5], [6], [7]])  # each token id decoded once
+    decoded.clear()
+    client.post("/v1/completions", json={**body, "logprobs": None})
+    assert decoded == [[5, 6, 7]] * 2  # no log-probs asked for: no per-token strings at all
+    chat = {"model": BASE, "messages": [{"role": "user", "content": "a"}], "max_tokens": 1, "logprobs": True}
+    r = client.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True})
+    (first,) = r.json()["choices"][0]["logprobs"]["content"]
+    assert first["token"] == "token_id:5" and first["bytes"] == list(b"token_id:5")

@@ -1,14 +1,15 @@
-"""FleetClient against the fleet's API in-process (the fake backend of test_ingress): parsing, errors, retries."""
+"""FleetClient (`app.fleet_client`) against the fleet's API in-process, over test_api's fake backend:
+parsing, errors, retries."""
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from app.fleet_client import FleetClient, FleetError
+from app.retry import Backoff
 from deployments.api import make_app
-from deployments.replica import ModelNotFound
 from tests.fleet_helpers import free_port
-from tests.unit.test_ingress import BASE, TOKEN, FakeBackend, _settings
+from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
 
 
 def _client(backend, token=TOKEN, **kwargs):
@@ -27,9 +28,7 @@ def _client(backend, token=TOKEN, **kwargs):
         )
         return httpx.Response(r.status_code, headers=r.headers, content=r.content)
 
-    client = FleetClient(
-        "http://fleet.test", token=token, transport=httpx.MockTransport(handler), backoff_s=0, **kwargs
-    )
+    client = FleetClient("http://fleet.test", token=token, transport=httpx.MockTransport(handler), **kwargs)
     return client, seen
 
 
@@ -65,34 +64,14 @@ def test_no_live_replica_is_retried_then_reported():
         return []
 
     backend.broadcast = nobody
-    client, seen = _client(backend, retries=2)
+    client, seen = _client(backend, backoff=Backoff(attempts=3, first_s=0.0))
     with pytest.raises(FleetError) as unavailable:
         client.health()
-    assert unavailable.value.status == 503 and len(seen) == 3
+    assert unavailable.value.status == 503 and len(seen) == 3 and client.retries_done == 2
 
 
 def test_an_unreachable_fleet_is_a_fleet_error_without_status():
-    client = FleetClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0, timeout_s=5)
+    client = FleetClient(f"http://127.0.0.1:{free_port()}", backoff=Backoff(attempts=2, first_s=0.0), timeout_s=5)
     with pytest.raises(FleetError) as down:
         client.models()
     assert down.value.status is None and "ConnectError" in str(down.value)
-
-
-def test_a_replica_that_died_is_left_out_of_a_broadcast_not_counted_as_failing():
-    import asyncio
-
-    from ray.exceptions import ActorDiedError
-
-    from deployments.ingress import ServeBackend
-
-    class Results:
-        async def results_async(self, return_exceptions):
-            return [{"replica": "a", "loaded": True}, ActorDiedError(), ModelNotFound("policy-v9")]
-
-    class Handle:
-        def broadcast(self, method, *args):
-            return Results()
-
-    results = asyncio.run(ServeBackend(Handle()).broadcast("load_adapter", "policy-v1", "ref", "id"))
-    assert results[0] == {"replica": "a", "loaded": True}
-    assert len(results) == 2 and isinstance(results[1], ModelNotFound)  # a real failure still counts

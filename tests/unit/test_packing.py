@@ -35,9 +35,11 @@ def random_model(folder) -> str:
 
 
 def random_groups(
-    n_groups: int, group_size: int = 4, seed: int = 0, prefix: str = "g", max_completion: int = 12
+    n_groups: int, group_size: int = 4, seed: int = 0, first_id: int = 0, max_completion: int = 12
 ) -> list[Group]:
-    """Groups shaped like GRPO rollouts: one prompt per group, completions of very different lengths."""
+    """Groups shaped like GRPO rollouts: one prompt per group, completions of very different lengths.
+
+    Their ids are `first_id`, `first_id + 1`, ...: give each step's groups their own range."""
     rng = random.Random(seed)
     groups = []
     for g in range(n_groups):
@@ -52,7 +54,7 @@ def random_groups(
                     reward=float(rng.random() < 0.5),
                 )
             )
-        groups.append(Group(f"{prefix}{seed}-{g}", f"p{g}", prompt, 0, samples))
+        groups.append(Group(first_id + g, f"p{g}", prompt, 0, samples))
     return groups
 
 
@@ -149,7 +151,7 @@ def test_padded_batch_needs_no_mask_when_right_padded(tmp_path):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_packed_and_padded_batches_give_the_same_gradient(tmp_path, checkpointing):
-    from app.learner.rank import Learner
+    from app.learner.rank import LearnerRank
 
     torch.set_num_threads(1)
     path = random_model(tmp_path / "m")
@@ -159,7 +161,7 @@ def test_packed_and_padded_batches_give_the_same_gradient(tmp_path, checkpointin
         cfg = learner_config(
             batching=batching, token_budget=48, per_device_train_batch_size=3, gradient_checkpointing=checkpointing
         )
-        learner = Learner(cfg, path)
+        learner = LearnerRank(cfg, path)
         learner.setup()
         # LoRA B starts at zero, which makes A's gradient zero: give B a value so every gradient is exercised.
         torch.manual_seed(1)

@@ -1,7 +1,10 @@
-"""The replica-side settings the router depends on: KV block size, core pinning, engine counters, log-probs."""
+"""VLLMReplica (`deployments.replica`) without an engine: the settings the router depends on (KV block size,
+core pinning), engine counters, log-probs, adapter retirement, and its side of `deployments.protocol`."""
 
+import pickle
 from types import SimpleNamespace
 
+from deployments.protocol import GENERATE_METHOD, BadRequest, ReplicaError, Sampling
 from deployments.replica import EngineCounters, _token_logprobs, cpu_binding, engine_block_size
 
 
@@ -57,10 +60,33 @@ def test_versions_that_fall_out_of_the_window_drain_then_leave_the_engine():
 
     replica = object.__new__(VLLMReplica)  # the bookkeeping alone, without an engine behind it
     replica.replica_id, replica._window, replica._unloaded = "r", 3, set()
-    replica.engine = SimpleNamespace(remove_lora=remove_lora)
+    replica.engine = SimpleNamespace(remove_lora=remove_lora, shutdown=lambda: None)
     replica._adapters = {f"policy-v{v}": _Adapter(f"policy-v{v}", v, "/x", "s") for v in (1, 2, 3, 4)}
     replica._adapters["policy-v1"].inflight = 2  # still sampling for two requests
     replica._adapters["trl-policy-v9"] = _Adapter("trl-policy-v9", 9, "/y", "t")  # not a bucket version
     asyncio.run(replica._retire_old_versions())
     assert sorted(replica._adapters) == ["policy-v2", "policy-v3", "policy-v4", "trl-policy-v9"]
     assert removed == [] and "policy-v1" in replica._unloaded  # refused from now on, removed once drained
+
+
+def test_the_routed_method_exists_and_sampling_is_vllms_own_fields():
+    """`sampling_params` hands `Sampling` to vLLM field for field: each name must be one SamplingParams takes."""
+    import ast
+    import importlib.util
+    from dataclasses import fields
+    from pathlib import Path
+
+    from deployments.replica import VLLMReplica
+
+    assert callable(getattr(VLLMReplica, GENERATE_METHOD))
+    # Read from vLLM's source rather than imported: importing vLLM takes seconds.
+    source = Path(importlib.util.find_spec("vllm").origin).parent / "sampling_params.py"
+    (params,) = [n for n in ast.parse(source.read_text()).body if getattr(n, "name", None) == "SamplingParams"]
+    accepted = {n.target.id for n in params.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert {f.name for f in fields(Sampling)} <= accepted
+
+
+def test_replica_errors_keep_their_class_and_status_through_pickling():
+    for error in (ReplicaError("bucket unavailable", 503), BadRequest("bad"), ReplicaError("conflict", 409)):
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and (back.status, back.message) == (error.status, error.message)

@@ -1,23 +1,27 @@
-"""Rollout worker logic with a fake fleet: staleness, backpressure, failures that never kill it."""
+"""The rollout's group producer with a fake fleet: staleness, backpressure, failures that never kill it."""
 
 import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from app.config import load_config
 from app.fleet_client import Choice
-from app.rollout.producer import RolloutWorker
+from app.messages import ResumePoint
+from app.rollout.producer import GroupProducer
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
 
 PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 
 
-def make_worker(generate, funcs=(exact_answer,), **overrides):
+def make_worker(generate, funcs=(exact_answer,), retries_done=lambda: 0, **overrides):
     sets = [f"{k}={v}" for k, v in overrides.items()]
     cfg = load_config(None, sets)
     scorer = RewardScorer(list(funcs), timeout_s=2.0)
-    return RolloutWorker(cfg, PROBLEMS, lambda p: [1, 2, 3], generate, scorer)
+    return GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], generate, scorer, retries_done=retries_done)
 
 
 def echo_answer_generate(calls=None, delay=0.0, fail_first=0):
@@ -47,13 +51,14 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
             **{"grpo.max_staleness": 1, "rollout.queue_maxsize": 4, "rollout.max_inflight_tasks": 2},
         )
         w.start()
-        first = await w.get_groups(2)
+        first = (await w.get_groups(2)).groups
         assert [g.policy_version for g in first] == [0, 0] and len(first[0].samples) == 8
         while w.queue.qsize() < 4:  # a full queue of v0 groups
             await asyncio.sleep(0.01)
-        w.set_versions(2)  # learner two versions ahead: queued v0 groups are now too stale
-        fresh = await w.get_groups(3)
-        assert all(g.policy_version == 2 for g in fresh)
+        w.set_policy_version(2)  # learner two versions ahead: queued v0 groups are now too stale
+        batch = await w.get_groups(3)
+        assert all(g.policy_version == 2 for g in batch.groups)
+        assert batch.learner_version == 2 and batch.stats().staleness == [0, 0, 0]
         assert w.counters["dropped_stale"] >= 1
         assert "policy-v2" in calls
         await w.stop()
@@ -76,25 +81,59 @@ def test_backpressure_bounds_what_is_buffered():
     run(main())
 
 
-def test_generation_failures_are_retried_then_dropped():
-    async def main():
-        w = make_worker(
-            echo_answer_generate(fail_first=2), **{"rollout.max_retries": 3, "rollout.max_inflight_tasks": 1}
-        )
+class _FlakyFleet(BaseHTTPRequestHandler):
+    """Answers /v1/completions with 503 (no live replica) `failures` times, then with n completions."""
+
+    failures = 0
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).failures > 0:
+            type(self).failures -= 1
+            status, payload = 503, {"error": {"message": "no live replica"}}
+        else:
+            choice = {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "stop"}
+            status, payload = 200, {"choices": [{**choice, "index": i, "text": str(i)} for i in range(body["n"])]}
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky_fleet():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FlakyFleet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_generation_failures_are_retried_then_dropped(flaky_fleet):
+    from app.rollout.actor import sampling_client
+
+    async def main(max_retries: int, failures: int, n: int, timeout_s: float | None):
+        sets = {"rollout.max_retries": max_retries, "rollout.max_inflight_tasks": 1}
+        client = sampling_client(load_config(None, [f"{k}={v}" for k, v in sets.items()]), flaky_fleet)
+        _FlakyFleet.failures = failures
+        w = make_worker(client.acompletions, retries_done=lambda: client.retries_done, **sets)
         w.start()
-        groups = await w.get_groups(1)
-        assert len(groups) == 1 and w.counters["request_retries"] == 2 and w.counters["dropped_failed"] == 0
+        groups = (await w.get_groups(n, timeout_s=timeout_s)).groups
+        alive = w._producer is not None and not w._producer.done()
         await w.stop()
+        await client.aclose()
+        return groups, w.counters["dropped_failed"], w.stats().request_retries_total, alive
 
-        always = make_worker(
-            echo_answer_generate(fail_first=10**9), **{"rollout.max_retries": 1, "rollout.max_inflight_tasks": 2}
-        )
-        always.start()
-        assert await always.get_groups(1, timeout_s=2.0) == []
-        assert always.counters["dropped_failed"] >= 1 and always._producer is not None and not always._producer.done()
-        await always.stop()
-
-    run(main())
+    # The fleet client retries (rollout.max_retries) and the rollout reports its retries.
+    groups, dropped, retries, _ = run(main(max_retries=3, failures=2, n=1, timeout_s=None))
+    assert len(groups) == 1 and retries == 2 and dropped == 0
+    # Beyond the retries the group is lost, counted, and the producer goes on.
+    groups, dropped, retries, alive = run(main(max_retries=1, failures=10**9, n=1, timeout_s=2.0))
+    assert groups == [] and dropped >= 1 and retries >= 1 and alive
 
 
 def test_raising_reward_scores_none_and_worker_goes_on():
@@ -104,9 +143,9 @@ def test_raising_reward_scores_none_and_worker_goes_on():
     async def main():
         w = make_worker(echo_answer_generate(), funcs=(exact_answer, broken))
         w.start()
-        groups = await w.get_groups(3)
+        groups = (await w.get_groups(3)).groups
         assert len(groups) == 3 and groups[0].reward_errors == {"broken": 8}
-        assert w.stats()["reward/errors/broken"] >= 24
+        assert w.stats().metrics()["reward/errors/broken"] >= 24
         await w.stop()
 
     run(main())
@@ -115,18 +154,18 @@ def test_raising_reward_scores_none_and_worker_goes_on():
 def test_consumed_groups_are_never_produced_again():
     async def main():
         cfg = load_config(None, ["rollout.max_inflight_tasks=1"])
-        w = RolloutWorker(
+        w = GroupProducer(
             cfg,
             PROBLEMS,
             lambda p: [1],
             echo_answer_generate(),
             RewardScorer([exact_answer]),
-            data_cursor=0,
-            consumed_group_ids={"g0", "g1"},
+            resume=ResumePoint(data_cursor=0, consumed_group_ids=(0, 1)),
         )
         w.start()
-        groups = await w.get_groups(2)
-        assert [g.group_id for g in groups] == ["g2", "g3"]
+        batch = await w.get_groups(2)
+        assert [g.group_id for g in batch.groups] == [2, 3]
+        assert batch.data_cursor == 4  # both taken: a resumed run goes on after them
         await w.stop()
 
     run(main())
@@ -141,7 +180,7 @@ def test_data_order_is_a_function_of_the_cursor():
 
 def test_stats_names_follow_trl():
     w = make_worker(echo_answer_generate())
-    s = w.stats()
+    s = w.stats().metrics()
     for key in (
         "sample/rollout_queue_size",
         "rollout/inflight",
@@ -158,7 +197,7 @@ def test_sync_mode_generates_only_when_asked():
         w.start()
         await asyncio.sleep(0.3)
         assert calls == [] and w.queue.qsize() == 0
-        groups = await w.get_groups(4)
+        groups = (await w.get_groups(4)).groups
         assert len(groups) == 4 and w.counters["dropped_failed"] == 1  # the failed one was generated again
         await asyncio.sleep(0.3)
         assert len(calls) == 5 and w.queue.qsize() == 0
@@ -180,19 +219,19 @@ def test_a_dead_producer_is_an_error_not_a_hang():
 
 def test_a_restarted_rollout_resumes_from_the_newest_checkpoint_and_version(tmp_path):
     from app.bucket.store import AdapterStore, CheckpointStore
-    from app.rollout.producer import resume_state
+    from app.rollout.actor import resume_state
 
     cfg = load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache"])
-    assert resume_state(cfg) == {"data_cursor": 0, "policy_version": 0}  # nothing trained yet
+    assert resume_state(cfg) == ResumePoint(step=0, data_cursor=0, policy_version=0)  # nothing trained yet
 
     checkpoints = CheckpointStore.from_config(cfg)
     checkpoints.save(3, {"state.json": b"{}"}, meta={"policy_version": 3, "data_cursor": 40})
     checkpoints.save(6, {"state.json": b"{}"}, meta={"policy_version": 6, "data_cursor": 97})
-    assert resume_state(cfg) == {"data_cursor": 97, "policy_version": 6}
+    assert resume_state(cfg) == ResumePoint(step=6, data_cursor=97, policy_version=6)
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"r": 8}')
     (adapter / "adapter_model.safetensors").write_bytes(b"weights")
     AdapterStore.from_config(cfg).publish(adapter, 8)  # published after the checkpoint: sample with it
-    assert resume_state(cfg) == {"data_cursor": 97, "policy_version": 8}
+    assert resume_state(cfg) == ResumePoint(step=6, data_cursor=97, policy_version=8)

@@ -1,0 +1,104 @@
+"""What the ingress, the router and the replicas exchange through the Serve handle, as types.
+
+A generation crosses three hands: the ingress validates the HTTP body and builds one
+`GenerateRequest`; the PrefixHashRouter, inside the ingress's handle, reads its `prompt_ids` and
+`model` to pick a replica; the replica turns its `sampling` into vLLM's `SamplingParams`. One type
+for the three, built once, so a field added here reaches every hop and a renamed one fails loudly
+instead of being dropped on the way. Replies come back as `Generated`, failures as `ReplicaError`s
+that carry the HTTP status the ingress answers with.
+
+Nothing here imports Ray, vLLM or FastAPI: the ingress, the replicas and the unit tests import it cheaply,
+and Ray pickles these classes by reference on both sides of the handle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The VLLMReplica method that samples (called with one GenerateRequest); the router routes its calls by prefix.
+GENERATE_METHOD = "generate"
+
+# How /pause treats in-flight requests (vLLM's modes). `keep` freezes them until /resume: nothing is lost.
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to sample: exactly vLLM's `SamplingParams` fields, under vLLM's names, with vLLM's defaults."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k (the ingress maps OpenAI's -1 to it)
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: no log-probs; k: the sampled token's and the top k alternatives
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to sample `sampling.n` completions of, under `model`.
+
+    The router's contract: it hashes `prompt_ids` (never text: the engine caches token blocks) in
+    the namespace `model`, the base model's canonical name or an adapter's.
+    """
+
+    prompt_ids: list[int]
+    model: str
+    sampling: Sampling
+
+
+@dataclass
+class SampledChoice:
+    """One completion as the engine produced it: token ids and their log-probs, never text."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # the sampled tokens' (processed, at the sampling temperature)
+    top_logprobs: list[dict[int, float]] | None  # per position, the top alternatives, when asked for
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class Generated:
+    """A replica's answer to a GenerateRequest: who served it (for `x-spotrl-replica`) and the choices."""
+
+    replica: str
+    choices: list[SampledChoice]
+
+
+class ReplicaError(Exception):
+    """A call failed in a replica, with the HTTP status the ingress answers it with (500 unless said)."""
+
+    status = 500
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def __reduce__(self):  # keep the status through Ray's pickling
+        return (type(self), (self.message, self.status))
+
+
+class BadRequest(ReplicaError):
+    status = 400
+
+
+class ModelNotFound(ReplicaError):
+    status = 404
+
+
+class ReplicaUnavailable(ReplicaError):
+    """This replica cannot serve (engine dead, shutting down): the ingress retries on another one."""
+
+    status = 503
