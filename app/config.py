@@ -23,6 +23,10 @@ CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny-cpu.yaml"
 
 
+# The LoRA ranks vLLM sizes its adapter slots for (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class ConfigError(ValueError):
     """An invalid configuration, with a one-line message naming the field."""
 
@@ -62,6 +66,10 @@ class ModelConfig(Section):
         "float32", description="Weights and compute dtype, the same on learner and fleet."
     )
     max_model_len: int = Field(256, gt=0, description="Context length (prompt + completion) served by vLLM.")
+    revision: str | None = Field(
+        None,
+        description="Hub revision (a commit hash) of a hub model, loaded by learner and replicas alike; None for a local folder.",
+    )
     cache_dir: str = Field(
         "~/.cache/spotrl", description="Where locally built models are cached, keyed by their config."
     )
@@ -158,7 +166,12 @@ class FleetConfig(Section):
     max_loras: int | None = Field(
         None, ge=1, description="LoRA slots per engine; default max_staleness + 2 (never fewer)."
     )
-    max_lora_rank: int = Field(8, ge=1, description="Largest LoRA rank the engines accept.")
+    max_lora_rank: int | None = Field(
+        None, ge=1, description="Largest LoRA rank the engines accept; default the smallest vLLM size >= lora.rank."
+    )
+    max_num_batched_tokens: int = Field(
+        8192, ge=1, description="Tokens one engine step schedules (prefill chunks included); at least max_model_len."
+    )
     kv_cache_memory_bytes: int = Field(256 * 2**20, gt=0, description="KV cache size per engine on the CPU.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory per engine (GPU only).")
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica accepts at once.")
@@ -210,12 +223,18 @@ class LearnerConfig(Section):
     token_budget: int = Field(4096, ge=1, description="Tokens per packed row (micro-batch).")
     per_device_train_batch_size: int = Field(16, ge=1, description="Samples per padded micro-batch (padded only).")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="Tokens whose logits exist at once when scoring (never the whole [tokens x vocab])."
+    )
     save_steps: int = Field(10, ge=1, description="Checkpoint the learner every this many steps.")
     peak_flops: dict[str, float] = Field(
         default_factory=lambda: {"cpu": 1e11, "cuda": 989e12},
         description="Peak FLOP/s per device kind, for perf/mfu_fwd_bwd.",
     )
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per learner worker.")
+    num_gpus_per_worker: float = Field(
+        1.0, gt=0, le=1, description="GPUs per learner worker on cuda; below 1 shares a GPU with the fleet's replicas."
+    )
     max_restarts: int = Field(3, ge=-1, description="Restarts of a dead learner worker (-1: no limit); it resumes.")
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources of rank 0, e.g. {learner_node: 1}; ranks pack with it."
@@ -247,8 +266,12 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> RunConfig:
-        if self.lora.rank > self.fleet.max_lora_rank:
-            raise ValueError(f"lora.rank={self.lora.rank} exceeds fleet.max_lora_rank={self.fleet.max_lora_rank}")
+        if self.lora.rank > self.max_lora_rank:
+            raise ValueError(f"lora.rank={self.lora.rank} exceeds fleet.max_lora_rank={self.max_lora_rank}")
+        if self.lora.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"lora.rank={self.lora.rank}: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
+        if self.fleet.max_num_batched_tokens < self.model.max_model_len:
+            raise ValueError("fleet.max_num_batched_tokens must be >= model.max_model_len (one prompt per engine step)")
         if self.fleet.max_loras is not None and self.fleet.max_loras < self.grpo.max_staleness + 2:
             raise ValueError(
                 f"fleet.max_loras must be >= grpo.max_staleness + 2 = {self.grpo.max_staleness + 2} "
@@ -259,6 +282,14 @@ class RunConfig(Section):
         if self.task.name == "math" and not self.task.dataset:
             raise ValueError("task.dataset is required when task.name is math")
         return self
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The rank the engines' LoRA buffers are sized for: as configured, else the smallest that fits lora.rank
+        (vLLM sizes every slot for this rank, so a rank-1 adapter in rank-16 slots wastes memory and compute)."""
+        if self.fleet.max_lora_rank is not None:
+            return self.fleet.max_lora_rank
+        return next((r for r in VLLM_LORA_RANKS if r >= self.lora.rank), VLLM_LORA_RANKS[-1])
 
     @property
     def max_loras(self) -> int:

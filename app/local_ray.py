@@ -63,8 +63,11 @@ def single_machine_mode():
                 os.environ[k] = v
 
 
-def start_ray(address: str | None) -> bool:
-    """Join `address`, or start a loopback-only local Ray; True when we started it (so we stop it)."""
+def start_ray(address: str | None, offline: bool = True) -> bool:
+    """Join `address`, or start a loopback-only local Ray; True when we started it (so we stop it).
+
+    `offline`: the model is a local folder, so no process of the run may reach a hub (a hub model's
+    learner and replicas download it, at the pinned revision)."""
     import ray
 
     if address:
@@ -80,11 +83,17 @@ def start_ray(address: str | None) -> bool:
             _node_ip_address=LOOPBACK,
             _system_config=loopback_system_config(),
             log_to_driver=False,
-            runtime_env={
-                "env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-            },
+            runtime_env={"env_vars": run_env_vars(offline)},
         )
     return True
+
+
+def run_env_vars(offline: bool) -> dict[str, str]:
+    """Environment of every process of a run we start."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if offline:
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    return env
 
 
 # ---- In every worker of a loopback-only Ray (imported through `preload_python_modules`) -------------------

@@ -6,9 +6,12 @@ on demand) and loads the tokenizer with the round-trip check, so every part sees
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from app.config import ModelConfig, TaskConfig
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def resolve_model_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> str:
@@ -18,6 +21,27 @@ def resolve_model_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) 
 
         return str(ensure_tiny_model(model_cfg, task_cfg, log=log)[0])
     return model_cfg.name_or_path
+
+
+def is_local(model_path: str) -> bool:
+    """A model folder on this disk (the tiny model, or a downloaded one): nothing to fetch from a hub."""
+    return Path(model_path).expanduser().is_dir()
+
+
+def pin_revision(model_cfg: ModelConfig, model_path: str, log=print) -> None:
+    """Fix `model.revision` to a commit of a hub model before anything loads it.
+
+    A branch such as "main" moves: a learner and a replica (or a replica restarted a day later on a new
+    spot node) would load different weights. Resolved once by the driver, the commit travels in the
+    config to every process; a local folder has no revision.
+    """
+    if is_local(model_path) or (model_cfg.revision and _COMMIT.fullmatch(model_cfg.revision)):
+        return
+    from huggingface_hub import HfApi
+
+    branch = model_cfg.revision or "main"
+    model_cfg.revision = HfApi().model_info(model_path, revision=branch).sha
+    log(f"model {model_path}: {branch} pinned to revision {model_cfg.revision}")
 
 
 def load_tokenizer(path: str | Path):

@@ -22,7 +22,7 @@ from contextlib import ExitStack
 from app.auth import admin_token, inference_token
 from app.config import RunConfig, add_config_args, config_from_args
 from app.messages import ResumePoint, RolloutStats, StepResult, adapter_name
-from app.models import resolve_model_path
+from app.models import is_local, pin_revision, resolve_model_path
 
 log = logging.getLogger("spotrl.train")
 
@@ -177,7 +177,7 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
     from app.local_ray import start_ray
     from deployments.fleet import deploy_fleet, fleet_is_running, shutdown_fleet
 
-    ray_is_ours = start_ray(address)
+    ray_is_ours = start_ray(address, offline=is_local(model_path))
     if ray_is_ours:
         stack.callback(ray.shutdown)
         # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
@@ -231,6 +231,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
     run = Run(cfg)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
+    pin_revision(cfg.model, model_path, log=log.info)
     eval_token = inference_token(cfg)
 
     with ExitStack() as stack:

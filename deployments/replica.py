@@ -191,6 +191,41 @@ def _sampled_choice(output, top: int) -> SampledChoice:
     return SampledChoice(output.index, token_ids, logprobs, alternatives, output.finish_reason, output.stop_reason)
 
 
+def engine_args(cfg: RunConfig, model_path: str, on_cpu: bool, block_size: int) -> dict[str, Any]:
+    """The engine's arguments (vLLM's `AsyncEngineArgs`), from the run config: one place, unit-tested."""
+    fleet = cfg.fleet
+    return dict(
+        model=model_path,
+        # A hub model at the pinned revision, the one the learner loads too (None for a local folder).
+        revision=cfg.model.revision,
+        tokenizer_revision=cfg.model.revision,
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.model.max_model_len,
+        enable_lora=True,
+        max_loras=cfg.max_loras,
+        max_cpu_loras=cfg.max_loras,
+        max_lora_rank=cfg.max_lora_rank,
+        enable_prefix_caching=True,
+        block_size=block_size,
+        max_num_seqs=fleet.max_num_seqs,
+        # Explicit, so that the scheduler's token budget per step does not change with vLLM's per-device default.
+        max_num_batched_tokens=fleet.max_num_batched_tokens,
+        logprobs_mode="processed_logprobs",
+        # torch.compile takes minutes on a CPU (and timed out under load) for no gain on a tiny model;
+        # GPUs keep compilation and CUDA graphs.
+        enforce_eager=on_cpu,
+        disable_log_stats=False,
+        # Engines seeded alike draw the same samples for unseeded requests of one prompt: every
+        # replica (and every restart of one) gets its own seed.
+        seed=secrets.randbelow(2**31),
+        **(
+            {"kv_cache_memory_bytes": fleet.kv_cache_memory_bytes}
+            if on_cpu
+            else {"gpu_memory_utilization": fleet.gpu_memory_utilization}
+        ),
+    )
+
+
 class VLLMReplica:
     """A Ray Serve deployment class: wrap with `serve.deployment` (see `deployments.fleet`)."""
 
@@ -213,31 +248,7 @@ class VLLMReplica:
                 context.rank.rank, fleet.cpu_threads_per_replica, cores
             )
         self.block_size = engine_block_size(fleet.router.block_size, on_cpu)
-        args = AsyncEngineArgs(
-            model=model_path,
-            dtype=self.cfg.model.dtype,
-            max_model_len=self.cfg.model.max_model_len,
-            enable_lora=True,
-            max_loras=self.cfg.max_loras,
-            max_cpu_loras=self.cfg.max_loras,
-            max_lora_rank=fleet.max_lora_rank,
-            enable_prefix_caching=True,
-            block_size=self.block_size,
-            max_num_seqs=fleet.max_num_seqs,
-            logprobs_mode="processed_logprobs",
-            # torch.compile takes minutes on a CPU (and timed out under load) for no gain on a tiny model;
-            # GPUs keep compilation and CUDA graphs.
-            enforce_eager=on_cpu,
-            disable_log_stats=False,
-            # Engines seeded alike draw the same samples for unseeded requests of one prompt: every
-            # replica (and every restart of one) gets its own seed.
-            seed=secrets.randbelow(2**31),
-            **(
-                {"kv_cache_memory_bytes": fleet.kv_cache_memory_bytes}
-                if on_cpu
-                else {"gpu_memory_utilization": fleet.gpu_memory_utilization}
-            ),
-        )
+        args = AsyncEngineArgs(**engine_args(self.cfg, model_path, on_cpu, self.block_size))
         self.counters = EngineCounters()
         started = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(

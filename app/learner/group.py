@@ -78,13 +78,16 @@ class LearnerGroup:
         self.last_resume: ResumePoint | None = None  # what the ranks resumed from at the last recovery
         lcfg = cfg.learner
         n = lcfg.num_workers
-        bundle = {"CPU": lcfg.num_cpus_per_worker, **({"GPU": 1} if lcfg.device == "cuda" else {})}
+        bundle = {
+            "CPU": lcfg.num_cpus_per_worker,
+            **({"GPU": lcfg.num_gpus_per_worker} if lcfg.device == "cuda" else {}),
+        }
         self._pg = None
         options = {
             "max_restarts": lcfg.max_restarts,
             "max_task_retries": 0,
             "num_cpus": lcfg.num_cpus_per_worker,
-            "num_gpus": 1 if lcfg.device == "cuda" else 0,
+            "num_gpus": lcfg.num_gpus_per_worker if lcfg.device == "cuda" else 0,
         }
         if n > 1:
             # Custom resources (the cluster's `learner_node`) go on rank 0's bundle only: the node has one unit,

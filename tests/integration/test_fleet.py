@@ -231,7 +231,7 @@ def test_admin_calls_need_the_token_as_bearer_or_netrc_basic(fleet, tmp_path, mo
     trl_client.resume()
     info = trl_client.get_server_info()
     assert info["lora_config"]["max_loras"] >= fleet.cfg.grpo.max_staleness + 2
-    assert info["lora_config"]["max_lora_rank"] == fleet.cfg.fleet.max_lora_rank
+    assert info["lora_config"]["max_lora_rank"] == fleet.cfg.max_lora_rank
     assert info["parallel_config"]["data_parallel_size"] == 1  # loads reach every replica: no merged-weight fallback
     assert trl_client.get_max_model_len() == fleet.cfg.model.max_model_len
     assert "float32" in trl_client.get_dtype()

@@ -72,3 +72,14 @@ def test_train_cli_exits_2_with_one_line(args, needle, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_one_node_gpu_config_needs_no_custom_resources_and_shares_one_gpu():
+    cfg = load_config("configs/qwen2.5-math-1.5b-1node.yaml")
+    assert not cfg.fleet.replica_resources and not cfg.learner.ray_resources  # nothing a single box lacks
+    gpus = cfg.learner.num_workers * cfg.learner.num_gpus_per_worker
+    gpus += cfg.fleet.num_replicas * cfg.fleet.num_gpus_per_replica
+    assert cfg.learner.device == "cuda" and gpus <= 1
+    assert cfg.fleet.gpu_memory_utilization <= 0.5  # the learner keeps the rest of the shared GPU
+    assert cfg.rollout.max_inflight_tasks * cfg.grpo.num_generations <= cfg.fleet.max_num_seqs * cfg.fleet.num_replicas
+    assert cfg.bucket.url.startswith("file://")

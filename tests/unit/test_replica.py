@@ -5,7 +5,7 @@ import pickle
 from types import SimpleNamespace
 
 from deployments.protocol import GENERATE_METHOD, BadRequest, ReplicaError, Sampling
-from deployments.replica import EngineCounters, _token_logprobs, cpu_binding, engine_block_size
+from deployments.replica import EngineCounters, _token_logprobs, cpu_binding, engine_args, engine_block_size
 
 
 def test_cpu_block_size_is_rounded_up_to_what_vllm_cpu_accepts():
@@ -90,3 +90,22 @@ def test_replica_errors_keep_their_class_and_status_through_pickling():
     for error in (ReplicaError("bucket unavailable", 503), BadRequest("bad"), ReplicaError("conflict", 409)):
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and (back.status, back.message) == (error.status, error.message)
+
+
+def test_engine_args_follow_the_run_config_and_are_vllms_own_fields():
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from app.config import load_config
+
+    seed = load_config("configs/qwen2.5-math-1.5b.yaml")
+    gpu = engine_args(seed, "/models/qwen", on_cpu=False, block_size=16)
+    assert gpu["max_lora_rank"] == 1  # follows lora.rank: rank-1 adapters in rank-1 slots
+    assert gpu["max_num_batched_tokens"] == seed.fleet.max_num_batched_tokens >= seed.model.max_model_len
+    assert gpu["revision"] == gpu["tokenizer_revision"] == seed.model.revision
+    assert "gpu_memory_utilization" in gpu and "kv_cache_memory_bytes" not in gpu
+    tiny = engine_args(load_config(None, ["model.revision=abc123"]), "/m", on_cpu=True, block_size=32)
+    assert tiny["enforce_eager"] and "kv_cache_memory_bytes" in tiny and tiny["revision"] == "abc123"
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    assert set(gpu) <= known and set(tiny) <= known
