@@ -7,10 +7,13 @@ megabytes even for the seed's 1.5B model; the frozen base weights are never gath
 
 Layout of one checkpoint folder (what `CheckpointStore.save` uploads):
     adapter/adapter_model.safetensors, adapter/adapter_config.json   the adapter, in PEFT format
-    optimizer.pt       full AdamW state, keyed by parameter name (torch.distributed.checkpoint helpers)
-    scheduler.pt       learning-rate scheduler state
-    rng.pt             RNG states of every rank (python, numpy, torch, cuda)
-    learner_state.json step, policy version, data cursor, consumed group ids, world size
+    training_state.safetensors  every tensor of the optimizer (full AdamW state, keyed by parameter
+                                name) and of the RNGs (torch, cuda) of every rank
+    training_state.json         the rest as JSON: optimizer param groups, scheduler, python and numpy RNGs
+    learner_state.json          step, policy version, data cursor, consumed group ids, world size
+
+No pickle anywhere: anyone who can write the bucket could otherwise run code on the learner through
+`torch.load`. A checkpoint of the older pickled layout (`optimizer.pt`) is refused with a clear message.
 
 Consumed group ids are ints; checkpoints written when they were "g{index}" strings are converted on read.
 """
@@ -37,6 +40,9 @@ from app.messages import ResumePoint, parse_group_ids
 
 ADAPTER_DIR = "adapter"
 STATE_FILE = "learner_state.json"
+TENSORS_FILE = "training_state.safetensors"
+TRAINING_FILE = "training_state.json"
+_TENSOR, _NDARRAY, _TUPLE = "__tensor__", "__ndarray__", "__tuple__"
 
 
 @dataclass
@@ -97,6 +103,42 @@ def load_adapter_weights(peft_model, adapter_dir: Path) -> None:
         raise RuntimeError(f"adapter at {adapter_dir} lacks {len(missing)} LoRA tensors, e.g. {missing[0]}")
 
 
+def split_tensors(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """`obj` as JSON, each tensor replaced by a reference to its entry in `tensors` (arrays and tuples kept)."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").contiguous()
+        return {_TENSOR: path}
+    if isinstance(obj, np.ndarray):
+        return {_NDARRAY: obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str | int) for k in obj):
+            raise TypeError(f"{path or 'state'}: keys must be str or int to be stored as JSON")
+        # JSON object keys are strings: int keys (optimizer state by index) are tagged to come back as ints.
+        return {"__dict__": [[k, split_tensors(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {_TUPLE: [split_tensors(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [split_tensors(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TypeError(f"{path or 'state'}: {type(obj).__name__} cannot be stored without pickle")
+
+
+def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of `split_tensors`."""
+    if isinstance(obj, list):
+        return [join_tensors(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if _TENSOR in obj:
+        return tensors[obj[_TENSOR]]
+    if _NDARRAY in obj:
+        return np.asarray(obj[_NDARRAY], dtype=obj["dtype"])
+    if _TUPLE in obj:
+        return tuple(join_tensors(v, tensors) for v in obj[_TUPLE])
+    return {k: join_tensors(v, tensors) for k, v in obj["__dict__"]}
+
+
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -139,13 +181,34 @@ def write_checkpoint(
     world_size: int,
 ) -> Path:
     """Write one checkpoint folder (rank 0 only; the inputs were gathered by every rank)."""
+    from safetensors.torch import save_file
+
     dest = Path(dest)
     write_adapter(peft_model, adapter_state, dest / ADAPTER_DIR)
-    torch.save(optimizer_state, dest / "optimizer.pt")
-    torch.save(scheduler.state_dict(), dest / "scheduler.pt")
-    torch.save(rng_states, dest / "rng.pt")
+    tensors: dict[str, torch.Tensor] = {}
+    rest = split_tensors(
+        {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_states}, tensors
+    )
+    save_file(tensors, dest / TENSORS_FILE)
+    (dest / TRAINING_FILE).write_text(json.dumps(rest))
     (dest / STATE_FILE).write_text(json.dumps({**asdict(state), "world_size": world_size}))
     return dest
+
+
+def read_training_state(folder: Path) -> dict:
+    """Optimizer, scheduler and RNG states of a checkpoint folder, read without unpickling anything."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / TRAINING_FILE).is_file():
+        if (folder / "optimizer.pt").is_file():
+            raise RuntimeError(
+                f"checkpoint {folder} is in the old pickled layout (optimizer.pt), which spotrl no longer loads: "
+                "unpickling runs code that anyone with write access to the bucket could have put there. "
+                "Start the run afresh (a new bucket.url or run name), or resume from a newer checkpoint."
+            )
+        raise RuntimeError(f"checkpoint {folder}: {TRAINING_FILE} is missing")
+    return join_tensors(json.loads((folder / TRAINING_FILE).read_text()), load_file(folder / TENSORS_FILE))
 
 
 def read_state(folder: Path) -> LearnerState:
@@ -161,11 +224,10 @@ def restore_training_state(folder: Path, *, model, optimizer, scheduler, rank: i
     Every rank reads the full optimizer state and keeps its own shard of it. A rank that did not
     exist when the checkpoint was written (the world grew) takes rank 0's RNG state.
     """
-    folder = Path(folder)
-    optim_state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+    saved = read_training_state(folder)
     set_optimizer_state_dict(
-        model, optimizer, optim_state_dict=optim_state, options=StateDictOptions(full_state_dict=True)
+        model, optimizer, optim_state_dict=saved["optimizer"], options=StateDictOptions(full_state_dict=True)
     )
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-    rng_states = torch.load(folder / "rng.pt", weights_only=False)
+    scheduler.load_state_dict(saved["scheduler"])
+    rng_states = saved["rng"]
     _set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
