@@ -228,8 +228,8 @@ class LearnerConfig(Section):
     )
     save_steps: int = Field(10, ge=1, description="Checkpoint the learner every this many steps.")
     peak_flops: dict[str, float] = Field(
-        default_factory=lambda: {"cpu": 1e11, "cuda": 989e12},
-        description="Peak FLOP/s per device kind, for perf/mfu_fwd_bwd.",
+        default_factory=lambda: {"cpu": 1e11},
+        description="Peak FLOP/s overrides for MFU, by GPU name or device kind; else app.learner.perf's spec table.",
     )
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per learner worker.")
     num_gpus_per_worker: float = Field(

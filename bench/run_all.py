@@ -6,7 +6,8 @@ import importlib
 import sys
 import time
 
-BENCHMARKS = ["adapter_sync", "router", "learner", "pipeline"]
+# learner_gpu prints "no CUDA device: skipped" on a CPU box and writes nothing.
+BENCHMARKS = ["adapter_sync", "router", "learner", "learner_memory", "learner_gpu", "pipeline"]
 
 
 def main() -> None:

@@ -7,12 +7,62 @@ because importing `trl.trainer.utils` pulls in accelerate and datasets and costs
 learner process. With LoRA the frozen weights get no weight gradient, so the true backward is
 cheaper than 2 x forward; like TRL we keep the 6N convention, so MFU is comparable, not exact.
 MFU is a percentage, as TRL reports it.
+
+The peak it divides by is looked up by device name (`PEAK_FLOPS_BY_NAME`): spec-sheet numbers, which
+no real kernel reaches (an H200 measures ~790 TFLOP/s on a large dense bf16 matmul against its 989),
+so MFU is quoted against the spec peak, the convention that makes it comparable across papers.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
+
+# Dense (no sparsity) BF16/FP16 tensor-core peak FLOP/s of one GPU, from NVIDIA's spec sheets, by the name
+# `torch.cuda.get_device_name()` reports (a case-insensitive regex; the first match wins, so variants come
+# before their family). Spec sheets headline the 2:4-sparsity figure: these are half of it.
+PEAK_FLOPS_BY_NAME: tuple[tuple[str, float], ...] = (
+    (r"\bH100\b.*\bNVL\b", 835e12),  # H100 NVL (1,671 sparse)
+    (r"\bH100\b.*\bPCIe\b", 756e12),  # H100 PCIe (1,513 sparse)
+    (r"\bH100\b", 989e12),  # H100 SXM, reported as "NVIDIA H100 80GB HBM3" (1,979 sparse)
+    (r"\bH200\b.*\bNVL\b", 835e12),  # H200 NVL (1,671 sparse)
+    (r"\bH200\b", 989e12),  # H200 SXM (1,979 sparse)
+    (r"\bGH200\b", 989e12),  # Grace Hopper: the H100/H200 SXM die and clocks
+    (r"\bGB200\b", 2.5e15),  # GB200 NVL72, per GPU (5 PFLOP/s sparse)
+    (r"\bB200\b", 2.25e15),  # HGX B200, per GPU (4.5 PFLOP/s sparse)
+    (r"\bA100\b", 312e12),  # A100 SXM and PCIe, 40 and 80 GB (624 sparse)
+    (r"\bA10G?\b", 125e12),  # A10 (250 sparse); AWS's A10G has no sheet of its own, quoted as the A10
+    (r"\bL40S\b", 362e12),  # L40S (733 sparse)
+    (r"\bL40\b", 181e12),  # L40 (362 sparse)
+    (r"\bL4\b", 121e12),  # L4 (242 sparse)
+)
+
+
+def peak_flops(device_name: str, device_type: str, overrides: Mapping[str, float] | None = None) -> float:
+    """Peak FLOP/s of one learner device, for MFU; NaN when unknown (MFU is then NaN, never a guess).
+
+    `overrides` (the config's `learner.peak_flops`) win: by exact device name first (case-insensitive),
+    then by device kind ("cpu", "cuda": one figure for every device of that kind); else the spec table.
+    """
+    by_key = {k.lower(): v for k, v in (overrides or {}).items()}
+    for key in (device_name.lower(), device_type.lower()):
+        if key in by_key:
+            return float(by_key[key])
+    if device_type == "cuda":
+        for pattern, flops in PEAK_FLOPS_BY_NAME:
+            if re.search(pattern, device_name, re.IGNORECASE):
+                return flops
+    return math.nan
+
+
+def device_name(device) -> str:
+    """What a device is called in logs, results and `peak_flops`: the GPU's model name, or "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def flops_per_token(config, seq_len: float) -> float:

@@ -1,4 +1,4 @@
-"""One rank of the learner: a PEFT LoRA policy trained with GRPO, FSDP2-sharded when there are several.
+"""One rank of the learner: a PEFT LoRA policy trained with GRPO, FSDP2-sharded (on CUDA always, see model.py).
 
 `LearnerRank` holds no Ray, so that tests can drive it in-process; `app.learner.group` runs one per
 device as a Ray actor (`LearnerRankActor`) behind `LearnerGroup`, which joins them with
@@ -7,7 +7,9 @@ torch.distributed (gloo on the CPU; NCCL only between the GPUs of one learner no
 A step takes a `RolloutBatch` and answers a `StepResult`: drop groups already trained on (a
 restarted learner may be fed them again), turn groups into samples with group-normalised
 advantages, pack them into micro-batches (`app.learner.packing`), accumulate the GRPO loss's
-gradient (`app.learner.grpo_loss`) over this rank's micro-batches, clip, AdamW. Every
+gradient (`app.learner.grpo_loss`) over this rank's micro-batches, clip, AdamW. The forward never
+materialises `[tokens x vocab]` logits: the model's output layer is a `LogProbHead`
+(`app.learner.logprobs`), which returns the sampled tokens' log-probs and entropies chunk by chunk. Every
 `weight_sync_steps` the whole adapter is gathered from the FSDP shards and handed to
 `app.weight_sync` as the next `policy-v{N}` (bucket, then fleet); every `save_steps` the whole
 learner state goes to the bucket as a checkpoint (`app.learner.state`).
@@ -16,6 +18,9 @@ Versions are monotonic across restarts: a learner resumed from a checkpoint olde
 published adapter (it died after publishing) republishes its restored adapter as a new version
 above everything in the bucket, so the fleet never serves weights from the lost future under a
 number the learner will reuse.
+
+Nothing here imports pydantic or Ray at run time (`RunConfig` is only a type hint), so that
+`bench.learner_gpu` can drive a rank on a GPU box that has neither.
 """
 
 from __future__ import annotations
@@ -27,13 +32,21 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from app.config import RunConfig
-from app.learner.grpo_loss import LossStats, grpo_loss, token_logprobs
-from app.learner.model import build_lora_model, build_optimizer, fully_shard_model, init_distributed
+from app.learner.grpo_loss import LossStats, grpo_loss
+from app.learner.model import (
+    build_lora_model,
+    build_optimizer,
+    fully_shard_model,
+    init_distributed,
+    logprob_head,
+    mixed_precision_policy,
+    uses_fsdp,
+)
 from app.learner.packing import (
     MicroBatch,
     TrainSample,
@@ -43,7 +56,7 @@ from app.learner.packing import (
     samples_from_groups,
     shard,
 )
-from app.learner.perf import Stopwatch, step_perf_metrics
+from app.learner.perf import Stopwatch, device_name, peak_flops, step_perf_metrics
 from app.learner.state import (
     ADAPTER_DIR,
     LearnerState,
@@ -58,6 +71,9 @@ from app.learner.state import (
 )
 from app.messages import Group, ResumePoint, RolloutBatch, StepResult
 from app.weight_sync import AdapterPublisher
+
+if TYPE_CHECKING:
+    from app.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +102,28 @@ class LearnerRank:
         self.model = self.optimizer = self.scheduler = None
         self.publisher: AdapterPublisher | None = None
         self._started = False
+        self._fsdp = uses_fsdp(world_size, cfg.learner.device)
         self._tmp = Path(tempfile.mkdtemp(prefix=f"spotrl-learner-r{rank}-"))
 
     # ---- set-up -----------------------------------------------------------------------------------
 
     def setup(self, master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
-        """Join the process group (world_size > 1) and load the base model with a fresh adapter (unsharded)."""
+        """Join the process group (under FSDP) and load the base model with a fresh adapter (unsharded)."""
         if self.cfg.learner.device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each worker one visible GPU
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        if self.world_size > 1:
+        self.device_name = device_name(self.device)
+        self.peak_flops = peak_flops(self.device_name, self.device.type, self.cfg.learner.peak_flops)
+        if self.rank == 0:
+            log.info(
+                "learner on %s x%d, peak %.4g FLOP/s each for MFU", self.device_name, self.world_size, self.peak_flops
+            )
+        if self._fsdp:
             init_distributed(self.rank, self.world_size, master_addr, master_port, self.device.type)
         self.model, self.pad_id = build_lora_model(self.cfg, self.model_path, self.device)
+        self.head = logprob_head(self.model)
 
     def _rank0_decides(self, value):
         """Rank 0's value on every rank: bucket listings are read once, so ranks never disagree."""
@@ -124,9 +148,7 @@ class LearnerRank:
             self.state = read_state(folder)
             self._consumed = set(self.state.consumed_group_ids)
             load_adapter_weights(self.model, folder / ADAPTER_DIR)
-        if self.world_size > 1:
-            fully_shard_model(self.model, self.world_size, self.device.type)
-        self.optimizer, self.scheduler = build_optimizer(self.cfg, self.model)
+        self.prepare_training()
         if folder is not None:
             restore_training_state(
                 folder, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, rank=self.rank
@@ -141,6 +163,17 @@ class LearnerRank:
             self._publish(max(candidates) + 1 if candidates else 0)
         self._started = True
         return self.state.resume_point()
+
+    def prepare_training(self) -> None:
+        """Shard the model (FSDP2, with mixed precision on CUDA) and build the optimizer over the shards.
+
+        `start` does this after loading a checkpoint's adapter; a benchmark that trains without a bucket
+        calls it right after `setup`, then `forward_backward` and `optimizer_step`.
+        """
+        if self._fsdp:
+            policy = mixed_precision_policy(self.cfg.model.dtype, self.device.type)
+            fully_shard_model(self.model, self.world_size, self.device.type, policy)
+        self.optimizer, self.scheduler = build_optimizer(self.cfg, self.model)
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -159,18 +192,22 @@ class LearnerRank:
         return batches, sum(len(s.completion_ids) for s in samples), metrics
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob (with gradient) and entropy (without) of each of the micro-batch's targets, at the sampling
+        temperature: the output layer computes them chunk by chunk inside the forward, where FSDP has gathered it.
+        """
         # No attention mask: packed rows pass their sample boundaries instead, padded rows are right-padded
         # (see app.learner.packing); position_ids restart at every packed sample, for the rotary embedding.
         extra = {"packed_cu_seqlens": mb.cu_seqlens} if mb.cu_seqlens is not None else {}
-        out = self.model(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            logits_to_keep=mb.logits_to_keep,
-            use_cache=False,
-            **extra,
-        )
-        logits = out.logits[mb.target_rows, mb.target_cols]
-        return token_logprobs(logits, mb.targets, self.cfg.grpo.temperature)
+        with self.head.scoring(mb.target_rows, mb.target_cols, mb.targets, self.cfg.grpo.temperature):
+            out = self.model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                logits_to_keep=mb.logits_to_keep,
+                use_cache=False,
+                **extra,
+            )
+        logp, entropy = out.logits  # [2, targets]: what LogProbHead returns in place of the logits
+        return logp, entropy.detach()
 
     def forward_backward(self, groups: list[Group]) -> dict:
         """Accumulate the GRPO loss's gradient over these groups into `.grad` (no optimizer step).
@@ -228,28 +265,36 @@ class LearnerRank:
             metrics.update({"learner/skipped_step": 1.0, "perf/step_s": time.perf_counter() - t_step})
             return self._result(batch, fresh, metrics)
 
-        watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
-        with watch("optimizer"):
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, g.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(self.optimizer_step())
         self.state.step += 1
         self._mark_consumed(fresh)
-        metrics.update({"grad_norm": float(grad_norm), "learning_rate": lr, "perf/optimizer_s": watch.get("optimizer")})
         if self.state.step % g.weight_sync_steps == 0:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
             if self.fleet_url:
                 metrics["weight_sync/fleet_load_failures"] = float(self.publisher.fleet_load_failures)
         if self.state.step % lcfg.save_steps == 0:
             metrics["perf/checkpoint_s"] = self.save_checkpoint()
-        peak = self.cfg.learner.peak_flops.get(self.cfg.learner.device, math.nan)
-        config = self.model.base_model.model.config
-        metrics.update(step_perf_metrics(config, metrics, time.perf_counter() - t_step, self.world_size, peak))
+        metrics.update(self.perf_metrics(metrics, time.perf_counter() - t_step))
         return self._result(batch, fresh, metrics)
+
+    def optimizer_step(self) -> dict:
+        """Clip the accumulated gradient, step AdamW and the schedule, clear the gradient; its metrics."""
+        watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
+        with watch("optimizer"):
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grpo.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "learning_rate": lr, "perf/optimizer_s": watch.get("optimizer")}
+
+    def perf_metrics(self, metrics: dict, step_s: float) -> dict:
+        """The step's `perf/*` throughput and MFU (against this device's peak), from its batch metrics."""
+        config = self.model.base_model.model.config
+        perf = step_perf_metrics(config, metrics, step_s, self.world_size, self.peak_flops)
+        return {**perf, "perf/peak_flops": self.peak_flops}
 
     def _result(self, batch: RolloutBatch, trained: list[Group], metrics: dict) -> StepResult:
         return StepResult(
@@ -367,6 +412,6 @@ class LearnerRank:
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()
-        if self.world_size > 1 and dist.is_initialized():
+        if self._fsdp and dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._tmp, ignore_errors=True)
