@@ -170,12 +170,15 @@ def stop_actor(actor, timeout_s: float = 10.0) -> None:
 
 
 def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
-    """Start or join Ray, and use the fleet that runs there or deploy one; returns an admin client of it."""
+    """Start or join Ray, and use the fleet that runs there or deploy one; returns an admin client of it.
+
+    The client speaks HTTP to Serve's proxy on the head, like the rollout actor and the evaluation,
+    which run on the head too; the learner, on a node of its own, gets `learner_fleet_address`."""
     import ray
 
     from app.fleet_client import FleetClient
     from app.local_ray import start_ray
-    from deployments.fleet import deploy_fleet, fleet_is_running, shutdown_fleet
+    from deployments.fleet import deploy_fleet, fleet_is_running, fleet_url, shutdown_fleet
 
     ray_is_ours = start_ray(address, offline=is_local(model_path))
     if ray_is_ours:
@@ -183,13 +186,22 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
         # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
         check_port_free(cfg.fleet.host, cfg.fleet.port)
     if fleet_is_running(cfg):
-        base_url = f"http://{cfg.fleet.host}:{cfg.fleet.port}"
+        base_url = fleet_url(cfg)  # where Serve's proxy listens, whatever this run's config says
         log.info("using the fleet already running at %s", base_url)
     else:
         log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
         base_url = deploy_fleet(cfg, model_path)
         stack.callback(shutdown_fleet, cfg, stop_serve=not ray_is_ours)
     return FleetClient(base_url, token=admin_token(cfg))
+
+
+def learner_fleet_address(cfg: RunConfig) -> str:
+    """The fleet as the learner reaches it: by Serve handle, from whichever node Ray puts it on."""
+    from deployments.fleet import cluster_address
+
+    address = cluster_address(cfg)
+    log.info("the learner tells the fleet of new versions through %s", address)
+    return address
 
 
 def start_rollout(stack: ExitStack, cfg: RunConfig, model_path: str, fleet_url: str, resume: ResumePoint):
@@ -236,7 +248,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
 
     with ExitStack() as stack:
         fleet = start_fleet(stack, cfg, model_path, address)
-        learner = LearnerGroup(cfg, model_path, fleet_url=fleet.base_url, fleet_token=admin_token(cfg))
+        learner = LearnerGroup(cfg, model_path, fleet_url=learner_fleet_address(cfg))
         stack.callback(learner.shutdown)
         resume = learner.start()
         version = resume.policy_version

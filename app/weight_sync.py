@@ -5,7 +5,8 @@ once: a version is served only once it is committed to the bucket, and a replica
 `max_staleness + 1` committed versions (older ones no sample may use any more).
 
 - the learner (rank 0) publishes each version with `AdapterPublisher`: commit to the bucket, drop
-  versions past the retention window, ask the fleet to load it;
+  versions past the retention window, ask the fleet to load it (through a Serve handle when the
+  learner runs in the fleet's cluster: the learner's node cannot count on reaching the HTTP proxy);
 - the driver makes sure the fleet serves the learner's version before sampling (`ensure_served`)
   and tells the rollout to sample with, and measure staleness to, a new version (`tell_rollout`);
 - a replica that starts loads `versions_to_serve`, and one asked for a version it does not hold
@@ -15,12 +16,19 @@ once: a version is served only once it is committed to the bucket, and a replica
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.bucket.store import AdapterStore
 from app.messages import adapter_name
 
 log = logging.getLogger(__name__)
+
+# How long rank 0 waits for the fleet to load a version. It publishes between collectives, and its
+# peers wait for it in the next one for at most the process group's timeout (10 min,
+# app/learner/model.py's COLLECTIVE_TIMEOUT), together with the bucket upload: far below that, and
+# a version the fleet did not take within it reaches replicas from the bucket anyway.
+FLEET_LOAD_DEADLINE_S = 60.0
 
 
 def versions_to_serve(store: AdapterStore, window: int) -> list[int]:
@@ -37,18 +45,42 @@ def _load_on_fleet(fleet, store: AdapterStore, version: int) -> None:
     fleet.load_adapter(adapter_name(version), store.url_of(version))
 
 
+def fleet_admin_client(address: str, token: str | None, timeout_s: float):
+    """A client of the fleet's admin calls: a Serve handle for `serve://<app>` (in the cluster), else HTTP."""
+    from deployments.fleet import SERVE_SCHEME, ServeFleet
+
+    if address.startswith(SERVE_SCHEME):
+        return ServeFleet(address, timeout_s)
+    from app.fleet_client import FleetClient
+
+    return FleetClient(address, token=token, timeout_s=timeout_s)
+
+
 class AdapterPublisher:
     """The learner's side: commit a version to the bucket, then ask the fleet (if any) to load it.
 
-    A failed fleet load is logged and counted, not raised: the version is in the bucket, where
-    replicas that (re)start pick it up, and the next sync tries a newer one.
+    `fleet_url` is `deployments.fleet.cluster_address` inside the fleet's Ray cluster, or an HTTP
+    URL. A failed fleet load is logged and counted, not raised: the version is in the bucket, where
+    replicas that (re)start pick it up, and the next sync tries a newer one. Nor is it waited for
+    past `fleet_deadline_s`: the call runs on a thread of its own, where one that hangs finishes
+    (bounded by the client's timeout) while rank 0 goes back to its peers.
     """
 
-    def __init__(self, cfg, fleet_url: str | None = None, fleet_token: str | None = None):
+    def __init__(
+        self,
+        cfg,
+        fleet_url: str | None = None,
+        fleet_token: str | None = None,
+        *,
+        fleet_deadline_s: float = FLEET_LOAD_DEADLINE_S,
+    ):
         self.store = AdapterStore.from_config(cfg)
         self.keep_versions = cfg.bucket.keep_versions
         self.fleet_url, self._fleet_token = fleet_url, fleet_token
+        self.fleet_deadline_s = fleet_deadline_s
         self._fleet = None
+        # One thread: fleet calls never overlap, and one still queued behind a hung call is cancelled unsent.
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleet-load")
         self.fleet_load_failures = 0
 
     def latest(self) -> int | None:
@@ -62,17 +94,22 @@ class AdapterPublisher:
             self._tell_fleet(version)
 
     def _tell_fleet(self, version: int) -> None:
-        from app.fleet_client import FleetClient
-
-        if self._fleet is None:
-            self._fleet = FleetClient(self.fleet_url, token=self._fleet_token)
+        call = self._calls.submit(self._load, version)
         try:
-            _load_on_fleet(self._fleet, self.store, version)
+            call.result(timeout=self.fleet_deadline_s)
         except Exception as exc:  # noqa: BLE001 - any fleet error must not kill training
+            call.cancel()  # still queued behind an earlier call: never sent
             self.fleet_load_failures += 1
-            log.warning("fleet did not load %s: %s", adapter_name(version), exc)
+            reason = str(exc) if str(exc) else f"{type(exc).__name__} after {self.fleet_deadline_s:.0f} s"
+            log.warning("fleet did not load %s: %s", adapter_name(version), reason)
+
+    def _load(self, version: int) -> None:
+        if self._fleet is None:
+            self._fleet = fleet_admin_client(self.fleet_url, self._fleet_token, self.fleet_deadline_s)
+        _load_on_fleet(self._fleet, self.store, version)
 
     def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
         if self._fleet is not None:
             self._fleet.close()
 

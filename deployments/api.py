@@ -331,24 +331,7 @@ class AdminRoutes(_Routes):
         body = await self.body(request, LoadAdapterBody)
         if body.load_inplace:
             raise ApiError(400, "load_inplace: not supported; publish a new version under a new name")
-        load_id = uuid.uuid4().hex
-        results = await self.backend.broadcast("load_adapter", body.lora_name, body.lora_path, load_id)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures or not results:
-            # All or nothing: undo the loads this broadcast made, so no replica serves what others cannot.
-            await self.backend.broadcast("undo_load", body.lora_name, load_id)
-            if not results:
-                raise ApiError(503, "no live replica")
-            raise as_api_error(
-                failures[0],
-                f"load of {body.lora_name!r} failed on {len(failures)} of {len(results)} replicas, rolled back",
-            )
-        return {
-            "status": "ok",
-            "lora_name": body.lora_name,
-            "replicas": len(results),
-            "newly_loaded": sum(bool(r["loaded"]) for r in results),
-        }
+        return await load_everywhere(self.backend, body.lora_name, body.lora_path)
 
     @route("POST", "/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> dict[str, Any]:
@@ -384,6 +367,36 @@ class AdminRoutes(_Routes):
         self.authorize(request)
         results = all_or_raise(await self.backend.broadcast("reset_prefix_cache"))
         return {"success": all(r["success"] for r in results), "replicas": len(results)}
+
+
+async def load_everywhere(backend: Backend, name: str, path: str) -> dict[str, Any]:
+    """Load adapter `name` from `path` on every live replica or on none (`ApiError` then says why).
+
+    `/v1/load_lora_adapter` and the ingress's in-cluster `load_adapter` (a Serve handle call) both
+    come here. The broadcast and its rollback run shielded from the caller: a client that gives up
+    (an HTTP disconnect, a handle call past its deadline) cancels its wait, never a half-done load.
+    """
+    return await asyncio.shield(_load_all_or_nothing(backend, name, path))
+
+
+async def _load_all_or_nothing(backend: Backend, name: str, path: str) -> dict[str, Any]:
+    load_id = uuid.uuid4().hex
+    results = await backend.broadcast("load_adapter", name, path, load_id)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures or not results:
+        # All or nothing: undo the loads this broadcast made, so no replica serves what others cannot.
+        await backend.broadcast("undo_load", name, load_id)
+        if not results:
+            raise ApiError(503, "no live replica")
+        raise as_api_error(
+            failures[0], f"load of {name!r} failed on {len(failures)} of {len(results)} replicas, rolled back"
+        )
+    return {
+        "status": "ok",
+        "lora_name": name,
+        "replicas": len(results),
+        "newly_loaded": sum(bool(r["loaded"]) for r in results),
+    }
 
 
 def all_or_raise(results: list[Any]) -> list[Any]:

@@ -6,6 +6,11 @@ Two ways in, one builder (`fleet_app`):
   URL back once every replica has loaded the live adapters; `fleet_is_running` and `shutdown_fleet`
   complete the lifecycle.
 
+Two ways to reach it: HTTP at `fleet_url` (the one proxy, on the head) for clients outside the
+cluster and for the driver's side on the head; `cluster_address` for callers on other nodes (the
+learner), who get a `ServeFleet`, a Serve handle to the ingress. fleet.host is an address as the
+head sees it: 127.0.0.1, or 0.0.0.0 read as 127.0.0.1, is the learner node itself over there.
+
 Paths are made absolute here, in the process that reads the config, because replicas run in other
 processes (other machines, in a cluster) whose working directory means nothing to the config file.
 """
@@ -25,6 +30,7 @@ log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the a
 PREFIX_ROUTER = "deployments.router:PrefixHashRouter"
 REPLICA_DEPLOYMENT = "VLLMReplica"
 INGRESS_DEPLOYMENT = "Ingress"
+SERVE_SCHEME = "serve://"  # `serve://<application>`: the fleet as callers inside the Ray cluster name it
 # One access-log line per request drowns the replicas' own messages (and a joined driver's terminal) at
 # hundreds of requests a second; request counts and latencies are in Serve's metrics.
 QUIET = {"enable_access_log": False}
@@ -128,6 +134,41 @@ def fleet_url(cfg: RunConfig) -> str:
     client = _serve_client()
     host, port = (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.port)
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def cluster_address(cfg: RunConfig) -> str:
+    """The fleet's address for callers inside the Ray cluster, on any node: its Serve application's name."""
+    return f"{SERVE_SCHEME}{cfg.fleet.app_name}"
+
+
+class ServeFleet:
+    """The fleet's admin calls over a DeploymentHandle to its ingress: what `FleetClient` is over HTTP.
+
+    A handle reaches the ingress from any node of the cluster and follows it across restarts
+    (Serve tells every handle where the deployment's replicas are), so no node needs the proxy's
+    address. Only what weight sync calls is here: `load_adapter` and `close`.
+    """
+
+    def __init__(self, address: str, timeout_s: float):
+        self.app_name = address.removeprefix(SERVE_SCHEME)
+        self.timeout_s = timeout_s
+        self._ingress = None
+
+    def __repr__(self) -> str:
+        return f"ServeFleet({self.app_name!r})"
+
+    def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """`FleetClient.load_adapter`: on every live replica or none; TimeoutError after `timeout_s`.
+
+        A call past its deadline is not cancelled: the ingress finishes the load or rolls it back."""
+        from ray import serve
+
+        if self._ingress is None:  # looked up on first use: the application may be (re)deployed after we start
+            self._ingress = serve.get_app_handle(self.app_name)
+        return self._ingress.load_adapter.remote(name, path).result(timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        self._ingress = None
 
 
 def deploy_fleet(

@@ -9,6 +9,11 @@ The ingress is where failures are hidden from clients: a generation whose replic
 preemption, OOM, a crashed engine) is sent again (`app.retry.aretry`, whose docstring says who
 retries what), and the router, told of the death by Serve, picks a live replica. Admin calls are
 broadcast to every live replica.
+
+Callers inside the Ray cluster (the learner, on another node) reach the fleet through a handle to
+this deployment instead of HTTP: the HTTP proxy listens on the head, at an address that may mean
+nothing elsewhere (127.0.0.1). `load_adapter` is that entry, the same all-or-nothing load as
+`/v1/load_lora_adapter`; it needs no token, since only a member of the cluster can call it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from app.auth import Secret
 from app.auth import admin_token as resolve_admin_token
 from app.config import RunConfig
 from app.retry import Backoff, aretry
-from deployments.api import ApiSettings, make_app
+from deployments.api import ApiSettings, load_everywhere, make_app
+from deployments.api_schema import ApiError
 from deployments.protocol import GENERATE_METHOD, Generated, GenerateRequest, ReplicaUnavailable
 
 log = logging.getLogger("ray.serve")
@@ -129,7 +135,8 @@ class Ingress:
             protect_inference=cfg.fleet.protect_inference,
             num_replicas=cfg.fleet.num_replicas,
         )
-        self._app = make_app(ServeBackend(replicas), settings)
+        self._backend = ServeBackend(replicas)
+        self._app = make_app(self._backend, settings)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",
             base_model,
@@ -139,3 +146,10 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         return self._app
+
+    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """`POST /v1/load_lora_adapter` for a DeploymentHandle caller: on every live replica or none."""
+        try:
+            return await load_everywhere(self._backend, name, path)
+        except ApiError as e:  # its (status, message) constructor does not survive pickling back to the caller
+            raise RuntimeError(f"{e.status} {e.message}") from None

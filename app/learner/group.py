@@ -3,7 +3,8 @@
 `LearnerGroup` starts `learner.num_workers` `LearnerRankActor` actors (each a `LearnerRank` from
 `app.learner.rank`), has rank 0 pick a rendezvous port on its node, and joins them into one
 torch.distributed group. With several GPU workers they are placed on one node (STRICT_PACK): NCCL
-stays inside the learner node, and nothing but the bucket connects the learner to the fleet. A
+stays inside the learner node, and nothing but the bucket (the weights) and rank 0's Serve handle to the
+fleet's ingress (which version to load, `app.weight_sync`) connects the learner to the fleet. A
 step's groups reach the ranks as an ObjectRef of the rollout's `RolloutBatch`, which each rank
 fetches from the object store itself: the driver never holds the data.
 
@@ -111,7 +112,10 @@ class LearnerGroup:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=rank
                 )
-            self.workers.append(actor.options(**opts).remote(cfg, model_path, rank, n, fleet_url, fleet_token))
+            # Only rank 0 publishes; `fleet_url` is best `deployments.fleet.cluster_address`: this node cannot
+            # count on reaching the fleet's HTTP proxy, which listens on the head at an address as the head sees it.
+            fleet = (fleet_url, fleet_token) if rank == 0 else (None, None)
+            self.workers.append(actor.options(**opts).remote(cfg, model_path, rank, n, *fleet))
         self._setup()
 
     def _setup(self) -> None:

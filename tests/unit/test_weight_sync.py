@@ -49,3 +49,94 @@ def test_the_driver_loads_the_learners_version_only_when_the_fleet_lacks_it(tmp_
     fleet = _Fleet(["policy-v0"])
     ensure_served(fleet, cfg, 1)
     assert fleet.loads == [("policy-v1", store.url_of(1))]
+
+
+class _HungFleet:
+    """A fleet whose loads block until `release` is set (a broadcast stuck on a replica, a fleet that never answers)."""
+
+    def __init__(self):
+        import threading
+
+        self.release, self.loads = threading.Event(), []
+
+    def load_adapter(self, name, path):
+        self.loads.append(name)
+        self.release.wait(30)
+
+    def close(self):
+        self.release.set()
+
+
+def test_rank0_waits_for_the_fleet_no_longer_than_the_deadline_and_goes_on(tmp_path, monkeypatch):
+    """Rank 0's peers wait for it in a collective: a fleet that hangs must not hold it near that timeout."""
+    import time
+
+    import app.weight_sync as weight_sync
+    from app.weight_sync import FLEET_LOAD_DEADLINE_S, AdapterPublisher
+
+    assert FLEET_LOAD_DEADLINE_S <= 60  # a tenth of the learner's 10 min collective timeout at most
+    fleet = _HungFleet()
+    monkeypatch.setattr(weight_sync, "fleet_admin_client", lambda address, token, timeout_s: fleet)
+    publisher = AdapterPublisher(_config(tmp_path), "serve://spotrl", fleet_deadline_s=0.3)
+    _publish(publisher.store, tmp_path)  # writes the adapter folder
+    adapter = tmp_path / "adapter"
+    try:
+        for version in (0, 1):
+            t0 = time.monotonic()
+            publisher.publish(adapter, version)
+            assert time.monotonic() - t0 < 2.0
+            assert publisher.store.latest() == version  # committed all the same: replicas find it in the bucket
+        assert publisher.fleet_load_failures == 2
+        assert fleet.loads == ["policy-v0"]  # v1 waited behind the hung call and was dropped unsent
+        fleet.release.set()
+        time.sleep(0.1)  # the hung call returns
+        publisher.publish(adapter, 2)
+        assert fleet.loads == ["policy-v0", "policy-v2"] and publisher.fleet_load_failures == 2
+    finally:
+        publisher.close()
+
+
+def test_inside_the_cluster_the_fleet_is_reached_by_serve_handle_elsewhere_by_http(monkeypatch):
+    from ray import serve
+
+    from app.fleet_client import FleetClient
+    from app.weight_sync import fleet_admin_client
+    from deployments.fleet import ServeFleet, cluster_address
+
+    http = fleet_admin_client("http://127.0.0.1:8000", "secret", 5.0)
+    assert isinstance(http, FleetClient) and http.base_url == "http://127.0.0.1:8000"
+    http.close()
+
+    calls = []
+
+    class _Response:
+        def __init__(self, args):
+            self.args = args
+
+        def result(self, timeout_s=None):
+            calls.append((self.args, timeout_s))
+            return {"status": "ok", "replicas": 1}
+
+    class _Ingress:
+        class load_adapter:  # noqa: N801 - stands in for a handle's method attribute
+            @staticmethod
+            def remote(*args):
+                return _Response(args)
+
+    apps = []
+    monkeypatch.setattr(serve, "get_app_handle", lambda name: apps.append(name) or _Ingress())
+    address = cluster_address(_config_with_app("myapp"))
+    assert address == "serve://myapp"
+    fleet = fleet_admin_client(address, "ignored", 7.0)
+    assert isinstance(fleet, ServeFleet)
+    assert fleet.load_adapter("policy-v3", "s3://b/adapters/policy-v3") == {"status": "ok", "replicas": 1}
+    fleet.load_adapter("policy-v4", "s3://b/adapters/policy-v4")
+    assert apps == ["myapp"]  # one handle, looked up once
+    assert calls == [
+        (("policy-v3", "s3://b/adapters/policy-v3"), 7.0),
+        (("policy-v4", "s3://b/adapters/policy-v4"), 7.0),
+    ]
+
+
+def _config_with_app(app_name: str):
+    return load_config(None, [f"fleet.app_name={app_name}"])
