@@ -39,6 +39,7 @@ from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, Vers
 from app.bucket.store import AdapterStore
 from app.config import RunConfig
 from app.messages import adapter_name
+from deployments.engine_watchdog import engine_processes, start_watchdog
 from deployments.protocol import (
     PAUSE_MODES,
     BadRequest,
@@ -254,6 +255,8 @@ class VLLMReplica:
         self.engine = AsyncLLM.from_engine_args(
             args, stat_loggers=[RayPrometheusStatLogger, _as_stat_logger(self.counters)]
         )
+        # If this worker dies hard, nothing else ends vLLM's engine processes (they would keep their memory).
+        self._watchdog = start_watchdog(engine_processes())
         engine_block = self.engine.vllm_config.cache_config.block_size
         if engine_block != self.block_size:  # the router's hashes would not be the engine's cache keys
             raise RuntimeError(f"engine block size {engine_block} != router block size {self.block_size}")
@@ -504,6 +507,7 @@ class VLLMReplica:
     async def engine_stats(self) -> dict[str, Any]:
         return {
             "replica": self.replica_id,
+            "pid": os.getpid(),  # the replica's process; its engines run in child processes
             "paused": await self.engine.is_paused(),
             **self.counters.snapshot(),
             "adapters": sorted(self._adapters),

@@ -292,6 +292,23 @@ def test_engine_and_router_metrics_reach_rays_metrics_export(fleet):
         time.sleep(1)
 
 
+def engine_processes_of(replica_pid: int) -> list[int]:
+    """The pids of a replica's vLLM engine processes (its worker process's descendants, the watchdog aside)."""
+    import psutil
+
+    children = psutil.Process(replica_pid).children(recursive=True)
+    return [p.pid for p in children if "engine_watchdog" not in " ".join(p.cmdline())]
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.slow
 def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_live_adapters(fleet):
     import ray
@@ -304,6 +321,8 @@ def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_liv
     assert len(actors) == 2
     victim = sorted(actors)[0]
     victim_id = victim.rsplit("#", 1)[1]
+    engine_pids = engine_processes_of(engines(fleet.client)[victim_id]["pid"])
+    assert engine_pids, "the replica runs its vLLM engine in child processes"
 
     async def kill_during(requests):
         task = asyncio.create_task(asyncio.to_thread(burst, fleet.url, requests, max_tokens=24))
@@ -319,6 +338,11 @@ def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_liv
     assert [r.status_code for r in responses] == [200] * len(requests)
     stats = fleet.client.router_stats()["replicas"]
     assert stats[victim_id]["live"] is False
+    # Its engine processes followed it (the replica's watchdog), instead of living on as orphans.
+    deadline = time.monotonic() + 30
+    while survivors := [p for p in engine_pids if _running(p)]:
+        assert time.monotonic() < deadline, f"engine processes of the killed replica survive: {survivors}"
+        time.sleep(0.5)
     after_kill = burst(fleet.url, [(_prompt(2000 + i, 40), newest) for i in range(8)])
     assert victim_id not in {r.headers["x-spotrl-replica"] for r in after_kill}
 
