@@ -100,13 +100,14 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
 
 def build_app(args: dict[str, Any]):
     """Entry point of `serve run serve_config.yaml`: args `config` (a run config file) and `overrides`."""
-    from app.models import resolve_model_path
+    from app.models import pin_revision, resolve_model_path
 
     path = Path(args.get("config") or REPO_ROOT / "configs" / "tiny-cpu.yaml")
     if not path.is_absolute() and not path.exists():
         path = REPO_ROOT / path  # `serve run` may build the app in a process started elsewhere
     cfg = load_config(path, list(args.get("overrides") or []))
     model_path = resolve_model_path(cfg.model, cfg.task, log=log.info)
+    pin_revision(cfg.model, model_path, log=log.info)  # every replica, restarts included, loads one commit
     log.info(
         "fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, absolute_bucket_url(cfg.bucket_url)
     )
