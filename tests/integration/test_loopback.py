@@ -143,8 +143,12 @@ def test_make_serve_head_listens_on_loopback_only(tmp_path):
 
     Covers the head's processes (GCS, raylet, dashboard and its agent, runtime-env agent, autoscaler
     monitor, Ray client server, metrics export) and what `serve run` adds on it (the driver, Serve's
-    controller, HTTP proxy and a replica); the fleet's vLLM engines are covered by the test above."""
+    controller, HTTP proxy and a replica); the fleet's vLLM engines are covered by the test above.
+    It runs as on a machine where Ray never ran: a HOME without `~/.ray/auth_token`, which `ray start`
+    with token auth refuses unless the script makes the token first."""
     http_port = free_port()
+    home = tmp_path / "home"
+    home.mkdir()
     marker = ("SPOTRL_LOOPBACK_PROBE", uuid.uuid4().hex)
     env = {
         **os.environ,
@@ -153,6 +157,7 @@ def test_make_serve_head_listens_on_loopback_only(tmp_path):
         "RAY_METRICS_EXPORT_PORT": str(free_port()),
         "RAY_CLIENT_SERVER_PORT": str(free_port()),
         marker[0]: marker[1],
+        "HOME": str(home),
     }
     log = tmp_path / "serve_local.log"
     with open(log, "wb") as out:
@@ -187,6 +192,7 @@ def test_make_serve_head_listens_on_loopback_only(tmp_path):
                 "ray::ServeReplica",
             ),
         )
+        assert (home / ".ray" / "auth_token").is_file()  # made once, the way Ray documents it
     finally:
         # `make serve` leaves the head running: stop it (and `serve run`) by its processes, never `ray stop`,
         # which would stop every Ray of this machine.
