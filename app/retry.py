@@ -41,6 +41,22 @@ class Backoff:
         return pause * (0.5 + random.random()) if self.jitter else pause
 
 
+def _pause_or_raise(
+    error: Exception,
+    attempt: int,
+    backoff: Backoff,
+    retryable: Callable[[BaseException], bool],
+    on_retry: OnRetry | None,
+) -> float:
+    """The pause before the next attempt, or `error` raised again when it is the last or not worth another try."""
+    if attempt >= backoff.attempts or not retryable(error):
+        raise error
+    pause = backoff.pause_s(attempt)
+    if on_retry is not None:
+        on_retry(error, attempt, pause)
+    return pause
+
+
 def retry(
     fn: Callable[[], T],
     backoff: Backoff,
@@ -53,12 +69,7 @@ def retry(
         try:
             return fn()
         except Exception as exc:
-            if attempt >= backoff.attempts or not retryable(exc):
-                raise
-            pause = backoff.pause_s(attempt)
-            if on_retry is not None:
-                on_retry(exc, attempt, pause)
-            sleep(pause)
+            sleep(_pause_or_raise(exc, attempt, backoff, retryable, on_retry))
     raise ValueError(f"Backoff.attempts must be at least 1, got {backoff.attempts}")
 
 
@@ -73,10 +84,5 @@ async def aretry(
         try:
             return await fn()
         except Exception as exc:
-            if attempt >= backoff.attempts or not retryable(exc):
-                raise
-            pause = backoff.pause_s(attempt)
-            if on_retry is not None:
-                on_retry(exc, attempt, pause)
-            await asyncio.sleep(pause)
+            await asyncio.sleep(_pause_or_raise(exc, attempt, backoff, retryable, on_retry))
     raise ValueError(f"Backoff.attempts must be at least 1, got {backoff.attempts}")

@@ -16,9 +16,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
+from deployments.engine_watchdog import terminate
 from tests.fleet_helpers import free_port, is_loopback, listening_sockets, process_tree
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,22 +121,6 @@ def _serve_config(path: Path, http_port: int) -> Path:
     return path
 
 
-def _stop(processes, timeout: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL: only these processes (other Rays may run on this machine)."""
-    for proc in processes:
-        try:
-            proc.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-
-
 @pytest.mark.slow
 def test_make_serve_head_listens_on_loopback_only(tmp_path):
     """`make serve` (`deployments/serve_local.sh`): its `ray start --head`, then `serve run` of a one-replica app.
@@ -196,5 +180,5 @@ def test_make_serve_head_listens_on_loopback_only(tmp_path):
     finally:
         # `make serve` leaves the head running: stop it (and `serve run`) by its processes, never `ray stop`,
         # which would stop every Ray of this machine.
-        _stop(process_tree(*([proc.pid] if proc.poll() is None else []), marker=marker))
+        terminate([p.pid for p in process_tree(*([proc.pid] if proc.poll() is None else []), marker=marker)])
         proc.wait(10)
