@@ -4,6 +4,10 @@ Every part of spotrl that needs the admin token (the driver, the learner's fleet
 inference calls, the ingress) asks `admin_token` here, so the precedence is decided once: the
 environment of the process (`SPOTRL_ADMIN_TOKEN`) wins, then a token handed over by whoever started
 the process, then the run config. `redact` is what error messages and logs go through.
+
+What a token must be (`check_token`: 16 characters or more, a guessable one is no protection) and
+when the fleet needs one at all (`check_exposure`: reachable beyond loopback, or inference
+protected) are decided here too, so the config, the builder and the ingress refuse the same things.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import ipaddress
 import os
 import re
 
 ADMIN_TOKEN_ENV = "SPOTRL_ADMIN_TOKEN"
+MIN_TOKEN_CHARS = 16
 
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID", ADMIN_TOKEN_ENV)
 _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
@@ -32,12 +38,54 @@ class Secret:
     __str__ = __repr__
 
 
+class TokenError(ValueError):
+    """A missing or unusable admin token, with a one-line reason that never contains the token."""
+
+
+def check_token(token: str, source: str) -> str:
+    """`token` if it is usable as the admin token, else TokenError naming `source` (never the token)."""
+    where = f"{source}: " if source else ""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise TokenError(f"{where}the admin token must be at least {MIN_TOKEN_CHARS} characters")
+    if token != token.strip():  # clients strip what they send: such a token could never match
+        raise TokenError(f"{where}the admin token must not begin or end with whitespace")
+    return token
+
+
 def admin_token(cfg=None, handed_over: Secret | str | None = None) -> str | None:
-    """The admin token: the process's environment, then a token handed over at start, then `fleet.admin_token`."""
+    """The admin token: the process's environment, then a token handed over at start, then `fleet.admin_token`.
+
+    `fleet.admin_token` is a pydantic SecretStr (unwrapped here, and only here); a token shorter than
+    `MIN_TOKEN_CHARS` raises TokenError, wherever it comes from."""
     if isinstance(handed_over, Secret):
         handed_over = handed_over.value
     configured = cfg.fleet.admin_token if cfg is not None else None
-    return os.environ.get(ADMIN_TOKEN_ENV) or handed_over or configured or None
+    if configured is not None and not isinstance(configured, str):
+        configured = configured.get_secret_value()
+    for source, token in ((ADMIN_TOKEN_ENV, os.environ.get(ADMIN_TOKEN_ENV)), ("handed-over token", handed_over)):
+        if token:
+            return check_token(token, source)
+    return check_token(configured, "fleet.admin_token") if configured else None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an HTTP server bound to `host` is reachable from this machine only (0.0.0.0 is every interface)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_exposure(host: str, protect_inference: bool, token: str | None) -> None:
+    """Refuse (TokenError) a fleet that would be open to others: one bound beyond loopback, or one whose
+    inference is to be protected, needs a token; without one, anyone who reaches it could load adapters."""
+    hint = f"set {ADMIN_TOKEN_ENV} ({MIN_TOKEN_CHARS}+ characters) where the fleet is deployed"
+    if protect_inference and not token:
+        raise TokenError(f"fleet.protect_inference needs an admin token: {hint}")
+    if not token and not is_loopback(host):
+        raise TokenError(f"fleet host {host} is reachable beyond this machine: {hint}, or bind 127.0.0.1")
 
 
 def inference_token(cfg) -> str | None:

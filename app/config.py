@@ -13,7 +13,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from app.auth import check_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Ray's built-in resource of the head node (the on-demand one in cluster.yaml): coordination pinned here
@@ -108,7 +119,9 @@ class GRPOConfig(Section):
     num_generations: int = Field(8, ge=2, description="Samples per prompt (the group size G).")
     num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) consumed per optimizer step.")
     max_completion_length: int = Field(8, ge=1, description="Most tokens generated per completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the learner scores at the same one.")
+    temperature: float = Field(
+        1.0, gt=0, le=2, description="Sampling temperature (vLLM's range); the learner scores at the same one."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 disables).")
     learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate of the adapter.")
@@ -159,7 +172,15 @@ class RouterConfig(Section):
 
 
 class FleetConfig(Section):
-    """The Ray Serve app of vLLM replicas."""
+    """The Ray Serve app of vLLM replicas.
+
+    `admin_token` is a secret: a pydantic SecretStr (its repr is stars), dumped as None by
+    `model_dump` (so never in trackio's run config, the replicas' arguments or Serve's config),
+    read only through `app.auth.admin_token`, and kept out of validation errors.
+    """
+
+    # Assignment errors (cfg.fleet.admin_token = ...) would otherwise quote the rejected token.
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     num_replicas: int = Field(2, ge=1, description="vLLM replicas (one engine each).")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Prefix-hash router settings.")
@@ -180,10 +201,29 @@ class FleetConfig(Section):
     host: str = Field("127.0.0.1", description="Address the HTTP ingress binds to.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP ingress.")
     app_name: str = Field("spotrl", description="Name of the Ray Serve application.")
-    admin_token: str | None = Field(
-        None, description="Token admin calls require (SPOTRL_ADMIN_TOKEN in the environment wins)."
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Token admin calls require, 16+ characters (SPOTRL_ADMIN_TOKEN in the environment wins).",
     )
     protect_inference: bool = Field(False, description="Also require the admin token on inference endpoints.")
+    max_request_bytes: int = Field(
+        16 * 2**20, ge=1024, description="Largest request body the ingress reads (413 beyond, refused before reading)."
+    )
+    max_json_depth: int = Field(32, ge=8, description="Deepest nesting of arrays and objects in a request body.")
+    max_prompts_per_request: int = Field(1024, ge=1, description="Prompts in one /v1/completions batch (vLLM: 1024).")
+    max_sequences_per_request: int = Field(4096, ge=1, description="Completions one request may ask for: prompts x n.")
+    max_text_chars: int = Field(
+        1_000_000, ge=1, description="Characters of text (prompts, chat messages) one request may have tokenized."
+    )
+    poison_ttl_s: float = Field(
+        600.0, gt=0, description="How long the ingress refuses a request during which two engines died."
+    )
+    poison_max_entries: int = Field(
+        10_000, ge=1, description="Poison-request fingerprints the ingress remembers at most (oldest dropped first)."
+    )
+    version_listing_interval_s: float = Field(
+        5.0, ge=0, description="Least seconds between a replica's bucket listings for versions newer than it knows."
+    )
     replica_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources of each replica, e.g. {rollout_node: 1} (its node group).",
@@ -195,6 +235,25 @@ class FleetConfig(Section):
         default_factory=list,
         description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wrap_token(cls, data: Any) -> Any:
+        # Wrapped before validation, so that an error about the token quotes SecretStr('**********').
+        if isinstance(data, dict) and isinstance(data.get("admin_token"), str):
+            data = {**data, "admin_token": SecretStr(data["admin_token"])}
+        return data
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_token(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None:
+            check_token(token.get_secret_value(), "")  # the error names the field already
+        return token
+
+    @field_serializer("admin_token")
+    def _never_dump_the_token(self, token: SecretStr | None) -> None:
+        return None
 
 
 class BucketConfig(Section):
@@ -313,7 +372,7 @@ def _format_validation_error(err: ValidationError) -> str:
         return f"{field}: unknown key"
     msg = first["msg"].removeprefix("Value error, ")
     value = first.get("input")
-    if kind != "missing" and not isinstance(value, dict):
+    if kind != "missing" and not isinstance(value, dict | SecretStr):  # a secret is never quoted
         msg += f" (got {value!r})"
     return f"{field}: {msg}" if field else msg
 

@@ -8,7 +8,10 @@ Who retries what, decided here so that no failure is retried by two layers at on
   502/503/504 (starting, or no live replica). Generation requests of the rollout use
   `rollout.max_retries`; a request the fleet rejected (4xx) or failed (500) is not sent again.
 - the ingress (`deployments.ingress`): a generation whose replica died mid-request goes to another
-  replica; it answers 503 only when no replica is left, which the client above then waits out.
+  replica; it answers 503 only when no replica is left, which the client above then waits out. A
+  generation during which an *engine* died is sent once more at most: if a second engine dies it is
+  answered 500 and refused for a while by its fingerprint (`deployments.poison`), so a request that
+  crashes engines cannot go round the fleet.
 - the learner group (`app.learner.group`): a step during which a rank died is run once more on the
   restarted group (an actor restart, not a network retry).
 """

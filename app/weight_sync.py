@@ -10,12 +10,18 @@ once: a version is served only once it is committed to the bucket, and a replica
 - the driver makes sure the fleet serves the learner's version before sampling (`ensure_served`)
   and tells the rollout to sample with, and measure staleness to, a new version (`tell_rollout`);
 - a replica that starts loads `versions_to_serve`, and one asked for a version it does not hold
-  loads it if `should_serve` says so (published while it was starting, or a missed broadcast).
+  loads it if `should_serve` says so (published while it was starting, or a missed broadcast);
+  `CommittedVersions` asks the bucket on the replica's behalf, sparingly: a request for a version
+  the replica does not know must not become a bucket listing each (fees, throttling that would hit
+  the learner's publishes too).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,14 +37,75 @@ log = logging.getLogger(__name__)
 FLEET_LOAD_DEADLINE_S = 60.0
 
 
+# How often a replica may list the bucket for versions newer than the newest it knows.
+LISTING_INTERVAL_S = 5.0
+
+
+def newest(versions: Iterable[int], window: int) -> list[int]:
+    """The newest `window` of `versions`, oldest first (so an engine's LRU order matches age)."""
+    return sorted(set(versions))[-window:] if window > 0 else []
+
+
 def versions_to_serve(store: AdapterStore, window: int) -> list[int]:
-    """The committed versions a replica should serve, oldest first (so an engine's LRU order matches age)."""
-    return sorted(store.versions()[:window])
+    """The committed versions a replica should serve, oldest first."""
+    return newest(store.versions(), window)
 
 
 def should_serve(store: AdapterStore, version: int, window: int) -> bool:
     """Whether a replica should load `version` on demand: it is one of the versions the fleet serves."""
     return version in versions_to_serve(store, window)
+
+
+class CommittedVersions:
+    """A replica's knowledge of the committed versions: the bucket's last listing, and the versions it loaded.
+
+    Versions are committed in increasing order, so a version older than the newest listed that the
+    listing lacks is not going to appear: it is refused without asking the bucket. Only a version
+    newer than the newest listed makes the replica list again, at most once every `min_interval_s`,
+    and requests that arrive while a listing runs wait for it and share it. Within the interval a
+    version still unknown is refused (404): a flood of requests for versions nobody published
+    must neither list the bucket nor wait, and a missed version a client asks for again is found
+    by the next listing.
+    """
+
+    def __init__(
+        self,
+        store: AdapterStore,
+        window: int,
+        min_interval_s: float = LISTING_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.store, self.window, self.min_interval_s, self._clock = store, window, min_interval_s, clock
+        self._listed: list[int] = []
+        self._listed_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def to_serve(self) -> list[int]:
+        """The versions a replica should serve now (listed afresh: at start-up), oldest first."""
+        async with self._lock:
+            await self._list()
+        return newest(self._listed, self.window)
+
+    async def should_serve(self, version: int, loaded: Iterable[int] = ()) -> bool:
+        """Whether to load `version` on demand; `loaded` are versions the replica holds (committed, hence known)."""
+        loaded = list(loaded)
+        if version > self._newest_listed and not self._serves(version, loaded):
+            async with self._lock:
+                # A listing that ended while this request waited for the lock answers it as well.
+                if version > self._newest_listed and self._clock() - self._listed_at >= self.min_interval_s:
+                    await self._list()
+        return self._serves(version, loaded)
+
+    @property
+    def _newest_listed(self) -> int:
+        return max(self._listed, default=-1)
+
+    def _serves(self, version: int, loaded: list[int]) -> bool:
+        return version in newest([*self._listed, *loaded], self.window)
+
+    async def _list(self) -> None:
+        self._listed_at = self._clock()  # a failing listing is not retried by every request either
+        self._listed = await asyncio.to_thread(self.store.versions)
 
 
 def _load_on_fleet(fleet, store: AdapterStore, version: int) -> None:

@@ -13,30 +13,46 @@ Handlers are methods of two classes, `InferenceRoutes` and `AdminRoutes`, which 
 call them; the wire format (bodies, response shapes) lives in `deployments.api_schema`.
 
 Errors: a malformed request gets 400 with the reason, an unknown model 404, a missing or wrong
-token 401; messages never carry the token, and the bucket's `redact` strips credentials from URLs.
+token 401, a body over `fleet.max_request_bytes` 413 (refused before it is read), an admin call
+whose body is not declared JSON 415; messages never carry the token, and the bucket's `redact`
+strips credentials from URLs. No request may crash, stall or open the fleet: what a body may hold
+is bounded in `deployments.api_schema`, and the CPU work of a request (parsing, tokenizing,
+decoding) runs in a few worker threads (`offload`), never on the event loop that answers every
+other request, `/health` included.
+
+Admin calls are not for browsers: a web page the operator visits can send a CORS "simple" request
+(a form, or a body-less `fetch`) to 127.0.0.1 without asking, with any cached Basic credentials;
+it cannot send `Content-Type: application/json` cross-site without a preflight, which the fleet
+never grants. So an admin call must declare JSON, except a body-less one (TRL's `/pause`,
+`/resume`) from a client that is no browser: browsers always add `Origin` to a POST.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from app.auth import redact, token_matches
+from app.config import FleetConfig
 from deployments.api_schema import (
     ApiError,
     Body,
     ChatCompletionBody,
     CompletionBody,
+    FiniteJSONResponse,
     LoadAdapterBody,
+    RequestLimits,
     TokenText,
     UnloadAdapterBody,
     cached_token_text,
@@ -51,6 +67,16 @@ from deployments.protocol import PAUSE_MODES, Generated, GenerateRequest
 log = logging.getLogger("ray.serve")
 
 WWW_AUTHENTICATE = {"WWW-Authenticate": 'Bearer realm="spotrl", Basic realm="spotrl"'}
+
+# The CPU work of requests: a few threads, so that one large prompt neither blocks the event loop nor
+# queues every other request behind it. HF fast tokenizers release the GIL while they encode, and are
+# safe to share between threads as the ingress uses them (no per-call truncation or padding changes).
+_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spotrl-ingress")
+
+
+async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a worker thread, off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args))
 
 
 class Backend(Protocol):
@@ -81,11 +107,18 @@ class ApiSettings:
     admin_token: str | None = None
     protect_inference: bool = False
     num_replicas: int = 1
+    limits: RequestLimits = field(default_factory=lambda: RequestLimits.of(FleetConfig()))
 
 
 def make_app(backend: Backend, settings: ApiSettings) -> FastAPI:
     """The FastAPI app of the fleet, over any `Backend`."""
-    app = FastAPI(title="spotrl fleet", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="spotrl fleet",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        default_response_class=FiniteJSONResponse,
+    )
     replies = ErrorReplies(settings.admin_token)
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
@@ -106,7 +139,7 @@ class ErrorReplies:
 
     def reply(self, status: int, message: str, kind: str | None = None) -> JSONResponse:
         error = ApiError(status, self.scrub(message), kind)
-        return JSONResponse(error.body(), status, WWW_AUTHENTICATE if status == 401 else None)
+        return FiniteJSONResponse(error.body(), status, WWW_AUTHENTICATE if status == 401 else None)
 
     async def api_error(self, request: Request, exc: ApiError) -> JSONResponse:
         return self.reply(exc.status, exc.message, exc.kind)
@@ -154,7 +187,9 @@ class _Routes:
                 raise ApiError(401, "missing or invalid token (send Authorization: Bearer <token>, or Basic auth)")
 
     async def body(self, request: Request, schema: type[Body]) -> Body:
-        return parse_body(await request.body(), schema)
+        limits = self.settings.limits
+        raw = await read_body(request, limits.max_request_bytes)
+        return await offload(parse_body, raw, schema, limits.max_json_depth)
 
 
 class InferenceRoutes(_Routes):
@@ -180,20 +215,52 @@ class InferenceRoutes(_Routes):
         base = self.settings.base_model
         return base if name in self.settings.model_aliases or name == base else name
 
-    def room(self, ids: list[int], max_tokens: int | None) -> int:
-        """`max_tokens` for a valid prompt `ids`: the one asked for, or all the room the context leaves."""
-        vocab, limit = self.settings.vocab_size, self.settings.max_model_len
-        if not ids:
-            raise ApiError(400, "prompt: empty")
+    def check_vocabulary(self, ids: list[int], what: str) -> None:
+        """Every id a token of the model: an id beyond the embedding table crashes an engine."""
+        vocab = self.settings.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise ApiError(400, f"{what}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def room(self, ids: list[int], max_tokens: int | None) -> int:
+        """`max_tokens` for a valid prompt `ids`: the one asked for, or all the room the context leaves."""
+        limit = self.settings.max_model_len
+        if not ids:
+            raise ApiError(400, "prompt: empty")
+        self.check_vocabulary(ids, "prompt")
         room = limit - len(ids)
         if room < 1:
             raise ApiError(400, f"prompt: {len(ids)} tokens leave no room within max_model_len {limit}")
         if max_tokens is not None and max_tokens > room:
             raise ApiError(400, f"max_tokens: {max_tokens} + {len(ids)} prompt tokens exceed max_model_len {limit}")
         return max_tokens if max_tokens is not None else room
+
+    # The job builders tokenize and check every token id: they run in a worker thread (`offload`).
+
+    def completion_jobs(self, body: CompletionBody, prompts: list[str | list[int]]) -> list[GenerateRequest]:
+        """The engine's request for each prompt, tokenized and checked; a text the tokenizer refuses is a 400."""
+        self.check_vocabulary(body.stop_token_ids or [], "stop_token_ids")
+        try:
+            id_lists = [self.settings.encode(p) if isinstance(p, str) else p for p in prompts]
+        except Exception as e:
+            raise ApiError(400, f"prompt: cannot tokenize ({type(e).__name__})") from None
+        model = self.resolve_model(body.model)
+        return [
+            GenerateRequest(ids, model, body.sampling(self.room(ids, body.max_tokens), body.logprobs))
+            for ids in id_lists
+        ]
+
+    def chat_job(self, body: ChatCompletionBody, messages: list[dict[str, str]]) -> GenerateRequest:
+        """The engine's request for a conversation, through the chat template."""
+        self.check_vocabulary(body.stop_token_ids or [], "stop_token_ids")
+        try:
+            ids = self.settings.chat_ids(messages, body.add_generation_prompt)
+        except ApiError:
+            raise
+        except Exception as e:  # the chat template rejected the conversation
+            raise ApiError(400, f"messages: cannot apply the chat template ({type(e).__name__}: {e})") from None
+        max_tokens = self.room(ids, body.max_completion_tokens or body.max_tokens)
+        return GenerateRequest(ids, self.resolve_model(body.model), body.sampling(max_tokens, body.top_alternatives()))
 
     def token_text(self, asked: bool, as_ids: bool | None) -> TokenText | None:
         """How log-prob listings name tokens: not at all unless `asked`; by id alone if the client said so."""
@@ -207,15 +274,30 @@ class InferenceRoutes(_Routes):
     async def completions(self, request: Request) -> JSONResponse:
         self.authorize(request)
         body = await self.body(request, CompletionBody)
-        id_lists = [self.settings.encode(p) if isinstance(p, str) else p for p in body.prompts()]
-        model = self.resolve_model(body.model)
-        jobs = [
-            GenerateRequest(ids, model, body.sampling(self.room(ids, body.max_tokens), body.logprobs))
-            for ids in id_lists
-        ]
+        prompts = body.prompts()
+        limits = self.settings.limits
+        limits.check_fanout(len(prompts), body.n)
+        limits.check_text(p for p in prompts if isinstance(p, str))
+        jobs = await offload(self.completion_jobs, body, prompts)
+        id_lists = [job.prompt_ids for job in jobs]
         results = await asyncio.gather(*(self.generate(job) for job in jobs))
+        choices = await offload(self.completion_choices, body, id_lists, results)
+        reply = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": usage(sum(len(ids) for ids in id_lists), [c for r in results for c in r.choices]),
+        }
+        return FiniteJSONResponse(reply, headers=replica_header(results))
+
+    def completion_choices(
+        self, body: CompletionBody, id_lists: list[list[int]], results: list[Generated]
+    ) -> list[dict[str, Any]]:
+        """The choices of every prompt, decoded (in a worker thread: `offload`)."""
         token_text = self.token_text(body.logprobs is not None, body.return_tokens_as_token_ids)
-        choices = [
+        return [
             completion_choice(
                 p * body.n + c.index,
                 c,
@@ -226,45 +308,36 @@ class InferenceRoutes(_Routes):
             for p, (ids, result) in enumerate(zip(id_lists, results, strict=True))
             for c in result.choices
         ]
-        reply = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.model,
-            "choices": choices,
-            "usage": usage(sum(len(ids) for ids in id_lists), [c for r in results for c in r.choices]),
-        }
-        return JSONResponse(reply, headers=replica_header(results))
 
     @route("POST", "/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
         self.authorize(request)
         body = await self.body(request, ChatCompletionBody)
         messages = body.conversation()
-        try:
-            ids = self.settings.chat_ids(messages, body.add_generation_prompt)
-        except ApiError:
-            raise
-        except Exception as e:  # the chat template rejected the conversation
-            raise ApiError(400, f"messages: cannot apply the chat template ({type(e).__name__}: {e})") from None
-        max_tokens = self.room(ids, body.max_completion_tokens or body.max_tokens)
-        job = GenerateRequest(ids, self.resolve_model(body.model), body.sampling(max_tokens, body.top_alternatives()))
+        self.settings.limits.check_fanout(1, body.n)
+        self.settings.limits.check_text(body.texts(messages))
+        job = await offload(self.chat_job, body, messages)
+        ids = job.prompt_ids
         result = await self.generate(job)
         token_text = self.token_text(body.logprobs, body.return_tokens_as_token_ids)
+
+        def choices() -> list[dict[str, Any]]:
+            return [
+                chat_choice(c, self.settings.decode(c.token_ids), token_text, body.return_token_ids)
+                for c in result.choices
+            ]
+
         reply = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.model,
-            "choices": [
-                chat_choice(c, self.settings.decode(c.token_ids), token_text, body.return_token_ids)
-                for c in result.choices
-            ],
+            "choices": await offload(choices),
             "usage": usage(len(ids), result.choices),
         }
         if body.return_token_ids:
             reply["prompt_token_ids"] = ids
-        return JSONResponse(reply, headers=replica_header([result]))
+        return FiniteJSONResponse(reply, headers=replica_header([result]))
 
     @route("GET", "/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
@@ -321,9 +394,14 @@ class InferenceRoutes(_Routes):
 
 
 class AdminRoutes(_Routes):
-    """Calls that change the fleet, applied to every live replica or to none; always behind a set token."""
+    """Calls that change the fleet, applied to every live replica or to none; always behind a set token,
+    and never from a browser (`require_json`)."""
 
     ADMIN = True
+
+    def authorize(self, request: Request) -> None:
+        super().authorize(request)
+        require_json(request)
 
     @route("POST", "/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> dict[str, Any]:
@@ -367,6 +445,41 @@ class AdminRoutes(_Routes):
         self.authorize(request)
         results = all_or_raise(await self.backend.broadcast("reset_prefix_cache"))
         return {"success": all(r["success"] for r in results), "replicas": len(results)}
+
+
+def require_json(request: Request) -> None:
+    """415 unless the request declares a JSON body, or has no body, no Content-Type and no `Origin`
+    (what `requests` and `httpx` send for a body-less POST; a browser always adds `Origin`)."""
+    content_type = request.headers.get("content-type")
+    if content_type is None and not has_body(request) and "origin" not in request.headers:
+        return
+    if (content_type or "").split(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, "admin calls take Content-Type: application/json")
+
+
+def has_body(request: Request) -> bool:
+    length = request.headers.get("content-length")
+    return "transfer-encoding" in request.headers or (length is not None and length.strip() != "0")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to exceed `limit` bytes: by its Content-Length before a
+    byte is read, else (chunked, or a Content-Length that lies) while it streams in."""
+    too_large = ApiError(413, f"body: larger than the limit of {limit} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        declared = declared.strip()
+        if not (declared.isascii() and declared.isdigit()):
+            raise ApiError(400, "content-length: not a number")
+        if len(declared) > 18 or int(declared) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def load_everywhere(backend: Backend, name: str, path: str) -> dict[str, Any]:

@@ -6,6 +6,14 @@ becomes a 400 that names the field. A valid completion body becomes the fleet's 
 (`deployments.protocol`) in one step. Responses keep OpenAI's and vLLM's field names: TRL's trainer
 and the `openai` client parse them.
 
+Nothing a client sends may reach an engine that vLLM's own OpenAI server would refuse: the sampling
+fields carry vLLM's ranges (`SamplingParams._verify_args` and the request models of
+`vllm.entrypoints.openai`), integers stay within int64 (a seed beyond it kills vLLM's GPU model
+runner; any integer beyond it breaks the engine's MessagePack transport), and no number is NaN or
+infinite. What the JSON itself may be (depth, lone UTF-16 surrogates, which no UTF-8 text can hold)
+and how much one request may ask for (`RequestLimits`) are checked here too, each in one place.
+Responses never carry NaN or infinity either: `FiniteJSONResponse`, and log-probs floored like vLLM's.
+
 Per-token strings (`logprobs.tokens`, `text_offset`, the chat `logprobs.content`) are made only
 when a client asks for log-probs, from a per-token cache (a token id always decodes to the same
 string), or not decoded at all when the client sends vLLM's `return_tokens_as_token_ids`.
@@ -15,14 +23,32 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from deployments.protocol import SampledChoice, Sampling
 
-ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+ERROR_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+}
+
+# vLLM's bounds (vllm.sampling_params, vllm.entrypoints.openai.*.protocol, vllm.envs), mirrored.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
+MAX_LOGPROBS = 20  # the engine's default max_logprobs
+GREEDY_TEMPERATURE = 1e-5  # _SAMPLING_EPS: below it vLLM samples greedily, and refuses n > 1
+LOGPROB_FLOOR = -9999.0  # what vLLM's server answers for a -inf log-prob (a filtered-out alternative)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -40,12 +66,42 @@ class ApiError(Exception):
 Body = TypeVar("Body", bound=BaseModel)
 
 
-def parse_body(raw: bytes, schema: type[Body]) -> Body:
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much one request may ask of the ingress; `fleet.*` of the run config (app.config.FleetConfig)."""
+
+    max_request_bytes: int
+    max_json_depth: int
+    max_prompts_per_request: int
+    max_sequences_per_request: int
+    max_text_chars: int
+
+    @classmethod
+    def of(cls, fleet: Any) -> RequestLimits:
+        """The limits of a FleetConfig (the same names)."""
+        return cls(**{f.name: getattr(fleet, f.name) for f in fields(cls)})
+
+    def check_fanout(self, prompts: int, n: int) -> None:
+        """Prompts in one request, and the completions they ask for (vLLM caps prompts at 1024 too)."""
+        if prompts > self.max_prompts_per_request:
+            raise ApiError(400, f"prompt: {prompts} prompts exceed the limit of {self.max_prompts_per_request}")
+        if prompts * n > self.max_sequences_per_request:
+            raise ApiError(
+                400,
+                f"n: {prompts} prompt(s) x n={n} = {prompts * n} completions exceed the limit of "
+                f"{self.max_sequences_per_request}",
+            )
+
+    def check_text(self, texts: Iterable[str]) -> None:
+        """Text to tokenize, before any of it is: tokenizing costs time on the ingress."""
+        chars = sum(len(t) for t in texts)
+        if chars > self.max_text_chars:
+            raise ApiError(400, f"prompt: {chars} characters of text exceed the limit of {self.max_text_chars}")
+
+
+def parse_body(raw: bytes, schema: type[Body], max_depth: int) -> Body:
     """The request body as `schema`, or a 400 naming the first problem."""
-    try:
-        data = json.loads(raw) if raw else None
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "body: not valid JSON") from None
+    data = decode_json(raw, max_depth)
     if not isinstance(data, dict):
         raise ApiError(400, "body: expected a JSON object")
     try:
@@ -56,30 +112,74 @@ def parse_body(raw: bytes, schema: type[Body]) -> Body:
         raise ApiError(400, f"{where}: {first['msg']}") from None
 
 
+def decode_json(raw: bytes, max_depth: int) -> Any:
+    """Strict JSON: no NaN or Infinity (nor a number too large for a float), nesting at most `max_depth`
+    deep, and no lone UTF-16 surrogate (`"\\ud800"`), which no response and no tokenizer could encode."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float) if raw else None
+    except RecursionError:  # deeper than the interpreter goes: far deeper than max_depth
+        raise ApiError(400, f"body: nested deeper than {max_depth} levels") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "body: not valid JSON") from None
+    _check_structure(data, max_depth)
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ApiError(400, f"body: {name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ApiError(400, f"body: number {text[:40]} is out of range")
+    return value
+
+
+def _check_structure(data: Any, max_depth: int) -> None:
+    """Walk the parsed body once (iteratively: depth is what is being checked): depth and surrogates."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                raise ApiError(400, "body: a string holds a lone UTF-16 surrogate")
+            continue
+        if not isinstance(node, dict | list):
+            continue
+        if depth > max_depth:
+            raise ApiError(400, f"body: nested deeper than {max_depth} levels")
+        values = node if isinstance(node, list) else [*node.keys(), *node.values()]
+        stack.extend((v, depth + 1) for v in values if isinstance(v, str | dict | list))
+
+
 # ---- request bodies ------------------------------------------------------------------------------
 
-TokenIds = list[StrictInt]
+TokenIds = list[StrictInt]  # each checked against the vocabulary by the handler (deployments.api)
+# No control characters in names and paths: they end up in file paths, logs and error messages.
+PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
 
 class _SamplingBody(BaseModel):
-    """Sampling fields shared by completions and chat completions (vLLM's names and defaults)."""
+    """Sampling fields shared by completions and chat completions (vLLM's names, defaults and ranges)."""
 
-    model_config = ConfigDict(extra="ignore")  # like vLLM: unknown OpenAI fields (user, ...) are ignored
+    # Like vLLM: unknown OpenAI fields (user, ...) are ignored. Every float is finite.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=4096)
-    n: int = Field(1, ge=1, le=256)
-    temperature: float = Field(1.0, ge=0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     repetition_penalty: float = Field(1.0, gt=0)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     return_token_ids: bool = False
     # vLLM's switch: log-prob tokens as "token_id:N" strings, for clients that read ids, not text.
     return_tokens_as_token_ids: bool | None = None
@@ -93,6 +193,10 @@ class _SamplingBody(BaseModel):
             raise ApiError(
                 400, "stop: stop strings are not supported (the engine never detokenizes); use stop_token_ids"
             )
+        if self.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens: {self.min_tokens} exceeds max_tokens {max_tokens}")
+        if self.temperature < GREEDY_TEMPERATURE and self.n > 1:
+            raise ApiError(400, f"n: must be 1 when sampling greedily (temperature 0), got {self.n}")
         return Sampling(
             n=self.n,
             max_tokens=max_tokens,
@@ -114,7 +218,7 @@ class _SamplingBody(BaseModel):
 class CompletionBody(_SamplingBody):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
 
@@ -131,7 +235,7 @@ class CompletionBody(_SamplingBody):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str = Field(min_length=1)
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
@@ -150,11 +254,16 @@ class ChatCompletionBody(_SamplingBody):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    @staticmethod
+    def texts(conversation: list[dict[str, str]]) -> list[str]:
+        """What the chat template tokenizes of a conversation (for `RequestLimits.check_text`)."""
+        return [text for m in conversation for text in (m["role"], m["content"])]
 
     def top_alternatives(self) -> int | None:
         """The engine's `logprobs`: None without log-probs, else how many alternatives per token."""
@@ -164,18 +273,48 @@ class ChatCompletionBody(_SamplingBody):
 class LoadAdapterBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    lora_name: str = Field(min_length=1, max_length=128)
-    lora_path: str = Field(min_length=1, max_length=4096)
+    lora_name: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
+    lora_path: str = Field(min_length=1, max_length=4096, pattern=PRINTABLE)
     load_inplace: bool = False
 
 
 class UnloadAdapterBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    lora_name: str = Field(min_length=1, max_length=128)
+    lora_name: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
 
 
 # ---- responses -----------------------------------------------------------------------------------
+
+
+class FiniteJSONResponse(JSONResponse):
+    """A JSON response that is always valid JSON: a NaN or infinity anywhere becomes null.
+
+    Starlette refuses them (allow_nan=False) with an exception, which would turn an odd engine
+    statistic into a 500; log-probs never get here as -inf (`finite_logprob` floors them first).
+    """
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except ValueError:
+            return super().render(_finite(content))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def finite_logprob(logprob: float) -> float:
+    """vLLM's server answers -9999.0 for a -inf log-prob (a filtered-out alternative); NaN gets the same."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares false: floored too
+
 
 TokenText = Callable[[int], str]  # a token id's string in log-prob listings
 
@@ -215,9 +354,9 @@ def completion_logprobs(choice: SampledChoice, token_text: TokenText) -> dict[st
     top = choice.top_logprobs
     return {
         "tokens": tokens,
-        "token_logprobs": choice.logprobs or [],
+        "token_logprobs": [finite_logprob(lp) for lp in choice.logprobs or []],
         "text_offset": offsets,
-        "top_logprobs": [{token_text(t): lp for t, lp in alt.items()} for alt in top] if top else None,
+        "top_logprobs": [{token_text(t): finite_logprob(lp) for t, lp in alt.items()} for alt in top] if top else None,
     }
 
 
@@ -243,10 +382,10 @@ def chat_logprobs(choice: SampledChoice, token_text: TokenText) -> list[dict[str
         out.append(
             {
                 "token": text,
-                "logprob": lp,
+                "logprob": finite_logprob(lp),
                 "bytes": list(text.encode()),
                 "top_logprobs": [
-                    {"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                    {"token": token_text(t), "logprob": finite_logprob(v), "bytes": list(token_text(t).encode())}
                     for t, v in alt.items()
                 ],
             }

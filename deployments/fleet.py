@@ -13,6 +13,12 @@ head sees it: 127.0.0.1, or 0.0.0.0 read as 127.0.0.1, is the learner node itsel
 
 Paths are made absolute here, in the process that reads the config, because replicas run in other
 processes (other machines, in a cluster) whose working directory means nothing to the config file.
+
+The admin token travels to the ingress alone, as an `app.auth.Secret` argument: the run config that
+the replicas and the ingress get is `cfg.model_dump()`, which never holds it, and `serve run`'s
+overrides (Serve shows them as the application's config) may not set it. A fleet that others could
+reach (an HTTP host beyond loopback), or whose inference is to be protected, is refused without one
+(`app.auth.check_exposure`), here and again in the ingress's own process.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import HEAD_NODE, REPO_ROOT, RunConfig, load_config
+from app.config import HEAD_NODE, REPO_ROOT, ConfigError, RunConfig, load_config
 
 log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the app-build and controller logs
 
@@ -51,11 +57,14 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from app.auth import Secret, admin_token
+    from app.auth import Secret, admin_token, check_exposure
     from deployments.ingress import Ingress
     from deployments.replica import VLLMReplica
 
     fleet = cfg.fleet
+    token = admin_token(cfg)
+    http_host = _http_address(cfg)[0]
+    check_exposure(http_host, fleet.protect_inference, token)
     model_path = str(Path(model_path).expanduser().resolve()) if Path(model_path).expanduser().exists() else model_path
     # Requests name the base model by its folder (as vLLM does, and as TRL sends it) or by the config's name.
     aliases = sorted({cfg.model.name_or_path, model_path, Path(model_path).name} - {model_path})
@@ -81,7 +90,6 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
     ).bind(model_path, model_path, config, bucket_url)
-    token = admin_token(cfg)
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
@@ -93,9 +101,8 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
     )
     # The router class is part of the ingress's arguments so that changing it restarts the ingress,
     # whose handle then builds the new router (the benchmark swaps routers on the same replicas).
-    return ingress.bind(
-        replica, model_path, aliases, model_path, config, Secret(token) if token else None, request_router_class
-    )
+    secret = Secret(token) if token else None
+    return ingress.bind(replica, model_path, aliases, model_path, config, secret, request_router_class, http_host)
 
 
 def build_app(args: dict[str, Any]):
@@ -105,7 +112,10 @@ def build_app(args: dict[str, Any]):
     path = Path(args.get("config") or REPO_ROOT / "configs" / "tiny-cpu.yaml")
     if not path.is_absolute() and not path.exists():
         path = REPO_ROOT / path  # `serve run` may build the app in a process started elsewhere
-    cfg = load_config(path, list(args.get("overrides") or []))
+    overrides = list(args.get("overrides") or [])
+    if any(str(o).partition("=")[0].strip() == "fleet.admin_token" for o in overrides):
+        raise ConfigError("fleet.admin_token: not in serve_config.yaml (Serve shows it); export SPOTRL_ADMIN_TOKEN")
+    cfg = load_config(path, overrides)
     model_path = resolve_model_path(cfg.model, cfg.task, log=log.info)
     pin_revision(cfg.model, model_path, log=log.info)  # every replica, restarts included, loads one commit
     log.info(
@@ -130,10 +140,17 @@ def fleet_is_running(cfg: RunConfig) -> bool:
     return app is not None and app.status == "RUNNING"
 
 
+def _http_address(cfg: RunConfig) -> tuple[str, int]:
+    """Where Serve's HTTP proxy listens: its actual address when Serve runs, else the configured one."""
+    import ray
+
+    client = _serve_client() if ray.is_initialized() else None  # never start a Ray just to ask
+    return (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.port)
+
+
 def fleet_url(cfg: RunConfig) -> str:
     """Base URL of the fleet: Serve's actual HTTP address when it runs, else the configured one."""
-    client = _serve_client()
-    host, port = (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.port)
+    host, port = _http_address(cfg)
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 

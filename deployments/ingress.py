@@ -6,9 +6,10 @@ counters directly. Generations go through the handle as one `GenerateRequest` ea
 (`deployments.protocol`), the type the router reads and the replica samples from.
 
 The ingress is where failures are hidden from clients: a generation whose replica died (spot
-preemption, OOM, a crashed engine) is sent again (`app.retry.aretry`, whose docstring says who
-retries what), and the router, told of the death by Serve, picks a live replica. Admin calls are
-broadcast to every live replica.
+preemption, OOM) is sent again (`app.retry.aretry`, whose docstring says who retries what), and the
+router, told of the death by Serve, picks a live replica; a generation during which an engine died is
+sent once more at most, then refused as poison (`deployments.poison`). Admin calls are broadcast to
+every live replica.
 
 Callers inside the Ray cluster (the learner, on another node) reach the fleet through a handle to
 this deployment instead of HTTP: the HTTP proxy listens on the head, at an address that may mean
@@ -23,13 +24,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.auth import Secret
+from app.auth import Secret, check_exposure
 from app.auth import admin_token as resolve_admin_token
 from app.config import RunConfig
 from app.retry import Backoff, aretry
 from deployments.api import ApiSettings, load_everywhere, make_app
-from deployments.api_schema import ApiError
-from deployments.protocol import GENERATE_METHOD, Generated, GenerateRequest, ReplicaUnavailable
+from deployments.api_schema import ApiError, RequestLimits
+from deployments.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
+from deployments.protocol import GENERATE_METHOD, EngineDied, Generated, GenerateRequest, ReplicaUnavailable
 
 log = logging.getLogger("ray.serve")
 
@@ -39,32 +41,62 @@ log = logging.getLogger("ray.serve")
 GENERATE_BACKOFF = Backoff(attempts=6, first_s=0.5, max_s=2.0)
 
 
+def _raised(exc: BaseException, kinds) -> bool:
+    """`exc` is one of `kinds`, or Ray's wrapper of one (a replica's exception comes back as its `cause`)."""
+    return isinstance(exc, kinds) or isinstance(getattr(exc, "cause", None), kinds)
+
+
 def replica_failed(exc: BaseException) -> bool:
     """The replica, not the request, failed: worth sending again elsewhere."""
     from ray.exceptions import RayActorError
 
-    cause = getattr(exc, "cause", None)
-    return isinstance(exc, RayActorError | ReplicaUnavailable) or isinstance(cause, RayActorError | ReplicaUnavailable)
+    return _raised(exc, RayActorError | ReplicaUnavailable)
+
+
+def engine_died(exc: BaseException) -> bool:
+    """The replica's engine died while serving the request, maybe because of it (`deployments.poison`)."""
+    return _raised(exc, EngineDied)
 
 
 def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
-    log.warning("generation hit a dead replica (%s); retry %d in %.1fs", type(exc).__name__, attempt, pause_s)
+    what = "its engine died while serving it" if engine_died(exc) else "it hit a dead replica"
+    log.warning("generation failed, %s (%s); retry %d in %.1fs", what, type(exc).__name__, attempt, pause_s)
 
 
 class ServeBackend:
     """`deployments.api.Backend` over a DeploymentHandle to the VLLMReplica deployment."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, poison: PoisonTable | None = None):
         self._handle = handle
         self._server_info: dict[str, Any] | None = None
+        self._poison = PoisonTable() if poison is None else poison
 
     async def generate(self, request: GenerateRequest) -> Generated:
+        key = fingerprint(request)
+        self._poison.check(key)  # it killed two engines lately: not a third
+        engine_deaths = 0
+
         # The handle's router (PrefixHashRouter) reads `request.prompt_ids` and `request.model` to pick the replica;
         # a retry is routed afresh, away from the replica Serve now knows is dead.
-        def send():
-            return self._handle.options(method_name=GENERATE_METHOD).remote(request)
+        async def send():
+            nonlocal engine_deaths
+            try:
+                return await self._handle.options(method_name=GENERATE_METHOD).remote(request)
+            except Exception as exc:
+                engine_deaths += engine_died(exc)
+                raise
 
-        return await aretry(send, GENERATE_BACKOFF, replica_failed, _log_retry)
+        def retryable(exc: BaseException) -> bool:
+            # A dead replica (a preempted node) as often as GENERATE_BACKOFF allows; a dead engine once.
+            return replica_failed(exc) or (engine_died(exc) and engine_deaths < ENGINE_DEATHS_PER_REQUEST)
+
+        try:
+            return await aretry(send, GENERATE_BACKOFF, retryable, _log_retry)
+        except Exception as exc:
+            if not engine_died(exc):
+                raise
+            # Never a 503, which clients send again: it would come back with a fresh count.
+            raise self._poison.engine_failure(key, engine_deaths) from None
 
     async def broadcast(self, method: str, *args: Any) -> list[Any]:
         """Each live replica's result or exception. A replica that died meanwhile is left out, not counted as a
@@ -118,11 +150,15 @@ class Ingress:
         config: dict,
         admin_token: Secret | None = None,
         request_router: str = "",
+        http_host: str = "127.0.0.1",
     ):
         cfg = RunConfig.model_validate(config)
-        encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
-        # The environment of the ingress process wins, then a token handed over by the builder, then the config.
+        # The environment of the ingress process wins, then a token handed over by the builder, then the config
+        # (which reaches this process without it: `fleet.admin_token` is never dumped). The builder checked the
+        # same in its own process; this process's environment may differ, and decides what the API enforces.
         token = resolve_admin_token(cfg, admin_token)
+        check_exposure(http_host, cfg.fleet.protect_inference, token)
+        encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
         settings = ApiSettings(
             base_model=base_model,
             model_aliases=frozenset(model_aliases),
@@ -134,8 +170,9 @@ class Ingress:
             admin_token=token or None,
             protect_inference=cfg.fleet.protect_inference,
             num_replicas=cfg.fleet.num_replicas,
+            limits=RequestLimits.of(cfg.fleet),
         )
-        self._backend = ServeBackend(replicas)
+        self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
         self._app = make_app(self._backend, settings)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",

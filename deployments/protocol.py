@@ -102,3 +102,13 @@ class ReplicaUnavailable(ReplicaError):
     """This replica cannot serve (engine dead, shutting down): the ingress retries on another one."""
 
     status = 503
+
+
+class EngineDied(ReplicaError):
+    """The replica's engine died while it served this request, which may be what killed it.
+
+    Not a `ReplicaUnavailable`: the ingress sends such a request to one more replica only
+    (`deployments.poison`), so that a request that crashes engines cannot go round the fleet.
+    """
+
+    status = 503

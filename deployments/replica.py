@@ -13,7 +13,10 @@ enough for every version a sample may still use, and processed log-probs (after 
 is what the learner recomputes. The engine never detokenizes: text is decoded by the ingress with the
 tokenizer that was checked to round-trip, so the sampler and the learner see the same tokens.
 Generations arrive as `deployments.protocol.GenerateRequest`s and failures leave as its
-`ReplicaError`s, whose HTTP status the ingress answers with.
+`ReplicaError`s, whose HTTP status the ingress answers with. Values vLLM refuses are a 400, never a
+500. An engine that dies while serving a request says so (`EngineDied`), apart from a replica that
+cannot serve at all (`ReplicaUnavailable`): the request may be what killed it, and the ingress must
+not send it round the fleet (`deployments.poison`).
 
 vLLM's engine metrics reach Ray's metrics export through vLLM's own `RayPrometheusStatLogger`
 (tagged with the Serve replica id); `EngineCounters` keeps the same numbers in-process for
@@ -39,10 +42,12 @@ from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, Vers
 from app.bucket.store import AdapterStore
 from app.config import RunConfig
 from app.messages import adapter_name
+from app.weight_sync import CommittedVersions
 from deployments.engine_watchdog import engine_processes, start_watchdog
 from deployments.protocol import (
     PAUSE_MODES,
     BadRequest,
+    EngineDied,
     Generated,
     GenerateRequest,
     ModelNotFound,
@@ -167,8 +172,28 @@ def sampling_params(sampling: Sampling):
     try:
         # The default cumulative stream drops samples that stopped early when n > 1.
         return SamplingParams(**asdict(sampling), output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
-    except (ValueError, TypeError) as e:
-        raise BadRequest(f"invalid sampling parameters: {e}") from None
+    except Exception as e:
+        refusal = engine_refusal(e, "invalid sampling parameters: ")
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
+def engine_refusal(exc: BaseException, context: str = "") -> BadRequest | None:
+    """vLLM's refusal of the request's values as a 400 with vLLM's message, or None if `exc` is something else.
+
+    vLLM's own checks raise `VLLMValidationError` (a `VLLMClientError`, neither ValueError nor TypeError),
+    older ones ValueError or TypeError; `AsyncLLM.generate` hands the latter over wrapped in an
+    `EngineGenerateError`. The ingress checks the same fields first: this is the safety net for the
+    values its checks miss (a new vLLM bound), which would otherwise be answered 500.
+    """
+    from vllm.exceptions import VLLMClientError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    refused = VLLMClientError | ValueError | TypeError
+    if isinstance(exc, EngineGenerateError) and isinstance(exc.__cause__, refused):
+        exc = exc.__cause__
+    return BadRequest(f"{context}{exc}") if isinstance(exc, refused) else None
 
 
 def _token_logprobs(token_ids: list[int], logprobs, top: int) -> tuple[list[float], list[dict[int, float]] | None]:
@@ -274,6 +299,7 @@ class VLLMReplica:
         self._locks: dict[str, asyncio.Lock] = {}
         self._ids = itertools.count(1)
         self._window = self.cfg.grpo.max_staleness + 1
+        self._versions = CommittedVersions(self.store, self._window, fleet.version_listing_interval_s)
         loaded = await self._load_newest()
         log.info(
             "VLLMReplica %s ready in %.1fs (block %d, max_loras %d, CPU bind %s), adapters %s",
@@ -287,10 +313,8 @@ class VLLMReplica:
 
     async def _load_newest(self) -> list[str]:
         """Load the versions the fleet serves (`app.weight_sync` decides which), oldest first."""
-        from app.weight_sync import versions_to_serve
-
         names = []
-        for version in await asyncio.to_thread(versions_to_serve, self.store, self._window):
+        for version in await self._versions.to_serve():
             await self.load_adapter(adapter_name(version), adapter_name(version))
             names.append(adapter_name(version))
         return names
@@ -329,8 +353,9 @@ class VLLMReplica:
         """Sample completions of a token-id prompt under `request.model`, the base model's name or an adapter's."""
         if self.engine.errored:
             raise ReplicaUnavailable(f"replica {self.replica_id}: engine is dead")
+        params = sampling_params(request.sampling)  # first: a request vLLM refuses loads no adapter
         adapter = None if request.model == self.base_model else await self._adapter_for(request.model)
-        final = await self._sample(request.prompt_ids, sampling_params(request.sampling), adapter)
+        final = await self._sample(request.prompt_ids, params, adapter)
         if final is None:  # aborted before any output, e.g. by /pause?mode=abort
             # 503 but not ReplicaUnavailable: the abort was asked for, so the ingress must not send it elsewhere.
             raise ReplicaError(f"replica {self.replica_id}: the request was aborted", 503)
@@ -341,7 +366,7 @@ class VLLMReplica:
 
     async def _sample(self, prompt_ids: list[int], params, adapter: _Adapter | None):
         """The engine's final output for one prompt (None if aborted); the adapter counts it as in flight."""
-        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         lora = None
         if adapter is not None:
@@ -356,11 +381,13 @@ class VLLMReplica:
             ):
                 final = output
             return final
-        except (ValueError, VLLMClientError) as e:  # vLLM's input checks: prompt too long, unknown token, ...
-            raise BadRequest(str(e)) from None
         except Exception as e:
-            if self.engine.errored:
-                raise ReplicaUnavailable(f"replica {self.replica_id}: engine died mid-request") from e
+            refusal = engine_refusal(e)  # vLLM's input checks: prompt too long, unknown token, ...
+            if refusal is not None:
+                raise refusal from None
+            if isinstance(e, EngineDeadError) or self.engine.errored:
+                # Not ReplicaUnavailable: this request may be what killed the engine (`deployments.poison`).
+                raise EngineDied(f"replica {self.replica_id}: the engine died while serving this request") from e
             raise
         finally:
             if adapter is not None:
@@ -376,12 +403,12 @@ class VLLMReplica:
         if match and model not in self._unloaded:
             # Published while this replica was starting, or its broadcast was missed: the bucket is the
             # record, so load it now if it is one of the versions the fleet serves.
-            from app.weight_sync import should_serve
-
-            version = int(match.group(1))
-            if await asyncio.to_thread(should_serve, self.store, version, self._window):
+            loaded = [version for version, _ in self._policy_adapters()]
+            if await self._versions.should_serve(int(match.group(1)), loaded):
                 await self.load_adapter(model, model)
-                return self._adapters[model]
+                adapter = self._adapters.get(model)  # None if a newer version retired it meanwhile
+                if adapter is not None:
+                    return adapter
         raise ModelNotFound(f"model {model!r} is not loaded (base model: {self.base_model!r})")
 
     # ---- adapters (admin calls arrive by broadcast) -----------------------------------------------
@@ -420,9 +447,13 @@ class VLLMReplica:
         With at most one version draining beside that window, the engine never holds more than
         `max_loras` adapters, so vLLM's silent LRU eviction never drops one that requests still name.
         """
-        versions = sorted((int(m.group(1)), n) for n in self._adapters if (m := POLICY_NAME.fullmatch(n)))
+        versions = self._policy_adapters()
         for _, name in versions[: max(0, len(versions) - self._window)]:
             await self.unload_adapter(name)
+
+    def _policy_adapters(self) -> list[tuple[int, str]]:
+        """(version, name) of the bucket versions loaded, oldest first."""
+        return sorted((int(m.group(1)), n) for n in self._adapters if (m := POLICY_NAME.fullmatch(n)))
 
     async def _fetch(self, name: str, ref: str) -> tuple[str, Path]:
         """(source, verified local folder) for a reference: a bucket version, or a trusted local folder."""

@@ -7,8 +7,11 @@ the tiny task's own prompts would fill less than one.
 """
 
 import asyncio
+import json
 import os
 import random
+import select
+import socket
 import time
 from types import SimpleNamespace
 
@@ -237,7 +240,9 @@ def test_admin_calls_need_the_token_as_bearer_or_netrc_basic(fleet, tmp_path, mo
     assert "float32" in trl_client.get_dtype()
 
     bearer = {"Authorization": f"Bearer {TOKEN}"}
-    bad = httpx.post(f"{url}/v1/load_lora_adapter", content=b"{", headers=bearer)
+    bad = httpx.post(
+        f"{url}/v1/load_lora_adapter", content=b"{", headers={**bearer, "content-type": "application/json"}
+    )
     assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     bad = httpx.post(f"{url}/v1/completions", json={"model": fleet.base, "prompt": [1, 2], "n": -1})
     assert bad.status_code == 400 and "n" in bad.json()["error"]["message"]
@@ -261,6 +266,108 @@ def test_the_openai_client_speaks_to_the_fleet(fleet):
     )
     assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
     assert chat.usage.completion_tokens > 0
+
+
+def hostile_requests(fleet) -> list[tuple[str, bytes, dict[str, str], int]]:
+    """(path, body, headers, the status it must get): each would crash, stall or open a fleet that trusted it."""
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    as_json = {"content-type": "application/json"}
+    prompt = json.dumps(_prompt(11, 40))
+    ok = f'"model": "{fleet.base}", "prompt": {prompt}, "max_tokens": 2'
+
+    def completion(extra: str) -> tuple[str, bytes, dict[str, str], int]:
+        return "/v1/completions", f"{{{ok}, {extra}}}".encode(), as_json, 400
+
+    form = {**bearer, "content-type": "application/x-www-form-urlencoded"}
+    return [
+        completion(f'"seed": {2**63}'),  # kills vLLM's GPU model runner
+        completion(f'"seed": {2**64 - 1}'),
+        completion('"temperature": NaN'),
+        completion('"top_p": Infinity'),
+        completion('"repetition_penalty": 1e400'),
+        completion('"temperature": 9'),
+        completion('"temperature": 0, "n": 4'),
+        completion('"min_tokens": 5'),
+        completion(f'"top_k": {2**64}'),
+        completion(f'"stop_token_ids": [{10**30}]'),
+        completion('"stop_token_ids": [100000000]'),  # beyond the embedding table
+        completion('"user": ' + "[" * 100 + "]" * 100),
+        ("/v1/completions", b"[" * 200_000 + b"]" * 200_000, as_json, 400),
+        ("/v1/completions", f'{{{ok}, "model": "\\ud800"}}'.encode(), as_json, 400),
+        ("/v1/completions", f'{{"model": "{fleet.base}", "prompt": "2+2=\\udc00"}}'.encode(), as_json, 400),
+        ("/v1/completions", json.dumps({"model": fleet.base, "prompt": [[5]] * 1025}).encode(), as_json, 400),
+        ("/v1/completions", json.dumps({"model": fleet.base, "prompt": [[5]] * 8, "n": 1000}).encode(), as_json, 400),
+        ("/v1/completions", json.dumps({"model": fleet.base, "prompt": "x" * 1_000_001}).encode(), as_json, 400),
+        ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', as_json, 400),
+        ("/pause", b"", {**bearer, "content-type": "text/plain"}, 415),
+        ("/pause", b"", {**bearer, "Origin": "http://evil.example"}, 415),
+        ("/v1/load_lora_adapter", b"lora_name=policy-v9&lora_path=/etc", form, 415),
+        (
+            "/v1/load_lora_adapter",
+            b'{"lora_name": "policy-v9", "lora_path": "/etc"}',
+            {"content-type": "text/plain"},
+            401,
+        ),
+    ]
+
+
+def post_streaming(url: str, path: str, headers: dict[str, str], chunks, chunked: bool) -> tuple[int, int]:
+    """POST `chunks` over a raw socket, as a client that keeps sending until the server answers: (status, bytes
+    sent). httpx would send the whole body before it reads an answer, or fail to send the rest."""
+    address = httpx.URL(url)
+    with socket.create_connection((address.host, address.port), timeout=120) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in {"host": address.host, **headers}.items())
+        sock.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode())
+        sent = 0
+        for chunk in chunks:
+            if select.select([sock], [], [], 0)[0]:  # answered: stop sending
+                break
+            try:
+                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" if chunked else chunk)
+            except OSError:
+                break
+            sent += len(chunk)
+        reply = b""
+        while b"\r\n" not in reply:
+            reply += sock.recv(4096) or pytest.fail(f"connection closed without an answer after {sent} bytes")
+    return int(reply.split()[1]), sent
+
+
+def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
+    """The issue's batch of hostile requests, all refused by the ingress; the fleet is the same fleet afterwards."""
+    import ray
+
+    from deployments.fleet import _http_address
+
+    replicas = set(engines(fleet.client))
+    assert len(replicas) == 2
+    with httpx.Client(base_url=fleet.url, timeout=120, trust_env=False) as http:
+        for path, body, headers, status in hostile_requests(fleet):
+            r = http.post(path, content=body, headers=headers)
+            assert r.status_code == status, (path, body[:80], r.text[:300])
+            json.loads(r.text, parse_constant=lambda name: pytest.fail(f"{name} in a response"))
+    # Oversized bodies: refused by their Content-Length before they are read, or once the limit is crossed.
+    limit, chunk = fleet.cfg.fleet.max_request_bytes, b" " * 2**16
+    chunks = [chunk] * (2 * limit // len(chunk))
+    as_json = {"content-type": "application/json"}
+    status, sent = post_streaming(
+        fleet.url, "/v1/completions", {**as_json, "content-length": str(10**10)}, chunks, False
+    )
+    assert status == 413 and sent < limit, sent
+    # Chunked: the ingress counts while it reads; Serve's proxy reads ahead of it, so the client may send it all.
+    status, _ = post_streaming(fleet.url, "/v1/completions", {**as_json, "transfer-encoding": "chunked"}, chunks, True)
+    assert status == 413
+
+    health = httpx.get(f"{fleet.url}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["replicas"] == 2
+    assert set(engines(fleet.client)) == replicas  # no replica died or was replaced
+    # Normal requests still work, the edge of vLLM's seed range included.
+    choices = fleet.client.completions(_prompt(12, 40), fleet.base, n=2, max_tokens=3, seed=2**63 - 1)
+    assert len(choices) == 2
+    assert set(engines(fleet.client)) == replicas
+    # What `serve run`'s build task asks Serve, from inside the cluster: where its proxy listens.
+    host, port = ray.get(ray.remote(num_cpus=0)(_http_address).remote(fleet.cfg))
+    assert f"http://{host}:{port}" == fleet.url
 
 
 def test_engine_and_router_metrics_reach_rays_metrics_export(fleet):

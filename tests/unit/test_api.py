@@ -1,7 +1,10 @@
 """The fleet's HTTP API (`deployments.api`, `deployments.api_schema`) over a fake backend: request parsing,
 OpenAI shapes, auth, all-or-nothing admin calls."""
 
+import asyncio
 import base64
+import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -262,7 +265,8 @@ def test_without_a_token_admin_calls_are_open(backend):
 def test_malformed_admin_bodies_get_400_after_auth(client):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert client.post("/v1/load_lora_adapter", json={"lora_name": "x"}, headers=auth).status_code == 400
-    assert client.post("/v1/load_lora_adapter", content=b"nope", headers=auth).status_code == 400
+    json_auth = {**auth, "Content-Type": "application/json"}
+    assert client.post("/v1/load_lora_adapter", content=b"nope", headers=json_auth).status_code == 400
     r = client.post(
         "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "p", "load_inplace": True}, headers=auth
     )
@@ -327,3 +331,252 @@ def test_logprob_tokens_are_decoded_once_per_token_id_or_not_at_all(backend):
     r = client.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True})
     (first,) = r.json()["choices"][0]["logprobs"]["content"]
     assert first["token"] == "token_id:5" and first["bytes"] == list(b"token_id:5")
+
+
+# ---- hardening: no request may crash, stall or open the fleet ---------------------------------------------
+
+
+def _strict_json(text: str):
+    """JSON as the RFC has it: NaN and Infinity are not numbers."""
+
+    def refuse(name):
+        raise ValueError(f"{name} in a response")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ('"seed": 9223372036854775808', "seed"),  # 2^63: kills vLLM's GPU model runner
+        ('"seed": 18446744073709551615', "seed"),
+        ('"seed": -9223372036854775809', "seed"),
+        ('"temperature": NaN', "NaN"),
+        ('"temperature": Infinity', "Infinity"),
+        ('"presence_penalty": -Infinity', "Infinity"),
+        ('"repetition_penalty": 1e400', "out of range"),
+        ('"temperature": 2.5', "temperature"),
+        ('"presence_penalty": 2.5', "presence_penalty"),
+        ('"top_p": 0', "top_p"),
+        ('"min_p": 1.5', "min_p"),
+        ('"top_k": -2', "top_k"),
+        ('"top_k": 9223372036854775808', "top_k"),
+        ('"min_tokens": 3', "min_tokens: 3 exceeds max_tokens 2"),
+        ('"temperature": 0, "n": 2', "greedily"),
+        ('"stop_token_ids": [18446744073709551616]', "stop_token_ids: token id"),
+        ('"stop_token_ids": [64]', "outside the vocabulary"),
+        ('"logprobs": 21', "logprobs"),
+    ],
+)
+def test_sampling_fields_are_bounded_as_vllm_bounds_them(client, backend, extra, reason):
+    raw = f'{{"model": "{BASE}", "prompt": [1, 2], "max_tokens": 2, {extra}}}'
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]["message"]
+    assert not [c for c in backend.calls if c[0] == "generate"]  # nothing reached an engine
+
+
+def test_the_edges_of_vllms_ranges_are_accepted(client, backend):
+    body = {"model": BASE, "prompt": [1, 2], "max_tokens": 2}
+    for extra in (
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"seed": -1},
+        {"temperature": 2.0, "presence_penalty": -2.0, "frequency_penalty": 2.0, "min_p": 1.0},
+        {"temperature": 0.0, "n": 1, "min_tokens": 2},
+        {"stop_token_ids": [0, 63]},
+    ):
+        r = client.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    assert backend.calls[-1][1].sampling.stop_token_ids == [0, 63]
+
+
+class NonFiniteBackend(FakeBackend):
+    """An engine that reports -inf for filtered-out alternatives (as vLLM does) and NaN in its statistics."""
+
+    async def generate(self, request):
+        generated = await super().generate(request)
+        for choice in generated.choices:
+            choice.logprobs = [float("-inf"), float("nan"), -1.5][: len(choice.token_ids)]
+            if choice.top_logprobs:
+                choice.top_logprobs = [{5: -0.5, 9: float("-inf")} for _ in choice.token_ids]
+        return generated
+
+    async def broadcast(self, method, *args):
+        if method == "engine_stats":
+            return [{"replica": "r0", "prefix_cache_hit_rate": float("nan"), "tokens": float("inf")}]
+        return await super().broadcast(method, *args)
+
+
+def test_no_response_holds_nan_or_infinity(backend):
+    client = TestClient(make_app(NonFiniteBackend(), _settings()))
+    body = {"model": BASE, "prompt": [1, 2], "max_tokens": 3, "logprobs": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    logprobs = _strict_json(r.text)["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"] == [-9999.0, -9999.0, -1.5]  # vLLM's server floors -inf at -9999.0
+    assert logprobs["top_logprobs"][0] == {"f": -0.5, "j": -9999.0}
+    chat = {"model": BASE, "messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "logprobs": True}
+    r = client.post("/v1/chat/completions", json={**chat, "top_logprobs": 2})
+    content = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    assert [t["logprob"] for t in content] == [-9999.0, -9999.0]
+    assert content[0]["top_logprobs"][1]["logprob"] == -9999.0
+    stats = client.get("/engine/stats")
+    assert stats.status_code == 200 and _strict_json(stats.text)["replicas"][0]["prefix_cache_hit_rate"] is None
+
+
+def _asgi_post(app, path: str, headers: dict[str, str], chunks: list[bytes]) -> tuple[int, int]:
+    """POST straight through ASGI, the body in `chunks` (as a server streams it): (status, chunks read)."""
+    read = 0
+    status = None
+
+    async def receive():
+        nonlocal read
+        if read < len(chunks):
+            read += 1
+            return {"type": "http.request", "body": chunks[read - 1], "more_body": read < len(chunks)}
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 8000),
+    }
+    asyncio.run(app(scope, receive, send))
+    return status, read
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(backend):
+    limit = 64 * 1024
+    app = make_app(backend, _settings(limits=_limits(max_request_bytes=limit)))
+    chunk = b" " * 16 * 1024
+    json_type = {"content-type": "application/json"}
+    # A declared length beyond the limit: refused before a byte is read.
+    status, read = _asgi_post(app, "/v1/completions", {**json_type, "content-length": str(10**9)}, [chunk] * 1000)
+    assert (status, read) == (413, 0)
+    # Chunked (no length), or a length that lies: refused once the limit is crossed, the rest never read.
+    for headers in (json_type, {**json_type, "content-length": "100"}):
+        status, read = _asgi_post(app, "/v1/completions", headers, [chunk] * 1000)
+        assert status == 413 and read == limit // len(chunk) + 1
+    ok = json.dumps({"model": BASE, "prompt": [1], "max_tokens": 1}).encode()
+    assert _asgi_post(app, "/v1/completions", json_type, [ok[:5], ok[5:]])[0] == 200
+    r = TestClient(app).post("/v1/completions", content=b"x" * (limit + 1), headers=json_type)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def _limits(**overrides):
+    from app.config import FleetConfig
+    from deployments.api_schema import RequestLimits
+
+    return RequestLimits.of(FleetConfig(**overrides))
+
+
+def test_prompts_completions_and_text_per_request_are_limited(backend):
+    limits = _limits(max_prompts_per_request=4, max_sequences_per_request=8, max_text_chars=10)
+    client = TestClient(make_app(backend, _settings(limits=limits)))
+    body = {"model": BASE, "max_tokens": 1}
+    assert client.post("/v1/completions", json={**body, "prompt": [[1]] * 4, "n": 2}).status_code == 200
+    for extra, reason in (
+        ({"prompt": [[1]] * 5}, "5 prompts exceed the limit of 4"),
+        ({"prompt": [[1]] * 3, "n": 3}, "9 completions exceed the limit of 8"),
+        ({"prompt": ["abcdef", "abcde"]}, "11 characters of text exceed the limit of 10"),
+    ):
+        r = client.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+    chat = {**body, "messages": [{"role": "user", "content": "abcdefg"}]}  # role + content: 11 characters
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "characters of text" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={**chat, "messages": [{"role": "u", "content": "ab"}], "n": 9})
+    assert r.status_code == 400 and "completions exceed" in r.json()["error"]["message"]
+    generations = [c for c in backend.calls if c[0] == "generate"]
+    assert len(generations) == 4  # the first request's, nothing of the refused ones
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than the interpreter goes
+        b'{"model": "m", "prompt": [1], "user": ' + b"[" * 40 + b"]" * 40 + b"}",  # deeper than max_json_depth
+        b'{"model": "\\ud800", "prompt": [1]}',  # a lone surrogate, echoed in the 404 and the reply
+        b'{"model": "/models/tiny", "prompt": "ab\\udfff"}',  # ... or handed to the tokenizer
+        b'{"model": "/models/tiny", "prompt": [1], "\\ud83d": 1}',  # ... or as a key
+    ],
+)
+def test_deep_json_and_lone_surrogates_get_400(raw):
+    client = TestClient(make_app(FakeBackend(), _settings()), raise_server_exceptions=False)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = client.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+
+
+def test_surrogate_pairs_are_text_not_an_error(client):
+    raw = f'{{"model": "{BASE}", "prompt": [1], "max_tokens": 1, "user": "\\ud83d\\ude00"}}'  # as json.dumps sends 😀
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_tokenizing_runs_off_the_event_loop(backend):
+    """One slow prompt (a huge text, a slow chat template) must not stall other requests, /health included."""
+    import httpx
+
+    plain = _settings().encode
+
+    def slow_encode(text):
+        time.sleep(1.5)
+        return plain(text)
+
+    app = make_app(backend, _settings(encode=slow_encode))
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fleet") as http:
+            started = time.monotonic()
+            slow = asyncio.create_task(
+                http.post("/v1/completions", json={"model": BASE, "prompt": "abc", "max_tokens": 1})
+            )
+            await asyncio.sleep(0.2)  # the slow request is tokenizing now (or blocks the loop, sleep included)
+            health = await http.get("/health")
+            answered = time.monotonic() - started
+            return (await slow).status_code, health.status_code, answered
+
+    slow_status, health_status, answered = asyncio.run(run())
+    assert (slow_status, health_status) == (200, 200)
+    assert answered < 1.0, f"/health answered after {answered:.2f}s, behind a 1.5 s tokenization"
+
+
+def test_admin_posts_must_declare_json(client):
+    """A web page cannot send a CORS "simple" request that changes the fleet (text/plain, a form, or a body-less
+    fetch, which always carries Origin); clients that are no browser send JSON, or nothing at all (TRL's /pause)."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = '{"lora_name": "policy-v1", "lora_path": "adapters/policy-v1"}'
+    for headers, content in (
+        ({"content-type": "text/plain"}, body),
+        ({"content-type": "application/x-www-form-urlencoded"}, "lora_name=policy-v1&lora_path=x"),
+        ({"content-type": "multipart/form-data; boundary=x"}, "--x--"),
+        ({}, body),  # a body with no type at all
+    ):
+        r = client.post("/v1/load_lora_adapter", content=content, headers={**auth, **headers})
+        assert r.status_code == 415, (headers, r.text)
+    for path in ("/pause", "/resume", "/reset_prefix_cache", "/v1/unload_lora_adapter"):
+        assert client.post(path, headers={**auth, "content-type": "text/plain"}).status_code == 415, path
+        assert client.post(path, headers={**auth, "Origin": "http://evil.example"}).status_code == 415, path
+    json_type = {**auth, "content-type": "application/json; charset=utf-8"}
+    assert client.post("/v1/load_lora_adapter", content=body, headers=json_type).status_code == 200
+    assert client.post("/pause", headers=auth).status_code == 200  # TRL: requests.post(url, params=...)
+    assert client.post("/resume", headers=auth).status_code == 200
+    # Without a token the content type is the only guard, and it holds.
+    open_fleet = TestClient(make_app(FakeBackend(), _settings(admin_token=None)))
+    assert open_fleet.post("/pause", headers={"content-type": "text/plain"}).status_code == 415

@@ -1,28 +1,76 @@
-"""app.auth: token precedence, Authorization headers, redaction."""
+"""app.auth: token precedence and strength, when the fleet needs a token, Authorization headers, redaction."""
 
 import base64
 from types import SimpleNamespace
 
-from app.auth import Secret, admin_token, inference_token, presented_token, redact, token_matches
+import pytest
+from pydantic import SecretStr
+
+from app.auth import (
+    Secret,
+    TokenError,
+    admin_token,
+    check_exposure,
+    inference_token,
+    presented_token,
+    redact,
+    token_matches,
+)
+
+FROM_CONFIG, HANDED_OVER, FROM_ENV = "from-config-0123456789", "handed-over-0123456789", "from-env-0123456789"
 
 
 def _cfg(token=None, protect=False):
-    return SimpleNamespace(fleet=SimpleNamespace(admin_token=token, protect_inference=protect))
+    secret = SecretStr(token) if token is not None else None  # as app.config.FleetConfig holds it
+    return SimpleNamespace(fleet=SimpleNamespace(admin_token=secret, protect_inference=protect))
 
 
 def test_admin_token_precedence_environment_then_handed_over_then_config(monkeypatch):
     monkeypatch.delenv("SPOTRL_ADMIN_TOKEN", raising=False)
     assert admin_token(_cfg()) is None
-    assert admin_token(_cfg("from-config")) == "from-config"
-    assert admin_token(_cfg("from-config"), Secret("handed-over")) == "handed-over"
-    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", "from-env")
-    assert admin_token(_cfg("from-config"), Secret("handed-over")) == "from-env"
+    assert admin_token(_cfg(FROM_CONFIG)) == FROM_CONFIG  # the config's SecretStr, unwrapped
+    assert admin_token(_cfg(FROM_CONFIG), Secret(HANDED_OVER)) == HANDED_OVER
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", FROM_ENV)
+    assert admin_token(_cfg(FROM_CONFIG), Secret(HANDED_OVER)) == FROM_ENV
 
 
 def test_inference_token_only_when_inference_is_protected(monkeypatch):
-    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", "from-env")
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", FROM_ENV)
     assert inference_token(_cfg(protect=False)) is None
-    assert inference_token(_cfg(protect=True)) == "from-env"
+    assert inference_token(_cfg(protect=True)) == FROM_ENV
+
+
+def test_short_tokens_are_refused_wherever_they_come_from_without_showing_them(monkeypatch):
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", "short-env-tok")
+    with pytest.raises(TokenError, match="SPOTRL_ADMIN_TOKEN: the admin token must be at least 16") as err:
+        admin_token(_cfg())
+    assert "short-env-tok" not in str(err.value)
+    monkeypatch.delenv("SPOTRL_ADMIN_TOKEN")
+    with pytest.raises(TokenError, match="at least 16"):
+        admin_token(_cfg(), Secret("short-handed"))
+    with pytest.raises(TokenError, match="whitespace"):
+        admin_token(_cfg(), Secret(" padded-token-0123456789"))
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", "")  # set but empty: no token, as before
+    assert admin_token(_cfg()) is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"])
+def test_a_loopback_fleet_may_run_without_a_token(host):
+    check_exposure(host, protect_inference=False, token=None)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "fleet.example.com"])
+def test_a_fleet_reachable_from_other_machines_needs_a_token(host):
+    with pytest.raises(TokenError, match="reachable beyond this machine.*SPOTRL_ADMIN_TOKEN") as err:
+        check_exposure(host, protect_inference=False, token=None)
+    assert "\n" not in str(err.value)
+    check_exposure(host, protect_inference=False, token=FROM_ENV)
+
+
+def test_protect_inference_needs_a_token():
+    with pytest.raises(TokenError, match="protect_inference needs an admin token"):
+        check_exposure("127.0.0.1", protect_inference=True, token=None)
+    check_exposure("127.0.0.1", protect_inference=True, token=FROM_ENV)
 
 
 def test_secret_never_shows_itself():

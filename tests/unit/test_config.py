@@ -83,3 +83,19 @@ def test_one_node_gpu_config_needs_no_custom_resources_and_shares_one_gpu():
     assert cfg.fleet.gpu_memory_utilization <= 0.5  # the learner keeps the rest of the shared GPU
     assert cfg.rollout.max_inflight_tasks * cfg.grpo.num_generations <= cfg.fleet.max_num_seqs * cfg.fleet.num_replicas
     assert cfg.bucket.url.startswith("file://")
+
+
+def test_request_limits_are_fleet_settings_with_safe_defaults():
+    from app.config import FleetConfig
+
+    limits = ("max_request_bytes", "max_json_depth", "max_prompts_per_request", "max_sequences_per_request")
+    fleet = FleetConfig()
+    assert fleet.max_prompts_per_request == 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS
+    assert fleet.max_request_bytes == 16 * 2**20 and fleet.max_json_depth == 32
+    for name in (*limits, "max_text_chars"):
+        description = FleetConfig.model_fields[name].description
+        assert description and "\n" not in description, name
+    cfg = load_config(None, ["fleet.max_request_bytes=65536", "fleet.max_text_chars=100"])
+    assert (cfg.fleet.max_request_bytes, cfg.fleet.max_text_chars) == (65536, 100)
+    with pytest.raises(ConfigError, match="fleet.max_json_depth"):
+        load_config(None, ["fleet.max_json_depth=0"])

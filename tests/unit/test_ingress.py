@@ -1,5 +1,5 @@
 """The ingress's backend over a Serve handle (`deployments.ingress.ServeBackend`), with a stand-in handle:
-what it retries, what it leaves out of a broadcast."""
+what it retries, what it leaves out of a broadcast, and how it stops a request that kills engines."""
 
 import asyncio
 
@@ -10,9 +10,11 @@ from app.retry import Backoff
 from deployments.protocol import (
     GENERATE_METHOD,
     BadRequest,
+    EngineDied,
     Generated,
     GenerateRequest,
     ModelNotFound,
+    ReplicaError,
     ReplicaUnavailable,
     Sampling,
 )
@@ -86,3 +88,98 @@ def test_a_replica_that_died_is_left_out_of_a_broadcast_not_counted_as_failing()
     results = asyncio.run(ServeBackend(Handle()).broadcast("load_adapter", "policy-v1", "ref", "id"))
     assert results[0] == {"replica": "a", "loaded": True}
     assert len(results) == 2 and isinstance(results[1], ModelNotFound)  # a real failure still counts
+
+
+def _backend(handle, clock=None, **table):
+    from deployments.ingress import ServeBackend
+    from deployments.poison import PoisonTable
+
+    return ServeBackend(handle, PoisonTable(clock=clock or (lambda: 0.0), **table))
+
+
+def test_a_request_during_which_an_engine_died_is_sent_once_more(no_pauses):
+    answer = Generated("b", [])
+    handle = _GenerateHandle(EngineDied("engine died"), answer)
+    request = GenerateRequest([1, 2, 3], "policy-v1", Sampling(seed=7))
+    assert asyncio.run(_backend(handle).generate(request)) is answer  # a bystander of another request's crash
+    assert handle.sent == [request] * 2
+
+
+def test_a_request_that_kills_two_engines_gets_a_500_and_is_refused_for_a_while(no_pauses):
+    from deployments.api import as_api_error
+    from deployments.poison import PoisonRequest
+
+    now = [0.0]
+    poison = GenerateRequest([1, 2, 3], "policy-v1", Sampling(seed=2**63))  # fatal in vLLM's GPU model runner
+    handle = _GenerateHandle(EngineDied("a"), EngineDied("b"), Generated("c", []), Generated("d", []))
+    backend = _backend(handle, clock=lambda: now[0], ttl_s=60.0)
+    with pytest.raises(PoisonRequest) as killed:
+        asyncio.run(backend.generate(poison))
+    assert len(handle.sent) == 2  # two replicas lost, not the fleet
+    assert as_api_error(killed.value, "generation failed").status == 500  # never a 503 that clients send again
+    now[0] = 20.0
+    with pytest.raises(PoisonRequest, match="refused for another 40 s"):
+        asyncio.run(backend.generate(poison))
+    assert len(handle.sent) == 2  # refused by its fingerprint, never sent to a third replica
+    other = GenerateRequest([1, 2, 3], "policy-v1", Sampling(seed=7))
+    assert asyncio.run(backend.generate(other)).replica == "c"  # another seed is another request
+    now[0] = 61.0
+    assert asyncio.run(backend.generate(poison)).replica == "d"  # the refusal has expired
+
+
+def test_engine_deaths_count_apart_from_replica_deaths(monkeypatch):
+    """A preempted node is retried as before (6 attempts in all); engine deaths among them are capped at two."""
+    import deployments.ingress as ingress
+    from deployments.poison import PoisonRequest
+
+    monkeypatch.setattr(ingress, "GENERATE_BACKOFF", Backoff(attempts=6, first_s=0.0, jitter=False))
+    answer = Generated("b", [])
+    handle = _GenerateHandle(*[ActorDiedError() for _ in range(5)], answer)
+    assert asyncio.run(_backend(handle).generate(GenerateRequest([1], "policy-v1", Sampling()))) is answer
+    assert len(handle.sent) == 6
+    handle = _GenerateHandle(ActorDiedError(), EngineDied("a"), ReplicaUnavailable("gone"), EngineDied("b"), answer)
+    with pytest.raises(PoisonRequest):
+        asyncio.run(_backend(handle).generate(GenerateRequest([2], "policy-v1", Sampling())))
+    assert len(handle.sent) == 4
+    # Out of attempts after one engine death: a 500 (no client resends it), but not refused later.
+    handle = _GenerateHandle(*[ActorDiedError() for _ in range(5)], EngineDied("a"), answer)
+    backend = _backend(handle)
+    request = GenerateRequest([3], "policy-v1", Sampling())
+    with pytest.raises(ReplicaError) as failed:
+        asyncio.run(backend.generate(request))
+    assert failed.value.status == 500 and not isinstance(failed.value, PoisonRequest | EngineDied)
+    assert asyncio.run(backend.generate(request)) is answer
+
+
+def test_an_engine_death_is_recognised_through_rays_wrapper():
+    from ray.exceptions import RayTaskError
+
+    from deployments.ingress import engine_died, replica_failed
+
+    wrapped = RayTaskError("generate", "traceback", EngineDied("died")).as_instanceof_cause()
+    assert engine_died(wrapped) and not replica_failed(wrapped)
+    assert replica_failed(ActorDiedError()) and not engine_died(ActorDiedError())
+    assert not engine_died(ReplicaUnavailable("engine was already dead"))
+
+
+def test_the_poison_table_forgets_after_its_ttl_and_stays_bounded():
+    from deployments.poison import PoisonRequest, PoisonTable, fingerprint
+
+    now = [0.0]
+    table = PoisonTable(ttl_s=10.0, max_entries=3, clock=lambda: now[0])
+    keys = [fingerprint(GenerateRequest([i], "policy-v1", Sampling())) for i in range(5)]
+    assert len(set(keys)) == 5
+    assert fingerprint(GenerateRequest([0], "policy-v1", Sampling())) == keys[0]  # the same request, the same print
+    assert fingerprint(GenerateRequest([0], "policy-v1", Sampling(top_p=0.5))) != keys[0]
+    for i, key in enumerate(keys):
+        now[0] = float(i)
+        table.add(key)
+    assert len(table) == 3  # the two oldest were evicted
+    table.check(keys[0])
+    with pytest.raises(PoisonRequest):
+        table.check(keys[4])
+    now[0] = 13.5  # keys[2] (added at 2) and keys[3] (at 3) have expired
+    table.check(keys[3])
+    with pytest.raises(PoisonRequest):
+        table.check(keys[4])
+    assert len(table) == 1

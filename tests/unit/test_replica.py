@@ -1,10 +1,23 @@
 """VLLMReplica (`deployments.replica`) without an engine: the settings the router depends on (KV block size,
-core pinning), engine counters, log-probs, adapter retirement, and its side of `deployments.protocol`."""
+core pinning), engine counters, log-probs, adapter retirement, and its side of `deployments.protocol`: values
+vLLM refuses, an engine that dies mid-request, requests for versions it does not hold."""
 
+import asyncio
 import pickle
 from types import SimpleNamespace
 
-from deployments.protocol import GENERATE_METHOD, BadRequest, ReplicaError, Sampling
+import pytest
+
+from deployments.protocol import (
+    GENERATE_METHOD,
+    BadRequest,
+    EngineDied,
+    GenerateRequest,
+    ModelNotFound,
+    ReplicaError,
+    ReplicaUnavailable,
+    Sampling,
+)
 from deployments.replica import EngineCounters, _token_logprobs, cpu_binding, engine_args, engine_block_size
 
 
@@ -87,7 +100,13 @@ def test_the_routed_method_exists_and_sampling_is_vllms_own_fields():
 
 
 def test_replica_errors_keep_their_class_and_status_through_pickling():
-    for error in (ReplicaError("bucket unavailable", 503), BadRequest("bad"), ReplicaError("conflict", 409)):
+    errors = (
+        ReplicaError("bucket unavailable", 503),
+        BadRequest("bad"),
+        ReplicaError("conflict", 409),
+        EngineDied("x"),
+    )
+    for error in errors:
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is type(error) and (back.status, back.message) == (error.status, error.message)
 
@@ -109,3 +128,121 @@ def test_engine_args_follow_the_run_config_and_are_vllms_own_fields():
     assert tiny["enforce_eager"] and "kv_cache_memory_bytes" in tiny and tiny["revision"] == "abc123"
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     assert set(gpu) <= known and set(tiny) <= known
+
+
+# Values the ingress refuses before they reach a replica; vLLM refuses them too, and the replica must say 400.
+REFUSED_BY_VLLM = [
+    Sampling(temperature=3.0),
+    Sampling(temperature=float("nan")),
+    Sampling(top_p=0.0),
+    Sampling(top_k=-2),
+    Sampling(min_p=1.5),
+    Sampling(n=0),
+    Sampling(max_tokens=0),
+    Sampling(min_tokens=32, max_tokens=16),
+    Sampling(logprobs=-3),
+    Sampling(presence_penalty=2.5),
+    Sampling(frequency_penalty=-9.0),
+    Sampling(repetition_penalty=0.0),
+]
+
+
+def _changed(sampling: Sampling) -> str:
+    from dataclasses import fields
+
+    return ",".join(
+        f"{f.name}={getattr(sampling, f.name)}" for f in fields(sampling) if getattr(sampling, f.name) != f.default
+    )
+
+
+@pytest.mark.parametrize("sampling", REFUSED_BY_VLLM, ids=_changed)
+def test_sampling_values_vllm_refuses_are_a_400_with_vllms_message(sampling):
+    from deployments.replica import sampling_params
+
+    with pytest.raises(BadRequest, match="invalid sampling parameters: .+") as refused:
+        sampling_params(sampling)
+    assert refused.value.status == 400
+
+
+class _Engine:
+    """A stand-in AsyncLLM whose `generate` raises `error`, dying first if `dies`."""
+
+    def __init__(self, error: BaseException | None = None, dies: bool = False):
+        self.error, self.dies, self.errored, self.calls = error, dies, False, 0
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.calls += 1
+        if self.dies:
+            self.errored = True
+        raise self.error
+        yield  # an async generator, as AsyncLLM.generate is
+
+    def shutdown(self):
+        pass
+
+
+def _replica(engine=None, store=None, window=3):
+    from app.weight_sync import CommittedVersions
+    from deployments.replica import VLLMReplica
+
+    replica = object.__new__(VLLMReplica)  # the request path alone, without an engine behind it
+    replica.replica_id, replica.base_model, replica.engine = "r", "base", engine or _Engine()
+    replica.store, replica._window, replica._adapters, replica._unloaded = store, window, {}, set()
+    replica._versions = CommittedVersions(store, window)
+    return replica
+
+
+def test_what_the_engine_refuses_at_generate_is_a_400():
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    wrapped = EngineGenerateError()
+    wrapped.__cause__ = ValueError("sampling distribution replay requires temperature > 0")
+    for error in (VLLMValidationError("logprobs: at most 20", parameter="logprobs", value=99), wrapped):
+        with pytest.raises(BadRequest, match="logprobs|replay"):
+            asyncio.run(_replica(_Engine(error)).generate(GenerateRequest([1, 2], "base", Sampling(logprobs=99))))
+    # A values check never reaches the engine: nor does a request that would load an adapter first.
+    replica = _replica(_Engine(RuntimeError("unreachable")))
+    with pytest.raises(BadRequest):
+        asyncio.run(replica.generate(GenerateRequest([1], "policy-v5", Sampling(temperature=9.0))))
+    assert replica.engine.calls == 0
+
+
+def test_an_engine_that_dies_serving_a_request_says_so_unlike_a_dead_replica():
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    replica = _replica(_Engine(EngineDeadError(), dies=True))
+    request = GenerateRequest([1, 2], "base", Sampling(seed=2**63))
+    with pytest.raises(EngineDied) as died:
+        asyncio.run(replica.generate(request))
+    assert died.value.status == 503 and not isinstance(died.value, ReplicaUnavailable)
+    with pytest.raises(ReplicaUnavailable):  # dead before the next request came: that one is blameless
+        asyncio.run(replica.generate(GenerateRequest([3], "base", Sampling())))
+    alive = _replica(_Engine(EngineGenerateError()))  # a request failed, the engine lives on: neither
+    with pytest.raises(EngineGenerateError):
+        asyncio.run(alive.generate(request))
+
+
+class _CountingStore:
+    """A bucket whose committed versions are `committed` (newest first), counting the listings."""
+
+    def __init__(self, *committed: int):
+        self.committed, self.listings = list(committed), 0
+
+    def versions(self) -> list[int]:
+        self.listings += 1
+        return list(self.committed)
+
+
+def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_at_most_once():
+    store = _CountingStore(3, 2, 1, 0)
+    replica = _replica(store=store, window=3)
+
+    async def burst():
+        requests = [replica.generate(GenerateRequest([1], f"policy-v{4 + i}", Sampling())) for i in range(900)]
+        requests += [replica.generate(GenerateRequest([1], "policy-v0", Sampling())) for i in range(100)]
+        return await asyncio.gather(*requests, return_exceptions=True)
+
+    results = asyncio.run(burst())
+    assert all(isinstance(r, ModelNotFound) for r in results)
+    assert store.listings <= 1  # not one a request

@@ -1,8 +1,13 @@
-"""Weight sync's rules: which committed versions a replica serves, and loading the learner's version at start-up."""
+"""Weight sync's rules: which committed versions a replica serves, how rarely it lists the bucket to find out,
+and loading the learner's version at start-up."""
+
+import asyncio
+import threading
+import time
 
 from app.bucket.store import AdapterStore
 from app.config import load_config
-from app.weight_sync import ensure_served, should_serve, versions_to_serve
+from app.weight_sync import CommittedVersions, ensure_served, should_serve, versions_to_serve
 
 
 def _config(tmp_path):
@@ -26,6 +31,89 @@ def test_a_replica_serves_the_newest_committed_versions_oldest_first(tmp_path):
     assert should_serve(store, 4, window=3) and should_serve(store, 2, window=3)
     assert not should_serve(store, 1, window=3)  # too old for any sample
     assert not should_serve(store, 5, window=3)  # not committed
+
+
+class _Bucket:
+    """Committed versions, newest first, counting the listings; each listing takes `delay_s`."""
+
+    def __init__(self, *committed: int, delay_s: float = 0.0):
+        self.committed, self.delay_s, self.listings = list(committed), delay_s, 0
+        self._count = threading.Lock()  # listings run on threads
+
+    def versions(self) -> list[int]:
+        with self._count:
+            self.listings += 1
+        time.sleep(self.delay_s)
+        return list(self.committed)
+
+
+async def _ask(versions: CommittedVersions, *asked: int, loaded=()) -> list[bool]:
+    """The answers to requests for `asked`, all at once (a replica's one event loop)."""
+    return await asyncio.gather(*(versions.should_serve(v, loaded) for v in asked))
+
+
+def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_once_per_interval():
+    now = [0.0]
+    bucket = _Bucket(3, 2, 1, 0, delay_s=0.05)
+    versions = CommittedVersions(bucket, window=3, min_interval_s=5.0, clock=lambda: now[0])
+
+    async def scenario():
+        assert await versions.to_serve() == [1, 2, 3] and bucket.listings == 1  # start-up
+        assert await _ask(versions, 3, 2, 1, 0) == [True, True, True, False]  # known: no listing
+        assert bucket.listings == 1
+        assert not any(await _ask(versions, *range(4, 1004)))  # 1000 versions nobody published
+        assert bucket.listings == 1  # listed at start-up, less than the interval ago
+        now[0] = 5.0
+        assert not any(await _ask(versions, *range(4, 1004)))
+        assert bucket.listings == 2  # one listing, shared by the burst
+        bucket.committed.insert(0, 4)
+        assert await _ask(versions, 4) == [False]  # published within the interval: found by the next listing
+        now[0] = 10.0
+        assert await _ask(versions, 4, 4, 4) == [True, True, True]
+        assert await _ask(versions, 1) == [False]  # out of the window since v4
+        assert bucket.listings == 3
+
+    asyncio.run(scenario())
+
+
+def test_an_older_unknown_version_is_refused_without_listing():
+    bucket = _Bucket(9, 7, 6)  # v8 was never committed (or was removed)
+    versions = CommittedVersions(bucket, window=3, min_interval_s=0.0)
+
+    async def scenario():
+        await versions.to_serve()
+        assert await _ask(versions, 8, 5, 0, 8) == [False] * 4
+        assert bucket.listings == 1  # however often: nothing older than v9 is going to appear
+
+    asyncio.run(scenario())
+
+
+def test_requests_waiting_for_a_listing_share_it():
+    bucket = _Bucket(2, 1, delay_s=0.2)
+    versions = CommittedVersions(bucket, window=2, min_interval_s=0.0)  # no interval: sharing alone
+
+    async def scenario():
+        await versions.to_serve()
+        bucket.committed.insert(0, 3)  # published, its broadcast missed
+        assert all(await _ask(versions, *[3] * 200))
+        assert bucket.listings == 2
+
+    asyncio.run(scenario())
+
+
+def test_versions_loaded_by_broadcast_count_as_known():
+    bucket = _Bucket(5, 4, 3)
+    versions = CommittedVersions(bucket, window=3, min_interval_s=0.0)
+
+    async def scenario():
+        await versions.to_serve()
+        bucket.committed[:0] = [8, 7, 6]
+        # v6 and v7 came by broadcast since the listing: v4 is out of the window, decided without listing.
+        assert await _ask(versions, 4, loaded=[6, 7]) == [False] and bucket.listings == 1
+        # Newer than the listing but not loaded (its broadcast was missed, v7's and v8's were not): listed for.
+        assert await _ask(versions, 6, loaded=[7, 8]) == [True] and bucket.listings == 2
+
+    asyncio.run(scenario())
 
 
 class _Fleet:
