@@ -64,3 +64,5 @@ def test_ray_token_auth_on_every_node_and_ssh_not_open_to_the_world():
 def test_cluster_nodes_install_a_python_the_pinned_stack_supports():
     setup = " ".join(load_cluster()["setup_commands"])
     assert "python3.11" in setup and "PYTHON=python3.11" in setup
+    seed = load_config(REPO / "configs" / "qwen2.5-math-1.5b.yaml")
+    assert f"hf download {seed.model.name_or_path}" in setup  # the model fetched once per node
