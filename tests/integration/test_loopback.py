@@ -38,15 +38,24 @@ def table(sockets) -> str:
     return "\n".join(f"  {ip}:{port}  pid {pid}  {name[:100]}" for ip, port, pid, name in sockets)
 
 
-def assert_loopback_only(processes, must_include: tuple[str, ...]) -> list:
-    """Every listening socket of `processes` is on loopback; `must_include` proves the walk saw the run."""
-    sockets = listening_sockets(processes)
-    exposed = [s for s in sockets if not is_loopback(s[0])]
-    assert not exposed, f"listening beyond loopback:\n{table(exposed)}\nall listening sockets:\n{table(sockets)}"
-    seen = " ".join(name for *_, name in sockets)
-    missing = [kind for kind in must_include if kind not in seen]
-    assert not missing, f"no listening socket of {missing} found; the walk missed part of the run:\n{table(sockets)}"
-    return sockets
+def assert_loopback_only(processes, must_include: tuple[str, ...], wait_s: float = 30.0) -> list:
+    """Every listening socket of `processes` is on loopback; `must_include` proves the walk saw the run.
+
+    Processes that start late (the autoscaler monitor opens its metrics port a while after the head is up,
+    later still on a loaded machine) get `wait_s` to appear; a socket beyond loopback fails at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sockets = listening_sockets(processes() if callable(processes) else processes)
+        exposed = [s for s in sockets if not is_loopback(s[0])]
+        assert not exposed, f"listening beyond loopback:\n{table(exposed)}\nall listening sockets:\n{table(sockets)}"
+        seen = " ".join(name for *_, name in sockets)
+        missing = [kind for kind in must_include if kind not in seen]
+        if not missing:
+            return sockets
+        assert time.monotonic() < deadline, (
+            f"no listening socket of {missing} found; the walk missed part of the run:\n{table(sockets)}"
+        )
+        time.sleep(1)
 
 
 def test_s3_server_listens_on_loopback_only(tmp_path):
@@ -89,7 +98,7 @@ def test_make_train_listens_on_loopback_only(tmp_path, tiny_model_path):
         actor = Actor.remote()
         ray.get(actor.ping.remote())
         assert_loopback_only(
-            process_tree(),  # this process is the driver: everything the run started descends from it
+            process_tree,  # this process is the driver: everything the run started descends from it
             must_include=(*HEAD, "ray::ServeController", "ray::ProxyActor", "ray::ServeReplica", "ray::Actor"),
         )
         engine = [p for p in process_tree() if "VLLM" in " ".join(p.cmdline())]
@@ -166,7 +175,7 @@ def test_make_serve_head_listens_on_loopback_only(tmp_path):
             assert time.monotonic() < deadline, f"the app never answered:\n{log.read_text()[-4000:]}"
             time.sleep(0.5)
         assert_loopback_only(
-            process_tree(proc.pid, marker=marker),
+            lambda: process_tree(proc.pid, marker=marker),
             must_include=(
                 *HEAD,
                 "ray.util.client.server",
