@@ -19,6 +19,7 @@ from app.bucket.filesystem import (
 )
 from app.bucket.store import AdapterStore, CheckpointStore
 from app.config import load_config
+from tests.unit.test_retry import Flaky
 
 
 def client_error(code: str, status: int, op: str = "PutObject") -> ClientError:
@@ -112,19 +113,6 @@ def test_from_config_fills_run_name_and_bucket_settings():
     store = CheckpointStore.from_config(cfg)
     assert store.url_of(1) == "s3://bkt/r1/checkpoints/step-1"
     assert store.max_attempts == 3
-
-
-class Flaky:
-    """Fails with `error` the first `failures` calls, then returns "ok"."""
-
-    def __init__(self, failures: int, error: BaseException):
-        self.failures, self.error, self.calls = failures, error, 0
-
-    def __call__(self):
-        self.calls += 1
-        if self.calls <= self.failures:
-            raise self.error
-        return "ok"
 
 
 def store_with_fake_sleep(**kwargs) -> tuple[AdapterStore, list[float]]:

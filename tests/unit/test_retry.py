@@ -10,7 +10,7 @@ from app.retry import Backoff, aretry, retry
 class Flaky:
     """Fails with `error` the first `failures` calls, then returns "ok"."""
 
-    def __init__(self, failures: int, error: Exception):
+    def __init__(self, failures: int, error: BaseException):
         self.failures, self.error, self.calls = failures, error, 0
 
     def __call__(self):
