@@ -9,9 +9,9 @@ once: a version is served only once it is committed to the bucket, and a replica
   learner runs in the fleet's cluster: the learner's node cannot count on reaching the HTTP proxy);
 - the driver makes sure the fleet serves the learner's version before sampling (`ensure_served`)
   and tells the rollout to sample with, and measure staleness to, a new version (`tell_rollout`);
-- a replica that starts loads `versions_to_serve`, and one asked for a version it does not hold
-  loads it if `should_serve` says so (published while it was starting, or a missed broadcast);
-  `CommittedVersions` asks the bucket on the replica's behalf, sparingly: a request for a version
+- a replica that starts loads `CommittedVersions.to_serve()`, and one asked for a version it does not
+  hold loads it if `CommittedVersions.should_serve` says so (published while it was starting, or a
+  missed broadcast); `CommittedVersions` asks the bucket on the replica's behalf, sparingly: a request for a version
   the replica does not know must not become a bucket listing each (fees, throttling that would hit
   the learner's publishes too).
 """
@@ -44,16 +44,6 @@ LISTING_INTERVAL_S = 5.0
 def newest(versions: Iterable[int], window: int) -> list[int]:
     """The newest `window` of `versions`, oldest first (so an engine's LRU order matches age)."""
     return sorted(set(versions))[-window:] if window > 0 else []
-
-
-def versions_to_serve(store: AdapterStore, window: int) -> list[int]:
-    """The committed versions a replica should serve, oldest first."""
-    return newest(store.versions(), window)
-
-
-def should_serve(store: AdapterStore, version: int, window: int) -> bool:
-    """Whether a replica should load `version` on demand: it is one of the versions the fleet serves."""
-    return version in versions_to_serve(store, window)
 
 
 class CommittedVersions:

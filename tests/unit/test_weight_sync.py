@@ -7,7 +7,7 @@ import time
 
 from app.bucket.store import AdapterStore
 from app.config import load_config
-from app.weight_sync import CommittedVersions, ensure_served, should_serve, versions_to_serve
+from app.weight_sync import CommittedVersions, ensure_served
 
 
 def _config(tmp_path):
@@ -25,12 +25,19 @@ def _publish(store: AdapterStore, tmp_path, *versions: int) -> None:
 
 def test_a_replica_serves_the_newest_committed_versions_oldest_first(tmp_path):
     store = AdapterStore.from_config(_config(tmp_path))
-    assert versions_to_serve(store, window=3) == []
+
+    def versions_to_serve():
+        return asyncio.run(CommittedVersions(store, window=3).to_serve())
+
+    def should_serve(version):
+        return asyncio.run(CommittedVersions(store, window=3).should_serve(version))
+
+    assert versions_to_serve() == []
     _publish(store, tmp_path, 0, 1, 2, 3, 4)
-    assert versions_to_serve(store, window=3) == [2, 3, 4]
-    assert should_serve(store, 4, window=3) and should_serve(store, 2, window=3)
-    assert not should_serve(store, 1, window=3)  # too old for any sample
-    assert not should_serve(store, 5, window=3)  # not committed
+    assert versions_to_serve() == [2, 3, 4]
+    assert should_serve(4) and should_serve(2)
+    assert not should_serve(1)  # too old for any sample
+    assert not should_serve(5)  # not committed
 
 
 class _Bucket:
