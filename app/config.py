@@ -231,6 +231,9 @@ class FleetConfig(Section):
     num_gpus_per_replica: float = Field(
         0, ge=0, description="GPUs per replica; 0 on a CPU box (engines pinned to cores)."
     )
+    pause_lease_s: float = Field(
+        60.0, gt=0, description="Longest a /pause holds the fleet: without /resume the replicas resume by themselves."
+    )
     extra_adapter_dirs: list[str] = Field(
         default_factory=list,
         description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",

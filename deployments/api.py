@@ -359,7 +359,12 @@ class InferenceRoutes(_Routes):
         adapters: dict[str, dict] = {}
         for replica in listed:
             for a in replica["adapters"]:
-                adapters.setdefault(a["name"], {**entry(a["name"], a["source"], base), "replicas": 0})["replicas"] += 1
+                listing = adapters.setdefault(
+                    a["name"], {**entry(a["name"], a["source"], base), "replicas": 0, "sha256": a.get("sha256")}
+                )
+                listing["replicas"] += 1
+                if listing["sha256"] != a.get("sha256"):  # replicas disagree (a reload under way): say so
+                    listing["sha256"] = None
         data = [entry(base, base, None), *sorted(adapters.values(), key=lambda e: _version_key(e["id"]))]
         return {"object": "list", "data": data}
 
@@ -433,7 +438,9 @@ class AdminRoutes(_Routes):
         if failures:
             await self.backend.broadcast("resume")  # nobody stays paused when the pause as a whole failed
             raise as_api_error(failures[0], f"pause failed on {len(failures)} of {len(results)} replicas, resumed")
-        return {"status": "paused", "mode": mode, "replicas": len(results)}
+        # Each replica resumes by itself after its lease (`VLLMReplica.pause`) unless /resume comes first.
+        lease_s = min((r.get("lease_s") for r in results if r.get("lease_s") is not None), default=None)
+        return {"status": "paused", "mode": mode, "replicas": len(results), "lease_s": lease_s}
 
     @route("POST", "/resume")
     async def resume(self, request: Request) -> dict[str, Any]:
@@ -499,6 +506,9 @@ async def _load_all_or_nothing(backend: Backend, name: str, path: str) -> dict[s
     if failures or not results:
         # All or nothing: undo the loads this broadcast made, so no replica serves what others cannot.
         await backend.broadcast("undo_load", name, load_id)
+        # A client pauses, loads, resumes (TRL does): one whose load failed raises before its resume, and
+        # the fleet, everyone's, would stay paused until its pause lease ran out.
+        await backend.broadcast("resume")
         if not results:
             raise ApiError(503, "no live replica")
         raise as_api_error(

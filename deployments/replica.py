@@ -39,11 +39,12 @@ from typing import Any
 
 from app.auth import redact
 from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionNotFound
-from app.bucket.store import AdapterStore
+from app.bucket.store import AdapterStore, folder_digest
 from app.config import RunConfig
 from app.messages import adapter_name
 from app.weight_sync import CommittedVersions
 from deployments.engine_watchdog import engine_processes, start_watchdog
+from deployments.names import ADAPTER_NAME, retired
 from deployments.protocol import (
     PAUSE_MODES,
     BadRequest,
@@ -59,8 +60,7 @@ from deployments.protocol import (
 
 log = logging.getLogger("ray.serve")
 
-# Adapter names: what a client puts in `model`. `policy-v{N}` is reserved for bucket versions.
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# `policy-v{N}` is reserved for bucket versions; other names (`deployments.names`) load from trusted folders.
 POLICY_NAME = re.compile(r"policy-v(0|[1-9][0-9]*)")
 
 
@@ -70,9 +70,18 @@ class _Adapter:
     int_id: int
     path: str
     source: str  # bucket URL of the version, or the trusted local folder
+    digest: str  # `folder_digest` of the files loaded: what "already loaded" is checked against
     load_id: str | None = None  # the broadcast that loaded it, so a failed broadcast undoes only its own loads
     inflight: int = 0
     draining: bool = False
+
+    def lora_request(self):
+        """vLLM's request for this adapter. The engine keys its prefix cache by LoRA name and path; the
+        content digest in the name keeps a reloaded adapter (same name, same folder, new weights) from
+        reusing KV blocks computed with the weights it replaced."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"{self.name}@{self.digest[:16]}", self.int_id, self.path)
 
 
 @dataclass
@@ -370,10 +379,8 @@ class VLLMReplica:
 
         lora = None
         if adapter is not None:
-            from vllm.lora.request import LoRARequest
-
             adapter.inflight += 1
-            lora = LoRARequest(adapter.name, adapter.int_id, adapter.path)
+            lora = adapter.lora_request()
         try:
             final = None
             async for output in self.engine.generate(
@@ -414,41 +421,49 @@ class VLLMReplica:
     # ---- adapters (admin calls arrive by broadcast) -----------------------------------------------
 
     async def load_adapter(self, name: str, ref: str, load_id: str | None = None) -> dict[str, Any]:
-        """Pull and add an adapter; loading the same name from the same source again is a no-op."""
+        """Pull and add an adapter. Loading a name again is a no-op when the files are the same (by sha256),
+        wherever they come from; with other files it is a reload: requests from then on get the new
+        weights, requests in flight finish on the old ones, which then leave the engine."""
         if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name == self.base_model:
             raise BadRequest(f"lora_name {str(name)[:130]!r}: expected letters, digits, '.', '_' or '-'")
         async with self._locks.setdefault(name, asyncio.Lock()):
             source, path = await self._fetch(name, ref)
+            digest = await asyncio.to_thread(folder_digest, path)
             existing = self._adapters.get(name)
-            if existing is not None:
-                if existing.source == source:
-                    return {"replica": self.replica_id, "loaded": False}
-                raise ReplicaError(f"adapter {name!r} is already loaded from another source; unload it first", 409)
-            from vllm.lora.request import LoRARequest
-
-            adapter = _Adapter(name, next(self._ids), str(path), source, load_id)
+            if existing is not None and existing.digest == digest:
+                return {"replica": self.replica_id, "loaded": False, "replaced": False}
+            adapter = _Adapter(name, next(self._ids), str(path), source, digest, load_id)
             from vllm.exceptions import VLLMClientError
 
             try:
-                added = await self.engine.add_lora(LoRARequest(name, adapter.int_id, adapter.path))
+                added = await self.engine.add_lora(adapter.lora_request())
             except (ValueError, TypeError, VLLMClientError) as e:  # rank above max_lora_rank, bad targets, ...
                 raise BadRequest(f"adapter {name!r} cannot be loaded: {redact(str(e))[:300]}") from None
             if not added:
                 raise ReplicaError(f"adapter {name!r}: the engine refused it")
             self._adapters[name] = adapter
             self._unloaded.discard(name)
-            log.info("replica %s loaded %s from %s", self.replica_id, name, redact(source))
+            if existing is not None:
+                await self._drain(existing)
+            log.info(
+                "replica %s %s %s from %s (sha256 %s)",
+                self.replica_id,
+                "reloaded" if existing is not None else "loaded",
+                name,
+                redact(source),
+                digest[:12],
+            )
         await self._retire_old_versions()
-        return {"replica": self.replica_id, "loaded": True}
+        return {"replica": self.replica_id, "loaded": True, "replaced": existing is not None}
 
     async def _retire_old_versions(self) -> None:
-        """Unload policy versions older than the newest `max_staleness + 1`: no sample may use them any more.
+        """Unload the versions older than the newest `max_staleness + 1` of their family (`policy-vN`, TRL's
+        `trl-policy-vN`, any client's `<stem>-vN`): no sample may use them any more.
 
         With at most one version draining beside that window, the engine never holds more than
         `max_loras` adapters, so vLLM's silent LRU eviction never drops one that requests still name.
         """
-        versions = self._policy_adapters()
-        for _, name in versions[: max(0, len(versions) - self._window)]:
+        for name in retired(list(self._adapters), self._window):
             await self.unload_adapter(name)
 
     def _policy_adapters(self) -> list[tuple[int, str]]:
@@ -488,7 +503,10 @@ class VLLMReplica:
         return str(folder), folder
 
     async def undo_load(self, name: str, load_id: str) -> dict[str, Any]:
-        """Unload `name` only if the broadcast `load_id` loaded it here (rollback of a failed broadcast)."""
+        """Unload `name` only if the broadcast `load_id` loaded it here (rollback of a failed broadcast).
+
+        Undoing a reload leaves the name unloaded, not back on the weights it replaced: those files may
+        be gone (a trainer overwrote its folder), and a committed version comes back from the bucket."""
         adapter = self._adapters.get(name)
         if adapter is None or adapter.load_id != load_id:
             return {"replica": self.replica_id, "unloaded": False}
@@ -500,10 +518,14 @@ class VLLMReplica:
         adapter = self._adapters.pop(name, None)
         if adapter is None:
             return {"replica": self.replica_id, "unloaded": False}
+        await self._drain(adapter)
+        return {"replica": self.replica_id, "unloaded": True, "draining": adapter.inflight}
+
+    async def _drain(self, adapter: _Adapter) -> None:
+        """`adapter` (no longer under its name) leaves the engine once its in-flight requests finish."""
         adapter.draining = True
         if adapter.inflight == 0:
             await self._remove(adapter)
-        return {"replica": self.replica_id, "unloaded": True, "draining": adapter.inflight}
 
     async def _remove(self, adapter: _Adapter) -> None:
         await self.engine.remove_lora(adapter.int_id)
@@ -513,7 +535,7 @@ class VLLMReplica:
         return {
             "replica": self.replica_id,
             "adapters": [
-                {"name": a.name, "source": redact(a.source), "inflight": a.inflight}
+                {"name": a.name, "source": redact(a.source), "sha256": a.digest, "inflight": a.inflight}
                 for a in sorted(self._adapters.values(), key=lambda a: a.int_id)
             ],
         }
@@ -521,14 +543,34 @@ class VLLMReplica:
     # ---- engine control ---------------------------------------------------------------------------
 
     async def pause(self, mode: str = "keep") -> dict[str, Any]:
-        """Stop scheduling. `keep` freezes in-flight requests until resume (what TRL asks for)."""
+        """Stop scheduling. `keep` freezes in-flight requests until resume (what TRL asks for).
+
+        A pause is a lease of `fleet.pause_lease_s`: a client that paused and vanished (or died before
+        its /resume) cannot hold every other client of the fleet up for longer. Pausing again renews it.
+        The replica holds the lease itself, so it expires even if the ingress that passed it on is gone.
+        """
         if mode not in PAUSE_MODES:
             raise BadRequest(f"mode {str(mode)[:20]!r}: expected one of {', '.join(PAUSE_MODES)}")
         # A new adapter name is a fresh cache namespace, so pausing never needs to drop the prefix cache.
         await self.engine.pause_generation(mode=mode, clear_cache=False)
-        return {"replica": self.replica_id, "paused": True}
+        lease_s = self.cfg.fleet.pause_lease_s
+        self._end_pause_lease()
+        self._pause_lease = asyncio.get_running_loop().create_task(self._expire_pause(lease_s))
+        return {"replica": self.replica_id, "paused": True, "lease_s": lease_s}
+
+    async def _expire_pause(self, lease_s: float) -> None:
+        await asyncio.sleep(lease_s)
+        self._pause_lease = None
+        log.warning("replica %s: paused %.0fs without a /resume (lease expired): resuming", self.replica_id, lease_s)
+        await self.engine.resume_generation()
+
+    def _end_pause_lease(self) -> None:
+        lease, self._pause_lease = getattr(self, "_pause_lease", None), None
+        if lease is not None:
+            lease.cancel()
 
     async def resume(self) -> dict[str, Any]:
+        self._end_pause_lease()
         await self.engine.resume_generation()
         return {"replica": self.replica_id, "paused": False}
 

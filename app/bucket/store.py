@@ -90,6 +90,18 @@ def _files_of_dir(local_dir: Path) -> dict[str, Path]:
     return files
 
 
+def folder_digest(local_dir: Path) -> str:
+    """One sha256 over the names and contents of an adapter folder's files (its manifest left out).
+
+    What "the same adapter" means to a replica: a name loaded again from a folder whose files changed
+    (a trainer that reuses its output folder) must not keep the old weights under the old name.
+    """
+    digest = hashlib.sha256()
+    for rel, path in _files_of_dir(Path(local_dir)).items():
+        digest.update(f"{rel}\0{_hash_file(path)[1]}\0".encode())
+    return digest.hexdigest()
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

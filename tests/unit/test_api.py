@@ -580,3 +580,14 @@ def test_admin_posts_must_declare_json(client):
     # Without a token the content type is the only guard, and it holds.
     open_fleet = TestClient(make_app(FakeBackend(), _settings(admin_token=None)))
     assert open_fleet.post("/pause", headers={"content-type": "text/plain"}).status_code == 415
+
+
+def test_a_failed_load_resumes_a_paused_fleet(client, backend):
+    """TRL pauses, loads, and raises on a failed load before its /resume: the fleet must not stay paused."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert client.post("/pause", headers=auth).status_code == 200
+    backend.fail_load_on = {1}
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": "policy-v1", "lora_path": "/etc"}, headers=auth)
+    assert r.status_code == 400
+    methods = [c[0] for c in backend.calls]
+    assert methods[-3:] == ["load_adapter", "undo_load", "resume"]

@@ -74,9 +74,9 @@ def test_versions_that_fall_out_of_the_window_drain_then_leave_the_engine():
     replica = object.__new__(VLLMReplica)  # the bookkeeping alone, without an engine behind it
     replica.replica_id, replica._window, replica._unloaded = "r", 3, set()
     replica.engine = SimpleNamespace(remove_lora=remove_lora, shutdown=lambda: None)
-    replica._adapters = {f"policy-v{v}": _Adapter(f"policy-v{v}", v, "/x", "s") for v in (1, 2, 3, 4)}
+    replica._adapters = {f"policy-v{v}": _Adapter(f"policy-v{v}", v, "/x", "s", f"d{v}") for v in (1, 2, 3, 4)}
     replica._adapters["policy-v1"].inflight = 2  # still sampling for two requests
-    replica._adapters["trl-policy-v9"] = _Adapter("trl-policy-v9", 9, "/y", "t")  # not a bucket version
+    replica._adapters["trl-policy-v9"] = _Adapter("trl-policy-v9", 9, "/y", "t", "d9")  # not a bucket version
     asyncio.run(replica._retire_old_versions())
     assert sorted(replica._adapters) == ["policy-v2", "policy-v3", "policy-v4", "trl-policy-v9"]
     assert removed == [] and "policy-v1" in replica._unloaded  # refused from now on, removed once drained
@@ -246,3 +246,115 @@ def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_at_most_once(
     results = asyncio.run(burst())
     assert all(isinstance(r, ModelNotFound) for r in results)
     assert store.listings <= 1  # not one a request
+
+
+# ---- adapters under reused names, pauses that outlive their client, other clients' lineages ---------------
+
+
+class _LoraEngine:
+    """A stand-in AsyncLLM that records what it was given: adapters added and removed, pauses."""
+
+    def __init__(self):
+        self.added, self.removed, self.paused, self.errored = [], [], False, False
+
+    async def add_lora(self, request):
+        self.added.append(request)
+        return True
+
+    async def remove_lora(self, int_id):
+        self.removed.append(int_id)
+
+    async def pause_generation(self, mode, clear_cache):
+        self.paused = True
+
+    async def resume_generation(self):
+        self.paused = False
+
+    def shutdown(self):
+        pass
+
+
+def _adapter_folder(folder, weights: bytes):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 1, "peft_type": "LORA"}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def _loading_replica(tmp_path, window=3, **fleet):
+    import itertools
+
+    from app.bucket.store import AdapterStore
+    from app.config import load_config
+
+    replica = _replica(_LoraEngine(), AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache"), window)
+    replica.cfg = load_config(None, [f"fleet.{k}={v}" for k, v in fleet.items()])
+    replica.trusted_dirs = [(tmp_path / "trl").resolve()]
+    replica._locks, replica._ids = {}, itertools.count(1)
+    return replica
+
+
+def test_a_name_loaded_again_with_other_files_is_reloaded_never_kept_on_the_old_weights(tmp_path):
+    """TRL's second run in the same output folder loads `trl-policy-v2` from the same path with new contents."""
+    replica = _loading_replica(tmp_path)
+    folder = _adapter_folder(tmp_path / "trl" / "trl-policy-v2", b"first run's weights")
+    load = asyncio.run(replica.load_adapter("trl-policy-v2", str(folder)))
+    assert load["loaded"] and not asyncio.run(replica.load_adapter("trl-policy-v2", str(folder)))["loaded"]
+    first = replica._adapters["trl-policy-v2"]
+    first.inflight = 1  # a request still sampling on the first run's weights
+
+    _adapter_folder(folder, b"second run's weights")
+    reload = asyncio.run(replica.load_adapter("trl-policy-v2", str(folder)))
+    assert reload["loaded"] and reload["replaced"]
+    second = replica._adapters["trl-policy-v2"]
+    assert second.digest != first.digest and second.int_id != first.int_id
+    old_request, new_request = (a for a in replica.engine.added)
+    # A fresh engine name per content: vLLM keys its prefix cache by LoRA name and path, both else unchanged.
+    assert old_request.lora_path == new_request.lora_path and old_request.lora_name != new_request.lora_name
+    assert replica.engine.removed == [] and first.draining  # the request in flight finishes on what it started on
+    # The same files under another folder are the same adapter: nothing to do.
+    copy = _adapter_folder(tmp_path / "trl" / "elsewhere", b"second run's weights")
+    assert not asyncio.run(replica.load_adapter("trl-policy-v2", str(copy)))["loaded"]
+
+
+def test_a_pause_is_a_lease_that_ends_by_itself_and_resume_or_a_new_pause_renews_it():
+    replica = _replica(_LoraEngine())
+    from app.config import load_config
+
+    replica.cfg = load_config(None, ["fleet.pause_lease_s=0.2"])
+
+    async def scenario():
+        assert (await replica.pause("keep"))["lease_s"] == 0.2 and replica.engine.paused
+        await asyncio.sleep(0.1)
+        await replica.pause("keep")  # renewed: counts from now
+        await asyncio.sleep(0.15)
+        renewed = replica.engine.paused
+        await asyncio.sleep(0.15)
+        expired = not replica.engine.paused
+        await replica.pause("keep")
+        await replica.resume()
+        await asyncio.sleep(0.3)  # a resumed lease never fires later (it would resume a pause made since)
+        replica.engine.paused = True
+        await asyncio.sleep(0.05)
+        return renewed, expired, replica.engine.paused
+
+    assert asyncio.run(scenario()) == (True, True, True)
+
+
+def test_every_clients_versioned_names_are_retired_by_family():
+    """TRL's `trl-policy-vN` count against the same slots as `policy-vN`: each lineage keeps its newest window."""
+    from deployments.names import family_of, retired
+
+    assert family_of("trl-policy-v12") == ("trl-policy", 12) and family_of("policy-v0") == ("policy", 0)
+    assert family_of("my-lora") == ("my-lora", None) and family_of("x-v01") == ("x-v01", None)
+    names = [f"trl-policy-v{v}" for v in range(1, 7)] + ["policy-v4", "policy-v5", "my-lora"]
+    assert retired(names, window=3) == ["trl-policy-v1", "trl-policy-v2", "trl-policy-v3"]
+
+
+def test_a_replica_never_holds_more_than_the_windows_of_trls_adapters(tmp_path):
+    replica = _loading_replica(tmp_path, window=3)
+    for version in range(1, 7):
+        folder = _adapter_folder(tmp_path / "trl" / f"trl-policy-v{version}", f"v{version}".encode())
+        asyncio.run(replica.load_adapter(f"trl-policy-v{version}", str(folder)))
+    assert sorted(replica._adapters) == ["trl-policy-v4", "trl-policy-v5", "trl-policy-v6"]
+    assert len(replica.engine.added) - len(replica.engine.removed) == 3
