@@ -234,6 +234,9 @@ class FleetConfig(Section):
     pause_lease_s: float = Field(
         60.0, gt=0, description="Longest a /pause holds the fleet: without /resume the replicas resume by themselves."
     )
+    lora_slot_wait_s: float = Field(
+        30.0, ge=0, description="How long a load waits for a free LoRA slot while every adapter has requests in flight."
+    )
     extra_adapter_dirs: list[str] = Field(
         default_factory=list,
         description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",

@@ -10,8 +10,9 @@ once: a version is served only once it is committed to the bucket, and a replica
 - the driver makes sure the fleet serves the learner's version before sampling (`ensure_served`)
   and tells the rollout to sample with, and measure staleness to, a new version (`tell_rollout`);
 - a replica that starts loads `CommittedVersions.to_serve()`, and one asked for a version it does not
-  hold loads it if `CommittedVersions.should_serve` says so (published while it was starting, or a
-  missed broadcast); `CommittedVersions` asks the bucket on the replica's behalf, sparingly: a request for a version
+  hold loads it if `CommittedVersions.is_committed` says so (published while it was starting, a
+  missed broadcast, or evicted from its LoRA slot: a committed version is never a 404);
+  `CommittedVersions` asks the bucket on the replica's behalf, sparingly: a request for a version
   the replica does not know must not become a bucket listing each (fees, throttling that would hit
   the learner's publishes too).
 """
@@ -47,7 +48,7 @@ def newest(versions: Iterable[int], window: int) -> list[int]:
 
 
 class CommittedVersions:
-    """A replica's knowledge of the committed versions: the bucket's last listing, and the versions it loaded.
+    """A replica's knowledge of the committed versions: the bucket's last listing, and the versions it fetched.
 
     Versions are committed in increasing order, so a version older than the newest listed that the
     listing lacks is not going to appear: it is refused without asking the bucket. Only a version
@@ -67,6 +68,7 @@ class CommittedVersions:
     ):
         self.store, self.window, self.min_interval_s, self._clock = store, window, min_interval_s, clock
         self._listed: list[int] = []
+        self._fetched: set[int] = set()
         self._listed_at = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -76,22 +78,22 @@ class CommittedVersions:
             await self._list()
         return newest(self._listed, self.window)
 
-    async def should_serve(self, version: int, loaded: Iterable[int] = ()) -> bool:
-        """Whether to load `version` on demand; `loaded` are versions the replica holds (committed, hence known)."""
-        loaded = list(loaded)
-        if version > self._newest_listed and not self._serves(version, loaded):
+    async def is_committed(self, version: int) -> bool:
+        """Whether to load `version` on demand: it is committed (however old; gc may yet remove it)."""
+        if version > self._newest_listed and version not in self._fetched:
             async with self._lock:
                 # A listing that ended while this request waited for the lock answers it as well.
                 if version > self._newest_listed and self._clock() - self._listed_at >= self.min_interval_s:
                     await self._list()
-        return self._serves(version, loaded)
+        return version in self._listed or version in self._fetched
+
+    def remember(self, version: int) -> None:
+        """`version` was fetched from the bucket (by broadcast, after the last listing): it is committed."""
+        self._fetched.add(version)
 
     @property
     def _newest_listed(self) -> int:
         return max(self._listed, default=-1)
-
-    def _serves(self, version: int, loaded: list[int]) -> bool:
-        return version in newest([*self._listed, *loaded], self.window)
 
     async def _list(self) -> None:
         self._listed_at = self._clock()  # a failing listing is not retried by every request either

@@ -2,9 +2,9 @@
 
 A trainer publishes a lineage of versions under one stem: spotrl's learner `policy-v1, policy-v2, ...`,
 TRL's AsyncGRPOTrainer `trl-policy-v1, ...`. Only the newest `max_staleness + 1` versions of a lineage
-can still be named by a sample in flight, so a replica counts and retires LoRA slots per lineage
-(`family`), whoever the client: a lineage the fleet does not know is no reason to let vLLM evict an
-adapter silently once `max_loras` is full. A name without a `-v<N>` suffix is a family of its own.
+can still be named by a sample in flight, so a replica pins LoRA slots per lineage (`family`,
+`deployments.slots`), whoever the client: a lineage the fleet does not know is no reason to let vLLM
+evict an adapter silently once `max_loras` is full. A name without a `-v<N>` suffix is a family of its own.
 """
 
 from __future__ import annotations
@@ -21,17 +21,3 @@ def family_of(name: str) -> tuple[str, int | None]:
     """(family, version) of an adapter name: `trl-policy-v3` -> ("trl-policy", 3), `my-lora` -> ("my-lora", None)."""
     match = _VERSIONED.fullmatch(name)
     return (match.group("family"), int(match.group("version"))) if match else (name, None)
-
-
-def retired(names: list[str], window: int) -> list[str]:
-    """The versioned names that fall out of their family's newest `window` versions, oldest first."""
-    families: dict[str, list[tuple[int, str]]] = {}
-    for name in names:
-        family, version = family_of(name)
-        if version is not None:
-            families.setdefault(family, []).append((version, name))
-    old = []
-    for versions in families.values():
-        versions.sort()
-        old += versions[: max(0, len(versions) - window)]
-    return [name for _, name in sorted(old)]

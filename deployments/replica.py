@@ -26,6 +26,7 @@ vLLM's engine metrics reach Ray's metrics export through vLLM's own `RayPromethe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -44,7 +45,7 @@ from app.config import RunConfig
 from app.messages import adapter_name
 from app.weight_sync import CommittedVersions
 from deployments.engine_watchdog import engine_processes, start_watchdog
-from deployments.names import ADAPTER_NAME, retired
+from deployments.names import ADAPTER_NAME
 from deployments.protocol import (
     PAUSE_MODES,
     BadRequest,
@@ -57,6 +58,7 @@ from deployments.protocol import (
     SampledChoice,
     Sampling,
 )
+from deployments.slots import Held, eviction_order, pinned
 
 log = logging.getLogger("ray.serve")
 
@@ -74,6 +76,7 @@ class _Adapter:
     load_id: str | None = None  # the broadcast that loaded it, so a failed broadcast undoes only its own loads
     inflight: int = 0
     draining: bool = False
+    last_used: float = field(default_factory=time.monotonic)  # its load or latest request: eviction's clock
 
     def lora_request(self):
         """vLLM's request for this adapter. The engine keys its prefix cache by LoRA name and path; the
@@ -303,12 +306,7 @@ class VLLMReplica:
             cache_dir=self.cfg.bucket.cache_dir,
         )
         self.trusted_dirs = [Path(d).expanduser().resolve() for d in fleet.extra_adapter_dirs]
-        self._adapters: dict[str, _Adapter] = {}
-        self._unloaded: set[str] = set()  # explicitly unloaded: never resurrected from the bucket on demand
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._ids = itertools.count(1)
-        self._window = self.cfg.grpo.max_staleness + 1
-        self._versions = CommittedVersions(self.store, self._window, fleet.version_listing_interval_s)
+        self._init_slots(self.cfg.grpo.max_staleness + 1)
         loaded = await self._load_newest()
         log.info(
             "VLLMReplica %s ready in %.1fs (block %d, max_loras %d, CPU bind %s), adapters %s",
@@ -319,6 +317,19 @@ class VLLMReplica:
             os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-"),
             loaded,
         )
+
+    def _init_slots(self, window: int) -> None:
+        """The adapter bookkeeping: what the engine holds under which name, and what it may drop."""
+        self._adapters: dict[str, _Adapter] = {}  # served now, by name
+        self._draining: dict[int, _Adapter] = {}  # no longer served, still in the engine for requests in flight
+        self._unloaded: set[str] = set()  # explicitly unloaded: never resurrected from the bucket on demand
+        self._evicted: set[str] = set()  # dropped for a slot: a bucket version comes back on demand
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._slot_lock = asyncio.Lock()  # one load at a time picks a slot and fills it
+        self._slot_freed = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._window = window
+        self._versions = CommittedVersions(self.store, window, self.cfg.fleet.version_listing_interval_s)
 
     async def _load_newest(self) -> list[str]:
         """Load the versions the fleet serves (`app.weight_sync` decides which), oldest first."""
@@ -399,23 +410,28 @@ class VLLMReplica:
         finally:
             if adapter is not None:
                 adapter.inflight -= 1
-                if adapter.draining and adapter.inflight == 0:
-                    await self._remove(adapter)
+                adapter.last_used = time.monotonic()
+                if adapter.inflight == 0:
+                    if adapter.draining:
+                        await self._remove(adapter)
+                    self._slot_freed.set()  # an idle adapter is one a waiting load may evict
 
     async def _adapter_for(self, model: str) -> _Adapter:
         adapter = self._adapters.get(model)
         if adapter is not None:
             return adapter
         match = POLICY_NAME.fullmatch(model)
-        if match and model not in self._unloaded:
-            # Published while this replica was starting, or its broadcast was missed: the bucket is the
-            # record, so load it now if it is one of the versions the fleet serves.
-            loaded = [version for version, _ in self._policy_adapters()]
-            if await self._versions.should_serve(int(match.group(1)), loaded):
-                await self.load_adapter(model, model)
-                adapter = self._adapters.get(model)  # None if a newer version retired it meanwhile
-                if adapter is not None:
-                    return adapter
+        if match and model not in self._unloaded and await self._versions.is_committed(int(match.group(1))):
+            # Committed, so never a 404: published while this replica was starting, a missed broadcast,
+            # or evicted from its LoRA slot. The bucket is the record; load it now.
+            await self.load_adapter(model, model)
+            adapter = self._adapters.get(model)
+            if adapter is not None:  # `_sample` counts it in flight before anything can evict it
+                return adapter
+        if model in self._evicted:
+            raise ModelNotFound(
+                f"adapter {model!r} was evicted from its LoRA slot (least recently used); load it again"
+            )
         raise ModelNotFound(f"model {model!r} is not loaded (base model: {self.base_model!r})")
 
     # ---- adapters (admin calls arrive by broadcast) -----------------------------------------------
@@ -435,14 +451,17 @@ class VLLMReplica:
             adapter = _Adapter(name, next(self._ids), str(path), source, digest, load_id)
             from vllm.exceptions import VLLMClientError
 
-            try:
-                added = await self.engine.add_lora(adapter.lora_request())
-            except (ValueError, TypeError, VLLMClientError) as e:  # rank above max_lora_rank, bad targets, ...
-                raise BadRequest(f"adapter {name!r} cannot be loaded: {redact(str(e))[:300]}") from None
-            if not added:
-                raise ReplicaError(f"adapter {name!r}: the engine refused it")
-            self._adapters[name] = adapter
+            async with self._slot_lock:
+                await self._make_room()
+                try:
+                    added = await self.engine.add_lora(adapter.lora_request())
+                except (ValueError, TypeError, VLLMClientError) as e:  # rank above max_lora_rank, bad targets, ...
+                    raise BadRequest(f"adapter {name!r} cannot be loaded: {redact(str(e))[:300]}") from None
+                if not added:
+                    raise ReplicaError(f"adapter {name!r}: the engine refused it")
+                self._adapters[name] = adapter
             self._unloaded.discard(name)
+            self._evicted.discard(name)
             if existing is not None:
                 await self._drain(existing)
             log.info(
@@ -453,22 +472,40 @@ class VLLMReplica:
                 redact(source),
                 digest[:12],
             )
-        await self._retire_old_versions()
         return {"replica": self.replica_id, "loaded": True, "replaced": existing is not None}
 
-    async def _retire_old_versions(self) -> None:
-        """Unload the versions older than the newest `max_staleness + 1` of their family (`policy-vN`, TRL's
-        `trl-policy-vN`, any client's `<stem>-vN`): no sample may use them any more.
-
-        With at most one version draining beside that window, the engine never holds more than
-        `max_loras` adapters, so vLLM's silent LRU eviction never drops one that requests still name.
-        """
-        for name in retired(list(self._adapters), self._window):
-            await self.unload_adapter(name)
-
-    def _policy_adapters(self) -> list[tuple[int, str]]:
-        """(version, name) of the bucket versions loaded, oldest first."""
-        return sorted((int(m.group(1)), n) for n in self._adapters if (m := POLICY_NAME.fullmatch(n)))
+    async def _make_room(self) -> None:
+        """Free a LoRA slot for one more adapter, evicting as `deployments.slots` orders (never one with
+        requests in flight), so that the engine never holds more than `max_loras` and vLLM never has to
+        drop one by itself. When every adapter has requests in flight, wait up to
+        `fleet.lora_slot_wait_s` for one to finish, then refuse (503, worth another try)."""
+        deadline = time.monotonic() + self.cfg.fleet.lora_slot_wait_s
+        while len(self._adapters) + len(self._draining) >= self.cfg.max_loras:
+            order = eviction_order(
+                (Held(a.name, a.last_used, a.inflight) for a in self._adapters.values()), self._window
+            )
+            if order:
+                overflow = order[0] in pinned(self._adapters, self._window)
+                victim = self._adapters.pop(order[0])
+                self._evicted.add(victim.name)
+                await self._drain(victim)
+                (log.warning if overflow else log.info)(
+                    "replica %s evicted %s (least recently used%s) to free a LoRA slot",
+                    self.replica_id,
+                    victim.name,
+                    ", pinned: the families' windows overflow max_loras" if overflow else "",
+                )
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplicaError(
+                    f"replica {self.replica_id}: all {self.cfg.max_loras} LoRA slots hold adapters with requests "
+                    "in flight; try again",
+                    503,
+                )
+            self._slot_freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), remaining)
 
     async def _fetch(self, name: str, ref: str) -> tuple[str, Path]:
         """(source, verified local folder) for a reference: a bucket version, or a trusted local folder."""
@@ -479,7 +516,9 @@ class VLLMReplica:
         if name != adapter_name(version):
             raise BadRequest(f"lora_name {name!r} does not name the bucket version {adapter_name(version)}")
         try:
-            return self.store.url_of(version), await asyncio.to_thread(self.store.fetch, version)
+            folder = await asyncio.to_thread(self.store.fetch, version)
+            self._versions.remember(version)
+            return self.store.url_of(version), folder
         except VersionNotFound:
             raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None
         except IntegrityError as e:
@@ -523,12 +562,18 @@ class VLLMReplica:
 
     async def _drain(self, adapter: _Adapter) -> None:
         """`adapter` (no longer under its name) leaves the engine once its in-flight requests finish."""
+        if adapter.draining:  # evicted while its own reload waited for a slot
+            return
         adapter.draining = True
         if adapter.inflight == 0:
             await self._remove(adapter)
+        else:
+            self._draining[adapter.int_id] = adapter
 
     async def _remove(self, adapter: _Adapter) -> None:
+        self._draining.pop(adapter.int_id, None)
         await self.engine.remove_lora(adapter.int_id)
+        self._slot_freed.set()
         log.info("replica %s removed %s", self.replica_id, adapter.name)
 
     def list_adapters(self) -> dict[str, Any]:
@@ -584,6 +629,9 @@ class VLLMReplica:
             "paused": await self.engine.is_paused(),
             **self.counters.snapshot(),
             "adapters": sorted(self._adapters),
+            # vLLM's own count: equal to ours (adapters + draining) unless vLLM dropped one by itself.
+            "engine_adapters": len(await self.engine.list_loras()),
+            "draining": len(self._draining),
         }
 
     def server_info(self) -> dict[str, Any]:

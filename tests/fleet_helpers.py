@@ -8,8 +8,11 @@ nothing) stands in, so that each version visibly changes the model's outputs.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def free_port() -> int:
@@ -43,6 +46,67 @@ def start_local_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -
             _system_config=system_config,
             **kwargs,
         )
+
+
+@contextlib.contextmanager
+def running_fleet(work: Path, model_path: str, overrides: list[str], token: str, block_size: int = 32):
+    """A 2-replica fleet of the tiny model on a fresh loopback Ray, with the admin token `token`; yields what the
+    tests use (config, URL, an admin client, the bucket, the base model's name, the metrics port).
+
+    `overrides` go on top of a small test config (max_model_len 128, max_staleness 2, a bucket under `work`).
+    Policy version 1 is committed before start-up, so every replica loads it itself."""
+    import ray
+
+    from app.bucket.store import AdapterStore
+    from app.config import load_config
+    from app.fleet_client import FleetClient
+    from deployments.fleet import deploy_fleet, shutdown_fleet
+
+    cfg = load_config(
+        None,
+        [
+            "model.max_model_len=128",
+            f"fleet.port={free_port()}",
+            f"fleet.router.block_size={block_size}",
+            "grpo.max_staleness=2",
+            f"bucket.url=file://{work}/bucket",
+            f"bucket.cache_dir={work}/cache",
+            "logging.run_name=fleet-test",
+            *overrides,
+        ],
+    )
+    store = AdapterStore.from_config(cfg)
+    publish_random_adapters(store, model_path, [1], work)
+    metrics_port = free_port()
+    start_local_ray(num_cpus=2, metrics_export_port=metrics_port)
+    saved = os.environ.get("SPOTRL_ADMIN_TOKEN")
+    os.environ["SPOTRL_ADMIN_TOKEN"] = token  # as a user would export it before deploying
+    try:
+        url = deploy_fleet(cfg, model_path, timeout_s=600)
+    except BaseException:
+        ray.shutdown()
+        raise
+    finally:
+        if saved is None:
+            del os.environ["SPOTRL_ADMIN_TOKEN"]
+        else:
+            os.environ["SPOTRL_ADMIN_TOKEN"] = saved
+    client = FleetClient(url, token=token)
+    try:
+        yield SimpleNamespace(
+            cfg=cfg,
+            url=url,
+            client=client,
+            store=store,
+            work=work,
+            model_path=model_path,
+            base=client.models()[0]["id"],
+            metrics_port=metrics_port,
+        )
+    finally:
+        client.close()
+        shutdown_fleet(cfg)
+        ray.shutdown()
 
 
 def random_adapter(model_path: str, folder: str | Path, seed: int, rank: int = 8, scale: float = 0.5) -> Path:

@@ -8,19 +8,16 @@ the tiny task's own prompts would fill less than one.
 
 import asyncio
 import json
-import os
 import random
 import select
 import socket
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from app.bucket.store import AdapterStore
 from app.fleet_client import FleetClient, FleetError
-from tests.fleet_helpers import free_port, publish_random_adapters, start_local_ray
+from tests.fleet_helpers import publish_random_adapters, running_fleet
 
 TOKEN = "fleet-test-token-7f3a9c"
 G = 8
@@ -30,55 +27,8 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_model_path):
-    import ray
-
-    from app.config import load_config
-    from deployments.fleet import deploy_fleet, shutdown_fleet
-
-    work = tmp_path_factory.mktemp("fleet")
-    cfg = load_config(
-        None,
-        [
-            "model.max_model_len=128",
-            f"fleet.port={free_port()}",
-            f"fleet.router.block_size={BLOCK}",
-            "grpo.max_staleness=2",
-            f"bucket.url=file://{work}/bucket",
-            f"bucket.cache_dir={work}/cache",
-            "logging.run_name=fleet-test",
-        ],
-    )
-    store = AdapterStore.from_config(cfg)
-    publish_random_adapters(store, tiny_model_path, [1], work)  # committed before start-up: loaded by every replica
-    metrics_port = free_port()
-    start_local_ray(num_cpus=2, metrics_export_port=metrics_port)
-    saved = os.environ.get("SPOTRL_ADMIN_TOKEN")
-    os.environ["SPOTRL_ADMIN_TOKEN"] = TOKEN  # as a user would export it before deploying
-    try:
-        url = deploy_fleet(cfg, tiny_model_path, timeout_s=600)
-    except BaseException:
-        ray.shutdown()
-        raise
-    finally:
-        if saved is None:
-            del os.environ["SPOTRL_ADMIN_TOKEN"]
-        else:
-            os.environ["SPOTRL_ADMIN_TOKEN"] = saved
-    client = FleetClient(url, token=TOKEN)
-    base = client.models()[0]["id"]
-    yield SimpleNamespace(
-        cfg=cfg,
-        url=url,
-        client=client,
-        store=store,
-        work=work,
-        model_path=tiny_model_path,
-        base=base,
-        metrics_port=metrics_port,
-    )
-    client.close()
-    shutdown_fleet(cfg)
-    ray.shutdown()
+    with running_fleet(tmp_path_factory.mktemp("fleet"), tiny_model_path, [], TOKEN, block_size=BLOCK) as fleet:
+        yield fleet
 
 
 def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:

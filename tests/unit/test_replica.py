@@ -61,27 +61,6 @@ def test_sampled_token_logprobs_and_top_alternatives():
     assert top == [{7: -0.1, 9: -2.5}, {8: -0.3, 2: -0.9}]
 
 
-def test_versions_that_fall_out_of_the_window_drain_then_leave_the_engine():
-    import asyncio
-
-    from deployments.replica import VLLMReplica, _Adapter
-
-    removed = []
-
-    async def remove_lora(int_id):
-        removed.append(int_id)
-
-    replica = object.__new__(VLLMReplica)  # the bookkeeping alone, without an engine behind it
-    replica.replica_id, replica._window, replica._unloaded = "r", 3, set()
-    replica.engine = SimpleNamespace(remove_lora=remove_lora, shutdown=lambda: None)
-    replica._adapters = {f"policy-v{v}": _Adapter(f"policy-v{v}", v, "/x", "s", f"d{v}") for v in (1, 2, 3, 4)}
-    replica._adapters["policy-v1"].inflight = 2  # still sampling for two requests
-    replica._adapters["trl-policy-v9"] = _Adapter("trl-policy-v9", 9, "/y", "t", "d9")  # not a bucket version
-    asyncio.run(replica._retire_old_versions())
-    assert sorted(replica._adapters) == ["policy-v2", "policy-v3", "policy-v4", "trl-policy-v9"]
-    assert removed == [] and "policy-v1" in replica._unloaded  # refused from now on, removed once drained
-
-
 def test_the_routed_method_exists_and_sampling_is_vllms_own_fields():
     """`sampling_params` hands `Sampling` to vLLM field for field: each name must be one SamplingParams takes."""
     import ast
@@ -181,14 +160,14 @@ class _Engine:
         pass
 
 
-def _replica(engine=None, store=None, window=3):
-    from app.weight_sync import CommittedVersions
+def _replica(engine=None, store=None, window=3, *overrides):
+    from app.config import load_config
     from deployments.replica import VLLMReplica
 
     replica = object.__new__(VLLMReplica)  # the request path alone, without an engine behind it
     replica.replica_id, replica.base_model, replica.engine = "r", "base", engine or _Engine()
-    replica.store, replica._window, replica._adapters, replica._unloaded = store, window, {}, set()
-    replica._versions = CommittedVersions(store, window)
+    replica.store, replica.cfg = store, load_config(None, list(overrides))
+    replica._init_slots(window)
     return replica
 
 
@@ -235,7 +214,7 @@ class _CountingStore:
 
 
 def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_at_most_once():
-    store = _CountingStore(3, 2, 1, 0)
+    store = _CountingStore(3, 2)  # v0 never committed, or collected
     replica = _replica(store=store, window=3)
 
     async def burst():
@@ -255,7 +234,13 @@ class _LoraEngine:
     """A stand-in AsyncLLM that records what it was given: adapters added and removed, pauses."""
 
     def __init__(self):
-        self.added, self.removed, self.paused, self.errored = [], [], False, False
+        self.added, self.removed, self.generated, self.paused, self.errored = [], [], [], False, False
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.generated.append(lora_request)
+        yield SimpleNamespace(
+            outputs=[SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)]
+        )
 
     async def add_lora(self, request):
         self.added.append(request)
@@ -281,16 +266,12 @@ def _adapter_folder(folder, weights: bytes):
     return folder
 
 
-def _loading_replica(tmp_path, window=3, **fleet):
-    import itertools
-
+def _loading_replica(tmp_path, window=3, *overrides):
     from app.bucket.store import AdapterStore
-    from app.config import load_config
 
-    replica = _replica(_LoraEngine(), AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache"), window)
-    replica.cfg = load_config(None, [f"fleet.{k}={v}" for k, v in fleet.items()])
+    store = AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache")
+    replica = _replica(_LoraEngine(), store, window, *overrides)
     replica.trusted_dirs = [(tmp_path / "trl").resolve()]
-    replica._locks, replica._ids = {}, itertools.count(1)
     return replica
 
 
@@ -318,10 +299,7 @@ def test_a_name_loaded_again_with_other_files_is_reloaded_never_kept_on_the_old_
 
 
 def test_a_pause_is_a_lease_that_ends_by_itself_and_resume_or_a_new_pause_renews_it():
-    replica = _replica(_LoraEngine())
-    from app.config import load_config
-
-    replica.cfg = load_config(None, ["fleet.pause_lease_s=0.2"])
+    replica = _replica(_LoraEngine(), None, 3, "fleet.pause_lease_s=0.2")
 
     async def scenario():
         assert (await replica.pause("keep"))["lease_s"] == 0.2 and replica.engine.paused
@@ -341,20 +319,84 @@ def test_a_pause_is_a_lease_that_ends_by_itself_and_resume_or_a_new_pause_renews
     assert asyncio.run(scenario()) == (True, True, True)
 
 
-def test_every_clients_versioned_names_are_retired_by_family():
-    """TRL's `trl-policy-vN` count against the same slots as `policy-vN`: each lineage keeps its newest window."""
-    from deployments.names import family_of, retired
+def test_every_clients_versioned_names_are_pinned_by_family():
+    """TRL's `trl-policy-vN` count against the same slots as `policy-vN`: each lineage pins its newest window."""
+    from deployments.names import family_of
+    from deployments.slots import pinned
 
     assert family_of("trl-policy-v12") == ("trl-policy", 12) and family_of("policy-v0") == ("policy", 0)
     assert family_of("my-lora") == ("my-lora", None) and family_of("x-v01") == ("x-v01", None)
-    names = [f"trl-policy-v{v}" for v in range(1, 7)] + ["policy-v4", "policy-v5", "my-lora"]
-    assert retired(names, window=3) == ["trl-policy-v1", "trl-policy-v2", "trl-policy-v3"]
+    names = [f"trl-policy-v{v}" for v in range(1, 7)] + ["policy-v4", "policy-v5", "policy-v1", "my-lora"]
+    assert pinned(names, window=3) == {"trl-policy-v4", "trl-policy-v5", "trl-policy-v6", "policy-v4", "policy-v5"}
 
 
-def test_a_replica_never_holds_more_than_the_windows_of_trls_adapters(tmp_path):
-    replica = _loading_replica(tmp_path, window=3)
+def test_a_replica_never_holds_more_adapters_than_max_loras_whoever_named_them(tmp_path):
+    replica = _loading_replica(tmp_path, 3, "fleet.max_loras=4")
     for version in range(1, 7):
         folder = _adapter_folder(tmp_path / "trl" / f"trl-policy-v{version}", f"v{version}".encode())
         asyncio.run(replica.load_adapter(f"trl-policy-v{version}", str(folder)))
-    assert sorted(replica._adapters) == ["trl-policy-v4", "trl-policy-v5", "trl-policy-v6"]
+    assert sorted(replica._adapters) == [f"trl-policy-v{v}" for v in (3, 4, 5, 6)]  # the oldest two evicted
+    assert len(replica.engine.added) - len(replica.engine.removed) == 4
+
+
+def test_eviction_takes_the_least_recently_used_idle_adapter_unpinned_first():
+    from deployments.slots import Held, eviction_order, slots_needed
+
+    held = [
+        Held("policy-v7", last_used=1.0, inflight=0),  # pinned (newest two of policy), least recently used
+        Held("policy-v8", last_used=9.0, inflight=0),
+        Held("policy-v3", last_used=5.0, inflight=0),  # an old version an evaluation asked for
+        Held("policy-v2", last_used=2.0, inflight=3),  # requests in flight: never
+        Held("my-lora", last_used=4.0, inflight=0),
+    ]
+    assert eviction_order(held, window=2) == ["my-lora", "policy-v3", "policy-v7", "policy-v8"]
+    assert slots_needed(families=3, window=2) == 7
+
+
+def test_a_load_never_evicts_an_adapter_in_flight_it_waits_for_one_to_finish_or_says_503(tmp_path):
+    replica = _loading_replica(tmp_path, 3, "fleet.max_loras=3", "grpo.max_staleness=1", "fleet.lora_slot_wait_s=2")
+    folders = [_adapter_folder(tmp_path / "trl" / f"lora-{i}", f"w{i}".encode()) for i in range(5)]
+
+    async def finish_one_later():
+        await asyncio.sleep(0.2)
+        replica._adapters["lora-1"].inflight = 0  # what `_sample` does when its request ends
+        replica._slot_freed.set()
+
+    async def scenario():  # one event loop, as a replica has
+        for i in range(3):
+            await replica.load_adapter(f"lora-{i}", str(folders[i]))
+            replica._adapters[f"lora-{i}"].inflight = 1
+        started = asyncio.get_running_loop().time()
+        _, loaded = await asyncio.gather(finish_one_later(), replica.load_adapter("lora-3", str(folders[3])))
+        waited = asyncio.get_running_loop().time() - started
+        assert loaded["loaded"] and 0.2 <= waited < 2
+        assert sorted(replica._adapters) == ["lora-0", "lora-2", "lora-3"]  # the one that finished made room
+        replica._adapters["lora-3"].inflight = 1
+        replica.cfg.fleet.lora_slot_wait_s = 0.1
+        with pytest.raises(ReplicaError) as full:
+            await replica.load_adapter("lora-4", str(folders[4]))
+        assert full.value.status == 503 and "in flight" in full.value.message
+
+    asyncio.run(scenario())
     assert len(replica.engine.added) - len(replica.engine.removed) == 3
+
+
+def test_an_evicted_committed_version_is_loaded_again_on_demand_never_a_404(tmp_path):
+    replica = _loading_replica(tmp_path, 2, "fleet.max_loras=3", "grpo.max_staleness=1")
+    for version in (1, 2, 3, 4):
+        replica.store.publish(_adapter_folder(tmp_path / f"v{version}", f"v{version}".encode()), version)
+
+    async def load_all_then_ask_for_v1():  # one event loop, as a replica has
+        for version in (1, 2, 3, 4):
+            await replica.load_adapter(f"policy-v{version}", f"policy-v{version}")
+        assert "policy-v1" not in replica._adapters  # evicted for v4
+        return await replica.generate(GenerateRequest([1, 2], "policy-v1", Sampling()))
+
+    served = asyncio.run(load_all_then_ask_for_v1())
+    assert served.choices[0].token_ids == [7]
+    assert replica.engine.generated[-1].lora_name.startswith("policy-v1@")
+    assert "policy-v1" in replica._adapters and len(replica.engine.added) - len(replica.engine.removed) == 3
+    # Pinned (v3, v4: the newest two) stay; the least recently used unpinned one made room.
+    assert {"policy-v3", "policy-v4"} <= set(replica._adapters)
+    with pytest.raises(ModelNotFound):  # never committed: still a 404
+        asyncio.run(replica.generate(GenerateRequest([1, 2], "policy-v0", Sampling())))

@@ -29,15 +29,15 @@ def test_a_replica_serves_the_newest_committed_versions_oldest_first(tmp_path):
     def versions_to_serve():
         return asyncio.run(CommittedVersions(store, window=3).to_serve())
 
-    def should_serve(version):
-        return asyncio.run(CommittedVersions(store, window=3).should_serve(version))
+    def is_committed(version):
+        return asyncio.run(CommittedVersions(store, window=3).is_committed(version))
 
     assert versions_to_serve() == []
     _publish(store, tmp_path, 0, 1, 2, 3, 4)
     assert versions_to_serve() == [2, 3, 4]
-    assert should_serve(4) and should_serve(2)
-    assert not should_serve(1)  # too old for any sample
-    assert not should_serve(5)  # not committed
+    assert is_committed(4) and is_committed(2)
+    assert is_committed(1)  # too old for a sample, but committed: served on demand (an evaluation, say)
+    assert not is_committed(5)
 
 
 class _Bucket:
@@ -54,9 +54,9 @@ class _Bucket:
         return list(self.committed)
 
 
-async def _ask(versions: CommittedVersions, *asked: int, loaded=()) -> list[bool]:
+async def _ask(versions: CommittedVersions, *asked: int) -> list[bool]:
     """The answers to requests for `asked`, all at once (a replica's one event loop)."""
-    return await asyncio.gather(*(versions.should_serve(v, loaded) for v in asked))
+    return await asyncio.gather(*(versions.is_committed(v) for v in asked))
 
 
 def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_once_per_interval():
@@ -66,7 +66,7 @@ def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_once_per_inte
 
     async def scenario():
         assert await versions.to_serve() == [1, 2, 3] and bucket.listings == 1  # start-up
-        assert await _ask(versions, 3, 2, 1, 0) == [True, True, True, False]  # known: no listing
+        assert await _ask(versions, 3, 2, 1, 0) == [True, True, True, True]  # known: no listing
         assert bucket.listings == 1
         assert not any(await _ask(versions, *range(4, 1004)))  # 1000 versions nobody published
         assert bucket.listings == 1  # listed at start-up, less than the interval ago
@@ -77,7 +77,7 @@ def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_once_per_inte
         assert await _ask(versions, 4) == [False]  # published within the interval: found by the next listing
         now[0] = 10.0
         assert await _ask(versions, 4, 4, 4) == [True, True, True]
-        assert await _ask(versions, 1) == [False]  # out of the window since v4
+        assert await _ask(versions, 1) == [True]  # out of the window since v4, still committed
         assert bucket.listings == 3
 
     asyncio.run(scenario())
@@ -108,17 +108,18 @@ def test_requests_waiting_for_a_listing_share_it():
     asyncio.run(scenario())
 
 
-def test_versions_loaded_by_broadcast_count_as_known():
+def test_versions_fetched_by_broadcast_count_as_known():
     bucket = _Bucket(5, 4, 3)
     versions = CommittedVersions(bucket, window=3, min_interval_s=0.0)
 
     async def scenario():
         await versions.to_serve()
         bucket.committed[:0] = [8, 7, 6]
-        # v6 and v7 came by broadcast since the listing: v4 is out of the window, decided without listing.
-        assert await _ask(versions, 4, loaded=[6, 7]) == [False] and bucket.listings == 1
-        # Newer than the listing but not loaded (its broadcast was missed, v7's and v8's were not): listed for.
-        assert await _ask(versions, 6, loaded=[7, 8]) == [True] and bucket.listings == 2
+        versions.remember(6)  # came by broadcast since the listing (and was evicted since, say)
+        versions.remember(7)
+        assert await _ask(versions, 6, 7, 4) == [True, True, True] and bucket.listings == 1
+        # Newer than the listing and never fetched here (its broadcast was missed): listed for.
+        assert await _ask(versions, 8) == [True] and bucket.listings == 2
 
     asyncio.run(scenario())
 

