@@ -8,22 +8,30 @@ the process, then the run config. `redact` is what error messages and logs go th
 What a token must be (`check_token`: 16 characters or more, a guessable one is no protection) and
 when the fleet needs one at all (`check_exposure`: reachable beyond loopback, or inference
 protected) are decided here too, so the config, the builder and the ingress refuse the same things.
+
+Run tokens (a shared fleet's tenants, `deployments.runs`) are minted here too. They carry a fixed
+prefix, so `redact` recognises one wherever it shows up, without having to know it; and the fleet
+keeps only their sha256 (`token_digest`), so nothing it holds or logs can give a run's token away.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import hmac
 import ipaddress
 import os
 import re
+import secrets
 
 ADMIN_TOKEN_ENV = "SPOTRL_ADMIN_TOKEN"
 MIN_TOKEN_CHARS = 16
 
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ACCESS_KEY_ID", ADMIN_TOKEN_ENV)
 _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+RUN_TOKEN_PREFIX = "spotrl-run-"
+_RUN_TOKEN = re.compile(re.escape(RUN_TOKEN_PREFIX) + r"[A-Za-z0-9_-]+")
 
 
 class Secret:
@@ -121,10 +129,20 @@ def token_matches(authorization: str | None, token: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
-def redact(text: str, *secrets: str | None) -> str:
-    """`text` without credentials: URL user-info, the values of the credential variables, and `secrets`."""
-    text = _USERINFO.sub("***@", text)
-    values = [os.environ.get(var) for var in _SECRET_ENV] + list(secrets)
+def mint_run_token() -> str:
+    """A new run token: the prefix `redact` knows, then 256 random bits."""
+    return RUN_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def token_digest(token: str) -> str:
+    """What the fleet keeps of a run token: its sha256 (a 256-bit random token needs no slow hash)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def redact(text: str, *hidden: str | None) -> str:
+    """`text` without credentials: URL user-info, the values of the credential variables, run tokens, `hidden`."""
+    text = _RUN_TOKEN.sub("***", _USERINFO.sub("***@", text))
+    values = [os.environ.get(var) for var in _SECRET_ENV] + list(hidden)
     for value in values:
         if value and len(value) >= 8:  # shorter values would blank out innocent words of the message
             text = text.replace(value, "***")

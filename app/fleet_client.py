@@ -223,6 +223,14 @@ class FleetClient:
         """Unload everywhere once in-flight requests finish; an unknown name is not an error."""
         return self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
+    def register_run(self, name: str) -> dict[str, Any]:
+        """Register a run on a shared fleet (admin token): `{"name", "token"}`, the run's token shown this once."""
+        return self._request("POST", "/v1/runs", json={"name": name})
+
+    def remove_run(self, name: str) -> dict[str, Any]:
+        """Forget a run (its token stops working) and unload its adapters (admin token)."""
+        return self._request("DELETE", f"/v1/runs/{name}")
+
     def pause(self, mode: str = "keep") -> dict[str, Any]:
         return self._request("POST", "/pause", params={"mode": mode})
 

@@ -43,7 +43,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app.auth import redact, token_matches
+from app.auth import presented_token, redact, token_matches
 from app.config import FleetConfig
 from deployments.api_schema import (
     ApiError,
@@ -53,6 +53,7 @@ from deployments.api_schema import (
     FiniteJSONResponse,
     LoadAdapterBody,
     RequestLimits,
+    RunBody,
     TokenText,
     UnloadAdapterBody,
     cached_token_text,
@@ -62,7 +63,9 @@ from deployments.api_schema import (
     token_id_placeholder,
     usage,
 )
+from deployments.names import split_run
 from deployments.protocol import PAUSE_MODES, Generated, GenerateRequest
+from deployments.runs import ADMIN, ANONYMOUS, Caller, Runs
 
 log = logging.getLogger("ray.serve")
 
@@ -108,10 +111,12 @@ class ApiSettings:
     protect_inference: bool = False
     num_replicas: int = 1
     limits: RequestLimits = field(default_factory=lambda: RequestLimits.of(FleetConfig()))
+    max_loras: int = 4  # LoRA slots per engine: how many runs fit (`deployments.runs`)
+    window: int = 3  # max_staleness + 1: the versions each run pins
 
 
-def make_app(backend: Backend, settings: ApiSettings) -> FastAPI:
-    """The FastAPI app of the fleet, over any `Backend`."""
+def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None) -> FastAPI:
+    """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants."""
     app = FastAPI(
         title="spotrl fleet",
         docs_url=None,
@@ -122,8 +127,9 @@ def make_app(backend: Backend, settings: ApiSettings) -> FastAPI:
     replies = ErrorReplies(settings.admin_token)
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
-    InferenceRoutes(backend, settings, replies.scrub).register(app)
-    AdminRoutes(backend, settings, replies.scrub).register(app)
+    runs = runs if runs is not None else Runs(settings.max_loras, settings.window)
+    InferenceRoutes(backend, settings, replies.scrub, runs).register(app)
+    AdminRoutes(backend, settings, replies.scrub, runs).register(app)
     return app
 
 
@@ -166,12 +172,13 @@ def route(verb: str, path: str) -> Callable[[Handler], Handler]:
 
 
 class _Routes:
-    """Handlers over one backend; `ADMIN` says whether they need the token whenever one is set."""
+    """Handlers over one backend; `ADMIN` says whether they need a token (the admin's or a run's) whenever
+    an admin token is set. What a run's token may do beyond that, each handler checks (`Caller`)."""
 
     ADMIN = False
 
-    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str]):
-        self.backend, self.settings, self.scrub = backend, settings, scrub
+    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs):
+        self.backend, self.settings, self.scrub, self.runs = backend, settings, scrub, runs
 
     def register(self, app: FastAPI) -> None:
         for name in dir(type(self)):
@@ -180,11 +187,24 @@ class _Routes:
                 verb, path = handler.route
                 app.add_api_route(path, handler, methods=[verb], response_model=None)
 
-    def authorize(self, request: Request) -> None:
+    def caller(self, request: Request) -> Caller:
+        """Who sent `request`: the admin token's holder, a registered run, or anonymous (everyone is the admin
+        of a fleet that has no admin token, except a caller who presents a run's token)."""
+        header = request.headers.get("authorization")
         token = self.settings.admin_token
-        if token and (self.ADMIN or self.settings.protect_inference):
-            if not token_matches(request.headers.get("authorization"), token):
-                raise ApiError(401, "missing or invalid token (send Authorization: Bearer <token>, or Basic auth)")
+        if token and token_matches(header, token):
+            return ADMIN
+        presented = presented_token(header)
+        run = self.runs.run_of(presented) if presented else None
+        if run is not None:
+            return Caller(run=run)
+        return ANONYMOUS if token else ADMIN
+
+    def authorize(self, request: Request) -> Caller:
+        caller = self.caller(request)
+        if caller is ANONYMOUS and (self.ADMIN or self.settings.protect_inference):
+            raise ApiError(401, "missing or invalid token (send Authorization: Bearer <token>, or Basic auth)")
+        return caller
 
     async def body(self, request: Request, schema: type[Body]) -> Body:
         limits = self.settings.limits
@@ -195,8 +215,8 @@ class _Routes:
 class InferenceRoutes(_Routes):
     """Generation and read-only calls: open, unless `protect_inference` puts them behind the token."""
 
-    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str]):
-        super().__init__(backend, settings, scrub)
+    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs):
+        super().__init__(backend, settings, scrub, runs)
         self._token_text = cached_token_text(settings.decode)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -272,8 +292,9 @@ class InferenceRoutes(_Routes):
 
     @route("POST", "/v1/completions")
     async def completions(self, request: Request) -> JSONResponse:
-        self.authorize(request)
+        caller = self.authorize(request)
         body = await self.body(request, CompletionBody)
+        caller.check_use(self.resolve_model(body.model), self.settings.base_model)
         prompts = body.prompts()
         limits = self.settings.limits
         limits.check_fanout(len(prompts), body.n)
@@ -311,8 +332,9 @@ class InferenceRoutes(_Routes):
 
     @route("POST", "/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
-        self.authorize(request)
+        caller = self.authorize(request)
         body = await self.body(request, ChatCompletionBody)
+        caller.check_use(self.resolve_model(body.model), self.settings.base_model)
         messages = body.conversation()
         self.settings.limits.check_fanout(1, body.n)
         self.settings.limits.check_text(body.texts(messages))
@@ -341,7 +363,7 @@ class InferenceRoutes(_Routes):
 
     @route("GET", "/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        caller = self.authorize(request)
         listed = all_or_raise(await self.backend.broadcast("list_adapters"))
         now, base, max_model_len = int(time.time()), self.settings.base_model, self.settings.max_model_len
 
@@ -359,6 +381,8 @@ class InferenceRoutes(_Routes):
         adapters: dict[str, dict] = {}
         for replica in listed:
             for a in replica["adapters"]:
+                if not caller.may_use(a["name"], base):  # a run sees its own adapters only
+                    continue
                 listing = adapters.setdefault(
                     a["name"], {**entry(a["name"], a["source"], base), "replicas": 0, "sha256": a.get("sha256")}
                 )
@@ -394,8 +418,12 @@ class InferenceRoutes(_Routes):
 
     @route("GET", "/engine/stats")
     async def engine_stats(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
-        return {"replicas": all_or_raise(await self.backend.broadcast("engine_stats"))}
+        caller = self.authorize(request)
+        replicas = all_or_raise(await self.backend.broadcast("engine_stats"))
+        base = self.settings.base_model
+        for stats in replicas:  # other runs' adapter names are theirs
+            stats["adapters"] = [a for a in stats.get("adapters", []) if caller.may_use(a, base)]
+        return {"replicas": replicas}
 
 
 class AdminRoutes(_Routes):
@@ -404,22 +432,25 @@ class AdminRoutes(_Routes):
 
     ADMIN = True
 
-    def authorize(self, request: Request) -> None:
-        super().authorize(request)
+    def authorize(self, request: Request) -> Caller:
+        caller = super().authorize(request)
         require_json(request)
+        return caller
 
     @route("POST", "/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        caller = self.authorize(request)
         body = await self.body(request, LoadAdapterBody)
+        caller.check_owns(body.lora_name)
         if body.load_inplace:
             raise ApiError(400, "load_inplace: not supported; publish a new version under a new name")
         return await load_everywhere(self.backend, body.lora_name, body.lora_path)
 
     @route("POST", "/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        caller = self.authorize(request)
         body = await self.body(request, UnloadAdapterBody)
+        caller.check_owns(body.lora_name)
         results = all_or_raise(await self.backend.broadcast("unload_adapter", body.lora_name))
         return {
             "status": "ok",
@@ -430,7 +461,7 @@ class AdminRoutes(_Routes):
 
     @route("POST", "/pause")
     async def pause(self, request: Request, mode: str = "keep") -> dict[str, Any]:
-        self.authorize(request)
+        self.authorize(request).check_admin("pausing the fleet")
         if mode not in PAUSE_MODES:
             raise ApiError(400, f"mode: expected one of {', '.join(PAUSE_MODES)}")
         results = await self.backend.broadcast("pause", mode)
@@ -444,14 +475,41 @@ class AdminRoutes(_Routes):
 
     @route("POST", "/resume")
     async def resume(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        self.authorize(request).check_admin("resuming the fleet")
         return {"status": "resumed", "replicas": len(all_or_raise(await self.backend.broadcast("resume")))}
 
     @route("POST", "/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        self.authorize(request).check_admin("resetting the prefix cache")
         results = all_or_raise(await self.backend.broadcast("reset_prefix_cache"))
         return {"success": all(r["success"] for r in results), "replicas": len(results)}
+
+    # ---- runs: the tenants of a shared fleet (`deployments.runs`) ---------------------------------
+
+    @route("POST", "/v1/runs")
+    async def register_run(self, request: Request) -> dict[str, Any]:
+        self.authorize(request).check_admin("registering a run")
+        body = await self.body(request, RunBody)
+        token = self.runs.register(body.name)
+        log.info("fleet ingress: registered run %s (%d runs)", body.name, len(self.runs.names()))
+        return {"name": body.name, "token": token}
+
+    @route("GET", "/v1/runs")
+    async def list_runs(self, request: Request) -> dict[str, Any]:
+        self.authorize(request).check_admin("listing the runs")
+        return {"runs": self.runs.names()}
+
+    @route("DELETE", "/v1/runs/{name}")
+    async def remove_run(self, request: Request, name: str) -> dict[str, Any]:
+        """Forget the run (its token stops working at once) and unload its adapters everywhere."""
+        self.authorize(request).check_admin("removing a run")
+        self.runs.remove(name)
+        listed = all_or_raise(await self.backend.broadcast("list_adapters"))
+        names = sorted({a["name"] for r in listed for a in r["adapters"] if split_run(a["name"])[0] == name})
+        for adapter in names:
+            all_or_raise(await self.backend.broadcast("unload_adapter", adapter))
+        log.info("fleet ingress: removed run %s, unloaded %s", name, names or "nothing")
+        return {"status": "removed", "name": name, "unloaded": names}
 
 
 def require_json(request: Request) -> None:

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
+from deployments.names import MAX_ADAPTER_NAME_CHARS
 from deployments.protocol import SampledChoice, Sampling
 
 ERROR_KINDS = {
@@ -273,7 +274,7 @@ class ChatCompletionBody(_SamplingBody):
 class LoadAdapterBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    lora_name: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
+    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=PRINTABLE)
     lora_path: str = Field(min_length=1, max_length=4096, pattern=PRINTABLE)
     load_inplace: bool = False
 
@@ -281,7 +282,15 @@ class LoadAdapterBody(BaseModel):
 class UnloadAdapterBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    lora_name: str = Field(min_length=1, max_length=128, pattern=PRINTABLE)
+    lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=PRINTABLE)
+
+
+class RunBody(BaseModel):
+    """`POST /v1/runs`: the run to register (`deployments.names.RUN_NAME`, checked by the registry)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=PRINTABLE)
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -171,6 +171,8 @@ class Ingress:
             protect_inference=cfg.fleet.protect_inference,
             num_replicas=cfg.fleet.num_replicas,
             limits=RequestLimits.of(cfg.fleet),
+            max_loras=cfg.max_loras,
+            window=cfg.grpo.max_staleness + 1,
         )
         self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
         self._app = make_app(self._backend, settings)

@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import logging
 import os
-import re
 import secrets
 import time
 import uuid
@@ -45,7 +44,7 @@ from app.config import RunConfig
 from app.messages import adapter_name
 from app.weight_sync import CommittedVersions
 from deployments.engine_watchdog import engine_processes, start_watchdog
-from deployments.names import ADAPTER_NAME
+from deployments.names import bucket_version, is_adapter_name, run_bucket_url, split_run
 from deployments.protocol import (
     PAUSE_MODES,
     BadRequest,
@@ -61,9 +60,6 @@ from deployments.protocol import (
 from deployments.slots import Held, eviction_order, pinned
 
 log = logging.getLogger("ray.serve")
-
-# `policy-v{N}` is reserved for bucket versions; other names (`deployments.names`) load from trusted folders.
-POLICY_NAME = re.compile(r"policy-v(0|[1-9][0-9]*)")
 
 
 @dataclass
@@ -297,14 +293,7 @@ class VLLMReplica:
         engine_block = self.engine.vllm_config.cache_config.block_size
         if engine_block != self.block_size:  # the router's hashes would not be the engine's cache keys
             raise RuntimeError(f"engine block size {engine_block} != router block size {self.block_size}")
-        self.store = AdapterStore(
-            bucket_url,
-            endpoint_url=self.cfg.bucket.endpoint_url,
-            region=self.cfg.bucket.region,
-            max_attempts=self.cfg.bucket.max_attempts,
-            backoff_s=self.cfg.bucket.backoff_s,
-            cache_dir=self.cfg.bucket.cache_dir,
-        )
+        self.store = self._open_store(bucket_url)
         self.trusted_dirs = [Path(d).expanduser().resolve() for d in fleet.extra_adapter_dirs]
         self._init_slots(self.cfg.grpo.max_staleness + 1)
         loaded = await self._load_newest()
@@ -318,6 +307,27 @@ class VLLMReplica:
             loaded,
         )
 
+    def _open_store(self, url: str) -> AdapterStore:
+        b = self.cfg.bucket
+        return AdapterStore(
+            url,
+            endpoint_url=b.endpoint_url,
+            region=b.region,
+            max_attempts=b.max_attempts,
+            backoff_s=b.backoff_s,
+            cache_dir=b.cache_dir,
+        )
+
+    def _bucket(self, run: str | None) -> tuple[AdapterStore, CommittedVersions]:
+        """The store of the fleet's own versions (`run` None), or of a run's, under its prefix of the bucket."""
+        if run is None:
+            return self.store, self._versions
+        if run not in self._run_buckets:
+            store = self._open_store(run_bucket_url(self.store.url, run))
+            versions = CommittedVersions(store, self._window, self.cfg.fleet.version_listing_interval_s)
+            self._run_buckets[run] = (store, versions)
+        return self._run_buckets[run]
+
     def _init_slots(self, window: int) -> None:
         """The adapter bookkeeping: what the engine holds under which name, and what it may drop."""
         self._adapters: dict[str, _Adapter] = {}  # served now, by name
@@ -330,6 +340,7 @@ class VLLMReplica:
         self._ids = itertools.count(1)
         self._window = window
         self._versions = CommittedVersions(self.store, window, self.cfg.fleet.version_listing_interval_s)
+        self._run_buckets: dict[str, tuple[AdapterStore, CommittedVersions]] = {}
 
     async def _load_newest(self) -> list[str]:
         """Load the versions the fleet serves (`app.weight_sync` decides which), oldest first."""
@@ -420,11 +431,11 @@ class VLLMReplica:
         adapter = self._adapters.get(model)
         if adapter is not None:
             return adapter
-        match = POLICY_NAME.fullmatch(model)
-        if match and model not in self._unloaded and await self._versions.is_committed(int(match.group(1))):
+        run, number = bucket_version(model) or (None, None)
+        if number is not None and model not in self._unloaded and await self._bucket(run)[1].is_committed(number):
             # Committed, so never a 404: published while this replica was starting, a missed broadcast,
-            # or evicted from its LoRA slot. The bucket is the record; load it now.
-            await self.load_adapter(model, model)
+            # or evicted from its LoRA slot. The bucket (the run's prefix of it) is the record; load it now.
+            await self.load_adapter(model, adapter_name(number))
             adapter = self._adapters.get(model)
             if adapter is not None:  # `_sample` counts it in flight before anything can evict it
                 return adapter
@@ -440,8 +451,10 @@ class VLLMReplica:
         """Pull and add an adapter. Loading a name again is a no-op when the files are the same (by sha256),
         wherever they come from; with other files it is a reload: requests from then on get the new
         weights, requests in flight finish on the old ones, which then leave the engine."""
-        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name) or name == self.base_model:
-            raise BadRequest(f"lora_name {str(name)[:130]!r}: expected letters, digits, '.', '_' or '-'")
+        if not is_adapter_name(name) or name == self.base_model:
+            raise BadRequest(
+                f"lora_name {str(name)[:170]!r}: expected letters, digits, '.', '_' or '-', after '<run>/' for a run's"
+            )
         async with self._locks.setdefault(name, asyncio.Lock()):
             source, path = await self._fetch(name, ref)
             digest = await asyncio.to_thread(folder_digest, path)
@@ -508,17 +521,26 @@ class VLLMReplica:
                 await asyncio.wait_for(self._slot_freed.wait(), remaining)
 
     async def _fetch(self, name: str, ref: str) -> tuple[str, Path]:
-        """(source, verified local folder) for a reference: a bucket version, or a trusted local folder."""
+        """(source, verified local folder) for a reference: a bucket version, or a trusted local folder.
+
+        A run's adapter (`alice/policy-v3`) comes only from the run's own prefix of the bucket: its
+        `lora_path` is resolved there (`adapters/policy-v3`, or that prefix's URL of it), never elsewhere."""
+        run, local = split_run(name)
+        store, versions = self._bucket(run)
         try:
-            version = self.store.resolve(ref)
+            version = store.resolve(ref)
         except InvalidName:
+            if run is not None:
+                raise BadRequest(
+                    f"lora_path {redact(str(ref))[:300]!r}: run {run!r} loads only from {redact(store.url)}"
+                ) from None
             return self._trusted_folder(name, ref)
-        if name != adapter_name(version):
+        if local != adapter_name(version):
             raise BadRequest(f"lora_name {name!r} does not name the bucket version {adapter_name(version)}")
         try:
-            folder = await asyncio.to_thread(self.store.fetch, version)
-            self._versions.remember(version)
-            return self.store.url_of(version), folder
+            folder = await asyncio.to_thread(store.fetch, version)
+            versions.remember(version)
+            return store.url_of(version), folder
         except VersionNotFound:
             raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None
         except IntegrityError as e:
@@ -529,7 +551,7 @@ class VLLMReplica:
     def _trusted_folder(self, name: str, ref: str) -> tuple[str, Path]:
         """A PEFT folder under one of `fleet.extra_adapter_dirs` (TRL's own trainer writes adapters there)."""
         refused = BadRequest(f"lora_path {redact(str(ref))[:300]!r} is outside the bucket {redact(self.store.url)}")
-        if not self.trusted_dirs or POLICY_NAME.fullmatch(name) or not isinstance(ref, str):
+        if not self.trusted_dirs or bucket_version(name) or not isinstance(ref, str):
             raise refused
         path = ref.removeprefix("file://")
         if not os.path.isabs(path):

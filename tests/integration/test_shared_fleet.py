@@ -113,3 +113,55 @@ def test_lora_slots_are_a_cache_where_an_evicted_committed_version_comes_back_on
     for stats in fleet.client.engine_stats():
         assert len(stats["adapters"]) + stats["draining"] <= MAX_LORAS
         assert stats["engine_adapters"] == len(stats["adapters"]) + stats["draining"]
+
+
+def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_bucket(fleet):
+    from app.bucket.store import AdapterStore
+    from app.fleet_client import FleetClient
+    from deployments.names import run_bucket_url
+
+    admin = fleet.client
+    tokens = {run: admin.register_run(run)["token"] for run in ("alice", "bob")}
+    with pytest.raises(FleetError) as full:  # the fleet's own lineage and two runs pin all 7 slots
+        admin.register_run("carol")
+    assert full.value.status == 409 and "fleet.max_loras=7" in str(full.value)
+    stores = {}
+    for seed, run in enumerate(("alice", "bob"), start=101):
+        stores[run] = AdapterStore(run_bucket_url(fleet.store.url, run), cache_dir=fleet.work / "cache")
+        stores[run].publish(random_adapter(fleet.model_path, fleet.work / f"{run}-v1", seed=seed), 1)
+    alice, bob = (FleetClient(fleet.url, token=tokens[run]) for run in ("alice", "bob"))
+    try:
+        alice.load_adapter("alice/policy-v1", "adapters/policy-v1")  # a path inside her own prefix
+        bob.load_adapter("bob/policy-v1", stores["bob"].url_of(1))
+        assert [m["id"] for m in alice.models()] == [fleet.base, "alice/policy-v1"]
+        hers, his = greedy(alice, "alice/policy-v1"), greedy(bob, "bob/policy-v1")
+        assert not same_weights(hers, his)  # one version number, two runs, two adapters
+        assert alice.completions(PROMPTS[0], fleet.base, max_tokens=2)
+
+        refused = [
+            lambda: alice.completions(PROMPTS[0], "bob/policy-v1", max_tokens=2),
+            lambda: alice.completions(PROMPTS[0], "policy-v1", max_tokens=2),  # the fleet's own
+            lambda: alice.load_adapter("bob/policy-v2", stores["bob"].url_of(1)),
+            lambda: alice.unload_adapter("bob/policy-v1"),
+            lambda: alice.pause(),
+            lambda: alice.register_run("mallory"),
+        ]
+        for call in refused:
+            with pytest.raises(FleetError) as denied:
+                call()
+            assert denied.value.status == 403
+        with pytest.raises(FleetError) as outside:  # her name, bob's files
+            alice.load_adapter("alice/policy-v1", stores["bob"].url_of(1))
+        assert outside.value.status == 400
+        assert same_weights(greedy(bob, "bob/policy-v1"), his)  # bob's adapter untouched by all of that
+
+        removed = admin.remove_run("alice")
+        assert removed["unloaded"] == ["alice/policy-v1"]
+        assert not [m for m in admin.models() if m["id"].startswith("alice/")]
+        with pytest.raises(FleetError) as gone:
+            alice.load_adapter("alice/policy-v1", "adapters/policy-v1")
+        assert gone.value.status == 401
+        assert admin.register_run("carol")["name"] == "carol"  # alice's slots are free again
+    finally:
+        alice.close()
+        bob.close()

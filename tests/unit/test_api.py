@@ -26,7 +26,7 @@ class FakeBackend:
 
     async def generate(self, request: GenerateRequest) -> Generated:
         self.calls.append(("generate", request))
-        if request.model not in (BASE, "policy-v1"):
+        if request.model not in (BASE, "policy-v1", "alice/policy-v1", "bob/policy-v1"):
             raise ModelNotFound(f"model {request.model!r} is not loaded")
         sampling = request.sampling
         top = [{5: -0.5, 9: -2.0}, {6: -1.0, 9: -2.5}, {7: -1.5, 9: -3.0}] if sampling.logprobs else None

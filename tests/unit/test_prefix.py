@@ -18,6 +18,9 @@ def test_block_hashes_cover_full_blocks_only_and_chain():
     # A different adapter is a different namespace from the first block on.
     other = block_hashes(ids, 16, "policy-v2")
     assert not set(other) & set(hashes)
+    # Runs' adapters of the same version are namespaced by the full name (`alice/policy-v1`): never shared.
+    alice, bob = block_hashes(ids, 16, "alice/policy-v1"), block_hashes(ids, 16, "bob/policy-v1")
+    assert not set(alice) & set(bob) and not set(alice) & set(hashes)
     assert block_hashes(ids[:15], 16, "policy-v1") == []
     with pytest.raises(ValueError):
         block_hashes(ids, 0, "x")

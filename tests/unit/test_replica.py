@@ -400,3 +400,40 @@ def test_an_evicted_committed_version_is_loaded_again_on_demand_never_a_404(tmp_
     assert {"policy-v3", "policy-v4"} <= set(replica._adapters)
     with pytest.raises(ModelNotFound):  # never committed: still a 404
         asyncio.run(replica.generate(GenerateRequest([1, 2], "policy-v0", Sampling())))
+
+
+def test_a_runs_adapters_load_only_from_its_own_prefix_of_the_bucket(tmp_path):
+    from app.bucket.store import AdapterStore
+    from deployments.names import run_bucket_url
+
+    replica = _loading_replica(tmp_path, 2, "fleet.max_loras=3", "grpo.max_staleness=1")
+    alice = AdapterStore(run_bucket_url(replica.store.url, "alice"), cache_dir=tmp_path / "cache")
+    bob = AdapterStore(run_bucket_url(replica.store.url, "bob"), cache_dir=tmp_path / "cache")
+    replica.store.publish(_adapter_folder(tmp_path / "own", b"the fleet's own v1"), 1)
+    alice.publish(_adapter_folder(tmp_path / "alice", b"alice's v1"), 1)
+    bob.publish(_adapter_folder(tmp_path / "bob", b"bob's v1"), 1)
+    _adapter_folder(tmp_path / "trl" / "x", b"a trusted folder")
+
+    async def scenario():
+        assert (await replica.load_adapter("alice/policy-v1", "adapters/policy-v1"))["loaded"]
+        assert (await replica.load_adapter("bob/policy-v1", bob.url_of(1)))["loaded"]
+        for name, ref in (
+            ("alice/policy-v1", replica.store.url_of(1)),  # the fleet's own version
+            ("alice/policy-v1", bob.url_of(1)),  # another run's
+            ("alice/policy-v1", f"{alice.url}/../bob/adapters/policy-v1"),
+            ("alice/x", str(tmp_path / "trl" / "x")),  # a trusted folder is for the fleet's own names
+            ("Alice/policy-v1", "adapters/policy-v1"),  # not a run name
+        ):
+            with pytest.raises(BadRequest):
+                await replica.load_adapter(name, ref)
+        await replica.unload_adapter("alice/policy-v1")
+        replica._unloaded.clear()  # as if evicted: asked for again, it comes back from alice's prefix
+        served = await replica.generate(GenerateRequest([1], "alice/policy-v1", Sampling()))
+        with pytest.raises(ModelNotFound):  # committed at the root and in alice's prefix, not in carol's
+            await replica.generate(GenerateRequest([1], "carol/policy-v1", Sampling()))
+        return served
+
+    assert asyncio.run(scenario()).choices
+    assert replica._adapters["alice/policy-v1"].source == alice.url_of(1)
+    digests = {a.digest for a in replica._adapters.values()}
+    assert len(digests) == len(replica._adapters)  # alice's and bob's v1 are different files

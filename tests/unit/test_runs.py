@@ -1,0 +1,151 @@
+"""Runs as tenants of one fleet (`deployments.runs`, the `/v1/runs` calls of `deployments.api`) over a fake
+backend: who may register, what a run's token may sample, load, unload and see, what the admin may, when a
+run no longer fits, and that a run's token shows nowhere but in the answer that mints it."""
+
+import logging
+
+import pytest
+from fastapi.testclient import TestClient
+
+from deployments.api import make_app
+from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
+
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _bearer(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def fleet():
+    backend = FakeBackend()
+    return backend, TestClient(make_app(backend, _settings(max_loras=7, window=2)))
+
+
+def _register(client, name):
+    r = client.post("/v1/runs", json={"name": name}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert r.json()["name"] == name and r.json()["token"].startswith("spotrl-run-")
+    return r.json()["token"]
+
+
+def _sample(client, model, headers=None):
+    return client.post("/v1/completions", json={"model": model, "prompt": [1], "max_tokens": 1}, headers=headers)
+
+
+def _load(client, name, headers):
+    return client.post(
+        "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "adapters/policy-v2"}, headers=headers
+    )
+
+
+def test_only_the_admin_registers_lists_and_removes_runs(fleet):
+    _, client = fleet
+    alice = _register(client, "alice")
+    assert client.post("/v1/runs", json={"name": "bob"}).status_code == 401
+    for call in (
+        lambda h: client.post("/v1/runs", json={"name": "bob"}, headers=h),
+        lambda h: client.get("/v1/runs", headers=h),
+        lambda h: client.delete("/v1/runs/alice", headers=h),
+    ):
+        r = call(_bearer(alice))
+        assert r.status_code == 403 and "admin token" in r.json()["error"]["message"]
+    assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": ["alice"]}
+    for name, status in (("Alice", 400), ("a/b", 400), ("-x", 400), ("x" * 33, 400), ("alice", 409)):
+        r = client.post("/v1/runs", json={"name": name}, headers=ADMIN)
+        assert r.status_code == status, (name, r.text)
+    assert client.post("/v1/runs", json={"name": "bob", "quota": 3}, headers=ADMIN).status_code == 400
+    assert client.delete("/v1/runs/carol", headers=ADMIN).status_code == 404
+
+
+def test_registration_is_refused_when_the_pinned_sets_no_longer_fit_the_slots(fleet):
+    _, client = fleet
+    _register(client, "alice")
+    _register(client, "bob")  # the fleet's own lineage + 2 runs, 2 versions each, 1 to load into: 7 slots
+    r = client.post("/v1/runs", json={"name": "carol"}, headers=ADMIN)
+    assert r.status_code == 409
+    assert "fleet.max_loras=7" in r.json()["error"]["message"] and "9 LoRA slots" in r.json()["error"]["message"]
+    client.delete("/v1/runs/bob", headers=ADMIN)
+    _register(client, "carol")  # room again
+
+
+def test_a_run_token_reaches_the_base_model_and_its_own_adapters_only(fleet):
+    backend, client = fleet
+    alice, bob = _register(client, "alice"), _register(client, "bob")
+    backend.adapters = {0: {"policy-v1", "alice/policy-v1", "bob/policy-v1"}, 1: {"alice/policy-v1", "bob/policy-v1"}}
+    mine = _bearer(alice)
+    assert _sample(client, BASE, mine).status_code == 200
+    assert _sample(client, "tiny", mine).status_code == 200  # the base model's alias
+    assert _sample(client, "alice/policy-v1", mine).status_code == 200
+    for other in ("bob/policy-v1", "policy-v1"):
+        r = _sample(client, other, mine)
+        assert r.status_code == 403 and "only its own adapters" in r.json()["error"]["message"], other
+    chat = {"model": "bob/policy-v1", "messages": [{"role": "user", "content": "ab"}], "max_tokens": 1}
+    assert client.post("/v1/chat/completions", json=chat, headers=mine).status_code == 403
+    assert [m["id"] for m in client.get("/v1/models", headers=mine).json()["data"]] == [BASE, "alice/policy-v1"]
+    assert all(s["adapters"] == [] for s in client.get("/engine/stats", headers=mine).json()["replicas"])
+
+    assert _load(client, "alice/policy-v2", mine).status_code == 200
+    for other in ("bob/policy-v2", "policy-v2", "trl-policy-v2"):
+        r = _load(client, other, mine)
+        assert r.status_code == 403 and "own adapters (alice/<name>)" in r.json()["error"]["message"], other
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": other}, headers=mine)
+        assert r.status_code == 403, other
+    assert (
+        client.post("/v1/unload_lora_adapter", json={"lora_name": "alice/policy-v2"}, headers=mine).status_code == 200
+    )
+    for path in ("/pause", "/resume", "/reset_prefix_cache"):  # they stop or change every run's work
+        assert client.post(path, headers=mine).status_code == 403, path
+    assert "bob/policy-v1" in {a for r in backend.adapters.values() for a in r}  # bob's untouched throughout
+
+    # Without a token (inference is open): the fleet's own adapters, never a run's.
+    assert _sample(client, "policy-v1").status_code == 200
+    assert _sample(client, "alice/policy-v1").status_code == 403
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [BASE, "policy-v1"]
+    # The admin: everything.
+    assert _sample(client, "bob/policy-v1", ADMIN).status_code == 200
+    assert len(client.get("/v1/models", headers=ADMIN).json()["data"]) == 4
+    assert _load(client, "bob/policy-v2", ADMIN).status_code == 200
+    assert _sample(client, "bob/policy-v1", _bearer(bob)).status_code == 200
+
+
+def test_a_removed_run_loses_its_token_and_its_adapters(fleet):
+    backend, client = fleet
+    alice = _register(client, "alice")
+    _register(client, "bob")
+    backend.adapters = {0: {"alice/policy-v1", "alice/policy-v2", "bob/policy-v1"}, 1: {"alice/policy-v2"}}
+    r = client.delete("/v1/runs/alice", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["unloaded"] == ["alice/policy-v1", "alice/policy-v2"]
+    assert backend.adapters == {0: {"bob/policy-v1"}, 1: set()}
+    assert _load(client, "alice/policy-v3", _bearer(alice)).status_code == 401
+    assert _sample(client, "alice/policy-v1", _bearer(alice)).status_code == 403  # anonymous now
+    assert _register(client, "alice") != alice  # registering again mints a new token
+
+
+def test_a_run_token_shows_nowhere_but_in_the_answer_that_mints_it(fleet, caplog):
+    from app.auth import redact
+
+    caplog.set_level(logging.DEBUG)
+    _, client = fleet
+    token = _register(client, "alice")
+    assert token not in client.get("/v1/runs", headers=ADMIN).text
+    responses = [
+        _sample(client, token, _bearer(token)),  # a model named like the token: 403, the name scrubbed
+        _sample(client, f"alice/{token}", _bearer(token)),  # 404 naming the model
+        client.post("/v1/runs", json={"name": token}, headers=ADMIN),  # 400 quoting the name
+        _load(client, "bob/x", _bearer(token + "x")),  # a wrong token: 401
+    ]
+    assert [r.status_code for r in responses] == [403, 404, 400, 401]
+    assert not [r.text for r in responses if token in r.text]
+    assert token not in caplog.text
+    assert redact(f"Authorization: Bearer {token}") == "Authorization: Bearer ***"
+
+
+def test_the_registry_keeps_only_the_tokens_sha256():
+    from deployments.runs import Runs
+
+    runs = Runs(max_loras=7, window=2)
+    token = runs.register("alice")
+    assert runs.run_of(token) == "alice" and runs.run_of(token + "x") is None
+    assert token not in repr(runs) and token not in repr(vars(runs))
