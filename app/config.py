@@ -237,6 +237,9 @@ class FleetConfig(Section):
     lora_slot_wait_s: float = Field(
         30.0, ge=0, description="How long a load waits for a free LoRA slot while every adapter has requests in flight."
     )
+    run_idle_timeout_s: float = Field(
+        600.0, gt=0, description="A run silent this long (no request, no heartbeat) is released: token, adapters."
+    )
     extra_adapter_dirs: list[str] = Field(
         default_factory=list,
         description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",

@@ -231,6 +231,14 @@ class FleetClient:
         """Forget a run (its token stops working) and unload its adapters (admin token)."""
         return self._request("DELETE", f"/v1/runs/{name}")
 
+    def list_runs(self) -> list[str]:
+        """The runs registered on a shared fleet (admin token)."""
+        return self._request("GET", "/v1/runs")["runs"]
+
+    def heartbeat(self, name: str) -> dict[str, Any]:
+        """Tell a shared fleet that run `name` is alive (its token or the admin's); any request of the run counts too."""
+        return self._request("POST", f"/v1/runs/{name}/heartbeat")
+
     def pause(self, mode: str = "keep") -> dict[str, Any]:
         return self._request("POST", "/pause", params={"mode": mode})
 

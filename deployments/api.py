@@ -113,6 +113,7 @@ class ApiSettings:
     limits: RequestLimits = field(default_factory=lambda: RequestLimits.of(FleetConfig()))
     max_loras: int = 4  # LoRA slots per engine: how many runs fit (`deployments.runs`)
     window: int = 3  # max_staleness + 1: the versions each run pins
+    run_idle_timeout_s: float = 600.0  # a run silent for this long is released
 
 
 def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None) -> FastAPI:
@@ -127,7 +128,7 @@ def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None) 
     replies = ErrorReplies(settings.admin_token)
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
-    runs = runs if runs is not None else Runs(settings.max_loras, settings.window)
+    runs = runs if runs is not None else Runs(settings.max_loras, settings.window, settings.run_idle_timeout_s)
     InferenceRoutes(backend, settings, replies.scrub, runs).register(app)
     AdminRoutes(backend, settings, replies.scrub, runs).register(app)
     return app
@@ -200,11 +201,19 @@ class _Routes:
             return Caller(run=run)
         return ANONYMOUS if token else ADMIN
 
-    def authorize(self, request: Request) -> Caller:
+    async def authorize(self, request: Request) -> Caller:
+        await self.release_idle_runs()
         caller = self.caller(request)
         if caller is ANONYMOUS and (self.ADMIN or self.settings.protect_inference):
             raise ApiError(401, "missing or invalid token (send Authorization: Bearer <token>, or Basic auth)")
         return caller
+
+    async def release_idle_runs(self) -> None:
+        """Release the runs gone silent for `fleet.run_idle_timeout_s` (`deployments.runs`): whichever request
+        comes first after the timeout frees their slots, before it needs any itself."""
+        for name in self.runs.take_idle():
+            log.warning("fleet ingress: run %s sent nothing for %.0fs: released", name, self.runs.idle_timeout_s)
+            await unload_run(self.backend, name)
 
     async def body(self, request: Request, schema: type[Body]) -> Body:
         limits = self.settings.limits
@@ -292,7 +301,7 @@ class InferenceRoutes(_Routes):
 
     @route("POST", "/v1/completions")
     async def completions(self, request: Request) -> JSONResponse:
-        caller = self.authorize(request)
+        caller = await self.authorize(request)
         body = await self.body(request, CompletionBody)
         caller.check_use(self.resolve_model(body.model), self.settings.base_model)
         prompts = body.prompts()
@@ -332,7 +341,7 @@ class InferenceRoutes(_Routes):
 
     @route("POST", "/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
-        caller = self.authorize(request)
+        caller = await self.authorize(request)
         body = await self.body(request, ChatCompletionBody)
         caller.check_use(self.resolve_model(body.model), self.settings.base_model)
         messages = body.conversation()
@@ -363,7 +372,7 @@ class InferenceRoutes(_Routes):
 
     @route("GET", "/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
-        caller = self.authorize(request)
+        caller = await self.authorize(request)
         listed = all_or_raise(await self.backend.broadcast("list_adapters"))
         now, base, max_model_len = int(time.time()), self.settings.base_model, self.settings.max_model_len
 
@@ -402,7 +411,7 @@ class InferenceRoutes(_Routes):
 
     @route("GET", "/server_info")
     async def server_info(self, request: Request, config_format: str = "text") -> dict[str, Any]:
-        self.authorize(request)
+        await self.authorize(request)
         if config_format not in ("text", "json"):
             raise ApiError(400, "config_format: expected text or json")
         info = await self.backend.server_info()
@@ -413,12 +422,12 @@ class InferenceRoutes(_Routes):
 
     @route("GET", "/router/stats")
     async def router_stats(self, request: Request) -> dict[str, Any]:
-        self.authorize(request)
+        await self.authorize(request)
         return self.backend.router_stats()
 
     @route("GET", "/engine/stats")
     async def engine_stats(self, request: Request) -> dict[str, Any]:
-        caller = self.authorize(request)
+        caller = await self.authorize(request)
         replicas = all_or_raise(await self.backend.broadcast("engine_stats"))
         base = self.settings.base_model
         for stats in replicas:  # other runs' adapter names are theirs
@@ -432,14 +441,14 @@ class AdminRoutes(_Routes):
 
     ADMIN = True
 
-    def authorize(self, request: Request) -> Caller:
-        caller = super().authorize(request)
+    async def authorize(self, request: Request) -> Caller:
+        caller = await super().authorize(request)
         require_json(request)
         return caller
 
     @route("POST", "/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> dict[str, Any]:
-        caller = self.authorize(request)
+        caller = await self.authorize(request)
         body = await self.body(request, LoadAdapterBody)
         caller.check_owns(body.lora_name)
         if body.load_inplace:
@@ -448,7 +457,7 @@ class AdminRoutes(_Routes):
 
     @route("POST", "/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> dict[str, Any]:
-        caller = self.authorize(request)
+        caller = await self.authorize(request)
         body = await self.body(request, UnloadAdapterBody)
         caller.check_owns(body.lora_name)
         results = all_or_raise(await self.backend.broadcast("unload_adapter", body.lora_name))
@@ -461,7 +470,7 @@ class AdminRoutes(_Routes):
 
     @route("POST", "/pause")
     async def pause(self, request: Request, mode: str = "keep") -> dict[str, Any]:
-        self.authorize(request).check_admin("pausing the fleet")
+        (await self.authorize(request)).check_admin("pausing the fleet")
         if mode not in PAUSE_MODES:
             raise ApiError(400, f"mode: expected one of {', '.join(PAUSE_MODES)}")
         results = await self.backend.broadcast("pause", mode)
@@ -475,12 +484,12 @@ class AdminRoutes(_Routes):
 
     @route("POST", "/resume")
     async def resume(self, request: Request) -> dict[str, Any]:
-        self.authorize(request).check_admin("resuming the fleet")
+        (await self.authorize(request)).check_admin("resuming the fleet")
         return {"status": "resumed", "replicas": len(all_or_raise(await self.backend.broadcast("resume")))}
 
     @route("POST", "/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
-        self.authorize(request).check_admin("resetting the prefix cache")
+        (await self.authorize(request)).check_admin("resetting the prefix cache")
         results = all_or_raise(await self.backend.broadcast("reset_prefix_cache"))
         return {"success": all(r["success"] for r in results), "replicas": len(results)}
 
@@ -488,7 +497,7 @@ class AdminRoutes(_Routes):
 
     @route("POST", "/v1/runs")
     async def register_run(self, request: Request) -> dict[str, Any]:
-        self.authorize(request).check_admin("registering a run")
+        (await self.authorize(request)).check_admin("registering a run")
         body = await self.body(request, RunBody)
         token = self.runs.register(body.name)
         log.info("fleet ingress: registered run %s (%d runs)", body.name, len(self.runs.names()))
@@ -496,20 +505,26 @@ class AdminRoutes(_Routes):
 
     @route("GET", "/v1/runs")
     async def list_runs(self, request: Request) -> dict[str, Any]:
-        self.authorize(request).check_admin("listing the runs")
+        (await self.authorize(request)).check_admin("listing the runs")
         return {"runs": self.runs.names()}
 
     @route("DELETE", "/v1/runs/{name}")
     async def remove_run(self, request: Request, name: str) -> dict[str, Any]:
         """Forget the run (its token stops working at once) and unload its adapters everywhere."""
-        self.authorize(request).check_admin("removing a run")
+        (await self.authorize(request)).check_admin("removing a run")
         self.runs.remove(name)
-        listed = all_or_raise(await self.backend.broadcast("list_adapters"))
-        names = sorted({a["name"] for r in listed for a in r["adapters"] if split_run(a["name"])[0] == name})
-        for adapter in names:
-            all_or_raise(await self.backend.broadcast("unload_adapter", adapter))
+        names = await unload_run(self.backend, name)
         log.info("fleet ingress: removed run %s, unloaded %s", name, names or "nothing")
         return {"status": "removed", "name": name, "unloaded": names}
+
+    @route("POST", "/v1/runs/{name}/heartbeat")
+    async def run_heartbeat(self, request: Request, name: str) -> dict[str, Any]:
+        """A run that is alive but sends nothing else for a while (a long learner step) says so here."""
+        caller = await self.authorize(request)
+        if not caller.admin and caller.run != name:
+            raise ApiError(403, f"run {name[:64]!r}: a run's token keeps only its own run alive")
+        self.runs.heartbeat(name)
+        return {"name": name, "idle_timeout_s": self.runs.idle_timeout_s}
 
 
 def require_json(request: Request) -> None:
@@ -578,6 +593,15 @@ async def _load_all_or_nothing(backend: Backend, name: str, path: str) -> dict[s
         "replicas": len(results),
         "newly_loaded": sum(bool(r["loaded"]) for r in results),
     }
+
+
+async def unload_run(backend: Backend, run: str) -> list[str]:
+    """Unload every adapter of `run` (`<run>/...`) from every live replica; returns their names."""
+    listed = all_or_raise(await backend.broadcast("list_adapters"))
+    names = sorted({a["name"] for r in listed for a in r["adapters"] if split_run(a["name"])[0] == run})
+    for adapter in names:
+        all_or_raise(await backend.broadcast("unload_adapter", adapter))
+    return names
 
 
 def all_or_raise(results: list[Any]) -> list[Any]:

@@ -173,6 +173,7 @@ class Ingress:
             limits=RequestLimits.of(cfg.fleet),
             max_loras=cfg.max_loras,
             window=cfg.grpo.max_staleness + 1,
+            run_idle_timeout_s=cfg.fleet.run_idle_timeout_s,
         )
         self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
         self._app = make_app(self._backend, settings)

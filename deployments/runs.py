@@ -12,6 +12,11 @@ run's adapters come back from the bucket on demand, so a replica that restarts l
 ingress that restarts (its head node lost, the application redeployed) starts with no runs: they
 register again and get new tokens.
 
+A run that says nothing for `fleet.run_idle_timeout_s` (no request with its token, no
+`POST /v1/runs/NAME/heartbeat`) is taken to be dead: killed, preempted, or ended without a DELETE.
+The first request after that releases it (`take_idle`): its token stops working and its adapters
+leave every replica, so its slots serve the others and its place is free for a new run.
+
 Registration is refused (409) when the pinned LoRA slots of every run, plus the fleet's own
 `policy-vN` lineage, would no longer fit `max_loras` (`deployments.slots.slots_needed`): better a
 clear refusal than runs that evict each other's live versions on every request.
@@ -20,6 +25,8 @@ clear refusal than runs that evict each other's live versions on every request.
 from __future__ import annotations
 
 import hmac
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.auth import mint_run_token, token_digest
@@ -70,11 +77,18 @@ ANONYMOUS = Caller()
 
 
 class Runs:
-    """The registered runs of a fleet, by name, each with the sha256 of its token."""
+    """The registered runs of a fleet, by name, each with the sha256 of its token and when it was last heard of."""
 
-    def __init__(self, max_loras: int, window: int):
-        self.max_loras, self.window = max_loras, window
+    def __init__(
+        self,
+        max_loras: int,
+        window: int,
+        idle_timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.max_loras, self.window, self.idle_timeout_s, self._clock = max_loras, window, idle_timeout_s, clock
         self._digests: dict[str, str] = {}  # run -> sha256 of its token
+        self._seen: dict[str, float] = {}  # run -> clock of its latest request or heartbeat
 
     def __repr__(self) -> str:  # names only: there is nothing secret to show, and no reason to try
         return f"Runs({sorted(self._digests)})"
@@ -101,16 +115,32 @@ class Runs:
             )
         token = mint_run_token()
         self._digests[name] = token_digest(token)
+        self._seen[name] = self._clock()
         return token
 
     def remove(self, name: str) -> None:
         if self._digests.pop(name, None) is None:
             raise ApiError(404, f"run {name[:64]!r} is not registered")
+        self._seen.pop(name, None)
 
     def run_of(self, token: str) -> str | None:
-        """The run whose token this is, or None."""
+        """The run whose token this is, or None; a request with it counts as the run's heartbeat."""
         digest = token_digest(token)
         for name, known in self._digests.items():
             if hmac.compare_digest(digest, known):
+                self._seen[name] = self._clock()
                 return name
         return None
+
+    def heartbeat(self, name: str) -> None:
+        if name not in self._digests:
+            raise ApiError(404, f"run {name[:64]!r} is not registered")
+        self._seen[name] = self._clock()
+
+    def take_idle(self) -> list[str]:
+        """Remove and return the runs not heard of for `idle_timeout_s` (at once: no two requests release one)."""
+        now = self._clock()
+        idle = sorted(name for name, seen in self._seen.items() if now - seen > self.idle_timeout_s)
+        for name in idle:
+            self.remove(name)
+        return idle

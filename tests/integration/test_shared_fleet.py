@@ -19,6 +19,7 @@ from tests.integration.test_fleet import _prompt
 TOKEN = "shared-fleet-token-4b8e1d"
 MAX_LORAS = 7
 PAUSE_LEASE_S = 4.0
+RUN_IDLE_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,7 @@ def fleet(tmp_path_factory, tiny_model_path):
         f"fleet.max_loras={MAX_LORAS}",
         f"fleet.extra_adapter_dirs=['{work}/trl']",  # where a TRL trainer writes its adapters
         f"fleet.pause_lease_s={PAUSE_LEASE_S}",
+        f"fleet.run_idle_timeout_s={RUN_IDLE_S}",
     ]
     with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
         yield fleet
@@ -165,3 +167,39 @@ def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_buc
     finally:
         alice.close()
         bob.close()
+
+
+def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet):
+    from app.bucket.store import AdapterStore
+    from app.fleet_client import FleetClient
+    from deployments.names import run_bucket_url
+
+    admin = fleet.client
+    for run in admin.list_runs():  # what earlier tests left registered
+        admin.remove_run(run)
+    tokens = {run: admin.register_run(run)["token"] for run in ("dave", "erin")}
+    dave, erin = (FleetClient(fleet.url, token=tokens[run]) for run in ("dave", "erin"))
+    try:
+        store = AdapterStore(run_bucket_url(fleet.store.url, "dave"), cache_dir=fleet.work / "cache")
+        store.publish(random_adapter(fleet.model_path, fleet.work / "dave-v1", seed=301), 1)
+        dave.load_adapter("dave/policy-v1", "adapters/policy-v1")
+        assert {s["adapters"].count("dave/policy-v1") for s in admin.engine_stats()} == {1}
+        with pytest.raises(FleetError) as full:
+            admin.register_run("frank")
+        assert full.value.status == 409
+        silent_since = time.monotonic()  # dave is killed here: no DELETE, no request, no heartbeat
+        while time.monotonic() - silent_since < RUN_IDLE_S + 2:
+            assert erin.heartbeat("erin")["idle_timeout_s"] == RUN_IDLE_S  # erin is alive and says so
+            time.sleep(5)
+
+        assert admin.register_run("frank")["name"] == "frank"  # dave's place, freed by this very request
+        assert sorted(admin.list_runs()) == ["erin", "frank"]
+        for stats in admin.engine_stats():
+            assert not [a for a in stats["adapters"] if a.startswith("dave/")]  # his slots serve the others
+        with pytest.raises(FleetError) as gone:
+            dave.load_adapter("dave/policy-v1", "adapters/policy-v1")
+        assert gone.value.status == 401
+        assert erin.models()[0]["id"] == fleet.base
+    finally:
+        dave.close()
+        erin.close()

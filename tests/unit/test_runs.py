@@ -149,3 +149,30 @@ def test_the_registry_keeps_only_the_tokens_sha256():
     token = runs.register("alice")
     assert runs.run_of(token) == "alice" and runs.run_of(token + "x") is None
     assert token not in repr(runs) and token not in repr(vars(runs))
+
+
+def test_a_run_that_goes_silent_is_released_by_the_next_request_and_a_heartbeat_keeps_one_alive():
+    """A run killed without a goodbye: after `fleet.run_idle_timeout_s` its token and its slots are freed."""
+    from deployments.runs import Runs
+
+    now = [0.0]
+    backend = FakeBackend()
+    runs = Runs(max_loras=7, window=2, idle_timeout_s=60.0, clock=lambda: now[0])
+    client = TestClient(make_app(backend, _settings(max_loras=7, window=2), runs))
+    alice, bob = _register(client, "alice"), _register(client, "bob")
+    backend.adapters = {0: {"alice/policy-v1", "bob/policy-v1"}, 1: {"alice/policy-v1", "bob/policy-v1"}}
+    assert client.post("/v1/runs", json={"name": "carol"}, headers=ADMIN).status_code == 409  # full
+
+    now[0] = 40.0
+    assert client.post("/v1/runs/bob/heartbeat", headers=_bearer(bob)).json() == {"name": "bob", "idle_timeout_s": 60}
+    assert client.post("/v1/runs/alice/heartbeat", headers=_bearer(bob)).status_code == 403  # only its own
+    now[0] = 70.0  # alice silent for 70 s, bob for 30 s
+    assert client.post("/v1/runs", json={"name": "carol"}, headers=ADMIN).status_code == 200  # alice's place
+    assert backend.adapters == {0: {"bob/policy-v1"}, 1: {"bob/policy-v1"}}
+    assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob", "carol"]}
+    assert _load(client, "alice/policy-v2", _bearer(alice)).status_code == 401
+    now[0] = 95.0
+    assert _sample(client, "bob/policy-v1", _bearer(bob)).status_code == 200  # a request is a heartbeat too
+    now[0] = 150.0  # bob heard of at 95, carol at 70
+    assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob"]}
+    assert client.post("/v1/runs/carol/heartbeat", headers=ADMIN).status_code == 404
