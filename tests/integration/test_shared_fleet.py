@@ -203,3 +203,37 @@ def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet
     finally:
         dave.close()
         erin.close()
+
+
+@pytest.mark.slow
+def test_trls_async_grpo_trainer_is_served_exactly_the_adapters_it_wrote_also_when_a_second_run_reuses_the_folder(
+    fleet, tmp_path
+):
+    """TRL 1.16's AsyncGRPOTrainer as a client like any other (run as `bench/vs_trl.py` runs it: released TRL but
+    for its two CPU-only obstacles, patched there and explained there). Two runs write the same output folder, so
+    the second loads `trl-policy-vN` under the first one's names from the first one's paths, with new files."""
+    import os
+    import subprocess
+    import sys
+
+    out = fleet.work / "trl" / "trl-run"  # under fleet.extra_adapter_dirs
+    netrc = tmp_path / "netrc"  # TRL's admin calls (requests) authenticate through netrc
+    netrc.write_text(f"machine 127.0.0.1\nlogin trl\npassword {TOKEN}\n")
+    netrc.chmod(0o600)
+    env = {**os.environ, "NETRC": str(netrc), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    served_by_run = []
+    for seed in (1, 2):
+        cmd = [sys.executable, "-m", "bench.vs_trl", "--trl-worker", "--url", fleet.url]
+        cmd += ["--model-path", fleet.model_path, "--out", str(out), "--steps", "3"]
+        for override in ("grpo.max_staleness=1", "grpo.weight_sync_steps=1", f"grpo.seed={seed}"):
+            cmd += ["--set", override]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        served = {m["id"]: m["sha256"] for m in fleet.client.models() if m["id"].startswith("trl-policy-v")}
+        on_disk = {name: out / ".vllm_lora" / name for name in served}
+        checked = {name: folder_digest(folder) for name, folder in on_disk.items() if folder.is_dir()}
+        assert checked, f"TRL served {sorted(served)}, none of them on disk under {out / '.vllm_lora'}"
+        assert {name: served[name] for name in checked} == checked  # byte for byte what TRL wrote
+        served_by_run.append(checked)
+    reused = set(served_by_run[0]) & set(served_by_run[1])
+    assert reused and all(served_by_run[0][n] != served_by_run[1][n] for n in reused)  # new files, same names
