@@ -10,7 +10,9 @@ generated tokens are decoded here: what the learner later scores is exactly what
 app is independent of Ray (a `Backend` does the generating and broadcasting), so its parsing, auth
 and error handling are unit-tested with a fake backend; `deployments.ingress` plugs in Ray Serve.
 Handlers are methods of two classes, `InferenceRoutes` and `AdminRoutes`, which differ in who may
-call them; the wire format (bodies, response shapes) lives in `deployments.api_schema`.
+call them; the wire format (bodies, response shapes) lives in `deployments.api_schema`. On a shared
+fleet a caller is the admin, a registered run, or anonymous (`deployments.runs.Caller`): each handler
+checks what that caller may name, so a run's token reaches the base model and its own adapters only.
 
 Errors: a malformed request gets 400 with the reason, an unknown model 404, a missing or wrong
 token 401, a body over `fleet.max_request_bytes` 413 (refused before it is read), an admin call
@@ -213,7 +215,12 @@ class _Routes:
         comes first after the timeout frees their slots, before it needs any itself."""
         for name in self.runs.take_idle():
             log.warning("fleet ingress: run %s sent nothing for %.0fs: released", name, self.runs.idle_timeout_s)
-            await unload_run(self.backend, name)
+            try:
+                await unload_run(self.backend, name)
+            except Exception as e:  # noqa: BLE001 - not this request's failure; its adapters still leave by LRU
+                log.warning(
+                    "fleet ingress: released run %s, could not unload its adapters: %s", name, self.scrub(repr(e))
+                )
 
     async def body(self, request: Request, schema: type[Body]) -> Body:
         limits = self.settings.limits

@@ -176,3 +176,25 @@ def test_a_run_that_goes_silent_is_released_by_the_next_request_and_a_heartbeat_
     now[0] = 150.0  # bob heard of at 95, carol at 70
     assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob"]}
     assert client.post("/v1/runs/carol/heartbeat", headers=ADMIN).status_code == 404
+
+
+def test_a_release_that_cannot_unload_never_fails_the_request_that_triggered_it():
+    from deployments.protocol import ReplicaError
+    from deployments.runs import Runs
+
+    class Failing(FakeBackend):
+        async def broadcast(self, method, *args):
+            if method == "list_adapters" and self.broken:
+                return [ReplicaError("bucket unavailable", 503)]
+            return await super().broadcast(method, *args)
+
+    now, backend = [0.0], Failing()
+    backend.broken = False
+    client = TestClient(
+        make_app(backend, _settings(), Runs(max_loras=7, window=2, idle_timeout_s=60.0, clock=lambda: now[0]))
+    )
+    _register(client, "alice")
+    backend.broken, now[0] = True, 61.0
+    assert _sample(client, BASE).status_code == 200  # someone else's request: answered all the same
+    backend.broken = False
+    assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": []}
