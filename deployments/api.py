@@ -118,8 +118,9 @@ class ApiSettings:
     run_idle_timeout_s: float = 600.0  # a run silent for this long is released
 
 
-def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None) -> FastAPI:
-    """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants."""
+def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None, records=None) -> FastAPI:
+    """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants, `records` (an
+    `app.bucket.store.RunRecords`) where registrations are kept across restarts of the ingress."""
     app = FastAPI(
         title="spotrl fleet",
         docs_url=None,
@@ -131,8 +132,8 @@ def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None) 
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
     runs = runs if runs is not None else Runs(settings.max_loras, settings.window, settings.run_idle_timeout_s)
-    InferenceRoutes(backend, settings, replies.scrub, runs).register(app)
-    AdminRoutes(backend, settings, replies.scrub, runs).register(app)
+    InferenceRoutes(backend, settings, replies.scrub, runs, records).register(app)
+    AdminRoutes(backend, settings, replies.scrub, runs, records).register(app)
     return app
 
 
@@ -180,8 +181,8 @@ class _Routes:
 
     ADMIN = False
 
-    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs):
-        self.backend, self.settings, self.scrub, self.runs = backend, settings, scrub, runs
+    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs, records=None):
+        self.backend, self.settings, self.scrub, self.runs, self.records = backend, settings, scrub, runs, records
 
     def register(self, app: FastAPI) -> None:
         for name in dir(type(self)):
@@ -216,6 +217,8 @@ class _Routes:
         for name in self.runs.take_idle():
             log.warning("fleet ingress: run %s sent nothing for %.0fs: released", name, self.runs.idle_timeout_s)
             try:
+                if self.records is not None:
+                    await offload(self.records.delete, name)
                 await unload_run(self.backend, name)
             except Exception as e:  # noqa: BLE001 - not this request's failure; its adapters still leave by LRU
                 log.warning(
@@ -231,8 +234,8 @@ class _Routes:
 class InferenceRoutes(_Routes):
     """Generation and read-only calls: open, unless `protect_inference` puts them behind the token."""
 
-    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs):
-        super().__init__(backend, settings, scrub, runs)
+    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs, records=None):
+        super().__init__(backend, settings, scrub, runs, records)
         self._token_text = cached_token_text(settings.decode)
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -507,6 +510,12 @@ class AdminRoutes(_Routes):
         (await self.authorize(request)).check_admin("registering a run")
         body = await self.body(request, RunBody)
         token = self.runs.register(body.name)
+        if self.records is not None:
+            try:
+                await offload(self.records.save, body.name, self.runs.digest(body.name))
+            except Exception as e:  # unrecorded, it would be forgotten by the next ingress: not registered
+                self.runs.remove(body.name)
+                raise ApiError(503, f"run {body.name!r} could not be recorded in the bucket: {e}") from None
         log.info("fleet ingress: registered run %s (%d runs)", body.name, len(self.runs.names()))
         return {"name": body.name, "token": token}
 
@@ -519,6 +528,15 @@ class AdminRoutes(_Routes):
     async def remove_run(self, request: Request, name: str) -> dict[str, Any]:
         """Forget the run (its token stops working at once) and unload its adapters everywhere."""
         (await self.authorize(request)).check_admin("removing a run")
+        if name not in self.runs.names():
+            raise ApiError(404, f"run {name[:64]!r} is not registered")
+        if self.records is not None:  # first: a record left behind would bring the run back after a restart
+            try:
+                await offload(self.records.delete, name)
+            except Exception as e:
+                raise ApiError(
+                    503, f"run {name!r} could not be removed from the bucket, still registered: {e}"
+                ) from None
         self.runs.remove(name)
         names = await unload_run(self.backend, name)
         log.info("fleet ingress: removed run %s, unloaded %s", name, names or "nothing")

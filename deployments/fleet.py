@@ -102,7 +102,9 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
     # The router class is part of the ingress's arguments so that changing it restarts the ingress,
     # whose handle then builds the new router (the benchmark swaps routers on the same replicas).
     secret = Secret(token) if token else None
-    return ingress.bind(replica, model_path, aliases, model_path, config, secret, request_router_class, http_host)
+    return ingress.bind(
+        replica, model_path, aliases, model_path, config, secret, request_router_class, http_host, bucket_url
+    )
 
 
 def build_app(args: dict[str, Any]):

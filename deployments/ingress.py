@@ -26,12 +26,14 @@ from typing import Any
 
 from app.auth import Secret, check_exposure
 from app.auth import admin_token as resolve_admin_token
+from app.bucket.store import RunRecords
 from app.config import RunConfig
 from app.retry import Backoff, aretry
 from deployments.api import ApiSettings, load_everywhere, make_app
 from deployments.api_schema import ApiError, RequestLimits
 from deployments.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
 from deployments.protocol import GENERATE_METHOD, EngineDied, Generated, GenerateRequest, ReplicaUnavailable
+from deployments.runs import Runs
 
 log = logging.getLogger("ray.serve")
 
@@ -151,6 +153,7 @@ class Ingress:
         admin_token: Secret | None = None,
         request_router: str = "",
         http_host: str = "127.0.0.1",
+        bucket_url: str = "",
     ):
         cfg = RunConfig.model_validate(config)
         # The environment of the ingress process wins, then a token handed over by the builder, then the config
@@ -176,7 +179,12 @@ class Ingress:
             run_idle_timeout_s=cfg.fleet.run_idle_timeout_s,
         )
         self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
-        self._app = make_app(self._backend, settings)
+        # The runs of a shared fleet outlive this process in the bucket (`deployments.runs`).
+        records = RunRecords.from_config(cfg, bucket_url) if bucket_url else None
+        runs = Runs(settings.max_loras, settings.window, settings.run_idle_timeout_s)
+        if records is not None:
+            runs.restore(records.load())
+        self._app = make_app(self._backend, settings, runs, records)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",
             base_model,

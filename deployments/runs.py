@@ -6,11 +6,12 @@ A team starts one fleet and many experiments use it; each is a run, registered b
 `/v1/models`; anything of another run is a 403. The admin token may do everything. A fleet without an
 admin token is open to everyone on its machine, runs or not: tokens mean something only beside one.
 
-The registry lives in the ingress, in memory, and holds only each token's sha256 (`app.auth`): the
-token itself is answered once, to the admin who registered the run. Replicas know nothing of runs: a
-run's adapters come back from the bucket on demand, so a replica that restarts loses nothing. An
-ingress that restarts (its head node lost, the application redeployed) starts with no runs: they
-register again and get new tokens.
+The registry lives in the ingress and holds only each token's sha256 (`app.auth`): the token itself
+is answered once, to the admin who registered the run. Each registration is also recorded in the
+fleet's bucket (`app.bucket.store.RunRecords`, name and sha256 again), so an ingress that restarts
+(its head node lost, the application redeployed) knows its runs, and their tokens, again. Replicas
+know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
+restarts loses nothing either.
 
 A run that says nothing for `fleet.run_idle_timeout_s` (no request with its token, no
 `POST /v1/runs/NAME/heartbeat`) is taken to be dead: killed, preempted, or ended without a DELETE.
@@ -131,6 +132,14 @@ class Runs:
                 self._seen[name] = self._clock()
                 return name
         return None
+
+    def restore(self, digests: dict[str, str]) -> None:
+        """Runs recorded before this registry existed (an ingress restart), each heard of from now on."""
+        for name, digest in digests.items():
+            self._digests[name], self._seen[name] = digest, self._clock()
+
+    def digest(self, name: str) -> str:
+        return self._digests[name]
 
     def heartbeat(self, name: str) -> None:
         if name not in self._digests:

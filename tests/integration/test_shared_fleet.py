@@ -205,6 +205,42 @@ def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet
         erin.close()
 
 
+def test_registered_runs_survive_a_restart_of_the_ingress(fleet):
+    """The registry lives in the ingress; its records in the bucket bring the runs back when Serve restarts it."""
+    import ray
+
+    from app.fleet_client import NO_RETRY, FleetClient
+
+    admin = fleet.client
+    for run in admin.list_runs():
+        admin.remove_run(run)
+    token = admin.register_run("gina")["token"]
+    (ingress,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Ingress#" in a["name"]]
+    ray.kill(ray.get_actor(ingress, namespace="serve"), no_restart=True)
+
+    probe = FleetClient(fleet.url, token=TOKEN, backoff=NO_RETRY, timeout_s=10)
+    deadline = time.monotonic() + 180
+    while True:  # Serve starts a new ingress replica
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Ingress#" in a["name"]]
+        try:
+            if names and names != [ingress] and probe.list_runs() == ["gina"]:
+                break
+        except FleetError:
+            pass
+        assert time.monotonic() < deadline, f"no new ingress knowing gina: {names}"
+        time.sleep(2)
+    probe.close()
+    gina = FleetClient(fleet.url, token=token)
+    try:
+        assert gina.heartbeat("gina")["name"] == "gina"  # the token minted before the restart still works
+        with pytest.raises(FleetError) as denied:
+            gina.completions(PROMPTS[0], "policy-v1", max_tokens=2)
+        assert denied.value.status == 403  # and is still only gina's
+    finally:
+        gina.close()
+    admin.remove_run("gina")
+
+
 @pytest.mark.slow
 def test_trls_async_grpo_trainer_is_served_exactly_the_adapters_it_wrote_also_when_a_second_run_reuses_the_folder(
     fleet, tmp_path

@@ -198,3 +198,30 @@ def test_a_release_that_cannot_unload_never_fails_the_request_that_triggered_it(
     assert _sample(client, BASE).status_code == 200  # someone else's request: answered all the same
     backend.broken = False
     assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": []}
+
+
+def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never_holds_a_token(tmp_path):
+    """A fresh ingress (its node lost, the app redeployed) restores the runs from the bucket, tokens and all."""
+    from app.bucket.store import RunRecords
+    from app.retry import Backoff
+    from deployments.runs import Runs
+
+    def ingress():
+        records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
+        runs = Runs(max_loras=7, window=2)
+        runs.restore(records.load())
+        return TestClient(make_app(FakeBackend(), _settings(max_loras=7, window=2), runs, records))
+
+    first = ingress()
+    alice, bob = _register(first, "alice"), _register(first, "bob")
+    stored = "".join(p.read_text() for p in (tmp_path / "bucket").rglob("RUN.json"))
+    assert alice not in stored and bob not in stored and "alice" in stored
+
+    restarted = ingress()
+    assert restarted.get("/v1/runs", headers=ADMIN).json() == {"runs": ["alice", "bob"]}
+    assert _sample(restarted, "alice/policy-v1", _bearer(alice)).status_code == 200  # her token still works
+    assert restarted.post("/v1/runs", json={"name": "carol"}, headers=ADMIN).status_code == 409  # still full
+    assert restarted.delete("/v1/runs/alice", headers=ADMIN).status_code == 200
+    again = ingress()
+    assert again.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob"]}
+    assert _sample(again, "alice/policy-v1", _bearer(alice)).status_code == 403  # anonymous now
