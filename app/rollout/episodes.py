@@ -13,7 +13,9 @@ done; one cut by `env.max_turns` or by its token budget (`env.max_episode_tokens
 truncated. The environment's `reset` and `step` run in worker threads under `env.timeout_s`: one
 that raises or hangs ends its own episode with reward None (NaN) and `env_error`, never the group
 or the run. A generation request that still fails after the fleet client's retries costs the
-group, as in single-turn sampling.
+group, as in single-turn sampling. A group outlives its policy version only so long: once the
+learner is more than `max_staleness` versions ahead it could never be trained, so the runner
+stops it before the next turn (`GroupStale`) instead of sampling for nothing.
 
 No Ray here: the rollout actor and the evaluation host it; tests drive it with a fake `generate`.
 """
@@ -37,6 +39,10 @@ log = logging.getLogger(__name__)
 
 class EnvFailed(Exception):
     """The environment raised or timed out: its episode ends with reward None."""
+
+
+class GroupStale(Exception):
+    """The learner moved on while the group's episodes were still being played: it could never be trained."""
 
 
 @dataclass
@@ -136,6 +142,8 @@ class EpisodeRunner:
         step = env.step(text, list(token_ids))
         if not isinstance(step, EnvStep):
             raise TypeError(f"step() returned {type(step).__name__}, not EnvStep")
+        if not isinstance(step.reward, int | float) or not math.isfinite(step.reward):
+            raise TypeError(f"step() returned the reward {step.reward!r}, not a finite number")
         obs = step.observation
         if step.done or obs is None:
             return step, []
@@ -146,25 +154,37 @@ class EpisodeRunner:
         return step, list(obs)
 
     async def run_group(
-        self, problem: Problem, prompt_ids: list[int], model: str, n: int, sampling: SamplingArgs
+        self,
+        problem: Problem,
+        prompt_ids: list[int],
+        model: str,
+        n: int,
+        sampling: SamplingArgs,
+        is_fresh: Callable[[], bool] = lambda: True,
     ) -> list[Episode]:
-        """`n` episodes of `problem` under `model`: one request for every first turn, then one per episode turn."""
+        """`n` episodes of `problem` under `model`: one request for every first turn, then one per episode turn.
+
+        `is_fresh` is asked before every later turn: once the group is too stale to train, GroupStale ends it
+        (the fleet retires old versions, and their requests would fail anyway)."""
         envs = [self.env_factory() for _ in range(n)]
         resets = await asyncio.gather(*(self._env_call(env.reset, problem) for env in envs), return_exceptions=True)
         first = await self._sample(prompt_ids, [], model, n, sampling, turn=1)
-        return list(
-            await asyncio.gather(
-                *(
-                    self._play(env, reset, choice, prompt_ids, model, sampling)
-                    for env, reset, choice in zip(envs, resets, first, strict=True)
-                )
-            )
-        )
+        plays = [
+            asyncio.ensure_future(self._play(env, reset, choice, prompt_ids, model, sampling, is_fresh))
+            for env, reset, choice in zip(envs, resets, first, strict=True)
+        ]
+        try:
+            return list(await asyncio.gather(*plays))
+        finally:  # one episode's failure (a lost request, a stale group) ends its siblings too
+            for play in plays:
+                play.cancel()
 
     async def _sample(
         self, prompt_ids: list[int], so_far: list[int], model: str, n: int, sampling: SamplingArgs, turn: int
     ) -> list[Choice]:
         room = self.max_episode_tokens - len(prompt_ids) - len(so_far)
+        if room < 1:  # only a first turn can get here: later turns are never asked for without room
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room in {self.max_episode_tokens}")
         return await self.generate(
             [*prompt_ids, *so_far],
             model,
@@ -177,7 +197,14 @@ class EpisodeRunner:
         )
 
     async def _play(
-        self, env: Environment, reset, choice: Choice, prompt_ids: list[int], model: str, sampling: SamplingArgs
+        self,
+        env: Environment,
+        reset,
+        choice: Choice,
+        prompt_ids: list[int],
+        model: str,
+        sampling: SamplingArgs,
+        is_fresh: Callable[[], bool],
     ) -> Episode:
         episode = Episode()
         failure = reset if isinstance(reset, BaseException) else None
@@ -203,6 +230,8 @@ class EpisodeRunner:
                 episode.truncated = True  # the environment wanted more, the budget had no room for it
                 break
             episode.add_observation(obs_ids, step.observation if isinstance(step.observation, str) else "")
+            if not is_fresh():
+                raise GroupStale(f"{model} is too old to train by now")
             (choice,) = await self._sample(prompt_ids, episode.completion_ids, model, 1, sampling, episode.turns + 1)
         if failure is not None:
             self.env_errors += 1

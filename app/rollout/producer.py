@@ -5,8 +5,9 @@ request (so the router keeps them on one replica and vLLM prefills the prompt on
 group with the policy version it was sampled under, scores it off the event loop and puts it on a
 bounded queue. A slot is held until its group is on the queue, so a slow learner stops new
 requests instead of growing memory (backpressure). Groups more than `max_staleness` versions
-behind the learner are dropped and counted when taken, never trained. A request that still fails
-after the fleet client's retries costs its group, counted, never the producer.
+behind the learner are dropped and counted when taken, never trained (a multi-turn group as soon
+as it is found stale, between turns). A request that still fails after the fleet client's retries
+costs its group, counted, never the producer.
 
 With an environment (`env.name`), a group is G multi-turn episodes played by an `EpisodeRunner`
 (`app.rollout.episodes`), rewarded by the environment instead of the reward functions.
@@ -24,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 
 from app.messages import Generate, Group, ResumePoint, RolloutBatch, RolloutStats, Sample, adapter_name
-from app.rollout.episodes import EpisodeRunner, SamplingArgs
+from app.rollout.episodes import EpisodeRunner, GroupStale, SamplingArgs
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
 
@@ -129,7 +130,12 @@ class GroupProducer:
             if self.episodes is not None:
                 sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
                 episodes = await self.episodes.run_group(
-                    problem, prompt_ids, adapter_name(version), g.num_generations, sampling
+                    problem,
+                    prompt_ids,
+                    adapter_name(version),
+                    g.num_generations,
+                    sampling,
+                    is_fresh=lambda: not self._too_stale(version),
                 )
             else:
                 completions = await self.generate(
@@ -144,8 +150,12 @@ class GroupProducer:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("generation for group %d failed, dropping it: %s", group_id, e)
-            self.counters["dropped_failed"] += 1
+            if isinstance(e, GroupStale) or self._too_stale(version):  # its version's time was up: no failure
+                log.debug("group %d went stale while it was sampled: %s", group_id, e)
+                self.counters["dropped_stale"] += 1
+            else:
+                log.warning("generation for group %d failed, dropping it: %s", group_id, e)
+                self.counters["dropped_failed"] += 1
             return None
         finally:
             self._count_inflight(-1)
@@ -217,13 +227,17 @@ class GroupProducer:
                     continue
                 break
             self._pending.discard(group.group_id)
-            if self.learner_version - group.policy_version > self.cfg.grpo.max_staleness:
+            if self._too_stale(group.policy_version):
                 self.counters["dropped_stale"] += 1
                 continue
             groups.append(group)
         self.counters["groups_taken"] += len(groups)
         self.consumed.update(g.group_id for g in groups)
         return RolloutBatch(groups, data_cursor=self.frontier, learner_version=self.learner_version)
+
+    def _too_stale(self, policy_version: int) -> bool:
+        """Sampled more than `max_staleness` versions behind the learner: never to be trained."""
+        return self.learner_version - policy_version > self.cfg.grpo.max_staleness
 
     def _raise_if_producer_died(self) -> None:
         """The producer only ends by a bug; waiting for groups it will never make would hang the run."""

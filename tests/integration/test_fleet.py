@@ -529,20 +529,30 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
     groups_of_episodes = asyncio.run(asyncio.wait_for(play(), 300))
     runner.close()
     observation = prompt_token_ids(tokenizer, " Next: ")
+    unused = [r for r in requests if r[0] != 1]
     for prompt, episodes in zip(prompts, groups_of_episodes, strict=True):
         (first,) = [r for r in requests if r[0] == 1 and r[1] == prompt]
         for i, ep in enumerate(episodes):
             assert ep.turns == 3 and not ep.env_error and not ep.truncated
             # Rebuild the trajectory from the fleet's own answers: turn 1 is choice i of the group's request,
-            # each later turn the answer to the request whose prompt is the trajectory so far.
+            # each later turn the answer to a request (each used once: two episodes may coincide) whose prompt is
+            # the trajectory so far.
             expected, so_far = list(first[2][i]), list(first[2][i])
             for turn in (2, 3):
                 so_far += observation
-                (answer,) = [r[2][0] for r in requests if r[0] == turn and r[1] == prompt + so_far]
-                so_far += answer
-                expected += answer
+                (request, *_) = [
+                    r
+                    for r in unused
+                    if r[0] == turn
+                    and r[1] == prompt + so_far
+                    and ep.completion_ids[len(so_far) : len(so_far) + len(r[2][0])] == r[2][0]
+                ]
+                unused.remove(request)
+                so_far += request[2][0]
+                expected += request[2][0]
             assert ep.completion_ids == so_far
             assert [t for t, m in zip(ep.completion_ids, ep.completion_mask, strict=True) if m] == expected
+    assert not unused  # every request the runner made went into exactly one episode
 
     # The learner's targets are exactly those tokens, and it scores them as vLLM did (ratio 1 for fresh samples).
     groups = [

@@ -143,16 +143,27 @@ def test_observations_given_as_token_ids_are_used_as_they_are():
     assert ep.reward == pytest.approx(1.5) and ep.solved is None and ep.succeeded
 
 
-def test_an_environment_returning_garbage_is_an_environment_error():
+@pytest.mark.parametrize(
+    "answer", [{"reward": 1}, EnvStep(None, done=True), EnvStep(math.inf, done=True), EnvStep(observation=[1, -2])]
+)
+def test_an_environment_returning_garbage_is_an_environment_error(answer):
     class Garbage(Environment):
         def reset(self, problem):
             pass
 
         def step(self, text, token_ids):
-            return {"reward": 1}
+            return answer
 
-    (ep,) = play(runner(ScriptedFleet(["1"]), env=Garbage), n=1)
-    assert ep.env_error
+    r = runner(ScriptedFleet(["1", "2"]), env=Garbage)
+    (ep,) = play(r, n=1)
+    assert ep.env_error and r.env_errors == 1
+
+
+def test_a_prompt_longer_than_the_episode_budget_is_refused_before_sampling():
+    fleet = ScriptedFleet(["1"])
+    with pytest.raises(ValueError, match="no room"):
+        play(runner(fleet, max_episode_tokens=3), n=1)
+    assert not fleet.calls
 
 
 def test_calculator_answers_a_call_then_scores_the_final_answer():
@@ -242,3 +253,70 @@ def test_evaluation_with_an_environment_counts_whole_episodes_solved():
     )
     assert result["accuracy"] == 0.5 and result["mean_reward"] == pytest.approx(0.75) and result["turns_mean"] == 2
     assert all(c["max_tokens"] == 8 for c in fleet.calls)
+
+
+def test_the_readme_environment_example_plays_as_documented(tmp_path, monkeypatch):
+    """The README's complete example, run as a user would name it (`myenvs:Countdown`)."""
+    from pathlib import Path
+
+    from app.config import load_config
+    from app.tasks.environments import resolve_environment
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Multi-turn environments") :]
+    code = section[section.index("```python") + len("```python") : section.index("```", section.index("```python") + 9)]
+    (tmp_path / "myenvs.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, ["env.name=myenvs:Countdown", "env.max_turns=2"])
+    countdown = resolve_environment(cfg.env.name)
+    (ep,) = play(runner(ScriptedFleet(["46", "45"]), env=countdown), n=1)
+    assert ep.solved and ep.reward == 2.0 and ep.turns == 2
+    assert ep.completion_ids == encode("46") + [EOS] + encode(" Minus one. Answer: ") + encode("45") + [EOS]
+
+
+def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_failed(caplog):
+    from app.config import load_config
+    from app.rollout.producer import GroupProducer
+    from app.tasks.problems import make_chained_arithmetic
+    from app.tasks.rewards import RewardScorer, exact_answer
+
+    problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(2, 2), operand_max=9).train
+    cfg = load_config(None, ["env.name=chained_arithmetic", "grpo.max_staleness=1", "rollout.max_inflight_tasks=1"])
+    turns_asked = []
+
+    async def learner_moves_on_during_turn_one(
+        prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None
+    ):
+        turns_asked.append(turn)
+        if turn == 1 and len(turns_asked) == 1:
+            producer.set_policy_version(2)  # two versions ahead of the group's v0 before its second turn
+        answer = encode(str(int(problems[0].answer)))  # whatever the problem, the turn continues (right or not)
+        return [Choice(i, answer + [EOS], [-0.1] * (len(answer) + 1), problems[0].answer, "stop") for i in range(n)]
+
+    class AlwaysOn(ChainedArithmetic):
+        def step(self, text, token_ids):
+            return EnvStep(0.5, observation=" more: ")
+
+    episodes = EpisodeRunner(
+        AlwaysOn, encode, learner_moves_on_during_turn_one, max_turns=3, max_episode_tokens=64, timeout_s=2.0
+    )
+    producer = GroupProducer(
+        cfg,
+        problems,
+        lambda p: [1, 2],
+        learner_moves_on_during_turn_one,
+        RewardScorer([exact_answer]),
+        episodes=episodes,
+    )
+
+    async def main():
+        producer.start()
+        batch = await producer.get_groups(1)
+        await producer.stop()
+        return batch
+
+    batch = asyncio.run(asyncio.wait_for(main(), 30))
+    stats = producer.stats()
+    assert batch.groups[0].policy_version == 2 and stats.dropped_stale_total == 1 and stats.dropped_failed_total == 0
+    assert turns_asked[:2] == [1, 1]  # the stale group never asked for its second turn: the next group did turn 1
+    assert "failed" not in caplog.text
