@@ -173,7 +173,7 @@ def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
 
     env = ChainedArithmetic()
     env.reset(problem)
-    ids, mask = _encode(tokenizer, problem.prompt), []
+    ids = _encode(tokenizer, problem.prompt)
     mask = [0] * len(ids)
     while True:
         turn = _encode(tokenizer, str(env.total)) + [tokenizer.eos_token_id]
