@@ -114,6 +114,9 @@ class TaskConfig(Section):
         description='Reward functions summed per sample: registered names or "module:function" paths.',
     )
     reward_timeout_s: float = Field(10.0, gt=0, description="Per-batch timeout of a reward function.")
+    eval_concurrency: int = Field(
+        64, ge=1, description="Held-out problems (greedy requests, or episodes) evaluated at once."
+    )
 
 
 class EnvConfig(Section):

@@ -85,7 +85,7 @@ def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None 
                 model,
                 scorer,
                 cfg.grpo.max_completion_length,
-                cfg.rollout.max_inflight_tasks,
+                cfg.task.eval_concurrency,
                 episodes,
             )
         )
