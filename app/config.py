@@ -1,6 +1,6 @@
 """Run configuration: pydantic models, YAML loading and `--set` overrides.
 
-One `RunConfig` describes a whole run (model, LoRA, GRPO, rollout, fleet, bucket, learner, logging)
+One `RunConfig` describes a whole run (model, LoRA, task, env, GRPO, rollout, fleet, bucket, learner, logging)
 so that the driver, the learner, the fleet and the benchmarks all read the same validated object.
 Field names follow TRL's AsyncGRPOConfig where one exists, so TRL users find what they know.
 Errors are turned into one line that names the field (`ConfigError`), never a traceback.
@@ -100,9 +100,12 @@ class LoraConfig(Section):
 class TaskConfig(Section):
     """What the policy is trained on and how it is scored."""
 
-    name: Literal["arithmetic", "math"] = Field("arithmetic", description="Task family.")
+    name: Literal["arithmetic", "chained_arithmetic", "math"] = Field("arithmetic", description="Task family.")
     dataset: str | None = Field(None, description="MATH data: a .jsonl/.parquet file or a datasets name (task=math).")
     digits: int = Field(2, ge=1, le=6, description="Most digits of an operand in the arithmetic task.")
+    chain_min: int = Field(1, ge=0, description="Fewest operands added after the first answer (chained_arithmetic).")
+    chain_max: int = Field(2, ge=0, description="Most operands added after the first answer (chained_arithmetic).")
+    chain_operand_max: int = Field(9, ge=1, description="Largest operand of a chain (chained_arithmetic).")
     num_train: int = Field(4000, gt=0, description="Arithmetic problems in the train split.")
     num_heldout: int = Field(256, gt=0, description="Problems in the held-out split used for evaluation.")
     seed: int = Field(1234, description="Seed of the task's splits.")
@@ -111,6 +114,36 @@ class TaskConfig(Section):
         description='Reward functions summed per sample: registered names or "module:function" paths.',
     )
     reward_timeout_s: float = Field(10.0, gt=0, description="Per-batch timeout of a reward function.")
+    eval_concurrency: int = Field(
+        64, ge=1, description="Held-out problems (greedy requests, or episodes) evaluated at once."
+    )
+
+
+class EnvConfig(Section):
+    """The environment of multi-turn episodes (`app.tasks.environments`); no name: single-turn completions."""
+
+    name: str | None = Field(
+        None, description='Environment: a registered name (chained_arithmetic, calculator) or "module:Class".'
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class.")
+    max_turns: int = Field(4, ge=1, description="Most model turns of an episode (cut beyond: truncated).")
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="Most tokens of an episode, prompt included (cut beyond: truncated); default max_model_len.",
+    )
+    timeout_s: float = Field(
+        5.0, gt=0, description="Longest reset() or step() call; beyond, the episode ends with reward None."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _importable(cls, name: str | None) -> str | None:
+        if name is not None:
+            from app.tasks.environments import resolve_environment
+
+            resolve_environment(name)  # an unknown or unimportable name fails at load, not mid-run
+        return name
 
 
 class GRPOConfig(Section):
@@ -325,6 +358,7 @@ class RunConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter.")
     task: TaskConfig = Field(default_factory=TaskConfig, description="Task, data and rewards.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn environment (none: single-turn).")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO algorithm.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout producer.")
     fleet: FleetConfig = Field(default_factory=FleetConfig, description="vLLM fleet.")
@@ -349,7 +383,18 @@ class RunConfig(Section):
             raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
         if self.task.name == "math" and not self.task.dataset:
             raise ValueError("task.dataset is required when task.name is math")
+        if self.task.chain_min > self.task.chain_max:
+            raise ValueError("task.chain_min must not exceed task.chain_max")
+        if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > self.model.max_model_len:
+            raise ValueError(
+                f"env.max_episode_tokens={self.env.max_episode_tokens} exceeds model.max_model_len={self.model.max_model_len}"
+            )
         return self
+
+    @property
+    def max_episode_tokens(self) -> int:
+        """Tokens an episode may hold, prompt included: as configured, else the whole context."""
+        return self.env.max_episode_tokens or self.model.max_model_len
 
     @property
     def max_lora_rank(self) -> int:

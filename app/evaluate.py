@@ -1,4 +1,5 @@
-"""Held-out accuracy through the fleet: greedy completions of the held-out split, scored by the task's rewards.
+"""Held-out accuracy through the fleet: greedy completions (or, with an environment, greedy episodes) of the
+held-out split, scored by the task's rewards (or the environment).
 
     python -m app.evaluate --config FILE [--adapter policy-vN] [--url http://127.0.0.1:8000]
 
@@ -18,6 +19,7 @@ from app.config import add_config_args, config_from_args
 from app.fleet_client import FleetClient
 from app.messages import Generate
 from app.models import prompt_token_ids
+from app.rollout.episodes import EpisodeRunner, SamplingArgs, runner_for
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
 
@@ -30,13 +32,20 @@ async def evaluate_async(
     scorer: RewardScorer,
     max_tokens: int,
     concurrency: int = 32,
+    episodes: EpisodeRunner | None = None,
 ) -> dict:
-    """Accuracy = share of problems whose greedy completion gets a positive reward."""
+    """Accuracy = share of problems whose greedy completion gets a positive reward, or, with an environment,
+    whose greedy episode succeeds (the environment's `solved`, else a positive reward)."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(problem: Problem) -> float:
+    async def one(problem: Problem) -> tuple[bool, float, int]:
+        prompt_ids = prompt_token_ids(tokenizer, problem.prompt)
+        if episodes is not None:
+            async with gate:
+                (ep,) = await episodes.run_group(problem, prompt_ids, model, 1, SamplingArgs(max_tokens, 0.0))
+            return ep.succeeded, 0.0 if ep.env_error else ep.reward, ep.turns
         async with gate:
-            (c,) = await generate(prompt_token_ids(tokenizer, problem.prompt), model, 1, max_tokens, 0.0)
+            (c,) = await generate(prompt_ids, model, 1, max_tokens, 0.0)
         scores = await asyncio.to_thread(
             scorer.score,
             [c.text],
@@ -45,13 +54,14 @@ async def evaluate_async(
             answer=[problem.answer],
             truncated=[c.finish_reason == "length"],
         )
-        return scores.rewards[0]
+        return scores.rewards[0] > 0, scores.rewards[0], 1
 
-    rewards = await asyncio.gather(*(one(p) for p in problems))
+    results = await asyncio.gather(*(one(p) for p in problems))
     return {
         "model": model,
-        "accuracy": sum(r > 0 for r in rewards) / len(rewards),
-        "mean_reward": sum(rewards) / len(rewards),
+        "accuracy": sum(ok for ok, _, _ in results) / len(results),
+        "mean_reward": sum(r for _, r, _ in results) / len(results),
+        "turns_mean": sum(t for _, _, t in results) / len(results),
         "num_problems": len(problems),
     }
 
@@ -64,17 +74,24 @@ def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None 
     problems = load_task(cfg.task).heldout
     scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
     generate = FleetClient(base_url, token).acompletions
-    return asyncio.run(
-        evaluate_async(
-            generate,
-            load_tokenizer(model_path),
-            problems,
-            model,
-            scorer,
-            cfg.grpo.max_completion_length,
-            cfg.rollout.max_inflight_tasks,
+    tokenizer = load_tokenizer(model_path)
+    episodes = runner_for(cfg, tokenizer, generate)
+    try:
+        return asyncio.run(
+            evaluate_async(
+                generate,
+                tokenizer,
+                problems,
+                model,
+                scorer,
+                cfg.grpo.max_completion_length,
+                cfg.task.eval_concurrency,
+                episodes,
+            )
         )
-    )
+    finally:
+        if episodes is not None:
+            episodes.close()
 
 
 def base_model_name(fleet: FleetClient) -> str:

@@ -45,6 +45,8 @@ BUILD_VERSION = 1  # bump when the build recipe changes, so stale caches are not
 def cache_key(tiny: TinyModelConfig, task: TaskConfig) -> str:
     """Everything the built folder depends on: its shape, its warm-up and the held-out split it avoids."""
     spec = {"v": BUILD_VERSION, "tiny": tiny.model_dump(), "task": [task.digits, task.seed, task.num_heldout]}
+    if task.name == "chained_arithmetic":  # warmed up on episodes instead (the single-turn key stays as it was)
+        spec["episodes"] = [task.chain_min, task.chain_max, task.chain_operand_max]
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -149,27 +151,113 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: i
     return correct / len(problems)
 
 
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str]) -> tuple[list[int], list[int]] | None:
+    """One supervised single-turn example (token ids, loss mask), or None when it is held out."""
+    a, b = rng.randrange(limit), rng.randrange(limit)
+    prompt = arithmetic_prompt(a, b)
+    if prompt in avoid:
+        return None
+    p_ids = _encode(tokenizer, prompt)
+    c_ids = _encode(tokenizer, str(a + b)) + [tokenizer.eos_token_id]
+    return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
+
+
+def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
+    """A correctly played chained episode laid out exactly as the rollout lays one out (each turn's answer
+    tokenised on its own and closed by EOS, each observation tokenised once), loss on the model's turns."""
+    from app.tasks.environments import ChainedArithmetic
+
+    env = ChainedArithmetic()
+    env.reset(problem)
+    ids = _encode(tokenizer, problem.prompt)
+    mask = [0] * len(ids)
+    while True:
+        turn = _encode(tokenizer, str(env.total)) + [tokenizer.eos_token_id]
+        ids += turn
+        mask += [1] * len(turn)
+        step = env.step(str(env.total), turn)
+        if step.done:
+            return ids, mask
+        obs = _encode(tokenizer, step.observation)
+        ids += obs
+        mask += [0] * len(obs)
+
+
+@torch.no_grad()
+def greedy_episode_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int) -> float:
+    """Share of chained episodes played right to the end greedily (plain PyTorch, the rollout's token layout)."""
+    from app.tasks.environments import ChainedArithmetic
+
+    model.eval()
+    eos = tokenizer.eos_token_id
+    envs = []
+    for p in problems:
+        env = ChainedArithmetic()
+        env.reset(p)
+        envs.append(env)
+    seqs = [_encode(tokenizer, p.prompt) for p in problems]
+    active, solved = list(range(len(problems))), 0
+    while active:
+        width = max(len(seqs[i]) for i in active)
+        ids = torch.tensor([[eos] * (width - len(seqs[i])) + seqs[i] for i in active])
+        attn = torch.tensor([[0] * (width - len(seqs[i])) + [1] * len(seqs[i]) for i in active])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=eos,
+            eos_token_id=eos,
+        )[:, width:].tolist()
+        still = []
+        for i, new in zip(active, out, strict=True):
+            turn = new[: new.index(eos) + 1] if eos in new else new
+            step = envs[i].step(tokenizer.decode(turn, skip_special_tokens=True), turn)
+            if step.done:
+                solved += bool(step.solved)
+            elif eos in turn:
+                seqs[i] = seqs[i] + turn + _encode(tokenizer, step.observation)
+                still.append(i)
+        active = still
+    model.train()
+    return solved / len(problems)
+
+
 def warm_up(
-    model, tokenizer, tiny: TinyModelConfig, digits: int, heldout: list[Problem], log=print
+    model, tokenizer, tiny: TinyModelConfig, task: TaskConfig, heldout: list[Problem], log=print
 ) -> tuple[float, int]:
-    """Supervised steps on fresh additions (never a held-out one) until held-out accuracy crosses the target."""
+    """Supervised steps on fresh additions, or chained episodes (never a held-out one), until held-out greedy
+    accuracy (a whole episode right, for chains) crosses the target."""
     rng = random.Random(tiny.seed + 1)
-    limit = 10**digits
+    limit = 10**task.digits
     avoid = {p.prompt for p in heldout}
     opt = torch.optim.AdamW(model.parameters(), lr=tiny.warmup_lr)
     eos = tokenizer.eos_token_id
+    episodic = task.name == "chained_arithmetic"
+    if episodic:  # a train split of its own seed: fresh chains, held-out ones excluded by their (a, b, chain)
+        from app.tasks.problems import make_chained_arithmetic
+
+        held = {p.id.removeprefix("heldout-") for p in heldout}
+        pool = make_chained_arithmetic(
+            task.digits, 20000, 1, tiny.seed + 7, (task.chain_min, task.chain_max), task.chain_operand_max
+        ).train
+        pool = [p for p in pool if p.id.removeprefix("train-") not in held]
     acc, step = 0.0, 0
     for step in range(1, tiny.warmup_max_steps + 1):
         rows, masks = [], []
         while len(rows) < tiny.warmup_batch_size:
-            a, b = rng.randrange(limit), rng.randrange(limit)
-            prompt = arithmetic_prompt(a, b)
-            if prompt in avoid:
-                continue
-            p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            c_ids = tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [eos]
-            rows.append(p_ids + c_ids)
-            masks.append([0] * len(p_ids) + [1] * len(c_ids))
+            example = (
+                episode_example(tokenizer, rng.choice(pool))
+                if episodic
+                else addition_example(tokenizer, rng, limit, avoid)
+            )
+            if example is not None:
+                rows.append(example[0])
+                masks.append(example[1])
         width = max(map(len, rows))
         ids = torch.tensor([r + [eos] * (width - len(r)) for r in rows])
         loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
@@ -181,7 +269,10 @@ def warm_up(
         loss.backward()
         opt.step()
         if step % 5 == 0:
-            acc = greedy_accuracy(model, tokenizer, heldout, max_new_tokens=digits + 2)
+            if episodic:
+                acc = greedy_episode_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 3)
+            else:
+                acc = greedy_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 2)
             log(f"warm-up step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}")
             if acc >= tiny.warmup_target_accuracy:
                 break
@@ -198,10 +289,18 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
         return folder, {**json.loads(info_file.read_text()), "cached": True}
 
     t0 = time.time()
-    heldout = make_arithmetic(task_cfg.digits, 1, task_cfg.num_heldout, task_cfg.seed).heldout
+    from app.tasks.problems import load_task
+
+    # The held-out split that evaluation uses, which the warm-up must never see.
+    splits = (
+        load_task(task_cfg)
+        if task_cfg.name == "chained_arithmetic"
+        else make_arithmetic(task_cfg.digits, 1, task_cfg.num_heldout, task_cfg.seed)
+    )
+    heldout = splits.heldout
     tokenizer = build_tokenizer(task_cfg.digits, tiny.seed)
     model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
-    acc, steps = warm_up(model, tokenizer, tiny, task_cfg.digits, heldout, log=log)
+    acc, steps = warm_up(model, tokenizer, tiny, task_cfg, heldout, log=log)
     info = {
         "heldout_accuracy": acc,
         "warmup_steps": steps,

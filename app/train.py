@@ -91,6 +91,7 @@ class Run:
             "heldout_accuracy_after": after and after["accuracy"],
             "heldout_models": [before and before["model"], after and after["model"]],
             "affinity_share": router_affinity(router),
+            **episode_summary(self.history, rollout, router),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness) if self.staleness else None,
             "dropped_stale_share": rollout.dropped_stale_share,
@@ -147,6 +148,20 @@ def router_affinity(router: dict | None) -> float | None:
     totals = router.get("totals", router)
     routed = totals.get("routed", 0)
     return totals.get("affinity", 0) / routed if routed else None
+
+
+def episode_summary(history: list[dict], rollout: RolloutStats, router: dict | None) -> dict:
+    """Multi-turn runs: turns per episode, truncated share, environment errors, and the router's affinity by turn
+    (from turn 2 on, the share of requests that stayed on the replica holding their trajectory); {} otherwise."""
+    steps = [m for m in history if "env/turns_mean" in m]
+    if not steps:
+        return {}
+    return {
+        "env_turns_mean": statistics.fmean(m["env/turns_mean"] for m in steps),
+        "env_truncated_share": statistics.fmean(m["env/truncated_share"] for m in steps),
+        "env_errors_total": rollout.env_errors_total,
+        "affinity_by_turn": {k: v["affinity_share"] for k, v in (router or {}).get("turns", {}).items()},
+    }
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -276,6 +291,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
         final_stats = ray.get(rollout.stats.remote())
         verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
         after = evaluate(cfg, fleet.base_url, model_path, adapter_name(version), eval_token)
+        log.info("held-out accuracy after: %.3f (%s)", after["accuracy"], after["model"])
         summary = run.summary(before, after, final_stats, fleet.router_stats())
         summary["bottleneck"] = verdict.kind
         summary["bottleneck_detail"] = str(verdict)

@@ -285,7 +285,7 @@ class InferenceRoutes(_Routes):
             raise ApiError(400, f"prompt: cannot tokenize ({type(e).__name__})") from None
         model = self.resolve_model(body.model)
         return [
-            GenerateRequest(ids, model, body.sampling(self.room(ids, body.max_tokens), body.logprobs))
+            GenerateRequest(ids, model, body.sampling(self.room(ids, body.max_tokens), body.logprobs), body.turn)
             for ids in id_lists
         ]
 

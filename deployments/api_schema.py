@@ -47,6 +47,7 @@ ERROR_KINDS = {
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
 MAX_LOGPROBS = 20  # the engine's default max_logprobs
+MAX_TURN = 1024  # bounds the router's per-turn counters
 GREEDY_TEMPERATURE = 1e-5  # _SAMPLING_EPS: below it vLLM samples greedily, and refuses n > 1
 LOGPROB_FLOOR = -9999.0  # what vLLM's server answers for a -inf log-prob (a filtered-out alternative)
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -222,6 +223,8 @@ class CompletionBody(_SamplingBody):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
+    # spotrl's extension: the turn of a multi-turn episode this prompt continues (the router counts affinity per turn).
+    turn: int | None = Field(None, ge=1, le=MAX_TURN)
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch, as a batch; unsupported options refused first."""

@@ -47,12 +47,14 @@ class GenerateRequest:
     """One prompt to sample `sampling.n` completions of, under `model`.
 
     The router's contract: it hashes `prompt_ids` (never text: the engine caches token blocks) in
-    the namespace `model`, the base model's canonical name or an adapter's.
+    the namespace `model`, the base model's canonical name or an adapter's, and counts its decision
+    under `turn` too when the client said which turn of an episode the request is.
     """
 
     prompt_ids: list[int]
     model: str
     sampling: Sampling
+    turn: int | None = None  # a multi-turn episode's turn (1-based) that this request continues, for per-turn stats
 
 
 @dataclass

@@ -74,6 +74,7 @@ class PrefixHashRouter(RequestRouter):
         self._inflight: dict[str, int] = {}
         self._lock = threading.Lock()  # counters are read by the ingress's loop, written by the router's
         self._counts: dict[str, dict[str, int]] = {}
+        self._turns: dict[int, dict[str, int]] = {}  # the same outcomes by episode turn, for requests that say theirs
         self._metrics = _RouterMetrics(self.app_name)
         # Serve ships this class to the ingress by value (cloudpickle), with its own copy of this
         # module's globals: register with the module as imported there, which `router_stats` reads.
@@ -117,6 +118,10 @@ class PrefixHashRouter(RequestRouter):
             counts = self._counts.setdefault(decision.replica, dict.fromkeys(("routed", *OUTCOMES), 0))
             counts["routed"] += 1
             counts[decision.outcome] += 1
+            if request.turn is not None:
+                turn = self._turns.setdefault(request.turn, dict.fromkeys(("routed", *OUTCOMES), 0))
+                turn["routed"] += 1
+                turn[decision.outcome] += 1
         self._metrics.record(decision, len(self._table))
         return decision
 
@@ -178,13 +183,19 @@ class PrefixHashRouter(RequestRouter):
                 rid: {**counts, "inflight": self._inflight.get(rid, 0), "live": rid in live}
                 for rid, counts in self._counts.items()
             }
+            turns = {k: dict(v) for k, v in self._turns.items()}
         for rid in live - set(replicas):
             replicas[rid] = {
                 **dict.fromkeys(("routed", *OUTCOMES), 0),
                 "inflight": self._inflight.get(rid, 0),
                 "live": True,
             }
-        return {"settings": dict(self._settings), "table_entries": len(self._table), "replicas": replicas}
+        return {
+            "settings": dict(self._settings),
+            "table_entries": len(self._table),
+            "replicas": replicas,
+            "turns": turns,
+        }
 
 
 def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
@@ -228,10 +239,15 @@ class _RouterMetrics:
 def router_stats() -> dict[str, Any]:
     """Counters of every PrefixHashRouter in this process (the ingress has one per vLLM handle)."""
     merged: dict[str, Any] = {"router": "PrefixHashRouter", "settings": None, "table_entries": 0, "replicas": {}}
+    turns: dict[int, dict[str, int]] = {}
     for router in list(_ROUTERS):
         snap = router.stats()
         merged["settings"] = snap["settings"]
         merged["table_entries"] += snap["table_entries"]
+        for turn, counts in snap["turns"].items():
+            into = turns.setdefault(turn, dict.fromkeys(("routed", *OUTCOMES), 0))
+            for key in into:
+                into[key] += counts[key]
         for rid, counts in snap["replicas"].items():
             into = merged["replicas"].setdefault(
                 rid, {**dict.fromkeys(("routed", *OUTCOMES, "inflight"), 0), "live": False}
@@ -245,4 +261,9 @@ def router_stats() -> dict[str, Any]:
             totals[key] += counts[key]
     merged["totals"] = totals
     merged["affinity_share"] = totals["affinity"] / totals["routed"] if totals["routed"] else 0.0
+    # Per episode turn (requests that said theirs): a trajectory that stays on its replica scores affinity from turn 2.
+    merged["turns"] = {
+        str(turn): {**counts, "affinity_share": counts["affinity"] / counts["routed"]}
+        for turn, counts in sorted(turns.items())
+    }
     return merged

@@ -74,13 +74,18 @@ def register_packed_attention() -> str:
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One completion with its prompt, ready to score: what the loss needs and nothing else."""
+    """One completion with its prompt, ready to score: what the loss needs and nothing else.
+
+    A multi-turn episode's completion interleaves model turns and observations: only the positions
+    `completion_mask` marks are targets (scored, trained, counted in the normaliser); observations are
+    context, forwarded like the prompt."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    sampling_logprobs: list[float]
+    sampling_logprobs: list[float]  # per completion token (observation tokens' are never read)
     advantage: float
     group_id: int
+    completion_mask: list[int] | None = None  # 1: a model token, trained; None: every completion token
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -88,6 +93,16 @@ class TrainSample:
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+    def target_offsets(self) -> list[int]:
+        """Indices into `completion_ids` of the tokens that are trained."""
+        if self.completion_mask is None:
+            return list(range(len(self.completion_ids)))
+        return [j for j, m in enumerate(self.completion_mask) if m]
+
+    @property
+    def num_targets(self) -> int:
+        return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
 
 
 def samples_from_groups(groups: Sequence[Group]) -> list[TrainSample]:
@@ -102,7 +117,12 @@ def samples_from_groups(groups: Sequence[Group]) -> list[TrainSample]:
                     f"group {group.group_id}: {len(sample.completion_ids)} completion tokens but "
                     f"{len(sample.sampling_logprobs)} sampling log-probs"
                 )
-            if sample.completion_ids:
+            mask = sample.completion_mask
+            if mask is not None and len(mask) != len(sample.completion_ids):
+                raise ValueError(
+                    f"group {group.group_id}: {len(sample.completion_ids)} completion tokens but a mask of {len(mask)}"
+                )
+            if any(mask) if mask is not None else sample.completion_ids:
                 out.append(
                     TrainSample(
                         list(group.prompt_ids),
@@ -110,6 +130,7 @@ def samples_from_groups(groups: Sequence[Group]) -> list[TrainSample]:
                         list(sample.sampling_logprobs),
                         float(advantage),
                         group.group_id,
+                        None if mask is None else list(mask),
                     )
                 )
     return out
@@ -173,12 +194,13 @@ def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool
             mask[r, offset : offset + n] = 1
             # The logits at position p predict token p + 1: completion token j is predicted at prompt_len - 1 + j.
             first = offset + len(s.prompt_ids) - 1
-            t_rows += [r] * len(s.completion_ids)
-            t_pos += range(first, first + len(s.completion_ids))
-            targets += s.completion_ids
-            logps += s.sampling_logprobs
-            advs += [s.advantage] * len(s.completion_ids)
-            t_sample += [index] * len(s.completion_ids)
+            trained = s.target_offsets()
+            t_rows += [r] * len(trained)
+            t_pos += (first + j for j in trained)
+            targets += (s.completion_ids[j] for j in trained)
+            logps += (s.sampling_logprobs[j] for j in trained)
+            advs += [s.advantage] * len(trained)
+            t_sample += [index] * len(trained)
             offset += n
     t_pos_t = torch.tensor(t_pos, dtype=torch.long)
     keep, cols = torch.unique(t_pos_t, sorted=True, return_inverse=True)

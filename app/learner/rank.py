@@ -189,7 +189,7 @@ class LearnerRank:
         samples = samples_from_groups(groups)
         batches, budget = self._batches(samples)
         metrics = {**batch_metrics(batches, budget), "batch/groups": float(len(groups))}
-        return batches, sum(len(s.completion_ids) for s in samples), metrics
+        return batches, sum(s.num_targets for s in samples), metrics
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob (with gradient) and entropy (without) of each of the micro-batch's targets, at the sampling
@@ -364,7 +364,8 @@ class LearnerRank:
 
     @torch.no_grad()
     def score(self, groups: list[Group]) -> list[list[list[float]]]:
-        """The learner's log-prob of every completion token, at the sampling temperature, per group and sample.
+        """The learner's log-prob of every trained token (every completion token of a single-turn sample, every
+        model token of an episode), at the sampling temperature, per group and sample.
 
         Goes through the training path (same batching, same forward) without gradients. Each rank
         forwards everything, so under FSDP every rank must call it, and each returns the full answer.
@@ -372,7 +373,7 @@ class LearnerRank:
         keys, samples = [], []
         for gi, grp in enumerate(groups):
             for si, smp in enumerate(grp.samples):
-                if smp.completion_ids:
+                if smp.model_token_ids():
                     keys.append((gi, si))
                     samples.append(
                         TrainSample(
@@ -381,6 +382,7 @@ class LearnerRank:
                             [math.nan] * len(smp.completion_ids),
                             0.0,
                             grp.group_id,
+                            smp.completion_mask,
                         )
                     )
         batches, _ = self._batches(samples)

@@ -18,6 +18,7 @@ from app.config import HEAD_NODE
 from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutBatch, RolloutStats
 from app.retry import Backoff
+from app.rollout.episodes import runner_for
 from app.rollout.producer import GroupProducer
 from app.tasks.rewards import RewardScorer
 
@@ -62,6 +63,7 @@ class RolloutActor:
             RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s),
             resume=resume,
             retries_done=lambda: self.client.retries_done,
+            episodes=runner_for(cfg, tokenizer, self.client.acompletions),
         )
 
     async def start(self) -> None:

@@ -5,8 +5,12 @@ request (so the router keeps them on one replica and vLLM prefills the prompt on
 group with the policy version it was sampled under, scores it off the event loop and puts it on a
 bounded queue. A slot is held until its group is on the queue, so a slow learner stops new
 requests instead of growing memory (backpressure). Groups more than `max_staleness` versions
-behind the learner are dropped and counted when taken, never trained. A request that still fails
-after the fleet client's retries costs its group, counted, never the producer.
+behind the learner are dropped and counted when taken, never trained (a multi-turn group as soon
+as it is found stale, between turns). A request that still fails after the fleet client's retries
+costs its group, counted, never the producer.
+
+With an environment (`env.name`), a group is G multi-turn episodes played by an `EpisodeRunner`
+(`app.rollout.episodes`), rewarded by the environment instead of the reward functions.
 
 No Ray here, so that tests drive it with a fake `generate`; `app.rollout.actor` hosts it in Ray.
 """
@@ -21,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 
 from app.messages import Generate, Group, ResumePoint, RolloutBatch, RolloutStats, Sample, adapter_name
+from app.rollout.episodes import EpisodeRunner, GroupStale, SamplingArgs
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
 
@@ -40,10 +45,12 @@ class GroupProducer:
         *,
         resume: ResumePoint | None = None,  # where to go on; None: a fresh run
         retries_done: Callable[[], int] = lambda: 0,  # the fleet client's retries so far, for the metrics
+        episodes: EpisodeRunner | None = None,  # plays multi-turn episodes (env.name set); None: single-turn
     ):
         self.cfg = cfg
         self.problems, self.prompt_ids, self.generate, self.scorer = problems, prompt_ids, generate, scorer
         self.retries_done = retries_done
+        self.episodes = episodes
         resume = resume or ResumePoint()
         self.cursor = resume.data_cursor or 0
         self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
@@ -120,26 +127,43 @@ class GroupProducer:
         self._count_inflight(+1)
         try:
             # The fleet client retries what is worth retrying (`app.retry`): what still fails here is final.
-            completions = await self.generate(
-                prompt_ids,
-                adapter_name(version),
-                g.num_generations,
-                g.max_completion_length,
-                g.temperature,
-                g.top_p,
-                g.top_k,
-            )
+            if self.episodes is not None:
+                sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
+                episodes = await self.episodes.run_group(
+                    problem,
+                    prompt_ids,
+                    adapter_name(version),
+                    g.num_generations,
+                    sampling,
+                    is_fresh=lambda: not self._too_stale(version),
+                )
+            else:
+                completions = await self.generate(
+                    prompt_ids,
+                    adapter_name(version),
+                    g.num_generations,
+                    g.max_completion_length,
+                    g.temperature,
+                    g.top_p,
+                    g.top_k,
+                )
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("generation for group %d failed, dropping it: %s", group_id, e)
-            self.counters["dropped_failed"] += 1
+            if isinstance(e, GroupStale) or self._too_stale(version):  # its version's time was up: no failure
+                log.debug("group %d went stale while it was sampled: %s", group_id, e)
+                self.counters["dropped_stale"] += 1
+            else:
+                log.warning("generation for group %d failed, dropping it: %s", group_id, e)
+                self.counters["dropped_failed"] += 1
             return None
         finally:
             self._count_inflight(-1)
-        ntok = sum(len(c.token_ids) for c in completions)
-        self.counters["completion_tokens"] += ntok
-        self._token_times.append((time.monotonic(), ntok))
+        if self.episodes is not None:  # the environment has rewarded every episode already
+            samples = [e.sample() for e in episodes]
+            self._count_tokens(sum(sum(s.completion_mask) for s in samples))
+            return Group(group_id, problem.id, prompt_ids, version, samples, time.time())
+        self._count_tokens(sum(len(c.token_ids) for c in completions))
         texts = [c.text for c in completions]
         truncated = [c.finish_reason == "length" for c in completions]
         columns = {
@@ -155,6 +179,10 @@ class GroupProducer:
             for c, r, t in zip(completions, scores.rewards, truncated, strict=True)
         ]
         return Group(group_id, problem.id, prompt_ids, version, samples, time.time(), dict(scores.errors))
+
+    def _count_tokens(self, generated: int) -> None:
+        self.counters["completion_tokens"] += generated
+        self._token_times.append((time.monotonic(), generated))
 
     def _count_inflight(self, delta: int) -> None:
         now = time.monotonic()
@@ -199,13 +227,17 @@ class GroupProducer:
                     continue
                 break
             self._pending.discard(group.group_id)
-            if self.learner_version - group.policy_version > self.cfg.grpo.max_staleness:
+            if self._too_stale(group.policy_version):
                 self.counters["dropped_stale"] += 1
                 continue
             groups.append(group)
         self.counters["groups_taken"] += len(groups)
         self.consumed.update(g.group_id for g in groups)
         return RolloutBatch(groups, data_cursor=self.frontier, learner_version=self.learner_version)
+
+    def _too_stale(self, policy_version: int) -> bool:
+        """Sampled more than `max_staleness` versions behind the learner: never to be trained."""
+        return self.learner_version - policy_version > self.cfg.grpo.max_staleness
 
     def _raise_if_producer_died(self) -> None:
         """The producer only ends by a bug; waiting for groups it will never make would hang the run."""
@@ -241,6 +273,7 @@ class GroupProducer:
             data_frontier=self.frontier,
             idle_s=self.idle_s(),
             reward_metrics=self.scorer.metrics(),
+            env_errors_total=self.episodes.env_errors if self.episodes is not None else 0,
         )
 
     async def stop(self) -> None:
@@ -249,3 +282,5 @@ class GroupProducer:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._producer = None
+        if self.episodes is not None:
+            self.episodes.close()

@@ -1,7 +1,8 @@
 """Tasks: where prompts and gold answers come from.
 
-Two families share one shape (`Problem`): generated arithmetic (the embedded default, offline and
-seeded, with a held-out split that never overlaps the train split) and MATH questions in the
+Three families share one shape (`Problem`): generated arithmetic (the embedded default, offline and
+seeded, with a held-out split that never overlaps the train split), chained arithmetic for the
+multi-turn `ChainedArithmetic` environment (`app.tasks.environments`), and MATH questions in the
 schema of sail/Sanity-Test-R1D-1.5B (`prompt` + `reward_model.ground_truth`), read from JSONL,
 parquet or a `datasets` name. Rewards live in `app.tasks.rewards`.
 """
@@ -59,6 +60,35 @@ def make_arithmetic(digits: int, num_train: int, num_heldout: int, seed: int) ->
     return TaskSplits(train=draw("train", num_train), heldout=heldout)
 
 
+def make_chained_arithmetic(
+    digits: int, num_train: int, num_heldout: int, seed: int, extra_operands: tuple[int, int], operand_max: int
+) -> TaskSplits:
+    """Additions `a+b` followed by a chain of operands to add one per turn (`ChainedArithmetic`).
+
+    Each problem's `chain` column holds `extra_operands[0]` to `extra_operands[1]` operands in 1..operand_max;
+    the answer is a+b, the first turn's. Held-out episodes (a, b, chain) never appear in train."""
+    limit = 10**digits
+    low, high = extra_operands
+    rng = random.Random(seed)
+    seen: set[tuple[int, ...]] = set()
+
+    def draw(split: str, count: int) -> list[Problem]:
+        problems = []
+        while len(problems) < count:
+            a, b = rng.randrange(limit), rng.randrange(limit)
+            chain = [rng.randint(1, operand_max) for _ in range(rng.randint(low, high))]
+            key = (a, b, *chain)
+            if key in seen:
+                continue
+            seen.add(key)
+            name = f"{split}-{a}+{b}" + "".join(f"+{c}" for c in chain)
+            problems.append(Problem(name, arithmetic_prompt(a, b), str(a + b), {"chain": chain}))
+        return problems
+
+    heldout = draw("heldout", num_heldout)
+    return TaskSplits(train=draw("train", num_train), heldout=heldout)
+
+
 def _read_records(source: str) -> list[dict]:
     path = Path(source)
     if path.suffix == ".jsonl":
@@ -100,4 +130,13 @@ def load_task(task_cfg) -> TaskSplits:
     """The splits a config's `task` section names."""
     if task_cfg.name == "arithmetic":
         return make_arithmetic(task_cfg.digits, task_cfg.num_train, task_cfg.num_heldout, task_cfg.seed)
+    if task_cfg.name == "chained_arithmetic":
+        return make_chained_arithmetic(
+            task_cfg.digits,
+            task_cfg.num_train,
+            task_cfg.num_heldout,
+            task_cfg.seed,
+            (task_cfg.chain_min, task_cfg.chain_max),
+            task_cfg.chain_operand_max,
+        )
     return load_math(task_cfg.dataset, task_cfg.num_heldout, task_cfg.seed)

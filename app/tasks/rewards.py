@@ -12,12 +12,13 @@ so it runs in a process pool (signals only work in a process's main thread) with
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib
 import logging
 import multiprocessing
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from app.tasks.registry import resolve_named
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +122,7 @@ REGISTRY: dict[str, RewardFunc] = {"exact_answer": exact_answer, "boxed_math": b
 
 def resolve_reward(name: str) -> RewardFunc:
     """A registered name, or `package.module:function` for a user's own reward."""
-    if name in REGISTRY:
-        return REGISTRY[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward function {name!r} cannot be imported: {e}") from None
-    raise ValueError(f"unknown reward function {name!r}: use one of {sorted(REGISTRY)} or module:function")
+    return resolve_named(name, REGISTRY, "reward function", "module:function")
 
 
 def _name(func: RewardFunc) -> str:

@@ -424,3 +424,117 @@ def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_liv
         if fresh in served:
             break
     assert fresh in served
+
+
+def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their_replica(fleet, tmp_path):
+    """Episodes of three turns on the real fleet: every request continues the ids so far, every model token the
+    learner trains is one the fleet generated (turn by turn), scored as vLLM scored it, on one replica per trajectory."""
+    import torch
+
+    from app.config import RunConfig
+    from app.learner.packing import pack, samples_from_groups
+    from app.learner.rank import LearnerRank
+    from app.messages import Group
+    from app.models import load_tokenizer, prompt_token_ids
+    from app.rollout.episodes import EpisodeRunner, SamplingArgs
+    from app.tasks.environments import Environment, EnvStep
+    from app.tasks.problems import Problem
+
+    class ThreeTurns(Environment):
+        """Always asks for another turn, twice: the tiny model need not be right for the episode to go on."""
+
+        def reset(self, problem):
+            self.turn = 0
+
+        def step(self, text, token_ids):
+            self.turn += 1
+            return EnvStep(float(self.turn), done=True) if self.turn == 3 else EnvStep(0.5, observation=" Next: ")
+
+    tokenizer = load_tokenizer(fleet.model_path)
+    client = FleetClient(fleet.url, token=TOKEN)
+    requests = []
+
+    async def recording(prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
+        choices = await client.acompletions(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, turn=turn)
+        requests.append((turn, list(prompt_ids), [c.token_ids for c in choices]))
+        return choices
+
+    runner = EpisodeRunner(
+        ThreeTurns,
+        lambda text: prompt_token_ids(tokenizer, text),
+        recording,
+        max_turns=3,
+        max_episode_tokens=128,
+        timeout_s=5.0,
+    )
+    prompts = [_prompt(500 + k, 40) for k in range(2)]  # a full KV block of its own: what the router matches on
+    problem = Problem("p", "unused: the prompt is given as ids", "0")
+
+    async def play():
+        return await asyncio.gather(
+            *(runner.run_group(problem, p, fleet.base, 4, SamplingArgs(6, temperature=1.0)) for p in prompts)
+        )
+
+    before = fleet.client.router_stats().get("turns", {})
+    groups_of_episodes = asyncio.run(asyncio.wait_for(play(), 300))
+    runner.close()
+    observation = prompt_token_ids(tokenizer, " Next: ")
+    unused = [r for r in requests if r[0] != 1]
+    for prompt, episodes in zip(prompts, groups_of_episodes, strict=True):
+        (first,) = [r for r in requests if r[0] == 1 and r[1] == prompt]
+        for i, ep in enumerate(episodes):
+            assert ep.turns == 3 and not ep.env_error and not ep.truncated
+            # Rebuild the trajectory from the fleet's own answers: turn 1 is choice i of the group's request,
+            # each later turn the answer to a request (each used once: two episodes may coincide) whose prompt is
+            # the trajectory so far.
+            expected, so_far = list(first[2][i]), list(first[2][i])
+            for turn in (2, 3):
+                so_far += observation
+                (request, *_) = [
+                    r
+                    for r in unused
+                    if r[0] == turn
+                    and r[1] == prompt + so_far
+                    and ep.completion_ids[len(so_far) : len(so_far) + len(r[2][0])] == r[2][0]
+                ]
+                unused.remove(request)
+                so_far += request[2][0]
+                expected += request[2][0]
+            assert ep.completion_ids == so_far
+            assert [t for t, m in zip(ep.completion_ids, ep.completion_mask, strict=True) if m] == expected
+    assert not unused  # every request the runner made went into exactly one episode
+
+    # The learner's targets are exactly those tokens, and it scores them as vLLM did (ratio 1 for fresh samples).
+    groups = [
+        Group(k, f"p{k}", prompt, 0, [ep.sample() for ep in episodes])
+        for k, (prompt, episodes) in enumerate(zip(prompts, groups_of_episodes, strict=True))
+    ]
+    samples = samples_from_groups(groups)
+    trained = [mb.targets.tolist() for mb in pack(samples, 4096, 0)]
+    assert sorted(t for row in trained for t in row) == sorted(
+        t for g in groups for s in g.samples for t in s.model_token_ids()
+    )
+    cfg = RunConfig()
+    cfg.bucket.url, cfg.bucket.cache_dir = f"file://{tmp_path}/bucket", str(tmp_path / "cache")
+    torch.set_num_threads(1)
+    learner = LearnerRank(cfg, fleet.model_path)  # a zero LoRA: the base model the fleet sampled from
+    learner.setup(master_port=free_port())
+    learner.start()
+    scored = learner.score(groups)
+    err = max(
+        abs(a - b)
+        for g, per_sample in zip(groups, scored, strict=True)
+        for s, learner_lps in zip(g.samples, per_sample, strict=True)
+        for a, b in zip(
+            [lp for lp, m in zip(s.sampling_logprobs, s.completion_mask, strict=True) if m], learner_lps, strict=True
+        )
+    )
+    assert err < 1e-4
+    learner.close()
+
+    # Turns 2 and 3 extend a prefix the router placed: each trajectory stays on its replica.
+    turns = fleet.client.router_stats()["turns"]
+    for turn in ("2", "3"):
+        routed = turns[turn]["routed"] - before.get(turn, {}).get("routed", 0)
+        affinity = turns[turn]["affinity"] - before.get(turn, {}).get("affinity", 0)
+        assert routed == 8 and affinity == 8, turns

@@ -54,3 +54,21 @@ def test_vllm_and_transformers_agree_on_logprobs(tiny_model_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] > 0
     assert result["max_abs_err"] < 1e-4, result
+
+
+def test_the_multi_turn_tiny_model_starts_in_a_learnable_range_on_whole_episodes():
+    """Warmed up on chained episodes until greedy held-out episodes cross 30%: between 20% and 60%, measured again."""
+    from transformers import AutoModelForCausalLM
+
+    from app.config import CONFIG_DIR, load_config
+    from app.models import resolve_model_path
+    from app.tasks.problems import load_task
+    from app.tiny_model import greedy_episode_accuracy
+
+    cfg = load_config(CONFIG_DIR / "tiny-multiturn.yaml")
+    path = resolve_model_path(cfg.model, cfg.task)
+    info = json.loads((Path(path) / "spotrl_tiny.json").read_text())
+    assert 0.2 <= info["heldout_accuracy"] <= 0.6
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    measured = greedy_episode_accuracy(model, load_tokenizer(path), load_task(cfg.task).heldout, cfg.task.digits + 3)
+    assert measured == info["heldout_accuracy"]

@@ -16,7 +16,7 @@ from tests.fleet_helpers import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-def train_cmd(tmp_path: Path, steps: int, *extra: str) -> list[str]:
+def train_cmd(tmp_path: Path, steps: int, *extra: str, config: str = "configs/tiny-cpu.yaml") -> list[str]:
     sets = [
         f"grpo.max_steps={steps}",
         f"logging.output_dir={tmp_path}",
@@ -33,16 +33,15 @@ def train_cmd(tmp_path: Path, steps: int, *extra: str) -> list[str]:
         "-m",
         "app.train",
         "--config",
-        "configs/tiny-cpu.yaml",
+        config,
         *(a for s in sets for a in ("--set", s)),
     ]
 
 
-@pytest.mark.slow
-def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
-    steps = 20
+def run_train(tmp_path: Path, steps: int, *extra: str, config: str = "configs/tiny-cpu.yaml"):
+    """`python -m app.train` to completion; its summary, per-step metrics and output, after checking it ran cleanly."""
     proc = subprocess.run(
-        train_cmd(tmp_path, steps),
+        train_cmd(tmp_path, steps, *extra, config=config),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -52,11 +51,16 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
     assert " ERROR " not in proc.stderr, proc.stderr[-5000:]
-
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
     metrics = [json.loads(line) for line in (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()]
-    assert summary["steps"] == steps and len(metrics) == steps
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert summary["steps"] == steps and [m["step"] for m in metrics] == list(range(1, steps + 1))
+    return summary, metrics, proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
+    steps = 20
+    summary, metrics, output = run_train(tmp_path, steps)
     assert summary["samples_trained"] == steps * 16 * 8
     assert summary["policy_version"] >= 2
     assert max(m["sample/version_max"] for m in metrics) >= 2  # groups sampled under newer versions were trained
@@ -85,11 +89,40 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
         "staleness_mean",
     ):
         assert summary[key] is not None, key
-    assert "bottleneck:" in proc.stderr + proc.stdout
+
+    assert "bottleneck:" in output
 
     from app.bucket.store import AdapterStore
 
     assert len(AdapterStore(f"file://{tmp_path}/bucket").versions()) >= 2
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_trains_episodes_and_reports_turns_and_affinity_by_turn(tmp_path):
+    steps = 8
+    summary, metrics, _ = run_train(tmp_path, steps, config="configs/tiny-multiturn.yaml")
+    assert summary["samples_trained"] == steps * 16 * 8
+    assert 0.99 <= summary["ratio_mean"] <= 1.01  # model tokens only, scored as the fleet sampled them
+    assert all(m["env/episodes"] == 128 and 1 <= m["env/turns_mean"] <= 3 for m in metrics)
+    assert max(m["env/turns_max"] for m in metrics) >= 2  # episodes went past their first turn
+    assert all("env/turn_reward/1" in m and "env/truncated_share" in m for m in metrics)
+    assert summary["env_errors_total"] == 0 and 1 <= summary["env_turns_mean"] <= 3
+    assert {"1", "2"} <= set(summary["affinity_by_turn"])
+    assert summary["heldout_accuracy_before"] is not None and summary["heldout_accuracy_after"] is not None
+
+
+@pytest.mark.slow
+def test_the_calculator_tool_environment_runs_end_to_end(tmp_path):
+    summary, metrics, _ = run_train(
+        tmp_path,
+        3,
+        "env.name=calculator",
+        "env.kwargs={max_calls: 1}",
+        "env.max_turns=2",
+        "grpo.max_completion_length=8",
+    )
+    assert all(m["env/episodes"] == 128 for m in metrics) and summary["env_errors_total"] == 0
+    assert 0.99 <= summary["ratio_mean"] <= 1.01
 
 
 @pytest.mark.slow

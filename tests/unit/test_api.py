@@ -147,6 +147,13 @@ def test_completion_with_token_ids_has_the_openai_shape(client, backend):
     assert (sampling.n, sampling.max_tokens, sampling.temperature) == (2, 3, 0.7)
 
 
+def test_an_episodes_turn_reaches_the_router_and_a_plain_request_says_none(client, backend):
+    assert client.post("/v1/completions", json={"model": BASE, "prompt": [1, 2], "max_tokens": 1, "turn": 3}).is_success
+    assert backend.calls[-1][1].turn == 3
+    assert client.post("/v1/completions", json={"model": BASE, "prompt": [1, 2], "max_tokens": 1}).is_success
+    assert backend.calls[-1][1].turn is None
+
+
 def test_text_prompts_are_tokenized_by_the_ingress(client, backend):
     r = client.post("/v1/completions", json={"model": BASE, "prompt": "abc", "max_tokens": 2})
     assert r.status_code == 200, r.text
@@ -174,6 +181,8 @@ def test_a_batch_of_prompts_numbers_choices_per_prompt(client):
         ({"model": BASE, "prompt": [1], "stop": ["\n"]}, "stop_token_ids"),
         ({"model": BASE, "prompt": [1], "stream": True}, "stream"),
         ({"model": BASE, "prompt": [1], "echo": True}, "echo"),
+        ({"model": BASE, "prompt": [1], "turn": 0}, "turn"),
+        ({"model": BASE, "prompt": [1], "turn": "second"}, "turn"),
     ],
 )
 def test_malformed_completions_get_400_with_a_reason(client, body, reason):

@@ -179,3 +179,66 @@ def test_packed_and_padded_batches_give_the_same_gradient(tmp_path, checkpointin
     assert max(g.abs().max().item() for g in grads["packed"].values()) > 1e-4  # not trivially zero
     for name, g in grads["packed"].items():
         torch.testing.assert_close(g, grads["padded"][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def episode_group(group_id: int = 50, seed: int = 1) -> Group:
+    """A group of two multi-turn episodes: model turns (mask 1) interleaved with observations (mask 0)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(5)]
+    samples = []
+    for k in range(2):
+        ids, mask, logps = [], [], []
+        for turn in range(3):
+            n_model, n_obs = rng.randint(1, 4), rng.randint(2, 5) if turn < 2 else 0
+            ids += [rng.randrange(1, VOCAB) for _ in range(n_model + n_obs)]
+            mask += [1] * n_model + [0] * n_obs
+            logps += [-rng.uniform(3.5, 4.8) for _ in range(n_model)] + [float("nan")] * n_obs
+        samples.append(Sample(ids, logps, float(k), completion_mask=mask, turn_rewards=[float(k)] * 3, num_turns=3))
+    return Group(group_id, "episode", prompt, 0, samples)
+
+
+def test_the_targets_of_an_episode_are_exactly_its_model_tokens_and_it_packs_with_single_turn_groups():
+    groups = [*random_groups(2), episode_group()]
+    samples = samples_from_groups(groups)
+    (mb,) = pack(samples, token_budget=4096, pad_id=0)
+    expected = [t for g in groups for s in g.samples for t in s.model_token_ids()]
+    order = mb.target_sample.tolist()
+    by_sample = {}
+    for idx, tok in zip(order, mb.targets.tolist(), strict=True):
+        by_sample.setdefault(idx, []).append(tok)
+    assert sorted(t for toks in by_sample.values() for t in toks) == sorted(expected)
+    for index, sample in enumerate(samples):
+        assert by_sample[index] == [sample.completion_ids[j] for j in sample.target_offsets()]
+    # Each target is predicted from the position just before it, observations included in the context.
+    row = mb.input_ids[0]
+    for c, tok in zip(mb.target_cols.tolist(), mb.targets.tolist(), strict=True):
+        assert row[mb.logits_to_keep[c] + 1] == tok
+    assert not torch.isnan(mb.sampling_logprobs).any()  # observation tokens' NaN never reach the loss
+    episode = samples[-1]
+    assert episode.num_targets == sum(episode.completion_mask) < len(episode.completion_ids)
+    assert mb.num_targets == sum(s.num_targets for s in samples)
+
+
+def test_a_packed_row_scores_an_episodes_model_tokens_like_a_forward_of_the_episode_alone(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    register_packed_attention()
+    model = AutoModelForCausalLM.from_pretrained(random_model(tmp_path / "m"), attn_implementation="spotrl_packed_sdpa")
+    samples = samples_from_groups([*random_groups(1), episode_group()])
+    (mb,) = pack(samples, token_budget=4096, pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, packed_cu_seqlens=mb.cu_seqlens).logits[0]
+        packed = torch.log_softmax(logits[mb.logits_to_keep[mb.target_cols]], -1).gather(-1, mb.targets[:, None])[:, 0]
+        alone = []
+        for s in samples:
+            lp = torch.log_softmax(model(input_ids=torch.tensor([s.input_ids])).logits[0], -1)
+            alone += [lp[len(s.prompt_ids) - 1 + j, s.completion_ids[j]] for j in s.target_offsets()]
+    by_index = sorted(range(len(mb.targets)), key=lambda m: (mb.target_sample[m].item(), m))
+    torch.testing.assert_close(packed[by_index], torch.stack(alone), atol=1e-5, rtol=0)
+
+
+def test_a_mask_of_the_wrong_length_is_refused():
+    group = episode_group()
+    group.samples[0].completion_mask = group.samples[0].completion_mask[:-1]
+    with pytest.raises(ValueError, match="mask"):
+        samples_from_groups([group])

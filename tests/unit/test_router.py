@@ -35,11 +35,11 @@ def _router(**kwargs):
     return router
 
 
-def _pending(prompt, model="policy-v1", method=GENERATE_METHOD, by_keyword=False):
+def _pending(prompt, model="policy-v1", method=GENERATE_METHOD, by_keyword=False, turn=None):
     """What Serve hands the router for `handle.options(method_name=method).remote(GenerateRequest(...))`."""
     from ray.serve._private.request_router.common import RequestRoutingContext
 
-    request = GenerateRequest(prompt, model, Sampling(n=1, max_tokens=4))
+    request = GenerateRequest(prompt, model, Sampling(n=1, max_tokens=4), turn)
     return SimpleNamespace(
         args=[] if by_keyword else [request],
         kwargs={"request": request} if by_keyword else {},
@@ -141,3 +141,31 @@ async def _reads_the_request():
     odd.args = [prompt, "policy-v1", {}]
     assert len(await router.choose_replicas([a, b], odd)) == 1
     assert sum(c["routed"] for c in router.stats()["replicas"].values()) == 3
+
+
+def test_router_counts_outcomes_per_episode_turn_and_a_trajectory_stays_on_its_replica(patched_replicas):
+    asyncio.run(_per_turn())
+
+
+async def _per_turn():
+    from deployments.router import router_stats
+
+    router = _router(spill_threshold=100)
+    a, b = _FakeReplica("a", {"router": {"block_size": 16}}), _FakeReplica("b", {"router": {"block_size": 16}})
+    router.update_replicas([a, b])
+    trajectories = [[1000 * t + i for i in range(20)] for t in range(4)]  # one full block each, all distinct
+    placed = {}
+    for t, prompt in enumerate(trajectories):
+        placed[t] = (await router.choose_replicas([a, b], _pending(prompt, turn=1)))[0][0]
+    for turn in (2, 3):  # each turn extends the trajectory by a block of model tokens and an observation
+        for t in range(4):
+            trajectories[t] = trajectories[t] + [7000 + turn * 100 + t * 10 + i for i in range(16)]
+            chosen = (await router.choose_replicas([a, b], _pending(trajectories[t], turn=turn)))[0][0]
+            assert chosen is placed[t]
+    await router.choose_replicas([a, b], _pending(list(range(40))))  # a request that says no turn
+    turns = router.stats()["turns"]
+    assert turns[1] == {"routed": 4, "affinity": 0, "spilled": 0, "unmatched": 4}
+    assert turns[2] == turns[3] == {"routed": 4, "affinity": 4, "spilled": 0, "unmatched": 0}
+    merged = router_stats()["turns"]
+    assert merged["2"]["affinity_share"] == 1.0 and merged["1"]["affinity_share"] == 0.0
+    assert sum(c["routed"] for c in router.stats()["replicas"].values()) == 13

@@ -1,0 +1,261 @@
+"""Multi-turn episodes against the fleet, kept token-exact from the first turn to the last.
+
+An episode is one token sequence: prompt, model turn 1, observation 1, model turn 2, ... The
+runner never re-tokenises what the model wrote: it appends the token ids the fleet returned, with
+vLLM's sampling log-probs, tokenises each observation once (or takes the environment's ids), and
+asks the fleet to continue from the ids so far. Each turn's request therefore extends the previous
+one's prompt, which is what the prefix-hash router matches on to keep a trajectory on the replica
+that holds its KV cache; the request says its `turn`, so the router counts affinity per turn.
+
+A group's first turn is one request for all G episodes (`n=G`: one prefill, one replica); after
+that the episodes diverge and each continues on its own. An episode ends when the environment says
+done; one cut by `env.max_turns` or by its token budget (`env.max_episode_tokens`) is marked
+truncated. The environment's `reset` and `step` run in worker threads under `env.timeout_s`: one
+that raises or hangs ends its own episode with reward None (NaN) and `env_error`, never the group
+or the run. A generation request that still fails after the fleet client's retries costs the
+group, as in single-turn sampling. A group outlives its policy version only so long: once the
+learner is more than `max_staleness` versions ahead it could never be trained, so the runner
+stops it before the next turn (`GroupStale`) instead of sampling for nothing.
+
+No Ray here: the rollout actor and the evaluation host it; tests drive it with a fake `generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.fleet_client import Choice
+from app.messages import Generate, Sample
+from app.tasks.environments import Environment, EnvStep
+from app.tasks.problems import Problem
+
+log = logging.getLogger(__name__)
+
+
+class EnvFailed(Exception):
+    """The environment raised or timed out: its episode ends with reward None."""
+
+
+class GroupStale(Exception):
+    """The learner moved on while the group's episodes were still being played: it could never be trained."""
+
+
+@dataclass
+class Episode:
+    """One trajectory as it grows: everything after the prompt, which tokens are the model's, their log-probs."""
+
+    completion_ids: list[int] = field(default_factory=list)
+    completion_mask: list[int] = field(default_factory=list)
+    sampling_logprobs: list[float] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    text: str = ""
+    truncated: bool = False
+    env_error: bool = False
+    solved: bool | None = None  # the environment's verdict at the end, if it gave one
+    turns: int = 0  # model turns so far
+
+    @property
+    def reward(self) -> float:
+        return math.nan if self.env_error else sum(self.turn_rewards)
+
+    @property
+    def succeeded(self) -> bool:
+        """Held-out success: the environment's `solved`, else a positive reward."""
+        return self.solved if self.solved is not None else (not self.env_error and self.reward > 0)
+
+    def add_model_turn(self, choice: Choice) -> None:
+        if len(choice.logprobs) != len(choice.token_ids):
+            raise ValueError(f"the fleet returned {len(choice.token_ids)} tokens but {len(choice.logprobs)} log-probs")
+        self.completion_ids += choice.token_ids
+        self.completion_mask += [1] * len(choice.token_ids)
+        self.sampling_logprobs += choice.logprobs
+        self.text += choice.text
+        self.turns += 1
+
+    def add_observation(self, ids: list[int], text: str) -> None:
+        self.completion_ids += ids
+        self.completion_mask += [0] * len(ids)
+        self.sampling_logprobs += [math.nan] * len(ids)  # not the model's: never scored
+        self.text += text
+
+    def sample(self) -> Sample:
+        return Sample(
+            self.completion_ids,
+            self.sampling_logprobs,
+            self.reward,
+            self.truncated,
+            self.text,
+            completion_mask=self.completion_mask,
+            turn_rewards=self.turn_rewards,
+            env_error=self.env_error,
+            num_turns=self.turns,
+        )
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """How every turn of an episode samples (the run's GRPO settings, or greedy for evaluation)."""
+
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+class EpisodeRunner:
+    """Plays groups of episodes of one environment class against the fleet."""
+
+    def __init__(
+        self,
+        env_factory: Callable[[], Environment],
+        encode: Callable[[str], list[int]],
+        generate: Generate,
+        *,
+        max_turns: int,
+        max_episode_tokens: int,
+        timeout_s: float,
+        max_threads: int = 32,
+    ):
+        self.env_factory, self.encode, self.generate = env_factory, encode, generate
+        self.max_turns, self.max_episode_tokens, self.timeout_s = max_turns, max_episode_tokens, timeout_s
+        # Its own threads: a hung environment holds one of these until it returns, never the reward scorer's.
+        self._threads = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="env")
+        self.env_errors = 0
+
+    async def _env_call(self, fn: Callable, *args):
+        """`fn(*args)` in a worker thread under the timeout; any failure becomes EnvFailed."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self._threads, fn, *args), self.timeout_s)
+        except TimeoutError:
+            raise EnvFailed(f"{getattr(fn, '__qualname__', fn)} timed out after {self.timeout_s:.1f}s") from None
+        except Exception as e:
+            raise EnvFailed(f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}: {e}") from None
+
+    def _step_and_tokenize(self, env: Environment, text: str, token_ids: list[int]) -> tuple[EnvStep, list[int]]:
+        """The environment's answer and its observation's token ids (tokenised once, here, off the event loop)."""
+        step = env.step(text, list(token_ids))
+        if not isinstance(step, EnvStep):
+            raise TypeError(f"step() returned {type(step).__name__}, not EnvStep")
+        if not isinstance(step.reward, int | float) or not math.isfinite(step.reward):
+            raise TypeError(f"step() returned the reward {step.reward!r}, not a finite number")
+        obs = step.observation
+        if step.done or obs is None:
+            return step, []
+        if isinstance(obs, str):
+            return step, self.encode(obs)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in obs):
+            raise TypeError("an observation given as token ids must be a list of non-negative ints")
+        return step, list(obs)
+
+    async def run_group(
+        self,
+        problem: Problem,
+        prompt_ids: list[int],
+        model: str,
+        n: int,
+        sampling: SamplingArgs,
+        is_fresh: Callable[[], bool] = lambda: True,
+    ) -> list[Episode]:
+        """`n` episodes of `problem` under `model`: one request for every first turn, then one per episode turn.
+
+        `is_fresh` is asked before every later turn: once the group is too stale to train, GroupStale ends it
+        (the fleet retires old versions, and their requests would fail anyway)."""
+        envs = [self.env_factory() for _ in range(n)]
+        resets = await asyncio.gather(*(self._env_call(env.reset, problem) for env in envs), return_exceptions=True)
+        first = await self._sample(prompt_ids, [], model, n, sampling, turn=1)
+        plays = [
+            asyncio.ensure_future(self._play(env, reset, choice, prompt_ids, model, sampling, is_fresh))
+            for env, reset, choice in zip(envs, resets, first, strict=True)
+        ]
+        try:
+            return list(await asyncio.gather(*plays))
+        finally:  # one episode's failure (a lost request, a stale group) ends its siblings too
+            for play in plays:
+                play.cancel()
+
+    async def _sample(
+        self, prompt_ids: list[int], so_far: list[int], model: str, n: int, sampling: SamplingArgs, turn: int
+    ) -> list[Choice]:
+        room = self.max_episode_tokens - len(prompt_ids) - len(so_far)
+        if room < 1:  # only a first turn can get here: later turns are never asked for without room
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room in {self.max_episode_tokens}")
+        return await self.generate(
+            [*prompt_ids, *so_far],
+            model,
+            n,
+            min(sampling.max_completion_length, room),
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            turn=turn,
+        )
+
+    async def _play(
+        self,
+        env: Environment,
+        reset,
+        choice: Choice,
+        prompt_ids: list[int],
+        model: str,
+        sampling: SamplingArgs,
+        is_fresh: Callable[[], bool],
+    ) -> Episode:
+        episode = Episode()
+        failure = reset if isinstance(reset, BaseException) else None
+        while True:
+            episode.add_model_turn(choice)
+            if failure is not None:
+                break
+            used = len(prompt_ids) + len(episode.completion_ids)
+            if choice.finish_reason == "length" and used >= self.max_episode_tokens:
+                episode.turn_rewards.append(0.0)  # cut mid-turn by the budget: an unfinished answer earns nothing
+                episode.truncated = True
+                break
+            try:
+                step, obs_ids = await self._env_call(self._step_and_tokenize, env, choice.text, choice.token_ids)
+            except EnvFailed as e:
+                failure = e
+                break
+            episode.turn_rewards.append(float(step.reward))
+            if step.done:
+                episode.solved = step.solved
+                break
+            if episode.turns >= self.max_turns or used + len(obs_ids) >= self.max_episode_tokens:
+                episode.truncated = True  # the environment wanted more, the budget had no room for it
+                break
+            episode.add_observation(obs_ids, step.observation if isinstance(step.observation, str) else "")
+            if not is_fresh():
+                raise GroupStale(f"{model} is too old to train by now")
+            (choice,) = await self._sample(prompt_ids, episode.completion_ids, model, 1, sampling, episode.turns + 1)
+        if failure is not None:
+            self.env_errors += 1
+            episode.env_error = True
+            log.warning("environment failed, ending its episode with reward None: %s", failure)
+        return episode
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def runner_for(cfg, tokenizer, generate: Generate) -> EpisodeRunner | None:
+    """The runner of the config's environment, observations tokenised as prompts are; None for single-turn runs."""
+    if cfg.env.name is None:
+        return None
+    from app.models import prompt_token_ids
+    from app.tasks.environments import resolve_environment
+
+    env_cls, kwargs = resolve_environment(cfg.env.name), dict(cfg.env.kwargs)
+    return EpisodeRunner(
+        lambda: env_cls(**kwargs),
+        lambda text: prompt_token_ids(tokenizer, text),
+        generate,
+        max_turns=cfg.env.max_turns,
+        max_episode_tokens=cfg.max_episode_tokens,
+        timeout_s=cfg.env.timeout_s,
+    )
