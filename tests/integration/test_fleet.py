@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from app.fleet_client import FleetClient, FleetError
-from tests.fleet_helpers import publish_random_adapters, running_fleet
+from tests.fleet_helpers import free_port, publish_random_adapters, running_fleet
 
 TOKEN = "fleet-test-token-7f3a9c"
 G = 8
