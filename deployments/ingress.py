@@ -60,6 +60,25 @@ def engine_died(exc: BaseException) -> bool:
     return _raised(exc, EngineDied)
 
 
+def own_internal_request_id() -> None:
+    """Give the handle call this task makes next an internal request id of its own.
+
+    Ray Serve 2.60 stamps every handle call made while serving one HTTP request with that request's
+    internal id, and its RequestRouter hands a chosen replica to the pending request with that id:
+    of two calls in flight at once (the prompts of one /v1/completions batch), the second is never
+    indexed, never gets a replica and hangs. Serve's own routers escape it through FIFOMixin, which
+    PrefixHashRouter must not use (`deployments.router`). The request context is a contextvar, so
+    this changes only the calling task's copy (each prompt's `generate` runs in a task of its own).
+    """
+    import dataclasses
+
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _get_serve_request_context, _serve_request_context
+
+    context = _get_serve_request_context()
+    _serve_request_context.set(dataclasses.replace(context, _internal_request_id=generate_request_id()))
+
+
 def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
     what = "its engine died while serving it" if engine_died(exc) else "it hit a dead replica"
     log.warning("generation failed, %s (%s); retry %d in %.1fs", what, type(exc).__name__, attempt, pause_s)
@@ -82,6 +101,7 @@ class ServeBackend:
         # a retry is routed afresh, away from the replica Serve now knows is dead.
         async def send():
             nonlocal engine_deaths
+            own_internal_request_id()
             try:
                 return await self._handle.options(method_name=GENERATE_METHOD).remote(request)
             except Exception as exc:

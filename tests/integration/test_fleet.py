@@ -538,3 +538,21 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
         routed = turns[turn]["routed"] - before.get(turn, {}).get("routed", 0)
         affinity = turns[turn]["affinity"] - before.get(turn, {}).get("affinity", 0)
         assert routed == 8 and affinity == 8, turns
+
+
+def test_a_batch_of_prompts_in_one_request_is_answered_prompt_by_prompt(fleet):
+    """Several prompts in one /v1/completions call are several handle calls made for one HTTP request: Serve 2.60
+    gave them one internal id and left all but one unrouted, forever (`deployments.ingress.own_internal_request_id`)."""
+    before = fleet.client.router_stats()["totals"]["routed"]
+    for attempt in range(5):
+        prompts = [_prompt(900 + 10 * attempt + k, 40) for k in range(4)]
+        r = httpx.post(
+            f"{fleet.url}/v1/completions",
+            json={"model": fleet.base, "prompt": prompts, "n": 2, "max_tokens": 3, "return_token_ids": True},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(8))
+        assert [c["prompt_token_ids"] for c in choices] == [p for p in prompts for _ in range(2)]
+    assert fleet.client.router_stats()["totals"]["routed"] - before == 20  # each prompt routed on its own
