@@ -182,7 +182,7 @@ class FleetClient:
 
     async def acompletions(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | list[list[int]],
         model: str,
         n: int = 1,
         max_tokens: int = 16,
@@ -192,7 +192,8 @@ class FleetClient:
         logprobs: int = 0,
         **extra: Any,
     ) -> list[Choice]:
-        """`completions` on the caller's event loop (one loop per client)."""
+        """`completions` on the caller's event loop (one loop per client); a batch of prompts gets `n` choices
+        per prompt, in prompt order."""
         body = self._completion_body(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, logprobs, extra)
         return parse_choices(await self._arequest("POST", "/v1/completions", json=body))
 

@@ -31,7 +31,7 @@ class Generate(Protocol):
 
     async def __call__(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | list[list[int]],  # one prompt, or a batch: `n` choices per prompt, in prompt order
         model: str,
         n: int = 1,
         max_tokens: int = 16,

@@ -8,7 +8,9 @@ one's prompt, which is what the prefix-hash router matches on to keep a trajecto
 that holds its KV cache; the request says its `turn`, so the router counts affinity per turn.
 
 A group's first turn is one request for all G episodes (`n=G`: one prefill, one replica); after
-that the episodes diverge and each continues on its own. An episode ends when the environment says
+that the episodes diverge, and each later turn is one request holding every episode still going,
+one prompt each (so one HTTP round trip per turn, not per episode; the ingress routes each prompt
+on its own, to the replica that holds its trajectory). An episode ends when the environment says
 done; one cut by `env.max_turns` or by its token budget (`env.max_episode_tokens`) is marked
 truncated. The environment's `reset` and `step` run in worker threads under `env.timeout_s`: one
 that raises or hangs ends its own episode with reward None (NaN) and `env_error`, never the group
@@ -162,82 +164,95 @@ class EpisodeRunner:
         sampling: SamplingArgs,
         is_fresh: Callable[[], bool] = lambda: True,
     ) -> list[Episode]:
-        """`n` episodes of `problem` under `model`: one request for every first turn, then one per episode turn.
+        """`n` episodes of `problem` under `model`, turn by turn: one request (`n` samples) for every first turn,
+        then, per turn, one request holding every episode still going (each prompt routed on its own).
 
         `is_fresh` is asked before every later turn: once the group is too stale to train, GroupStale ends it
         (the fleet retires old versions, and their requests would fail anyway)."""
         envs = [self.env_factory() for _ in range(n)]
         resets = await asyncio.gather(*(self._env_call(env.reset, problem) for env in envs), return_exceptions=True)
-        first = await self._sample(prompt_ids, [], model, n, sampling, turn=1)
-        plays = [
-            asyncio.ensure_future(self._play(env, reset, choice, prompt_ids, model, sampling, is_fresh))
-            for env, reset, choice in zip(envs, resets, first, strict=True)
-        ]
-        try:
-            return list(await asyncio.gather(*plays))
-        finally:  # one episode's failure (a lost request, a stale group) ends its siblings too
-            for play in plays:
-                play.cancel()
+        episodes = [Episode() for _ in range(n)]
+        failures = [r if isinstance(r, BaseException) else None for r in resets]
+        choices = await self._sample([prompt_ids], model, n, sampling, turn=1)
+        going = list(range(n))
+        while True:
+            went_on = await asyncio.gather(
+                *(
+                    self._take_turn(envs[i], episodes[i], choice, len(prompt_ids), failures[i])
+                    for i, choice in zip(going, choices, strict=True)
+                )
+            )
+            going = [i for i, more in zip(going, went_on, strict=True) if more]
+            if not going:
+                return episodes
+            if not is_fresh():
+                raise GroupStale(f"{model} is too old to train by now")
+            turn = episodes[going[0]].turns + 1  # in lockstep: every episode still going has played as many turns
+            choices = await self._sample(
+                [prompt_ids + episodes[i].completion_ids for i in going], model, 1, sampling, turn
+            )
 
     async def _sample(
-        self, prompt_ids: list[int], so_far: list[int], model: str, n: int, sampling: SamplingArgs, turn: int
+        self, prompts: list[list[int]], model: str, n: int, sampling: SamplingArgs, turn: int
     ) -> list[Choice]:
-        room = self.max_episode_tokens - len(prompt_ids) - len(so_far)
-        if room < 1:  # only a first turn can get here: later turns are never asked for without room
-            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room in {self.max_episode_tokens}")
-        return await self.generate(
-            [*prompt_ids, *so_far],
-            model,
-            n,
-            min(sampling.max_completion_length, room),
-            sampling.temperature,
-            sampling.top_p,
-            sampling.top_k,
-            turn=turn,
+        """`n` choices per prompt, prompt by prompt, each allowed what the episode budget leaves it; one request
+        per distinct allowance (as a rule one in all: the allowance is `max_completion_length` until the end)."""
+        rooms = [min(sampling.max_completion_length, self.max_episode_tokens - len(p)) for p in prompts]
+        if min(rooms) < 1:  # only a first turn can get here: later turns are never asked for without room
+            raise ValueError(f"a prompt of {len(prompts[0])} tokens leaves no room in {self.max_episode_tokens}")
+        batches = {room: [k for k, r in enumerate(rooms) if r == room] for room in set(rooms)}
+        answers = await asyncio.gather(
+            *(
+                self.generate(
+                    [prompts[k] for k in ks] if len(prompts) > 1 else prompts[0],
+                    model,
+                    n,
+                    room,
+                    sampling.temperature,
+                    sampling.top_p,
+                    sampling.top_k,
+                    turn=turn,
+                )
+                for room, ks in batches.items()
+            )
         )
+        out: list[Choice | None] = [None] * (len(prompts) * n)
+        for (_, ks), choices in zip(batches.items(), answers, strict=True):
+            if len(choices) != len(ks) * n:
+                raise ValueError(f"the fleet answered {len(choices)} choices for {len(ks)} prompts x {n}")
+            for j, k in enumerate(ks):
+                out[k * n : (k + 1) * n] = choices[j * n : (j + 1) * n]
+        return out
 
-    async def _play(
-        self,
-        env: Environment,
-        reset,
-        choice: Choice,
-        prompt_ids: list[int],
-        model: str,
-        sampling: SamplingArgs,
-        is_fresh: Callable[[], bool],
-    ) -> Episode:
-        episode = Episode()
-        failure = reset if isinstance(reset, BaseException) else None
-        while True:
-            episode.add_model_turn(choice)
-            if failure is not None:
-                break
-            used = len(prompt_ids) + len(episode.completion_ids)
+    async def _take_turn(
+        self, env: Environment, episode: Episode, choice: Choice, prompt_len: int, failure: BaseException | None
+    ) -> bool:
+        """Add the model's turn and the environment's answer to it; True when the episode goes on."""
+        episode.add_model_turn(choice)
+        if failure is None:
+            used = prompt_len + len(episode.completion_ids)
             if choice.finish_reason == "length" and used >= self.max_episode_tokens:
                 episode.turn_rewards.append(0.0)  # cut mid-turn by the budget: an unfinished answer earns nothing
                 episode.truncated = True
-                break
+                return False
             try:
                 step, obs_ids = await self._env_call(self._step_and_tokenize, env, choice.text, choice.token_ids)
             except EnvFailed as e:
                 failure = e
-                break
-            episode.turn_rewards.append(float(step.reward))
-            if step.done:
-                episode.solved = step.solved
-                break
-            if episode.turns >= self.max_turns or used + len(obs_ids) >= self.max_episode_tokens:
-                episode.truncated = True  # the environment wanted more, the budget had no room for it
-                break
-            episode.add_observation(obs_ids, step.observation if isinstance(step.observation, str) else "")
-            if not is_fresh():
-                raise GroupStale(f"{model} is too old to train by now")
-            (choice,) = await self._sample(prompt_ids, episode.completion_ids, model, 1, sampling, episode.turns + 1)
-        if failure is not None:
-            self.env_errors += 1
-            episode.env_error = True
-            log.warning("environment failed, ending its episode with reward None: %s", failure)
-        return episode
+            else:
+                episode.turn_rewards.append(float(step.reward))
+                if step.done:
+                    episode.solved = step.solved
+                    return False
+                if episode.turns >= self.max_turns or used + len(obs_ids) >= self.max_episode_tokens:
+                    episode.truncated = True  # the environment wanted more, the budget had no room for it
+                    return False
+                episode.add_observation(obs_ids, step.observation if isinstance(step.observation, str) else "")
+                return True
+        self.env_errors += 1
+        episode.env_error = True
+        log.warning("environment failed, ending its episode with reward None: %s", failure)
+        return False
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

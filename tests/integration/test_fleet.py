@@ -456,7 +456,9 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
 
     async def recording(prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
         choices = await client.acompletions(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, turn=turn)
-        requests.append((turn, list(prompt_ids), [c.token_ids for c in choices]))
+        batch = prompt_ids if isinstance(prompt_ids[0], list) else [prompt_ids]  # later turns: one prompt per episode
+        for k, prompt in enumerate(batch):
+            requests.append((turn, list(prompt), [c.token_ids for c in choices[k * n : (k + 1) * n]]))
         return choices
 
     runner = EpisodeRunner(

@@ -26,22 +26,28 @@ def decode(ids: list[int]) -> str:
 
 
 class ScriptedFleet:
-    """Answers turn k of every episode with `answers[k - 1]` (text, tokenised and closed by EOS), recording calls."""
+    """Answers turn k of every episode with `answers[k - 1]` (text, tokenised and closed by EOS), recording each
+    prompt as a call (`requests` counts the requests: a batch of prompts is one)."""
 
     def __init__(self, answers, finish_reason="stop"):
         self.answers, self.finish_reason = answers, finish_reason
         self.calls: list[dict] = []
+        self.requests = 0
 
     async def __call__(self, prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
-        self.calls.append({"prompt": list(prompt_ids), "n": n, "max_tokens": max_tokens, "turn": turn})
-        answer = self.answers[turn - 1]
-        ids = (encode(answer) + [EOS])[:max_tokens]
-        finish = "length" if len(ids) == max_tokens and ids[-1] != EOS else self.finish_reason
-        # Distinct log-probs per call and position, so a misplaced one is visible.
-        return [
-            Choice(i, list(ids), [-(len(self.calls) + j / 10) for j in range(len(ids))], decode(ids), finish)
-            for i in range(n)
-        ]
+        self.requests += 1
+        prompts = prompt_ids if prompt_ids and isinstance(prompt_ids[0], list) else [prompt_ids]
+        out = []
+        for prompt in prompts:
+            self.calls.append({"prompt": list(prompt), "n": n, "max_tokens": max_tokens, "turn": turn})
+            ids = (encode(self.answers[turn - 1]) + [EOS])[:max_tokens]
+            finish = "length" if len(ids) == max_tokens and ids[-1] != EOS else self.finish_reason
+            # Distinct log-probs per prompt and position, so a misplaced one is visible.
+            out += [
+                Choice(i, list(ids), [-(len(self.calls) + j / 10) for j in range(len(ids))], decode(ids), finish)
+                for i in range(n)
+            ]
+        return out
 
 
 def runner(fleet, env=ChainedArithmetic, max_turns=4, max_episode_tokens=200, timeout_s=2.0):
@@ -62,6 +68,7 @@ def test_a_solved_chain_is_one_token_exact_sequence_and_the_mask_covers_exactly_
     # First turn: one request for the whole group; then one per episode and turn, each extending the last.
     assert fleet.calls[0]["n"] == 2 and fleet.calls[0]["prompt"] == PROMPT and fleet.calls[0]["turn"] == 1
     assert sorted(c["turn"] for c in fleet.calls[1:]) == [2, 2, 3, 3]
+    assert fleet.requests == 3  # a later turn is one request for every episode still going
     obs1, obs2 = encode(" Add 7. Answer: "), encode(" Add 2. Answer: ")
     turn1, turn2, turn3 = encode("46") + [EOS], encode("53") + [EOS], encode("55") + [EOS]
     for ep in episodes:
@@ -291,7 +298,8 @@ def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_
         if turn == 1 and len(turns_asked) == 1:
             producer.set_policy_version(2)  # two versions ahead of the group's v0 before its second turn
         answer = encode(str(int(problems[0].answer)))  # whatever the problem, the turn continues (right or not)
-        return [Choice(i, answer + [EOS], [-0.1] * (len(answer) + 1), problems[0].answer, "stop") for i in range(n)]
+        prompts = len(prompt_ids) if isinstance(prompt_ids[0], list) else 1
+        return [Choice(i, answer + [EOS], [-0.1] * (len(answer) + 1), "x", "stop") for i in range(n * prompts)]
 
     class AlwaysOn(ChainedArithmetic):
         def step(self, text, token_ids):
