@@ -5,7 +5,7 @@ with other files serves the new files; a client that paused and failed (or vanis
 everyone up; LoRA slots are a cache in which a committed version is never a 404. One fleet serves
 every test of the module (start-up costs a minute or two); tests publish adapters of their own.
 Slots are few on purpose: `max_staleness` 1 pins two versions per family in `max_loras` 7, and so are
-places in flight (`fleet.inflight_budget` 4), so that a burst has to wait for its share.
+places in flight (`fleet.inflight_budget` 8), so that a burst has to wait for its share.
 """
 
 import time
@@ -21,7 +21,7 @@ TOKEN = "shared-fleet-token-4b8e1d"
 MAX_LORAS = 7
 PAUSE_LEASE_S = 4.0
 RUN_IDLE_S = 30.0
-INFLIGHT_BUDGET = 4
+INFLIGHT_BUDGET = 8
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +209,8 @@ def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet
 
 
 def test_two_runs_bursts_both_progress_each_within_its_share_and_are_counted_per_run(fleet):
-    """A burst of 16 from ann, then 4 from ben while most of hers wait: ben's go ahead of her queue (his share is
-    half the fleet's 4 places), both bursts finish, and /router/stats counts each run's requests, tokens and waits."""
+    """A burst of 32 from ann, then 8 from ben while most of hers wait: ben's go ahead of her queue (his share is
+    half the fleet's 8 places), both bursts finish, and /router/stats counts each run's requests, tokens and waits."""
     import asyncio
 
     from app.fleet_client import FleetClient
@@ -221,7 +221,7 @@ def test_two_runs_bursts_both_progress_each_within_its_share_and_are_counted_per
     tokens = {run: admin.register_run(run, weight=1)["token"] for run in ("ann", "ben")}
     ann, ben = (FleetClient(fleet.url, token=tokens[run]) for run in ("ann", "ben"))
     length = 64  # min_tokens = max_tokens: every completion is exactly this long
-    sent = {"ann": [PROMPTS[i % len(PROMPTS)] for i in range(16)], "ben": PROMPTS}
+    sent = {"ann": PROMPTS * 8, "ben": PROMPTS * 2}
 
     async def burst(client, prompts) -> list[float]:
         async def one(prompt) -> float:
@@ -235,8 +235,8 @@ def test_two_runs_bursts_both_progress_each_within_its_share_and_are_counted_per
 
     async def both():
         hers = asyncio.create_task(burst(ann, sent["ann"]))
-        while (await asyncio.to_thread(admin.router_stats))["runs"]["runs"].get("ann", {}).get("queued", 0) < 8:
-            await asyncio.sleep(0.05)  # her burst holds the 4 places, the rest of it waits
+        while (await asyncio.to_thread(admin.router_stats))["runs"]["runs"].get("ann", {}).get("queued", 0) < 16:
+            await asyncio.sleep(0.05)  # her burst holds the 8 places, the rest of it waits
         his = await burst(ben, sent["ben"])
         return await hers, his
 
@@ -248,9 +248,9 @@ def test_two_runs_bursts_both_progress_each_within_its_share_and_are_counted_per
             assert (stats["requests"], stats["completion_tokens"]) == (len(prompts), len(prompts) * length), stats
             assert stats["prompt_tokens"] == sum(map(len, prompts))
             assert (stats["in_flight"], stats["queued"], stats["weight"]) == (0, 0, 1.0)
-        # ben's burst was not served behind ann's queue (first come first served would finish it after all 16
+        # ben's burst was not served behind ann's queue (first come first served would finish it after all 32
         # of hers): a good part of hers was still to come when his last finished ...
-        assert sum(t > max(his) for t in hers) >= 4, sorted(hers + his)
+        assert sum(t > max(his) for t in hers) >= 8, sorted(hers + his)
         # ... and his longest wait for a place was shorter than hers
         assert runs["ben"]["queue_wait_max_s"] < runs["ann"]["queue_wait_max_s"], runs
         assert set(ann.router_stats()["runs"]["runs"]) == {"ann"}  # a run sees its own counters only
