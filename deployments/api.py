@@ -117,7 +117,8 @@ class ApiSettings:
     max_loras: int = 4  # LoRA slots per engine: how many runs fit (`deployments.runs`)
     window: int = 3  # max_staleness + 1: the versions each run pins
     run_idle_timeout_s: float = 600.0  # a run silent for this long is released
-    inflight_budget: int = 512  # generations in flight on the fleet at once, shared by run weight
+    # Generations in flight on the fleet at once, shared by run weight (`deployments.fair_share`).
+    inflight_budget: int = field(default_factory=lambda: FleetConfig().inflight_limit)
     default_run_weight: float = 1.0
 
 
@@ -197,11 +198,11 @@ class _Routes:
         settings: ApiSettings,
         scrub: Callable[[str], str],
         runs: Runs,
-        records=None,
-        gate: FairShare | None = None,
+        records,
+        gate: FairShare,
     ):
         self.backend, self.settings, self.scrub, self.runs, self.records = backend, settings, scrub, runs, records
-        self.gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight)
+        self.gate = gate
 
     def register(self, app: FastAPI) -> None:
         for name in dir(type(self)):
