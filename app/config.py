@@ -273,10 +273,21 @@ class FleetConfig(Section):
     run_idle_timeout_s: float = Field(
         600.0, gt=0, description="A run silent this long (no request, no heartbeat) is released: token, adapters."
     )
+    inflight_budget: int | None = Field(
+        None, ge=1, description="Generations in flight at once on the fleet, shared by weight; None: replicas x seqs."
+    )
+    default_run_weight: float = Field(
+        1.0, gt=0, le=1e6, description="A run's weight (share of in-flight generations) when it registers without one."
+    )
     extra_adapter_dirs: list[str] = Field(
         default_factory=list,
         description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",
     )
+
+    @property
+    def inflight_limit(self) -> int:
+        """`inflight_budget`, or what the engines batch at once: beyond that vLLM queues first come first served."""
+        return self.inflight_budget or self.num_replicas * self.max_num_seqs
 
     @model_validator(mode="before")
     @classmethod

@@ -224,9 +224,11 @@ class FleetClient:
         """Unload everywhere once in-flight requests finish; an unknown name is not an error."""
         return self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
-    def register_run(self, name: str) -> dict[str, Any]:
-        """Register a run on a shared fleet (admin token): `{"name", "token"}`, the run's token shown this once."""
-        return self._request("POST", "/v1/runs", json={"name": name})
+    def register_run(self, name: str, weight: float | None = None) -> dict[str, Any]:
+        """Register a run on a shared fleet (admin token), with its `weight` in the fair share (else the fleet's
+        default): `{"name", "token", "weight"}`, the run's token shown this once."""
+        body = {"name": name} if weight is None else {"name": name, "weight": weight}
+        return self._request("POST", "/v1/runs", json=body)
 
     def remove_run(self, name: str) -> dict[str, Any]:
         """Forget a run (its token stops working) and unload its adapters (admin token)."""

@@ -65,6 +65,7 @@ from deployments.api_schema import (
     token_id_placeholder,
     usage,
 )
+from deployments.fair_share import FLEET_TENANT, FairShare
 from deployments.names import split_run
 from deployments.protocol import PAUSE_MODES, Generated, GenerateRequest
 from deployments.runs import ADMIN, ANONYMOUS, Caller, Runs
@@ -116,11 +117,17 @@ class ApiSettings:
     max_loras: int = 4  # LoRA slots per engine: how many runs fit (`deployments.runs`)
     window: int = 3  # max_staleness + 1: the versions each run pins
     run_idle_timeout_s: float = 600.0  # a run silent for this long is released
+    # Generations in flight on the fleet at once, shared by run weight (`deployments.fair_share`).
+    inflight_budget: int = field(default_factory=lambda: FleetConfig().inflight_limit)
+    default_run_weight: float = 1.0
 
 
-def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None, records=None) -> FastAPI:
+def make_app(
+    backend: Backend, settings: ApiSettings, runs: Runs | None = None, records=None, gate: FairShare | None = None
+) -> FastAPI:
     """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants, `records` (an
-    `app.bucket.store.RunRecords`) where registrations are kept across restarts of the ingress."""
+    `app.bucket.store.RunRecords`) where registrations are kept across restarts of the ingress, `gate` the fair
+    share of in-flight generations between them."""
     app = FastAPI(
         title="spotrl fleet",
         docs_url=None,
@@ -131,9 +138,13 @@ def make_app(backend: Backend, settings: ApiSettings, runs: Runs | None = None, 
     replies = ErrorReplies(settings.admin_token)
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
-    runs = runs if runs is not None else Runs(settings.max_loras, settings.window, settings.run_idle_timeout_s)
-    InferenceRoutes(backend, settings, replies.scrub, runs, records).register(app)
-    AdminRoutes(backend, settings, replies.scrub, runs, records).register(app)
+    if runs is None:
+        runs = Runs(
+            settings.max_loras, settings.window, settings.run_idle_timeout_s, default_weight=settings.default_run_weight
+        )
+    gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight)
+    InferenceRoutes(backend, settings, replies.scrub, runs, records, gate).register(app)
+    AdminRoutes(backend, settings, replies.scrub, runs, records, gate).register(app)
     return app
 
 
@@ -181,8 +192,17 @@ class _Routes:
 
     ADMIN = False
 
-    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs, records=None):
+    def __init__(
+        self,
+        backend: Backend,
+        settings: ApiSettings,
+        scrub: Callable[[str], str],
+        runs: Runs,
+        records,
+        gate: FairShare,
+    ):
         self.backend, self.settings, self.scrub, self.runs, self.records = backend, settings, scrub, runs, records
+        self.gate = gate
 
     def register(self, app: FastAPI) -> None:
         for name in dir(type(self)):
@@ -234,15 +254,20 @@ class _Routes:
 class InferenceRoutes(_Routes):
     """Generation and read-only calls: open, unless `protect_inference` puts them behind the token."""
 
-    def __init__(self, backend: Backend, settings: ApiSettings, scrub: Callable[[str], str], runs: Runs, records=None):
-        super().__init__(backend, settings, scrub, runs, records)
-        self._token_text = cached_token_text(settings.decode)
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._token_text = cached_token_text(self.settings.decode)
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> Generated:
+    async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
+        """One generation, once the caller's run has a place in the fleet (`deployments.fair_share`)."""
         try:
-            return await self.backend.generate(request)
+            async with self.gate.slot(tenant_of(caller)) as used:
+                result = await self.backend.generate(request)
+                used.prompt_tokens = len(request.prompt_ids)
+                used.completion_tokens = sum(len(c.token_ids) for c in result.choices)
+                return result
         except Exception as e:  # a ReplicaError keeps its status (404 unknown model, 400, 503); others are 500
             api_error = as_api_error(e, "generation failed")
             if api_error.status >= 500:
@@ -320,7 +345,7 @@ class InferenceRoutes(_Routes):
         limits.check_text(p for p in prompts if isinstance(p, str))
         jobs = await offload(self.completion_jobs, body, prompts)
         id_lists = [job.prompt_ids for job in jobs]
-        results = await asyncio.gather(*(self.generate(job) for job in jobs))
+        results = await asyncio.gather(*(self.generate(job, caller) for job in jobs))
         choices = await offload(self.completion_choices, body, id_lists, results)
         reply = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -359,7 +384,7 @@ class InferenceRoutes(_Routes):
         self.settings.limits.check_text(body.texts(messages))
         job = await offload(self.chat_job, body, messages)
         ids = job.prompt_ids
-        result = await self.generate(job)
+        result = await self.generate(job, caller)
         token_text = self.token_text(body.logprobs, body.return_tokens_as_token_ids)
 
         def choices() -> list[dict[str, Any]]:
@@ -384,6 +409,7 @@ class InferenceRoutes(_Routes):
     async def models(self, request: Request) -> dict[str, Any]:
         caller = await self.authorize(request)
         listed = all_or_raise(await self.backend.broadcast("list_adapters"))
+        self.gate.note_slots(slots_held(listed))
         now, base, max_model_len = int(time.time()), self.settings.base_model, self.settings.max_model_len
 
         def entry(name: str, root: str, parent: str | None) -> dict[str, Any]:
@@ -432,8 +458,15 @@ class InferenceRoutes(_Routes):
 
     @route("GET", "/router/stats")
     async def router_stats(self, request: Request) -> dict[str, Any]:
-        await self.authorize(request)
-        return self.backend.router_stats()
+        """The router's counters, and under `runs` the fair share's per run (a run's token sees its own only)."""
+        caller = await self.authorize(request)
+        listed = await self.backend.broadcast("list_adapters")
+        # The router's counters are worth answering even when a replica cannot list its adapters right now.
+        self.gate.note_slots(slots_held([r for r in listed if not isinstance(r, BaseException)]))
+        fair = self.gate.stats()
+        if not caller.admin:
+            fair["runs"] = {name: s for name, s in fair["runs"].items() if name == tenant_of(caller)}
+        return {**self.backend.router_stats(), "runs": fair}
 
     @route("GET", "/engine/stats")
     async def engine_stats(self, request: Request) -> dict[str, Any]:
@@ -509,7 +542,7 @@ class AdminRoutes(_Routes):
     async def register_run(self, request: Request) -> dict[str, Any]:
         (await self.authorize(request)).check_admin("registering a run")
         body = await self.body(request, RunBody)
-        token = self.runs.register(body.name)
+        token = self.runs.register(body.name, body.weight)
         if self.records is not None:
             try:
                 await offload(self.records.save, body.name, self.runs.digest(body.name))
@@ -517,7 +550,7 @@ class AdminRoutes(_Routes):
                 self.runs.remove(body.name)
                 raise ApiError(503, f"run {body.name!r} could not be recorded in the bucket: {e}") from None
         log.info("fleet ingress: registered run %s (%d runs)", body.name, len(self.runs.names()))
-        return {"name": body.name, "token": token}
+        return {"name": body.name, "token": token, "weight": self.runs.weight(body.name)}
 
     @route("GET", "/v1/runs")
     async def list_runs(self, request: Request) -> dict[str, Any]:
@@ -627,6 +660,24 @@ async def unload_run(backend: Backend, run: str) -> list[str]:
     for adapter in names:
         all_or_raise(await backend.broadcast("unload_adapter", adapter))
     return names
+
+
+def tenant_of(caller: Caller) -> str:
+    """Whose share a caller's generations count against: its run's, or the admin's and anonymous callers' one."""
+    return caller.run or FLEET_TENANT
+
+
+def slots_held(listed: list[dict[str, Any]]) -> dict[str, int]:
+    """LoRA slots per run (un-namespaced adapters: `FLEET_TENANT`) on the fullest engine, from `list_adapters`."""
+    held: dict[str, int] = {}
+    for replica in listed:
+        counts: dict[str, int] = {}
+        for a in replica["adapters"]:
+            owner = split_run(a["name"])[0] or FLEET_TENANT
+            counts[owner] = counts.get(owner, 0) + 1
+        for owner, n in counts.items():
+            held[owner] = max(held.get(owner, 0), n)
+    return held
 
 
 def all_or_raise(results: list[Any]) -> list[Any]:

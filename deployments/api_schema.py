@@ -294,6 +294,7 @@ class RunBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=PRINTABLE)
+    weight: float | None = Field(None, gt=0, le=1e6)  # share of in-flight generations (`deployments.fair_share`)
 
 
 # ---- responses -----------------------------------------------------------------------------------

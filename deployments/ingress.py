@@ -31,6 +31,7 @@ from app.config import RunConfig
 from app.retry import Backoff, aretry
 from deployments.api import ApiSettings, load_everywhere, make_app
 from deployments.api_schema import ApiError, RequestLimits
+from deployments.fair_share import FairShare, RunMetrics
 from deployments.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
 from deployments.protocol import GENERATE_METHOD, EngineDied, Generated, GenerateRequest, ReplicaUnavailable
 from deployments.runs import Runs
@@ -197,14 +198,19 @@ class Ingress:
             max_loras=cfg.max_loras,
             window=cfg.grpo.max_staleness + 1,
             run_idle_timeout_s=cfg.fleet.run_idle_timeout_s,
+            inflight_budget=cfg.fleet.inflight_limit,
+            default_run_weight=cfg.fleet.default_run_weight,
         )
         self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
         # The runs of a shared fleet outlive this process in the bucket (`deployments.runs`).
         records = RunRecords.from_config(cfg, bucket_url) if bucket_url else None
-        runs = Runs(settings.max_loras, settings.window, settings.run_idle_timeout_s)
+        runs = Runs(
+            settings.max_loras, settings.window, settings.run_idle_timeout_s, default_weight=settings.default_run_weight
+        )
         if records is not None:
             runs.restore(records.load())
-        self._app = make_app(self._backend, settings, runs, records)
+        gate = FairShare(settings.inflight_budget, runs.weight, RunMetrics(cfg.fleet.app_name))
+        self._app = make_app(self._backend, settings, runs, records, gate)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",
             base_model,

@@ -21,6 +21,9 @@ leave every replica, so its slots serve the others and its place is free for a n
 Registration is refused (409) when the pinned LoRA slots of every run, plus the fleet's own
 `policy-vN` lineage, would no longer fit `max_loras` (`deployments.slots.slots_needed`): better a
 clear refusal than runs that evict each other's live versions on every request.
+
+Each run has a weight (`POST /v1/runs {"name", "weight"}`, `fleet.default_run_weight` when not given): its
+share of the fleet's in-flight generations under contention (`deployments.fair_share`).
 """
 
 from __future__ import annotations
@@ -86,8 +89,11 @@ class Runs:
         window: int,
         idle_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        default_weight: float = 1.0,
     ):
         self.max_loras, self.window, self.idle_timeout_s, self._clock = max_loras, window, idle_timeout_s, clock
+        self.default_weight = default_weight
+        self._weights: dict[str, float] = {}  # run -> its weight, when registered with one
         self._digests: dict[str, str] = {}  # run -> sha256 of its token
         self._seen: dict[str, float] = {}  # run -> clock of its latest request or heartbeat
 
@@ -97,8 +103,8 @@ class Runs:
     def names(self) -> list[str]:
         return sorted(self._digests)
 
-    def register(self, name: str) -> str:
-        """Register run `name` and return its token (the only time anyone sees it)."""
+    def register(self, name: str, weight: float | None = None) -> str:
+        """Register run `name` (with `weight`, else the default) and return its token (the only time anyone sees it)."""
         if not RUN_NAME.fullmatch(name):
             raise ApiError(
                 400, f"name {name[:64]!r}: expected 1-32 of a-z, 0-9, '_', '-', starting with a letter or digit"
@@ -114,7 +120,11 @@ class Runs:
                 f"{self.window} versions each (max_staleness + 1), {needed} LoRA slots per engine with one to load "
                 f"into, more than fleet.max_loras={self.max_loras}; remove a run or redeploy with more slots",
             )
+        if weight is not None and not (0 < weight < float("inf")):  # the API's schema says so too; Python callers
+            raise ApiError(400, f"weight: {weight}, expected a positive finite number")
         token = mint_run_token()
+        if weight is not None:
+            self._weights[name] = weight
         self._digests[name] = token_digest(token)
         self._seen[name] = self._clock()
         return token
@@ -123,6 +133,12 @@ class Runs:
         if self._digests.pop(name, None) is None:
             raise ApiError(404, f"run {name[:64]!r} is not registered")
         self._seen.pop(name, None)
+        self._weights.pop(name, None)
+
+    def weight(self, name: str) -> float:
+        """Run `name`'s weight; the default for one registered without, for the admin's pseudo-run, and for a run
+        restored after an ingress restart (records hold no weight)."""
+        return self._weights.get(name, self.default_weight)
 
     def run_of(self, token: str) -> str | None:
         """The run whose token this is, or None; a request with it counts as the run's heartbeat."""

@@ -4,7 +4,8 @@ What a client of a shared fleet must be able to count on, whoever else uses it: 
 with other files serves the new files; a client that paused and failed (or vanished) does not hold
 everyone up; LoRA slots are a cache in which a committed version is never a 404. One fleet serves
 every test of the module (start-up costs a minute or two); tests publish adapters of their own.
-Slots are few on purpose: `max_staleness` 1 pins two versions per family in `max_loras` 7.
+Slots are few on purpose: `max_staleness` 1 pins two versions per family in `max_loras` 7, and so are
+places in flight (`fleet.inflight_budget` 8), so that a burst has to wait for its share.
 """
 
 import time
@@ -20,6 +21,7 @@ TOKEN = "shared-fleet-token-4b8e1d"
 MAX_LORAS = 7
 PAUSE_LEASE_S = 4.0
 RUN_IDLE_S = 30.0
+INFLIGHT_BUDGET = 8
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,7 @@ def fleet(tmp_path_factory, tiny_model_path):
         f"fleet.extra_adapter_dirs=['{work}/trl']",  # where a TRL trainer writes its adapters
         f"fleet.pause_lease_s={PAUSE_LEASE_S}",
         f"fleet.run_idle_timeout_s={RUN_IDLE_S}",
+        f"fleet.inflight_budget={INFLIGHT_BUDGET}",
     ]
     with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
         yield fleet
@@ -203,6 +206,59 @@ def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet
     finally:
         dave.close()
         erin.close()
+
+
+def test_two_runs_bursts_both_progress_each_within_its_share_and_are_counted_per_run(fleet):
+    """A burst of 32 from ann, then 8 from ben while most of hers wait: ben's go ahead of her queue (his share is
+    half the fleet's 8 places), both bursts finish, and /router/stats counts each run's requests, tokens and waits."""
+    import asyncio
+
+    from app.fleet_client import FleetClient
+
+    admin = fleet.client
+    for run in admin.list_runs():  # what earlier tests left registered
+        admin.remove_run(run)
+    tokens = {run: admin.register_run(run, weight=1)["token"] for run in ("ann", "ben")}
+    ann, ben = (FleetClient(fleet.url, token=tokens[run]) for run in ("ann", "ben"))
+    length = 64  # min_tokens = max_tokens: every completion is exactly this long
+    sent = {"ann": PROMPTS * 8, "ben": PROMPTS * 2}
+
+    async def burst(client, prompts) -> list[float]:
+        async def one(prompt) -> float:
+            await client.acompletions(prompt, fleet.base, max_tokens=length, min_tokens=length)
+            return time.monotonic()
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.aclose()
+
+    async def both():
+        hers = asyncio.create_task(burst(ann, sent["ann"]))
+        while (await asyncio.to_thread(admin.router_stats))["runs"]["runs"].get("ann", {}).get("queued", 0) < 16:
+            await asyncio.sleep(0.05)  # her burst holds the 8 places, the rest of it waits
+        his = await burst(ben, sent["ben"])
+        return await hers, his
+
+    try:
+        hers, his = asyncio.run(both())
+        runs = admin.router_stats()["runs"]["runs"]
+        for run, prompts in sent.items():
+            stats = runs[run]
+            assert (stats["requests"], stats["completion_tokens"]) == (len(prompts), len(prompts) * length), stats
+            assert stats["prompt_tokens"] == sum(map(len, prompts))
+            assert (stats["in_flight"], stats["queued"], stats["weight"]) == (0, 0, 1.0)
+        # ben's burst was not served behind ann's queue (first come first served would finish it after all 32
+        # of hers): a good part of hers was still to come when his last finished ...
+        assert sum(t > max(his) for t in hers) >= 8, sorted(hers + his)
+        # ... and his longest wait for a place was shorter than hers
+        assert runs["ben"]["queue_wait_max_s"] < runs["ann"]["queue_wait_max_s"], runs
+        assert set(ann.router_stats()["runs"]["runs"]) == {"ann"}  # a run sees its own counters only
+    finally:
+        ann.close()
+        ben.close()
+        for run in ("ann", "ben"):
+            admin.remove_run(run)
 
 
 def test_registered_runs_survive_a_restart_of_the_ingress(fleet):

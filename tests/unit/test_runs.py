@@ -225,3 +225,32 @@ def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never
     again = ingress()
     assert again.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob"]}
     assert _sample(again, "alice/policy-v1", _bearer(alice)).status_code == 403  # anonymous now
+
+
+def test_a_run_registers_with_a_weight_and_a_bad_one_is_a_400(fleet):
+    _, client = fleet
+    r = client.post("/v1/runs", json={"name": "alice", "weight": 3}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["weight"] == 3.0
+    assert client.post("/v1/runs", json={"name": "bob"}, headers=ADMIN).json()["weight"] == 1.0  # the default
+    for bad in (-1, 0, "heavy", 1e7):
+        r = client.post("/v1/runs", json={"name": "carol", "weight": bad}, headers=ADMIN)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("weight:"), (bad, r.text)
+    assert sorted(client.get("/v1/runs", headers=ADMIN).json()["runs"]) == ["alice", "bob"]
+
+
+def test_router_stats_count_each_runs_requests_tokens_and_slots_and_a_run_sees_only_its_own(fleet):
+    backend, client = fleet
+    alice, bob = _register(client, "alice"), _register(client, "bob")
+    backend.adapters = {0: {"alice/policy-v1", "policy-v1"}, 1: {"alice/policy-v1"}}
+    body = {"model": "alice/policy-v1", "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2}
+    assert client.post("/v1/completions", json=body, headers=_bearer(alice)).status_code == 200
+    assert _sample(client, BASE, _bearer(bob)).status_code == 200
+    assert _sample(client, BASE, ADMIN).status_code == 200  # the admin's share is the fleet's pseudo-run
+
+    fair = client.get("/router/stats", headers=ADMIN).json()["runs"]
+    runs = fair["runs"]
+    assert fair["in_flight"] == 0 and set(runs) == {"alice", "bob", "_fleet"}
+    assert (runs["alice"]["requests"], runs["alice"]["prompt_tokens"], runs["alice"]["completion_tokens"]) == (2, 5, 4)
+    assert (runs["bob"]["requests"], runs["bob"]["prompt_tokens"], runs["bob"]["completion_tokens"]) == (1, 1, 1)
+    assert runs["alice"]["slots_held"] == 1 and runs["bob"]["slots_held"] == 0 and runs["_fleet"]["slots_held"] == 1
+    assert set(client.get("/router/stats", headers=_bearer(bob)).json()["runs"]["runs"]) == {"bob"}
