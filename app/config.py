@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from app.auth import check_token
+from deployments.names import RUN_NAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Ray's built-in resource of the head node (the on-demand one in cluster.yaml): coordination pinned here
@@ -279,6 +280,10 @@ class FleetConfig(Section):
     default_run_weight: float = Field(
         1.0, gt=0, le=1e6, description="A run's weight (share of in-flight generations) when it registers without one."
     )
+    join_url: str | None = Field(
+        None,
+        description="URL of a fleet already running to train on as a run of it, over HTTP alone (`--fleet`).",
+    )
     extra_adapter_dirs: list[str] = Field(
         default_factory=list,
         description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",
@@ -390,6 +395,13 @@ class RunConfig(Section):
                 f"fleet.max_loras must be >= grpo.max_staleness + 2 = {self.grpo.max_staleness + 2} "
                 "(vLLM silently evicts adapters that still have requests in flight)"
             )
+        if self.fleet.join_url and not RUN_NAME.fullmatch(self.logging.run_name):
+            raise ValueError(
+                f"logging.run_name={self.logging.run_name!r} cannot name a run of a shared fleet (fleet.join_url): "
+                "expected 1-32 of a-z, 0-9, '_', '-', starting with a letter or digit"
+            )
+        if self.fleet.join_url and not self.fleet.join_url.startswith(("http://", "https://")):
+            raise ValueError(f"fleet.join_url={self.fleet.join_url!r}: expected an http:// or https:// URL")
         if self.grpo.max_completion_length >= self.model.max_model_len:
             raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
         if self.task.name == "math" and not self.task.dataset:
@@ -419,6 +431,12 @@ class RunConfig(Section):
     def max_loras(self) -> int:
         """LoRA slots each engine reserves: enough for every version a sample may still use."""
         return self.fleet.max_loras or self.grpo.max_staleness + 2
+
+    @property
+    def fleet_run(self) -> str | None:
+        """This run's name on a shared fleet it joined (`fleet.join_url`), which namespaces its adapters
+        (`<run>/policy-vN`); None when the run brings its own fleet."""
+        return self.logging.run_name if self.fleet.join_url else None
 
     @property
     def run_dir(self) -> Path:

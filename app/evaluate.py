@@ -105,7 +105,7 @@ def default_model(cfg, fleet: FleetClient) -> str:
     from app.messages import adapter_name
 
     latest = AdapterStore.from_config(cfg).latest()
-    return adapter_name(latest) if latest is not None else base_model_name(fleet)
+    return adapter_name(latest, cfg.fleet_run) if latest is not None else base_model_name(fleet)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -235,8 +235,13 @@ class FleetClient:
         return self._request("DELETE", f"/v1/runs/{name}")
 
     def list_runs(self) -> list[str]:
-        """The runs registered on a shared fleet (admin token)."""
+        """The runs registered on a shared fleet (admin token); a run's token gets its own name alone."""
         return self._request("GET", "/v1/runs")["runs"]
+
+    def run_info(self, name: str) -> dict[str, Any]:
+        """Run `name` as the fleet sees it (its token or the admin's): `{"name", "bucket_url", "idle_timeout_s",
+        "weight"}`, `bucket_url` being the run's prefix of the fleet's bucket, where it must publish."""
+        return self._request("GET", f"/v1/runs/{name}")
 
     def heartbeat(self, name: str) -> dict[str, Any]:
         """Tell a shared fleet that run `name` is alive (its token or the admin's); any request of the run counts too."""

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     from app.fleet_client import Choice
 
 
-def adapter_name(version: int) -> str:
-    """The one spelling of a policy version's adapter name, shared by bucket, fleet and learner."""
-    return f"policy-v{version}"
+def adapter_name(version: int, run: str | None = None) -> str:
+    """The one spelling of a policy version's adapter name, shared by bucket, fleet and learner; on a shared
+    fleet the run's name comes first (`alice/policy-v3`, `RunConfig.fleet_run`), in its bucket prefix it does not."""
+    return f"{run}/policy-v{version}" if run else f"policy-v{version}"
 
 
 class Generate(Protocol):

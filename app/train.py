@@ -1,6 +1,7 @@
-"""The driver: `python -m app.train --config FILE [--set key=value ...] [--address ADDR]`.
+"""The driver: `python -m app.train --config FILE [--set key=value ...] [--address ADDR] [--fleet URL]`.
 
-Reads top to bottom like a recipe: start or join Ray, bring the fleet up unless one runs, start
+Reads top to bottom like a recipe: start or join Ray, bring the fleet up unless one runs (or, with
+`--fleet`, join a shared fleet over HTTP as a run of it, `app.fleet_run`), start
 the learner (which resumes or publishes policy-v0) and the rollout actor, evaluate the base, then
 loop to `max_steps`: get groups, train, log; evaluate again and write the summary. The driver only
 wires: the groups go from the rollout to the learner as an ObjectRef it never opens, and the
@@ -19,7 +20,7 @@ import sys
 import time
 from contextlib import ExitStack
 
-from app.auth import admin_token, inference_token
+from app.auth import Secret, admin_token, inference_token
 from app.config import RunConfig, add_config_args, config_from_args
 from app.messages import ResumePoint, RolloutStats, StepResult, adapter_name
 from app.models import is_local, pin_revision, resolve_model_path
@@ -31,7 +32,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Asynchronous GRPO with LoRA on Ray.")
     add_config_args(parser)
     parser.add_argument("--address", default=None, help="Join this Ray cluster (default: start a local one).")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--fleet",
+        default=None,
+        metavar="URL",
+        help="Train on the fleet running at URL, as a run of it (fleet.join_url): HTTP alone, no fleet of our own.",
+    )
+    args = parser.parse_args(argv)
+    if args.fleet:
+        args.overrides.append(f"fleet.join_url={args.fleet}")
+    return args
 
 
 def window_mean(values: list[float], share: float, last: bool) -> float | None:
@@ -82,6 +92,7 @@ class Run:
         ratios = [m["ratio"] for m in self.history if "ratio" in m]
         return {
             "run_name": self.cfg.logging.run_name,
+            "fleet_run": self.cfg.fleet_run,  # its name on the shared fleet it joined, else None
             "steps": len(self.history),
             "samples_trained": self.samples_trained,
             "policy_version": self.history[-1].get("policy_version") if self.history else None,
@@ -210,6 +221,26 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
     return FleetClient(base_url, token=admin_token(cfg))
 
 
+def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
+    """Start or join a Ray of our own and become a run of the fleet at `fleet.join_url` (`app.fleet_run`);
+    returns a client of the fleet with the run's token, and the token for the rollout and the learner."""
+    import ray
+
+    from app import fleet_run
+    from app.fleet_client import FleetClient
+    from app.local_ray import start_ray
+
+    run = fleet_run.join(cfg)  # first: a fleet that refuses us is known before Ray starts
+    stack.callback(fleet_run.leave, run)  # after the learner and rollout stopped: nothing uses the adapters any more
+    stack.enter_context(fleet_run.Heartbeat(run))
+    fleet_run.publish_to_fleet_bucket(cfg, run)
+    if start_ray(address, offline=is_local(model_path)):
+        stack.callback(ray.shutdown)
+    client = FleetClient(run.url, token=run.token.value)
+    stack.callback(client.close)
+    return client, run.token
+
+
 def learner_fleet_address(cfg: RunConfig) -> str:
     """The fleet as the learner reaches it: by Serve handle, from whichever node Ray puts it on."""
     from deployments.fleet import cluster_address
@@ -219,15 +250,17 @@ def learner_fleet_address(cfg: RunConfig) -> str:
     return address
 
 
-def start_rollout(stack: ExitStack, cfg: RunConfig, model_path: str, fleet_url: str, resume: ResumePoint):
-    """The rollout actor, producing from where the learner resumed."""
+def start_rollout(
+    stack: ExitStack, cfg: RunConfig, model_path: str, fleet_url: str, resume: ResumePoint, run_token: Secret | None
+):
+    """The rollout actor, producing from where the learner resumed (with the run's token on a shared fleet)."""
     import ray
 
     from app.rollout.actor import RolloutActor
 
     # Named, so that the dashboard and `ray.get_actor(name, namespace="spotrl")` find it.
     rollout = RolloutActor.options(name=f"rollout-{cfg.logging.run_name}", namespace="spotrl").remote(
-        cfg, model_path, fleet_url, resume
+        cfg, model_path, fleet_url, resume, run_token
     )
     stack.callback(stop_actor, rollout)
     ray.get(rollout.start.remote())
@@ -259,21 +292,26 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
     pin_revision(cfg.model, model_path, log=log.info)
-    eval_token = inference_token(cfg)
-
     with ExitStack() as stack:
-        fleet = start_fleet(stack, cfg, model_path, address)
-        learner = LearnerGroup(cfg, model_path, fleet_url=learner_fleet_address(cfg))
+        if cfg.fleet.join_url:  # a shared fleet: the learner, like everyone, tells it of versions over HTTP
+            fleet, run_token = join_fleet(stack, cfg, model_path, address)
+            learner_address = fleet.base_url
+        else:
+            fleet, run_token = start_fleet(stack, cfg, model_path, address), None
+            learner_address = learner_fleet_address(cfg)
+        token = run_token.value if run_token else None
+        eval_token = token or inference_token(cfg)
+        learner = LearnerGroup(cfg, model_path, fleet_url=learner_address, fleet_token=token)
         stack.callback(learner.shutdown)
         resume = learner.start()
         version = resume.policy_version
         log.info("learner at step %d, policy version %d", resume.step, version)
         ensure_served(fleet, cfg, version)
 
-        before = evaluate(cfg, fleet.base_url, model_path, adapter_name(version), eval_token)
+        before = evaluate(cfg, fleet.base_url, model_path, adapter_name(version, cfg.fleet_run), eval_token)
         log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
 
-        rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume)
+        rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token)
         steps = StepLog(stack, run, resume.step)
         step = resume.step
         run.start_loop(ray.get(rollout.stats.remote()))
@@ -290,7 +328,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
 
         final_stats = ray.get(rollout.stats.remote())
         verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
-        after = evaluate(cfg, fleet.base_url, model_path, adapter_name(version), eval_token)
+        after = evaluate(cfg, fleet.base_url, model_path, adapter_name(version, cfg.fleet_run), eval_token)
         log.info("held-out accuracy after: %.3f (%s)", after["accuracy"], after["model"])
         summary = run.summary(before, after, final_stats, fleet.router_stats())
         summary["bottleneck"] = verdict.kind

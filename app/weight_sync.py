@@ -6,7 +6,8 @@ once: a version is served only once it is committed to the bucket, and a replica
 
 - the learner (rank 0) publishes each version with `AdapterPublisher`: commit to the bucket, drop
   versions past the retention window, ask the fleet to load it (through a Serve handle when the
-  learner runs in the fleet's cluster: the learner's node cannot count on reaching the HTTP proxy);
+  learner runs in the fleet's cluster: the learner's node cannot count on reaching the HTTP proxy;
+  over HTTP with the run's token, as `<run>/policy-vN`, when the run joined a shared fleet);
 - the driver makes sure the fleet serves the learner's version before sampling (`ensure_served`)
   and tells the rollout to sample with, and measure staleness to, a new version (`tell_rollout`);
 - a replica that starts loads `CommittedVersions.to_serve()`, and one asked for a version it does not
@@ -100,8 +101,13 @@ class CommittedVersions:
         self._listed = await asyncio.to_thread(self.store.versions)
 
 
-def _load_on_fleet(fleet, store: AdapterStore, version: int) -> None:
-    fleet.load_adapter(adapter_name(version), store.url_of(version))
+def _load_on_fleet(fleet, store: AdapterStore, version: int, run: str | None) -> None:
+    """Ask the fleet to load `version` from the bucket; a run of a shared fleet names it by its path inside the
+    run's prefix, which the fleet resolves in its own bucket (however this process reaches that bucket)."""
+    if run:
+        fleet.load_adapter(adapter_name(version, run), adapter_name(version))
+    else:
+        fleet.load_adapter(adapter_name(version), store.url_of(version))
 
 
 def fleet_admin_client(address: str, token: str | None, timeout_s: float):
@@ -134,6 +140,7 @@ class AdapterPublisher:
         fleet_deadline_s: float = FLEET_LOAD_DEADLINE_S,
     ):
         self.store = AdapterStore.from_config(cfg)
+        self.run = cfg.fleet_run
         self.keep_versions = cfg.bucket.keep_versions
         self.fleet_url, self._fleet_token = fleet_url, fleet_token
         self.fleet_deadline_s = fleet_deadline_s
@@ -160,12 +167,12 @@ class AdapterPublisher:
             call.cancel()  # still queued behind an earlier call: never sent
             self.fleet_load_failures += 1
             reason = str(exc) if str(exc) else f"{type(exc).__name__} after {self.fleet_deadline_s:.0f} s"
-            log.warning("fleet did not load %s: %s", adapter_name(version), reason)
+            log.warning("fleet did not load %s: %s", adapter_name(version, self.run), reason)
 
     def _load(self, version: int) -> None:
         if self._fleet is None:
             self._fleet = fleet_admin_client(self.fleet_url, self._fleet_token, self.fleet_deadline_s)
-        _load_on_fleet(self._fleet, self.store, version)
+        _load_on_fleet(self._fleet, self.store, version, self.run)
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -179,10 +186,10 @@ def ensure_served(fleet, cfg, version: int) -> None:
     The learner only counts a failed load (training goes on); at start-up there is no point going
     on without the learner's version, so load it here and let an error end the run.
     """
-    name = adapter_name(version)
+    name = adapter_name(version, cfg.fleet_run)
     if name not in {m["id"] for m in fleet.models()}:
         log.info("the fleet does not serve %s yet: loading it from the bucket", name)
-        _load_on_fleet(fleet, AdapterStore.from_config(cfg), version)
+        _load_on_fleet(fleet, AdapterStore.from_config(cfg), version, cfg.fleet_run)
 
 
 def tell_rollout(rollout, version: int) -> None:

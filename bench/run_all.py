@@ -7,7 +7,16 @@ import sys
 import time
 
 # learner_gpu prints "no CUDA device: skipped" on a CPU box and writes nothing.
-BENCHMARKS = ["adapter_sync", "router", "learner", "learner_memory", "learner_gpu", "pipeline", "vs_trl"]
+BENCHMARKS = [
+    "adapter_sync",
+    "router",
+    "learner",
+    "learner_memory",
+    "learner_gpu",
+    "pipeline",
+    "vs_trl",
+    "shared_fleet",
+]
 
 
 def main() -> None:

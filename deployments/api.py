@@ -66,7 +66,7 @@ from deployments.api_schema import (
     usage,
 )
 from deployments.fair_share import FLEET_TENANT, FairShare
-from deployments.names import split_run
+from deployments.names import run_bucket_url, split_run
 from deployments.protocol import PAUSE_MODES, Generated, GenerateRequest
 from deployments.runs import ADMIN, ANONYMOUS, Caller, Runs
 
@@ -554,8 +554,27 @@ class AdminRoutes(_Routes):
 
     @route("GET", "/v1/runs")
     async def list_runs(self, request: Request) -> dict[str, Any]:
-        (await self.authorize(request)).check_admin("listing the runs")
-        return {"runs": self.runs.names()}
+        """Every run for the admin; a run's token sees only its own (which is how a driver learns whose it is)."""
+        caller = await self.authorize(request)
+        if caller.admin:
+            return {"runs": self.runs.names()}
+        return {"runs": [caller.run] if caller.run else []}
+
+    @route("GET", "/v1/runs/{name}")
+    async def run_info(self, request: Request, name: str) -> dict[str, Any]:
+        """What a run joining the fleet needs to know: where to publish (its prefix of the fleet's bucket, the
+        only place the fleet loads its adapters from) and how long it may stay silent."""
+        caller = await self.authorize(request)
+        if not caller.admin and caller.run != name:
+            raise ApiError(403, f"run {name[:64]!r}: a run's token may see only its own run")
+        if name not in self.runs.names():
+            raise ApiError(404, f"run {name[:64]!r} is not registered")
+        return {
+            "name": name,
+            "bucket_url": redact(run_bucket_url(self.records.url, name)) if self.records is not None else None,
+            "idle_timeout_s": self.runs.idle_timeout_s,
+            "weight": self.runs.weight(name),
+        }
 
     @route("DELETE", "/v1/runs/{name}")
     async def remove_run(self, request: Request, name: str) -> dict[str, Any]:

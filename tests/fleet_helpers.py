@@ -1,4 +1,4 @@
-"""A fleet on this one machine, for the integration tests and the router benchmark.
+"""A fleet on this one machine, for the integration tests and the router and shared-fleet benchmarks.
 
 Both need the same things: Ray on loopback only (nothing else may be reached or exposed), a free
 port for the HTTP ingress, and adapters to serve. Real adapters come from the learner; here a PEFT
@@ -9,10 +9,15 @@ nothing) stands in, so that each version visibly changes the model's outputs.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -135,6 +140,44 @@ def publish_random_adapters(store, model_path: str, versions: list[int], work_di
     for version in versions:
         folder = random_adapter(model_path, Path(work_dir) / f"adapter-v{version}", seed=version, rank=rank)
         store.publish(folder, version)
+
+
+# ---- Runs of a shared fleet (tests/integration/test_shared_training.py, bench/shared_fleet.py) -----------
+
+
+def start_fleet_run(
+    work: Path, url: str, name: str, steps: int, env: dict[str, str], extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """`python -m app.train --fleet URL` as run `name` of a shared fleet (tiny-cpu config), output under `work/name`,
+    log in `work/name.log`; `env` holds its token (SPOTRL_ADMIN_TOKEN to register itself, or SPOTRL_RUN_TOKEN)."""
+    sets = [
+        f"logging.run_name={name}",
+        f"grpo.max_steps={steps}",
+        f"logging.output_dir={work}",
+        f"bucket.cache_dir={work}/cache-{name}",
+        "logging.progress_bar=false",
+        "logging.diagnose_every=10",
+        *extra,
+    ]
+    cmd = [sys.executable, "-m", "app.train", "--config", "configs/tiny-cpu.yaml", "--fleet", url]
+    cmd += [a for s in sets for a in ("--set", s)]
+    log = open(work / f"{name}.log", "w")  # noqa: SIM115 - the process writes to it until it ends
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TRACKIO_DIR": str(work / f"trackio-{name}"), **env},
+    )
+
+
+def finish_fleet_run(proc: subprocess.Popen, work: Path, name: str, timeout_s: float) -> dict:
+    """Wait for run `name` to end; its summary, or RuntimeError with the end of its log when it failed."""
+    rc = proc.wait(timeout=timeout_s)
+    output = (work / f"{name}.log").read_text()
+    if rc != 0 or "Traceback" in output or " ERROR " in output:
+        raise RuntimeError(f"run {name} ended with {rc}:\n{output[-5000:]}")
+    return json.loads((work / name / "summary.json").read_text())
 
 
 # ---- What a process tree listens on (tests/integration/test_loopback.py) ---------------------------------

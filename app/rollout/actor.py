@@ -13,7 +13,7 @@ import warnings
 
 import ray
 
-from app.auth import inference_token
+from app.auth import Secret, inference_token
 from app.config import HEAD_NODE
 from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutBatch, RolloutStats
@@ -25,11 +25,13 @@ from app.tasks.rewards import RewardScorer
 log = logging.getLogger(__name__)
 
 
-def sampling_client(cfg, fleet_url: str) -> FleetClient:
-    """The rollout's fleet client: `rollout.max_retries` retries of what is worth retrying, then the group is lost."""
+def sampling_client(cfg, fleet_url: str, run_token: Secret | None = None) -> FleetClient:
+    """The rollout's fleet client: `rollout.max_retries` retries of what is worth retrying, then the group is lost.
+
+    It carries the run's token on a shared fleet (`app.fleet_run`), else the admin token when inference is protected."""
     return FleetClient(
         fleet_url,
-        inference_token(cfg),
+        run_token.value if run_token is not None else inference_token(cfg),
         backoff=Backoff(attempts=cfg.rollout.max_retries + 1, first_s=0.2, max_s=5.0),
         timeout_s=cfg.rollout.request_timeout_s,
     )
@@ -41,7 +43,7 @@ def sampling_client(cfg, fleet_url: str) -> FleetClient:
 class RolloutActor:
     """Hosts a GroupProducer in Ray: the driver starts it, takes batches and stats, and tells it new versions."""
 
-    def __init__(self, cfg, model_path: str, fleet_url: str, resume: ResumePoint):
+    def __init__(self, cfg, model_path: str, fleet_url: str, resume: ResumePoint, run_token: Secret | None = None):
         from app.models import load_tokenizer, prompt_token_ids
         from app.tasks.problems import load_task
 
@@ -54,7 +56,7 @@ class RolloutActor:
             resume = resume_state(cfg)
             log.warning("rollout actor restarted: resuming at %s", resume)
         tokenizer = load_tokenizer(model_path)
-        self.client = sampling_client(cfg, fleet_url)
+        self.client = sampling_client(cfg, fleet_url, run_token)
         self.producer = GroupProducer(
             cfg,
             load_task(cfg.task).train,

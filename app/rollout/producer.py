@@ -132,7 +132,7 @@ class GroupProducer:
                 episodes = await self.episodes.run_group(
                     problem,
                     prompt_ids,
-                    adapter_name(version),
+                    adapter_name(version, self.cfg.fleet_run),
                     g.num_generations,
                     sampling,
                     is_fresh=lambda: not self._too_stale(version),
@@ -140,7 +140,7 @@ class GroupProducer:
             else:
                 completions = await self.generate(
                     prompt_ids,
-                    adapter_name(version),
+                    adapter_name(version, self.cfg.fleet_run),
                     g.num_generations,
                     g.max_completion_length,
                     g.temperature,

@@ -66,6 +66,23 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
     run(main())
 
 
+def test_a_run_of_a_shared_fleet_samples_its_own_namespaced_versions():
+    async def main():
+        calls = []
+        w = make_worker(
+            echo_answer_generate(calls), **{"fleet.join_url": "http://127.0.0.1:8000", "logging.run_name": "alice"}
+        )
+        w.start()
+        await w.get_groups(1)
+        w.set_policy_version(1)
+        while "alice/policy-v1" not in calls:
+            await w.get_groups(1)
+        assert set(calls) == {"alice/policy-v0", "alice/policy-v1"}
+        await w.stop()
+
+    run(main())
+
+
 def test_backpressure_bounds_what_is_buffered():
     async def main():
         w = make_worker(echo_answer_generate(), **{"rollout.queue_maxsize": 3, "rollout.max_inflight_tasks": 2})

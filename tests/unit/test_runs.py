@@ -43,15 +43,19 @@ def _load(client, name, headers):
 def test_only_the_admin_registers_lists_and_removes_runs(fleet):
     _, client = fleet
     alice = _register(client, "alice")
-    assert client.post("/v1/runs", json={"name": "bob"}).status_code == 401
+    _register(client, "bob")
+    assert client.post("/v1/runs", json={"name": "carol"}).status_code == 401
     for call in (
-        lambda h: client.post("/v1/runs", json={"name": "bob"}, headers=h),
-        lambda h: client.get("/v1/runs", headers=h),
+        lambda h: client.post("/v1/runs", json={"name": "carol"}, headers=h),
         lambda h: client.delete("/v1/runs/alice", headers=h),
     ):
         r = call(_bearer(alice))
         assert r.status_code == 403 and "admin token" in r.json()["error"]["message"]
-    assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": ["alice"]}
+    assert client.get("/v1/runs", headers=ADMIN).json() == {"runs": ["alice", "bob"]}
+    # A run's token lists its own run alone: how a driver handed a token learns whose it is (`app.fleet_run`).
+    assert client.get("/v1/runs", headers=_bearer(alice)).json() == {"runs": ["alice"]}
+    assert client.get("/v1/runs").status_code == 401
+    client.delete("/v1/runs/bob", headers=ADMIN)
     for name, status in (("Alice", 400), ("a/b", 400), ("-x", 400), ("x" * 33, 400), ("alice", 409)):
         r = client.post("/v1/runs", json={"name": name}, headers=ADMIN)
         assert r.status_code == status, (name, r.text)
@@ -225,6 +229,31 @@ def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never
     again = ingress()
     assert again.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob"]}
     assert _sample(again, "alice/policy-v1", _bearer(alice)).status_code == 403  # anonymous now
+
+
+def test_a_run_learns_its_prefix_of_the_fleets_bucket_and_nobody_elses(tmp_path):
+    """`GET /v1/runs/NAME`: where run NAME must publish (the only place the fleet loads its adapters from) and how
+    long it may stay silent; for its own token and the admin's, a 403 for another run's, a 404 for no run."""
+    from app.bucket.store import RunRecords
+    from app.retry import Backoff
+
+    records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
+    client = TestClient(
+        make_app(FakeBackend(), _settings(max_loras=7, window=2, run_idle_timeout_s=45.0), None, records)
+    )
+    alice, bob = _register(client, "alice"), _register(client, "bob")
+    info = client.get("/v1/runs/alice", headers=_bearer(alice)).json()
+    assert info == {
+        "name": "alice",
+        "bucket_url": f"file://{tmp_path}/bucket/runs/alice",
+        "idle_timeout_s": 45.0,
+        "weight": 1.0,
+    }
+    assert client.get("/v1/runs/alice", headers=ADMIN).json() == info
+    r = client.get("/v1/runs/alice", headers=_bearer(bob))
+    assert r.status_code == 403 and "only its own run" in r.json()["error"]["message"]
+    assert client.get("/v1/runs/alice").status_code == 401
+    assert client.get("/v1/runs/carol", headers=ADMIN).status_code == 404
 
 
 def test_a_run_registers_with_a_weight_and_a_bad_one_is_a_400(fleet):

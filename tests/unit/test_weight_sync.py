@@ -10,8 +10,8 @@ from app.config import load_config
 from app.weight_sync import CommittedVersions, ensure_served
 
 
-def _config(tmp_path):
-    return load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache"])
+def _config(tmp_path, *overrides: str):
+    return load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache", *overrides])
 
 
 def _publish(store: AdapterStore, tmp_path, *versions: int) -> None:
@@ -145,6 +145,17 @@ def test_the_driver_loads_the_learners_version_only_when_the_fleet_lacks_it(tmp_
     fleet = _Fleet(["policy-v0"])
     ensure_served(fleet, cfg, 1)
     assert fleet.loads == [("policy-v1", store.url_of(1))]
+
+
+def test_a_run_of_a_shared_fleet_names_its_versions_by_run_and_their_paths_inside_its_prefix(tmp_path):
+    """Joined with `--fleet`, the run's adapters are `<run>/policy-vN`, loaded from `policy-vN`: the fleet
+    resolves that in the run's prefix of its own bucket, however this process reaches the bucket."""
+    cfg = _config(tmp_path, "fleet.join_url=http://127.0.0.1:8000", "logging.run_name=alice")
+    _publish(AdapterStore.from_config(cfg), tmp_path, 0, 1)
+    fleet = _Fleet(["policy-v1", "bob/policy-v1"])  # somebody else's versions are not this run's
+    ensure_served(fleet, cfg, 1)
+    assert fleet.loads == [("alice/policy-v1", "policy-v1")]
+    ensure_served(_Fleet(["alice/policy-v1"]), cfg, 1)
 
 
 class _HungFleet:

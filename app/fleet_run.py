@@ -1,0 +1,151 @@
+"""A run of a shared fleet: join a fleet that is already running, over HTTP alone, stay alive on it, leave it.
+
+`make train ARGS="--fleet http://HOST:PORT"` (`fleet.join_url`) trains against a fleet somebody else
+started, whether or not this driver shares its Ray cluster: everything goes through the fleet's HTTP
+API (`deployments.runs`). On the fleet the run is `logging.run_name`, its adapters `<run>/policy-vN`
+(`RunConfig.fleet_run`), and its token is either
+
+- `SPOTRL_RUN_TOKEN`: a token the admin registered for it (`POST /v1/runs`); the fleet says which run it
+  belongs to, which must be this one. At the end the run unloads its adapters and stays registered: the
+  admin who registered it removes it;
+- or minted here with the admin token (`SPOTRL_ADMIN_TOKEN`): the driver registers the run, and removes
+  it at the end (success, error and Ctrl-C alike), which unloads its adapters everywhere.
+
+A driver that dies says nothing: the fleet releases the run after `fleet.run_idle_timeout_s` with no
+request or heartbeat. So the driver sends a heartbeat from a thread meanwhile: the rollout's requests
+count too, but start-up, evaluation and a long learner step send none.
+
+The run publishes where the fleet tells it (`GET /v1/runs/NAME`): its own prefix of the fleet's bucket,
+the only place the fleet loads a run's adapters from, so `bucket.url` is that prefix whatever the config says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from app.auth import Secret, admin_token
+from app.fleet_client import FleetClient, FleetError
+
+log = logging.getLogger("spotrl.fleet_run")
+
+RUN_TOKEN_ENV = "SPOTRL_RUN_TOKEN"
+LONGEST_HEARTBEAT_S = 30.0
+
+
+@dataclass
+class FleetRun:
+    """This run as a tenant of a fleet: where, under which name, with which token, publishing where."""
+
+    url: str
+    name: str
+    token: Secret
+    bucket_url: str
+    idle_timeout_s: float
+    registered_with: Secret | None  # the admin token the driver registered the run with; None: token handed over
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Often enough that two heartbeats in a row may be lost before the fleet gives up on the run."""
+        return min(self.idle_timeout_s / 4, LONGEST_HEARTBEAT_S)
+
+
+def join(cfg) -> FleetRun:
+    """Become run `logging.run_name` of the fleet at `fleet.join_url`; SystemExit with the reason when it cannot."""
+    url, name = cfg.fleet.join_url, cfg.logging.run_name
+    handed_over = os.environ.get(RUN_TOKEN_ENV)
+    registered_with = None
+    if handed_over:
+        token = handed_over
+        with contextlib.closing(FleetClient(url, token=token)) as client:
+            owned = _call(client.list_runs, f"{RUN_TOKEN_ENV} on {url}")
+        if owned != [name]:
+            whose = f"run {owned[0]!r}" if owned else "no run (the admin's token, or one no longer registered)"
+            raise SystemExit(f"{RUN_TOKEN_ENV} belongs to {whose}, not logging.run_name={name!r}")
+    else:
+        admin = admin_token(cfg)
+        if not admin:
+            raise SystemExit(
+                f"fleet.join_url: joining {url} needs {RUN_TOKEN_ENV} (a run token from POST /v1/runs) "
+                "or SPOTRL_ADMIN_TOKEN (to register this run and mint its token)"
+            )
+        with contextlib.closing(FleetClient(url, token=admin)) as client:
+            token = _call(lambda: client.register_run(name)["token"], f"registering run {name!r} on {url}")
+        registered_with = Secret(admin)
+        log.info("registered run %s on the fleet at %s", name, url)
+    with contextlib.closing(FleetClient(url, token=token)) as client:
+        info = _call(lambda: client.run_info(name), f"asking {url} about run {name!r}")
+    if not info.get("bucket_url"):
+        raise SystemExit(f"the fleet at {url} has no bucket for its runs to publish to")
+    run = FleetRun(url, name, Secret(token), info["bucket_url"], float(info["idle_timeout_s"]), registered_with)
+    log.info("run %s publishes to %s, heartbeat every %.0f s", name, run.bucket_url, run.heartbeat_s)
+    return run
+
+
+def _call(fn, what: str):
+    try:
+        return fn()
+    except FleetError as e:
+        raise SystemExit(f"{what}: {e}") from None
+
+
+def publish_to_fleet_bucket(cfg, run: FleetRun) -> None:
+    """Point `bucket.url` at the run's prefix of the fleet's bucket (as a template: braces are doubled)."""
+    if cfg.bucket_url != run.bucket_url:
+        log.info("bucket.url is the fleet's prefix for this run: %s (was %s)", run.bucket_url, cfg.bucket_url)
+    cfg.bucket.url = run.bucket_url.replace("{", "{{").replace("}", "}}")
+
+
+def leave(run: FleetRun) -> None:
+    """Release what the run holds: remove it (registered here) or unload its adapters (token handed over).
+
+    Never raises: a fleet that cannot be told releases the run by itself after the idle timeout."""
+    try:
+        if run.registered_with is not None:
+            with contextlib.closing(FleetClient(run.url, token=run.registered_with.value)) as admin:
+                unloaded = admin.remove_run(run.name)["unloaded"]
+            log.info("removed run %s from the fleet (unloaded %d adapters)", run.name, len(unloaded))
+            return
+        with contextlib.closing(FleetClient(run.url, token=run.token.value)) as client:
+            mine = [m["id"] for m in client.models() if m["id"].startswith(f"{run.name}/")]
+            for name in mine:
+                client.unload_adapter(name)
+        log.info("unloaded run %s's %d adapters; it stays registered", run.name, len(mine))
+    except FleetError as e:
+        log.warning(
+            "could not release run %s on %s (%s): the fleet releases it after %.0f s without a heartbeat",
+            run.name,
+            run.url,
+            e,
+            run.idle_timeout_s,
+        )
+
+
+class Heartbeat:
+    """A daemon thread that keeps the run alive on the fleet until the `with` block ends."""
+
+    def __init__(self, run: FleetRun):
+        self.run = run
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{run.name}", daemon=True)
+        self.beats = 0
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _beat(self) -> None:
+        with contextlib.closing(FleetClient(self.run.url, token=self.run.token.value, timeout_s=10.0)) as client:
+            while not self._stop.wait(self.run.heartbeat_s):
+                try:
+                    client.heartbeat(self.run.name)
+                    self.beats += 1
+                except FleetError as e:  # the next one may pass; one refused for good says why in the log
+                    log.warning("heartbeat of run %s: %s", self.run.name, e)

@@ -1,0 +1,126 @@
+"""Joining a shared fleet (`app.fleet_run`) over real HTTP, against the fleet's own API on a fake backend: which
+token makes the run whose, where it publishes, that it stays alive, and what it releases when it leaves."""
+
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from app import fleet_run
+from app.config import load_config
+from app.fleet_client import FleetClient
+from deployments.api import make_app
+from tests.fleet_helpers import free_port
+from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """The fleet's FastAPI app served by uvicorn on 127.0.0.1, its registrations recorded under `tmp_path`."""
+    from app.bucket.store import RunRecords
+    from app.retry import Backoff
+
+    records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
+    backend = FakeBackend()
+    app = make_app(backend, _settings(max_loras=7, window=2, run_idle_timeout_s=2.0), None, records)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{server.config.port}"
+    yield url, backend, tmp_path
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _cfg(url, name="alice"):
+    return load_config(None, [f"fleet.join_url={url}", f"logging.run_name={name}"])
+
+
+def _admin(url):
+    return FleetClient(url, token=TOKEN)
+
+
+def test_with_the_admin_token_the_driver_registers_its_run_publishes_under_its_prefix_and_removes_it(
+    fleet, monkeypatch
+):
+    url, _, work = fleet
+    monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
+    cfg = _cfg(url)
+    run = fleet_run.join(cfg)
+    assert run.name == "alice" and run.registered_with is not None and run.token.value.startswith("spotrl-run-")
+    assert _admin(url).list_runs() == ["alice"]
+    fleet_run.publish_to_fleet_bucket(cfg, run)
+    assert cfg.bucket_url == f"file://{work}/bucket/runs/alice"
+    assert cfg.fleet_run == "alice"
+    fleet_run.leave(run)
+    assert _admin(url).list_runs() == []
+
+
+def test_a_handed_over_token_must_be_this_runs_and_its_run_stays_registered_with_its_adapters_unloaded(
+    fleet, monkeypatch
+):
+    url, backend, _ = fleet
+    token = _admin(url).register_run("alice")["token"]
+    monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, token)
+    with pytest.raises(SystemExit, match="belongs to run 'alice', not logging.run_name='bob'"):
+        fleet_run.join(_cfg(url, "bob"))
+    run = fleet_run.join(_cfg(url))
+    assert run.registered_with is None and run.token.value == token
+    client = FleetClient(url, token=token)
+    client.load_adapter("alice/policy-v1", "policy-v1")
+    assert "alice/policy-v1" in {m["id"] for m in client.models()}
+    fleet_run.leave(run)
+    assert {m["id"] for m in client.models()} == {BASE}
+    assert _admin(url).list_runs() == ["alice"]  # the admin who registered it removes it
+
+
+def test_joining_without_a_token_or_with_a_name_taken_says_what_to_do(fleet, monkeypatch):
+    url, _, _ = fleet
+    monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv("SPOTRL_ADMIN_TOKEN", raising=False)
+    with pytest.raises(SystemExit, match="needs SPOTRL_RUN_TOKEN .* or SPOTRL_ADMIN_TOKEN"):
+        fleet_run.join(_cfg(url))
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
+    fleet_run.join(_cfg(url))
+    with pytest.raises(SystemExit, match="registering run 'alice'.*already registered"):
+        fleet_run.join(_cfg(url))
+    monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, "spotrl-run-not-a-token-of-this-fleet")
+    with pytest.raises(SystemExit, match="SPOTRL_RUN_TOKEN on .*: 401 missing or invalid token"):
+        fleet_run.join(_cfg(url))
+
+
+def test_the_heartbeat_keeps_a_quiet_run_alive_and_without_it_the_fleet_releases_the_run(fleet, monkeypatch):
+    url, _, _ = fleet
+    monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
+    alive = fleet_run.join(_cfg(url))
+    assert alive.heartbeat_s == 0.5  # a quarter of the fleet's 2 s idle timeout
+    with fleet_run.Heartbeat(alive) as beat:
+        time.sleep(3.0)  # longer than the idle timeout, with no request of its own
+        assert _admin(url).list_runs() == ["alice"]
+    assert beat.beats >= 3
+    time.sleep(2.5)  # silent now, as a driver that died
+    assert _admin(url).list_runs() == []
+    fleet_run.leave(alive)  # already released: a warning, no error
+
+
+def test_leaving_a_fleet_that_cannot_be_reached_never_raises(caplog):
+    run = fleet_run.FleetRun(
+        f"http://127.0.0.1:{free_port()}", "alice", fleet_run.Secret("spotrl-run-x"), "file:///b", 600.0, None
+    )
+    fleet_run.leave(run)
+    assert "the fleet releases it after 600 s" in caplog.text
+
+
+def test_a_shared_fleet_run_needs_a_run_name_the_fleet_accepts_and_an_http_url():
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="logging.run_name='Tiny CPU' cannot name a run of a shared fleet"):
+        load_config(None, ["fleet.join_url=http://127.0.0.1:8000", "logging.run_name=Tiny CPU"])
+    with pytest.raises(ConfigError, match="expected an http:// or https:// URL"):
+        load_config(None, ["fleet.join_url=127.0.0.1:8000"])
+    assert load_config(None, []).fleet_run is None
