@@ -545,7 +545,7 @@ class AdminRoutes(_Routes):
         token = self.runs.register(body.name, body.weight)
         if self.records is not None:
             try:
-                await offload(self.records.save, body.name, self.runs.digest(body.name))
+                await offload(self.records.save, body.name, self.runs.digest(body.name), body.weight)
             except Exception as e:  # unrecorded, it would be forgotten by the next ingress: not registered
                 self.runs.remove(body.name)
                 raise ApiError(503, f"run {body.name!r} could not be recorded in the bucket: {e}") from None

@@ -8,7 +8,7 @@ admin token is open to everyone on its machine, runs or not: tokens mean somethi
 
 The registry lives in the ingress and holds only each token's sha256 (`app.auth`): the token itself
 is answered once, to the admin who registered the run. Each registration is also recorded in the
-fleet's bucket (`app.bucket.store.RunRecords`, name and sha256 again), so an ingress that restarts
+fleet's bucket (`app.bucket.store.RunRecords`, name, sha256 and weight), so an ingress that restarts
 (its head node lost, the application redeployed) knows its runs, and their tokens, again. Replicas
 know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
 restarts loses nothing either.
@@ -136,8 +136,7 @@ class Runs:
         self._weights.pop(name, None)
 
     def weight(self, name: str) -> float:
-        """Run `name`'s weight; the default for one registered without, for the admin's pseudo-run, and for a run
-        restored after an ingress restart (records hold no weight)."""
+        """Run `name`'s weight; the default for one registered without and for the admin's pseudo-run."""
         return self._weights.get(name, self.default_weight)
 
     def run_of(self, token: str) -> str | None:
@@ -149,10 +148,13 @@ class Runs:
                 return name
         return None
 
-    def restore(self, digests: dict[str, str]) -> None:
-        """Runs recorded before this registry existed (an ingress restart), each heard of from now on."""
-        for name, digest in digests.items():
+    def restore(self, records: dict[str, tuple[str, float | None]]) -> None:
+        """Runs recorded before this registry existed (an ingress restart): {name: (token sha256, weight or None)},
+        each heard of from now on."""
+        for name, (digest, weight) in records.items():
             self._digests[name], self._seen[name] = digest, self._clock()
+            if weight is not None:
+                self._weights[name] = weight
 
     def digest(self, name: str) -> str:
         return self._digests[name]

@@ -217,12 +217,16 @@ def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never
         return TestClient(make_app(FakeBackend(), _settings(max_loras=7, window=2), runs, records))
 
     first = ingress()
-    alice, bob = _register(first, "alice"), _register(first, "bob")
+    alice = _register(first, "alice")
+    r = first.post("/v1/runs", json={"name": "bob", "weight": 3}, headers=ADMIN)
+    bob = r.json()["token"]
     stored = "".join(p.read_text() for p in (tmp_path / "bucket").rglob("RUN.json"))
     assert alice not in stored and bob not in stored and "alice" in stored
 
     restarted = ingress()
     assert restarted.get("/v1/runs", headers=ADMIN).json() == {"runs": ["alice", "bob"]}
+    weights = {n: restarted.get(f"/v1/runs/{n}", headers=ADMIN).json()["weight"] for n in ("alice", "bob")}
+    assert weights == {"alice": 1.0, "bob": 3.0}  # the weight it registered with, the default for none
     assert _sample(restarted, "alice/policy-v1", _bearer(alice)).status_code == 200  # her token still works
     assert restarted.post("/v1/runs", json={"name": "carol"}, headers=ADMIN).status_code == 409  # still full
     assert restarted.delete("/v1/runs/alice", headers=ADMIN).status_code == 200
