@@ -27,7 +27,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from app.auth import Secret, admin_token
+from app.auth import RUN_TOKEN_PREFIX, Secret, admin_token
 from app.fleet_client import FleetClient, FleetError
 
 log = logging.getLogger("spotrl.fleet_run")
@@ -59,6 +59,8 @@ def join(cfg) -> FleetRun:
     handed_over = os.environ.get(RUN_TOKEN_ENV)
     registered_with = None
     if handed_over:
+        if not handed_over.startswith(RUN_TOKEN_PREFIX):  # the admin token there would pass for any run's
+            raise SystemExit(f"{RUN_TOKEN_ENV} is not a run token ({RUN_TOKEN_PREFIX}..., from POST /v1/runs)")
         token = handed_over
         with contextlib.closing(FleetClient(url, token=token)) as client:
             owned = _call(client.list_runs, f"{RUN_TOKEN_ENV} on {url}")
@@ -76,11 +78,16 @@ def join(cfg) -> FleetRun:
             token = _call(lambda: client.register_run(name)["token"], f"registering run {name!r} on {url}")
         registered_with = Secret(admin)
         log.info("registered run %s on the fleet at %s", name, url)
-    with contextlib.closing(FleetClient(url, token=token)) as client:
-        info = _call(lambda: client.run_info(name), f"asking {url} about run {name!r}")
-    if not info.get("bucket_url"):
-        raise SystemExit(f"the fleet at {url} has no bucket for its runs to publish to")
-    run = FleetRun(url, name, Secret(token), info["bucket_url"], float(info["idle_timeout_s"]), registered_with)
+    run = FleetRun(url, name, Secret(token), "", 0.0, registered_with)
+    try:
+        with contextlib.closing(FleetClient(url, token=token)) as client:
+            info = _call(lambda: client.run_info(name), f"asking {url} about run {name!r}")
+        if not info.get("bucket_url"):
+            raise SystemExit(f"the fleet at {url} has no bucket for its runs to publish to")
+    except SystemExit:
+        leave(run)  # registered a moment ago: not left behind for the idle timeout
+        raise
+    run.bucket_url, run.idle_timeout_s = info["bucket_url"], float(info["idle_timeout_s"])
     log.info("run %s publishes to %s, heartbeat every %.0f s", name, run.bucket_url, run.heartbeat_s)
     return run
 

@@ -88,6 +88,9 @@ def test_joining_without_a_token_or_with_a_name_taken_says_what_to_do(fleet, mon
     fleet_run.join(_cfg(url))
     with pytest.raises(SystemExit, match="registering run 'alice'.*already registered"):
         fleet_run.join(_cfg(url))
+    monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, TOKEN)
+    with pytest.raises(SystemExit, match="SPOTRL_RUN_TOKEN is not a run token"):
+        fleet_run.join(_cfg(url))
     monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, "spotrl-run-not-a-token-of-this-fleet")
     with pytest.raises(SystemExit, match="SPOTRL_RUN_TOKEN on .*: 401 missing or invalid token"):
         fleet_run.join(_cfg(url))
