@@ -1,6 +1,6 @@
 """A fleet on this one machine, for the integration tests and the router and shared-fleet benchmarks.
 
-Both need the same things: Ray on loopback only (nothing else may be reached or exposed), a free
+They need the same things: Ray on loopback only (nothing else may be reached or exposed), a free
 port for the HTTP ingress, and adapters to serve. Real adapters come from the learner; here a PEFT
 LoRA on the base model with random `lora_B` (PEFT initialises it to zero, which would change
 nothing) stands in, so that each version visibly changes the model's outputs.
