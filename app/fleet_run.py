@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.auth import RUN_TOKEN_PREFIX, Secret, admin_token
@@ -34,6 +36,7 @@ log = logging.getLogger("spotrl.fleet_run")
 
 RUN_TOKEN_ENV = "SPOTRL_RUN_TOKEN"
 LONGEST_HEARTBEAT_S = 30.0
+GONE = (401, 404)  # what a heartbeat answers once the fleet no longer knows the run or its token
 
 
 @dataclass
@@ -132,13 +135,19 @@ def leave(run: FleetRun) -> None:
 
 
 class Heartbeat:
-    """A daemon thread that keeps the run alive on the fleet until the `with` block ends."""
+    """A daemon thread that keeps the run alive on the fleet until the `with` block ends.
 
-    def __init__(self, run: FleetRun):
-        self.run = run
+    A fleet that no longer knows the run (its token 401, the run 404: the admin removed it, or it was
+    released after the idle timeout) would refuse every request from now on, and the driver would wait for
+    groups forever: so the heartbeat says why in the log and calls `on_lost`, by default a SIGINT to this
+    process, which stops the run the way Ctrl-C does (a real signal: it wakes a main thread blocked in Ray)."""
+
+    def __init__(self, run: FleetRun, on_lost: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGINT)):
+        self.run, self.on_lost = run, on_lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{run.name}", daemon=True)
         self.beats = 0
+        self.lost: str | None = None  # why the fleet no longer knows the run
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()
@@ -154,5 +163,16 @@ class Heartbeat:
                 try:
                     client.heartbeat(self.run.name)
                     self.beats += 1
-                except FleetError as e:  # the next one may pass; one refused for good says why in the log
-                    log.warning("heartbeat of run %s: %s", self.run.name, e)
+                except FleetError as e:
+                    if e.status in GONE:
+                        self.lost = str(e)
+                        log.error(
+                            "the fleet no longer knows run %s (%s): removed by the admin, or released after %.0f s "
+                            "without a heartbeat; stopping the run",
+                            self.run.name,
+                            e,
+                            self.run.idle_timeout_s,
+                        )
+                        self.on_lost()
+                        return
+                    log.warning("heartbeat of run %s: %s", self.run.name, e)  # the next one may pass

@@ -17,6 +17,7 @@ from tests.fleet_helpers import finish_fleet_run, running_fleet, start_fleet_run
 TOKEN = "shared-training-token-9c1f"
 STEPS = 70
 JOINER_STEPS = 6
+RUN_IDLE_S = 60.0  # a heartbeat every 15 s; long enough for carol to join after the admin registered her
 
 
 def steps_done(work: Path, name: str) -> int:
@@ -38,7 +39,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 @pytest.mark.slow
 def test_two_runs_at_once_both_learn_and_a_third_joins_midway_and_leaves(tmp_path, tiny_model_path):
     # Four runs and the fleet's own lineage pin max_staleness + 1 = 3 slots each, and one to load into.
-    overrides = ["grpo.max_staleness=2", "fleet.max_loras=16"]
+    overrides = ["grpo.max_staleness=2", "fleet.max_loras=16", f"fleet.run_idle_timeout_s={RUN_IDLE_S}"]
     with running_fleet(tmp_path, tiny_model_path, overrides, TOKEN) as fleet:
         admin = {"SPOTRL_ADMIN_TOKEN": TOKEN, "SPOTRL_RUN_TOKEN": ""}
         trainers = {name: start_fleet_run(tmp_path, fleet.url, name, STEPS, admin) for name in ("alice", "bob")}
@@ -64,6 +65,12 @@ def test_two_runs_at_once_both_learn_and_a_third_joins_midway_and_leaves(tmp_pat
             assert adapters_of(fleet, "carol") == []  # it unloaded what it held
             assert sorted(fleet.client.list_runs()) == ["alice", "bob", "carol"]  # registered by the admin: stays
             fleet.client.remove_run("carol")
+            # A fifth is removed by the admin while it trains: its heartbeat finds out and stops it (no hang).
+            procs["erin"] = erin = start_fleet_run(tmp_path, fleet.url, "erin", STEPS, admin)
+            wait_for(lambda: steps_done(tmp_path, "erin") >= 1 or erin.poll() is not None, 900, "erin to train")
+            fleet.client.remove_run("erin")
+            assert erin.wait(timeout=120) == 130, (tmp_path / "erin.log").read_text()[-3000:]
+            assert "the fleet no longer knows run erin" in (tmp_path / "erin.log").read_text()
             mid_stats = fleet.client.router_stats()["runs"]["runs"]
             summaries = {name: finish_fleet_run(proc, tmp_path, name, 1200) for name, proc in trainers.items()}
         finally:
@@ -79,7 +86,7 @@ def test_two_runs_at_once_both_learn_and_a_third_joins_midway_and_leaves(tmp_pat
             assert summary["fleet_run"] == name
             # It published under its own prefix of the fleet's bucket, nowhere else.
             assert (tmp_path / "bucket" / "runs" / name / "adapters").is_dir()
-        for name in ("alice", "bob", "carol", "dave"):
+        for name in ("alice", "bob", "carol", "dave", "erin"):
             assert mid_stats[name]["requests"] > 0, mid_stats
         # Both registered themselves with the admin token, so both removed themselves: nothing left behind.
         assert fleet.client.list_runs() == []

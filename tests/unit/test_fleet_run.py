@@ -111,6 +111,20 @@ def test_the_heartbeat_keeps_a_quiet_run_alive_and_without_it_the_fleet_releases
     fleet_run.leave(alive)  # already released: a warning, no error
 
 
+def test_a_run_the_admin_removes_while_it_trains_is_stopped_instead_of_waiting_for_groups_forever(fleet, monkeypatch):
+    url, _, _ = fleet
+    monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
+    run = fleet_run.join(_cfg(url))
+    lost = threading.Event()
+    with fleet_run.Heartbeat(run, on_lost=lost.set) as beat:
+        time.sleep(0.7)
+        assert not lost.is_set()
+        _admin(url).remove_run("alice")
+        assert lost.wait(timeout=3.0)
+    assert "401" in beat.lost
+
+
 def test_leaving_a_fleet_that_cannot_be_reached_never_raises(caplog):
     run = fleet_run.FleetRun(
         f"http://127.0.0.1:{free_port()}", "alice", fleet_run.Secret("spotrl-run-x"), "file:///b", 600.0, None
