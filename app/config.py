@@ -241,7 +241,9 @@ class FleetConfig(Section):
     )
     protect_inference: bool = Field(False, description="Also require the admin token on inference endpoints.")
     max_request_bytes: int = Field(
-        16 * 2**20, ge=1024, description="Largest request body the ingress reads (413 beyond, refused before reading)."
+        16 * 2**20,
+        ge=1024,
+        description="Largest request body the ingress reads (413 beyond, refused by Content-Length).",
     )
     max_json_depth: int = Field(32, ge=8, description="Deepest nesting of arrays and objects in a request body.")
     max_prompts_per_request: int = Field(1024, ge=1, description="Prompts in one /v1/completions batch (vLLM: 1024).")

@@ -15,9 +15,9 @@ fleet a caller is the admin, a registered run, or anonymous (`deployments.runs.C
 checks what that caller may name, so a run's token reaches the base model and its own adapters only.
 
 Errors: a malformed request gets 400 with the reason, an unknown model 404, a missing or wrong
-token 401, a body over `fleet.max_request_bytes` 413 (refused before it is read), an admin call
-whose body is not declared JSON 415; messages never carry the token, and the bucket's `redact`
-strips credentials from URLs. No request may crash, stall or open the fleet: what a body may hold
+token 401, a body over `fleet.max_request_bytes` 413 (by its Content-Length, without waiting for
+it), an admin call whose body is not declared JSON 415; messages never carry the token, and the
+bucket's `redact` strips credentials from URLs. No request may crash, stall or open the fleet: what a body may hold
 is bounded in `deployments.api_schema`, and the CPU work of a request (parsing, tokenizing,
 decoding) runs in a few worker threads (`offload`), never on the event loop that answers every
 other request, `/health` included.
@@ -620,8 +620,8 @@ def has_body(request: Request) -> bool:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is known to exceed `limit` bytes: by its Content-Length before a
-    byte is read, else (chunked, or a Content-Length that lies) while it streams in."""
+    """The body, or a 413 as soon as it is known to exceed `limit` bytes: by its Content-Length without
+    waiting for a byte, else (chunked, or a Content-Length that lies) while it streams in."""
     too_large = ApiError(413, f"body: larger than the limit of {limit} bytes")
     declared = request.headers.get("content-length")
     if declared is not None:

@@ -296,14 +296,13 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
             r = http.post(path, content=body, headers=headers)
             assert r.status_code == status, (path, body[:80], r.text[:300])
             json.loads(r.text, parse_constant=lambda name: pytest.fail(f"{name} in a response"))
-    # Oversized bodies: refused by their Content-Length before they are read, or once the limit is crossed.
+    # Oversized bodies: refused by their Content-Length with not a byte of them sent (an ingress that
+    # waited for the body would never answer), or once the limit is crossed while it streams in.
     limit, chunk = fleet.cfg.fleet.max_request_bytes, b" " * 2**16
     chunks = [chunk] * (2 * limit // len(chunk))
     as_json = {"content-type": "application/json"}
-    status, sent = post_streaming(
-        fleet.url, "/v1/completions", {**as_json, "content-length": str(10**10)}, chunks, False
-    )
-    assert status == 413 and sent < limit, sent
+    status, _ = post_streaming(fleet.url, "/v1/completions", {**as_json, "content-length": str(10**10)}, [], False)
+    assert status == 413
     # Chunked: the ingress counts while it reads; Serve's proxy reads ahead of it, so the client may send it all.
     status, _ = post_streaming(fleet.url, "/v1/completions", {**as_json, "transfer-encoding": "chunked"}, chunks, True)
     assert status == 413
