@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from app.auth import RUN_TOKEN_PREFIX, Secret, admin_token
 from app.fleet_client import FleetClient, FleetError
+from app.models import check_same_base_model
 
 log = logging.getLogger("spotrl.fleet_run")
 
@@ -56,8 +57,9 @@ class FleetRun:
         return min(self.idle_timeout_s / 4, LONGEST_HEARTBEAT_S)
 
 
-def join(cfg) -> FleetRun:
-    """Become run `logging.run_name` of the fleet at `fleet.join_url`; SystemExit with the reason when it cannot."""
+def join(cfg, model_path: str) -> FleetRun:
+    """Become run `logging.run_name` of the fleet at `fleet.join_url`, whose base model must be `model_path`;
+    SystemExit with the reason when it cannot."""
     url, name = cfg.fleet.join_url, cfg.logging.run_name
     handed_over = os.environ.get(RUN_TOKEN_ENV)
     registered_with = None
@@ -81,18 +83,25 @@ def join(cfg) -> FleetRun:
             token = _call(lambda: client.register_run(name)["token"], f"registering run {name!r} on {url}")
         registered_with = Secret(admin)
         log.info("registered run %s on the fleet at %s", name, url)
-    run = FleetRun(url, name, Secret(token), "", 0.0, registered_with)
     try:
         with contextlib.closing(FleetClient(url, token=token)) as client:
             info = _call(lambda: client.run_info(name), f"asking {url} about run {name!r}")
-        if not info.get("bucket_url"):
-            raise SystemExit(f"the fleet at {url} has no bucket for its runs to publish to")
+            if not info.get("bucket_url"):
+                raise SystemExit(f"the fleet at {url} has no bucket for its runs to publish to")
+            check_base_model(client, model_path, cfg.model.revision)
     except SystemExit:
-        leave(run)  # registered a moment ago: not left behind for the idle timeout
+        if registered_with is not None:  # registered a moment ago: not left behind for the idle timeout
+            leave(FleetRun(url, name, Secret(token), "", cfg.fleet.run_idle_timeout_s, registered_with))
         raise
-    run.bucket_url, run.idle_timeout_s = info["bucket_url"], float(info["idle_timeout_s"])
+    run = FleetRun(url, name, Secret(token), info["bucket_url"], float(info["idle_timeout_s"]), registered_with)
     log.info("run %s publishes to %s, heartbeat every %.0f s", name, run.bucket_url, run.heartbeat_s)
     return run
+
+
+def check_base_model(client: FleetClient, model_path: str, revision: str | None) -> None:
+    """SystemExit unless the fleet behind `client` serves `model_path` (`app.models.check_same_base_model`)."""
+    served = _call(client.server_info, f"asking {client.base_url} which base model it serves")["spotrl"]
+    check_same_base_model(served.get("base_fingerprint"), model_path, revision, client.base_url)
 
 
 def _call(fn, what: str):

@@ -1,17 +1,22 @@
 """Where the model and its tokenizer come from, for the learner, the rollout, evaluation and the fleet alike.
 
 One place resolves the model path (a local folder, a hub name, or the embedded tiny model built
-on demand) and loads the tokenizer with the round-trip check, so every part sees the same tokens.
+on demand) and loads the tokenizer with the round-trip check, so every part sees the same tokens;
+and fingerprints the model, so a run can tell that a fleet it joins serves the same base model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import re
 from pathlib import Path
 
 from app.config import ModelConfig, TaskConfig
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+logger = logging.getLogger("spotrl.models")
 
 
 def resolve_model_path(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> str:
@@ -42,6 +47,67 @@ def pin_revision(model_cfg: ModelConfig, model_path: str, log=print) -> None:
     branch = model_cfg.revision or "main"
     model_cfg.revision = HfApi().model_info(model_path, revision=branch).sha
     log(f"model {model_path}: {branch} pinned to revision {model_cfg.revision}")
+
+
+# What makes two model folders the same base model to a run: the architecture, the tokens and the weights.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version"}  # change with who saved it, not what it is
+_SAMPLED_BYTES = 2**20
+
+
+def model_fingerprint(model_path: str, revision: str | None = None) -> str:
+    """Which base model `model_path` is, comparable across machines: "hub:NAME@REVISION" for a hub
+    name, "files:SHA256" for a local folder, whatever its path.
+
+    A run that trains adapters for one base model while a fleet samples from another learns from
+    samples it did not produce, and a LoRA of the same shapes loads without an error. The folder's
+    hash covers its config (less who saved it), its tokenizer files and each weight file's name, size
+    and first and last MiB: a fine-tune of the same architecture differs there, and a model of tens of
+    GB is fingerprinted in milliseconds."""
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        return f"hub:{model_path}@{revision or 'main'}"
+    digest = hashlib.sha256()
+    config = folder / "config.json"
+    if config.is_file():
+        fields = {k: v for k, v in json.loads(config.read_text()).items() if k not in _VOLATILE_CONFIG_KEYS}
+        digest.update(json.dumps(fields, sort_keys=True).encode())
+    for name in _TOKENIZER_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    for weights in sorted(f for f in folder.iterdir() if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES)):
+        size = weights.stat().st_size
+        with weights.open("rb") as f:
+            head = f.read(_SAMPLED_BYTES)
+            f.seek(max(size - _SAMPLED_BYTES, 0))
+            tail = f.read(_SAMPLED_BYTES)
+        digest.update(f"{weights.name}\0{size}\0".encode() + head + tail)
+    return f"files:{digest.hexdigest()}"
+
+
+def check_same_base_model(fleet_fingerprint: str | None, model_path: str, revision: str | None, where: str) -> None:
+    """SystemExit when the fleet at `where` serves another base model than this run's `model.name_or_path`.
+
+    A fleet that names its model one way (a hub name) and the run another (a local folder) cannot be
+    compared without downloading: that is logged, not refused."""
+    ours = model_fingerprint(model_path, revision)
+    if not fleet_fingerprint:
+        raise SystemExit(f"the fleet at {where} does not say which base model it serves (an older spotrl?)")
+    if fleet_fingerprint == ours:
+        return
+    if fleet_fingerprint.split(":", 1)[0] != ours.split(":", 1)[0]:
+        logger.warning(
+            "cannot check that the fleet at %s serves this run's base model (%s there, %s here)",
+            where,
+            fleet_fingerprint,
+            ours,
+        )
+        return
+    raise SystemExit(
+        f"model.name_or_path: the fleet at {where} serves another base model ({fleet_fingerprint}) than "
+        f"{model_path} ({ours}); a run trains adapters of the fleet's base model, so use the same one"
+    )
 
 
 def load_tokenizer(path: str | Path):

@@ -202,6 +202,7 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
     which run on the head too; the learner, on a node of its own, gets `learner_fleet_address`."""
     import ray
 
+    from app import fleet_run
     from app.fleet_client import FleetClient
     from app.local_ray import start_ray
     from deployments.fleet import deploy_fleet, fleet_is_running, fleet_url, shutdown_fleet
@@ -211,14 +212,17 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
         stack.callback(ray.shutdown)
         # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
         check_port_free(cfg.fleet.host, cfg.fleet.port)
-    if fleet_is_running(cfg):
-        base_url = fleet_url(cfg)  # where Serve's proxy listens, whatever this run's config says
-        log.info("using the fleet already running at %s", base_url)
-    else:
+    if not fleet_is_running(cfg):
         log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
         base_url = deploy_fleet(cfg, model_path)
         stack.callback(shutdown_fleet, cfg, stop_serve=not ray_is_ours)
-    return FleetClient(base_url, token=admin_token(cfg))
+        return FleetClient(base_url, token=admin_token(cfg))
+    base_url = fleet_url(cfg)  # where Serve's proxy listens, whatever this run's config says
+    log.info("using the fleet already running at %s", base_url)
+    client = FleetClient(base_url, token=admin_token(cfg))
+    # A fleet another run started may serve another base model than ours.
+    fleet_run.check_base_model(client, model_path, cfg.model.revision)
+    return client
 
 
 def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
@@ -230,7 +234,7 @@ def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str |
     from app.fleet_client import FleetClient
     from app.local_ray import start_ray
 
-    run = fleet_run.join(cfg)  # first: a fleet that refuses us is known before Ray starts
+    run = fleet_run.join(cfg, model_path)  # first: a fleet that refuses us is known before Ray starts
     stack.callback(fleet_run.leave, run)  # after the learner and rollout stopped: nothing uses the adapters any more
     stack.enter_context(fleet_run.Heartbeat(run))
     fleet_run.publish_to_fleet_bucket(cfg, run)

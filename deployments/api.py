@@ -17,10 +17,10 @@ checks what that caller may name, so a run's token reaches the base model and it
 Errors: a malformed request gets 400 with the reason, an unknown model 404, a missing or wrong
 token 401, a body over `fleet.max_request_bytes` 413 (by its Content-Length, without waiting for
 it), an admin call whose body is not declared JSON 415; messages never carry the token, and the
-bucket's `redact` strips credentials from URLs. No request may crash, stall or open the fleet: what a body may hold
-is bounded in `deployments.api_schema`, and the CPU work of a request (parsing, tokenizing,
-decoding) runs in a few worker threads (`offload`), never on the event loop that answers every
-other request, `/health` included.
+bucket's `redact` strips credentials from URLs. No request may crash, stall or open the fleet: what
+a body may hold is bounded in `deployments.api_schema`, and the CPU work of a request (parsing,
+tokenizing, decoding) runs in a few worker threads (`offload`), never on the event loop that answers
+every other request, `/health` included.
 
 Admin calls are not for browsers: a web page the operator visits can send a CORS "simple" request
 (a form, or a body-less `fetch`) to 127.0.0.1 without asking, with any cached Basic credentials;
@@ -104,6 +104,7 @@ class ApiSettings:
     """What the ingress knows about the model it fronts."""
 
     base_model: str  # the `model` name meaning "no adapter" (listed first by /v1/models)
+    base_fingerprint: str  # which model that is (`app.models.model_fingerprint`): runs check theirs against it
     model_aliases: frozenset[str]  # other names accepted for the base model (e.g. "tiny", the folder path)
     max_model_len: int
     vocab_size: int
@@ -453,7 +454,11 @@ class InferenceRoutes(_Routes):
         info = await self.backend.server_info()
         return {
             "vllm_config": info if config_format == "json" else json.dumps(info),
-            "spotrl": {"num_replicas": self.settings.num_replicas, "base_model": self.settings.base_model},
+            "spotrl": {
+                "num_replicas": self.settings.num_replicas,
+                "base_model": self.settings.base_model,
+                "base_fingerprint": self.settings.base_fingerprint,
+            },
         }
 
     @route("GET", "/router/stats")

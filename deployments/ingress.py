@@ -28,6 +28,7 @@ from app.auth import Secret, check_exposure
 from app.auth import admin_token as resolve_admin_token
 from app.bucket.store import RunRecords
 from app.config import RunConfig
+from app.models import model_fingerprint
 from app.retry import Backoff, aretry
 from deployments.api import ApiSettings, load_everywhere, make_app
 from deployments.api_schema import ApiError, RequestLimits
@@ -185,6 +186,7 @@ class Ingress:
         encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
         settings = ApiSettings(
             base_model=base_model,
+            base_fingerprint=model_fingerprint(model_path, cfg.model.revision),
             model_aliases=frozenset(model_aliases),
             max_model_len=cfg.model.max_model_len,
             vocab_size=vocab_size,

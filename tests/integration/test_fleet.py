@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from app.fleet_client import FleetClient, FleetError
+from app.models import model_fingerprint
 from tests.fleet_helpers import free_port, publish_random_adapters, running_fleet
 
 TOKEN = "fleet-test-token-7f3a9c"
@@ -187,6 +188,8 @@ def test_admin_calls_need_the_token_as_bearer_or_netrc_basic(fleet, tmp_path, mo
     assert info["lora_config"]["max_lora_rank"] == fleet.cfg.max_lora_rank
     assert info["parallel_config"]["data_parallel_size"] == 1  # loads reach every replica: no merged-weight fallback
     assert trl_client.get_max_model_len() == fleet.cfg.model.max_model_len
+    served = httpx.get(f"{url}/server_info", timeout=30).json()["spotrl"]  # what a joining run checks
+    assert served["base_fingerprint"] == model_fingerprint(fleet.base, fleet.cfg.model.revision)
     assert "float32" in trl_client.get_dtype()
 
     bearer = {"Authorization": f"Bearer {TOKEN}"}

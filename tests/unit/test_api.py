@@ -88,6 +88,7 @@ def _settings(**overrides):
     inverse = {i: c for c, i in vocab.items()}
     settings = dict(
         base_model=BASE,
+        base_fingerprint=f"hub:{BASE}@main",  # what `model_fingerprint` says of a name that is no folder here
         model_aliases=frozenset({"tiny"}),
         max_model_len=32,
         vocab_size=64,

@@ -50,7 +50,7 @@ def test_with_the_admin_token_the_driver_registers_its_run_publishes_under_its_p
     monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
     monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
     cfg = _cfg(url)
-    run = fleet_run.join(cfg)
+    run = fleet_run.join(cfg, BASE)
     assert run.name == "alice" and run.registered_with is not None and run.token.value.startswith("spotrl-run-")
     assert _admin(url).list_runs() == ["alice"]
     fleet_run.publish_to_fleet_bucket(cfg, run)
@@ -67,8 +67,8 @@ def test_a_handed_over_token_must_be_this_runs_and_its_run_stays_registered_with
     token = _admin(url).register_run("alice")["token"]
     monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, token)
     with pytest.raises(SystemExit, match="belongs to run 'alice', not logging.run_name='bob'"):
-        fleet_run.join(_cfg(url, "bob"))
-    run = fleet_run.join(_cfg(url))
+        fleet_run.join(_cfg(url, "bob"), BASE)
+    run = fleet_run.join(_cfg(url), BASE)
     assert run.registered_with is None and run.token.value == token
     client = FleetClient(url, token=token)
     client.load_adapter("alice/policy-v1", "policy-v1")
@@ -83,24 +83,43 @@ def test_joining_without_a_token_or_with_a_name_taken_says_what_to_do(fleet, mon
     monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
     monkeypatch.delenv("SPOTRL_ADMIN_TOKEN", raising=False)
     with pytest.raises(SystemExit, match="needs SPOTRL_RUN_TOKEN .* or SPOTRL_ADMIN_TOKEN"):
-        fleet_run.join(_cfg(url))
+        fleet_run.join(_cfg(url), BASE)
     monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
-    fleet_run.join(_cfg(url))
+    fleet_run.join(_cfg(url), BASE)
     with pytest.raises(SystemExit, match="registering run 'alice'.*already registered"):
-        fleet_run.join(_cfg(url))
+        fleet_run.join(_cfg(url), BASE)
     monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, TOKEN)
     with pytest.raises(SystemExit, match="SPOTRL_RUN_TOKEN is not a run token"):
-        fleet_run.join(_cfg(url))
+        fleet_run.join(_cfg(url), BASE)
     monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, "spotrl-run-not-a-token-of-this-fleet")
     with pytest.raises(SystemExit, match="SPOTRL_RUN_TOKEN on .*: 401 missing or invalid token"):
-        fleet_run.join(_cfg(url))
+        fleet_run.join(_cfg(url), BASE)
+
+
+def test_a_fleet_of_another_base_model_is_refused_and_the_run_registered_for_it_removed(fleet, monkeypatch):
+    url, _, _ = fleet
+    monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
+    with pytest.raises(SystemExit, match=f"model.name_or_path: the fleet at {url} serves another base model"):
+        fleet_run.join(_cfg(url), "/models/another")
+    assert _admin(url).list_runs() == []
+    # With a handed-over token nothing is released: the run may be training from another driver.
+    token = _admin(url).register_run("alice")["token"]
+    monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, token)
+    with pytest.raises(SystemExit, match="another base model"):
+        fleet_run.join(_cfg(url), "/models/another")
+    assert _admin(url).list_runs() == ["alice"]
+    # What a driver checks of a fleet it finds running in its Ray cluster.
+    fleet_run.check_base_model(_admin(url), BASE, None)
+    with pytest.raises(SystemExit, match="another base model"):
+        fleet_run.check_base_model(_admin(url), "/models/another", None)
 
 
 def test_the_heartbeat_keeps_a_quiet_run_alive_and_without_it_the_fleet_releases_the_run(fleet, monkeypatch):
     url, _, _ = fleet
     monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
     monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
-    alive = fleet_run.join(_cfg(url))
+    alive = fleet_run.join(_cfg(url), BASE)
     assert alive.heartbeat_s == 0.5  # a quarter of the fleet's 2 s idle timeout
     with fleet_run.Heartbeat(alive) as beat:
         time.sleep(3.0)  # longer than the idle timeout, with no request of its own
@@ -115,7 +134,7 @@ def test_a_run_the_admin_removes_while_it_trains_is_stopped_instead_of_waiting_f
     url, _, _ = fleet
     monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
     monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
-    run = fleet_run.join(_cfg(url))
+    run = fleet_run.join(_cfg(url), BASE)
     lost = threading.Event()
     with fleet_run.Heartbeat(run, on_lost=lost.set) as beat:
         time.sleep(0.7)

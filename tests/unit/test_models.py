@@ -1,5 +1,7 @@
 """app.models: local or hub model, the pinned revision; app.local_ray's offline flags follow it."""
 
+import json
+
 import pytest
 
 from app.config import ModelConfig
@@ -49,3 +51,45 @@ def test_a_branch_is_resolved_and_a_local_folder_is_left_alone(hub, tmp_path):
 def test_offline_flags_only_for_a_local_model():
     assert run_env_vars(offline=True)["HF_HUB_OFFLINE"] == "1"
     assert "HF_HUB_OFFLINE" not in run_env_vars(offline=False)
+
+
+def _model_folder(path, weights=b"\x01" * (3 * 2**20), **config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"hidden_size": 64, "transformers_version": "4.0", **config}))
+    (path / "tokenizer.json").write_text('{"vocab": {"a": 0}}')
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_a_model_folder_is_known_by_its_contents_wherever_it_lies_and_a_hub_name_by_its_revision(tmp_path):
+    from app.models import model_fingerprint
+
+    weights = bytes(range(256)) * (3 * 2**12)  # 3 MiB: more than the first and last MiB it reads
+    one = model_fingerprint(str(_model_folder(tmp_path / "one", weights)))
+    assert one.startswith("files:")
+    # The same model elsewhere, saved by another transformers: the same fingerprint.
+    assert model_fingerprint(str(_model_folder(tmp_path / "two", weights, transformers_version="5.0"))) == one
+    changed_weights = weights[:-1] + b"\x00"  # a fine-tune: same shapes, other values
+    assert model_fingerprint(str(_model_folder(tmp_path / "tuned", changed_weights))) != one
+    assert model_fingerprint(str(_model_folder(tmp_path / "wider", weights, hidden_size=128))) != one
+    other_tokens = _model_folder(tmp_path / "tokens", weights)
+    (other_tokens / "tokenizer.json").write_text('{"vocab": {"b": 0}}')
+    assert model_fingerprint(str(other_tokens)) != one
+    assert model_fingerprint("Qwen/Qwen2.5-0.5B", SHA) == f"hub:Qwen/Qwen2.5-0.5B@{SHA}"
+    assert model_fingerprint("Qwen/Qwen2.5-0.5B") == "hub:Qwen/Qwen2.5-0.5B@main"
+
+
+def test_a_run_refuses_a_fleet_of_another_base_model_and_names_the_field(tmp_path, caplog):
+    from app.models import check_same_base_model, model_fingerprint
+
+    folder = str(_model_folder(tmp_path / "model"))
+    check_same_base_model(model_fingerprint(folder), folder, None, "http://fleet")
+    with pytest.raises(SystemExit, match=r"model.name_or_path: the fleet at http://fleet serves another base model"):
+        check_same_base_model("files:" + "0" * 64, folder, None, "http://fleet")
+    with pytest.raises(SystemExit, match="another base model"):
+        check_same_base_model(f"hub:Qwen/Qwen2.5-0.5B@{SHA}", "Qwen/Qwen2.5-0.5B", "f" * 40, "http://fleet")
+    with pytest.raises(SystemExit, match="does not say which base model"):
+        check_same_base_model(None, folder, None, "http://fleet")
+    # A hub name there, a folder here: not comparable without the hub, so a warning and no refusal.
+    check_same_base_model(f"hub:Qwen/Qwen2.5-0.5B@{SHA}", folder, None, "http://fleet")
+    assert "cannot check that the fleet at http://fleet serves this run's base model" in caplog.text
