@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import print_table, write_result
-from tests.fleet_helpers import finish_fleet_run, running_fleet, start_fleet_run
+from tests.fleet_helpers import REPO, finish_fleet_run, running_fleet, start_fleet_run
 
 TOKEN = "bench-shared-fleet-token-51d2"
 RUN_TIMEOUT_S = 3600
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3, help="Runs per phase.")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    default = load_config()
-    model_path = resolve_model_path(default.model, default.task, log=print)
+    runs = load_config(REPO / "configs/tiny-cpu.yaml", args.overrides)  # what each run trains, so the fleet serves it
+    model_path = resolve_model_path(runs.model, runs.task, log=print)
     window = 3  # tiny-cpu's max_staleness 2, plus one
     fleet_overrides = ["grpo.max_staleness=2", f"fleet.max_loras={(args.runs + 1) * window + 1}"]
     with (

@@ -24,6 +24,7 @@ from app.local_ray import SINGLE_MACHINE_ENV
 from tests.s3_server import S3Server, free_base_port
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIG = "configs/tiny-cpu.yaml"
 STEPS_PER_LEG = 9
 SAVE_STEPS = 3  # a leg ends on a checkpoint, so the next one starts exactly there
 LEARNER_NODE = {"learner_node": 1}
@@ -37,13 +38,13 @@ pytestmark = pytest.mark.slow
 class SpotCluster:
     """The cluster, its S3 server and the run's settings, with the faults the tests inject."""
 
-    def __init__(self, tmp: Path, s3: S3Server, model_path: str):
+    def __init__(self, tmp: Path, s3: S3Server):
         from ray.cluster_utils import Cluster
 
         from app.local_ray import loopback_system_config
         from tests.fleet_helpers import free_port
 
-        self.tmp, self.s3, self.model_path = tmp, s3, model_path
+        self.tmp, self.s3 = tmp, s3
         self.bucket = s3.make_bucket("spot") + "/run"
         self.port = free_port()
         node = {"node_ip_address": "127.0.0.1", "object_store_memory": 150 * 2**20}
@@ -82,9 +83,10 @@ class SpotCluster:
         ]
 
     def config(self):
+        """What each driver runs (`start_driver`), so the fleet serves the base model the drivers train."""
         from app.config import load_config
 
-        return load_config(None, self.overrides())
+        return load_config(REPO / CONFIG, self.overrides())
 
     def resume_step(self) -> int:
         from app.bucket.store import CheckpointStore
@@ -95,7 +97,7 @@ class SpotCluster:
         args = [a for s in [*self.overrides(), f"grpo.max_steps={max_steps}"] for a in ("--set", s)]
         self.log_path = self.tmp / f"driver-{max_steps}.log"
         return subprocess.Popen(
-            [sys.executable, "-m", "app.train", "--config", "configs/tiny-cpu.yaml", "--address", self.address, *args],
+            [sys.executable, "-m", "app.train", "--config", CONFIG, "--address", self.address, *args],
             cwd=REPO,
             stdout=open(self.log_path, "w"),
             stderr=subprocess.STDOUT,
@@ -134,10 +136,11 @@ class SpotCluster:
 
 
 @pytest.fixture(scope="module")
-def spot(tmp_path_factory, tiny_model_path):
+def spot(tmp_path_factory):
     import ray
 
     from app.local_ray import single_machine_mode
+    from app.models import resolve_model_path
     from deployments.fleet import deploy_fleet
 
     tmp = tmp_path_factory.mktemp("spot")
@@ -149,10 +152,11 @@ def spot(tmp_path_factory, tiny_model_path):
     # starts, now and when a test replaces one: all of them listen on 127.0.0.1 only.
     with single_machine_mode():
         try:
-            spot = SpotCluster(tmp, s3, tiny_model_path)
+            spot = SpotCluster(tmp, s3)
             ray.init(address=spot.address)
             t0 = time.time()
-            deploy_fleet(spot.config(), tiny_model_path)
+            cfg = spot.config()  # task.num_heldout=32: a tiny model of its own (its warm-up never sees those 32)
+            deploy_fleet(cfg, resolve_model_path(cfg.model, cfg.task))
             report(f"spot cluster: fleet of 2 replicas up in {time.time() - t0:.0f} s")
             yield spot
         finally:
