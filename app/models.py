@@ -91,9 +91,9 @@ def check_same_base_model(fleet_fingerprint: str | None, model_path: str, revisi
 
     A fleet that names its model one way (a hub name) and the run another (a local folder) cannot be
     compared without downloading: that is logged, not refused."""
-    ours = model_fingerprint(model_path, revision)
     if not fleet_fingerprint:
         raise SystemExit(f"the fleet at {where} does not say which base model it serves (an older spotrl?)")
+    ours = model_fingerprint(model_path, revision)
     if fleet_fingerprint == ours:
         return
     if fleet_fingerprint.split(":", 1)[0] != ours.split(":", 1)[0]:
