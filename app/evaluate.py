@@ -14,14 +14,14 @@ import argparse
 import asyncio
 import json
 
-from app.auth import inference_token
 from app.config import add_config_args, config_from_args
 from app.fleet_client import FleetClient
-from app.messages import Generate
 from app.models import prompt_token_ids
 from app.rollout.episodes import EpisodeRunner, SamplingArgs, runner_for
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
+from contracts.auth import inference_token
+from contracts.rollouts import Generate
 
 
 async def evaluate_async(
@@ -102,7 +102,7 @@ def base_model_name(fleet: FleetClient) -> str:
 def default_model(cfg, fleet: FleetClient) -> str:
     """What to evaluate when no adapter is named: the newest version in the bucket, else the base model."""
     from app.bucket.store import AdapterStore
-    from app.messages import adapter_name
+    from contracts.adapters import adapter_name
 
     latest = AdapterStore.from_config(cfg).latest()
     return adapter_name(latest, cfg.fleet_run) if latest is not None else base_model_name(fleet)

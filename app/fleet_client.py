@@ -1,4 +1,4 @@
-"""A small HTTP client of the rollout fleet, for the learner, the rollout actor, the driver and the benchmarks.
+"""The clients of the rollout fleet: HTTP for everyone (`FleetClient`), a Serve handle inside its cluster (`ServeFleet`).
 
 The fleet speaks OpenAI's API plus vLLM's admin calls (`deployments/api.py`); this wraps the calls
 spotrl makes, parses the answers, and retries (with `app.retry`, whose docstring says who retries
@@ -10,17 +10,22 @@ replica died is retried by the ingress, not here. Admin calls are idempotent on 
     client = FleetClient("http://127.0.0.1:8000", token=os.environ.get("SPOTRL_ADMIN_TOKEN"))
     client.load_adapter("policy-v3", store.url_of(3))
     choices = client.completions(prompt_ids, model="policy-v3", n=8, max_tokens=6, temperature=1.0)
+
+A learner on another node of the fleet's Ray cluster cannot count on reaching the HTTP proxy (it
+listens on the head, at an address as the head sees it): `fleet_admin_client` gives it a `ServeFleet`
+for the fleet's in-cluster address (`contracts.serving.serve_address`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from app.retry import Backoff, aretry, retry
+from contracts.retry import Backoff, aretry, retry
+from contracts.rollouts import Choice
+from contracts.serving import SERVE_SCHEME
 
 log = logging.getLogger("spotrl.fleet_client")
 
@@ -41,17 +46,6 @@ class FleetError(RuntimeError):
 def worth_retrying(error: BaseException) -> bool:
     """The fleet could not be reached or had no replica to answer: the same call may succeed shortly."""
     return isinstance(error, FleetError) and (error.status is None or error.status in RETRY_STATUSES)
-
-
-@dataclass
-class Choice:
-    """One completion as the rollout needs it."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]  # the sampled tokens' log-probs at the sampling temperature
-    text: str
-    finish_reason: str | None
 
 
 def parse_choices(body: dict[str, Any]) -> list[Choice]:
@@ -224,10 +218,19 @@ class FleetClient:
         """Unload everywhere once in-flight requests finish; an unknown name is not an error."""
         return self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
-    def register_run(self, name: str, weight: float | None = None) -> dict[str, Any]:
-        """Register a run on a shared fleet (admin token), with its `weight` in the fair share (else the fleet's
-        default): `{"name", "token", "weight"}`, the run's token shown this once."""
-        body = {"name": name} if weight is None else {"name": name, "weight": weight}
+    def register_run(
+        self,
+        name: str,
+        weight: float | None = None,
+        *,
+        max_staleness: int | None = None,
+        lora_rank: int | None = None,
+    ) -> dict[str, Any]:
+        """Register a run on a shared fleet (admin token), with its `weight` in the fair share, the staleness window
+        its versions pin and the LoRA rank it trains (each else the fleet's default): `{"name", "token", "weight",
+        "max_staleness", "lora_rank"}`, the run's token shown this once."""
+        terms = {"weight": weight, "max_staleness": max_staleness, "lora_rank": lora_rank}
+        body = {"name": name, **{k: v for k, v in terms.items() if v is not None}}
         return self._request("POST", "/v1/runs", json=body)
 
     def remove_run(self, name: str) -> dict[str, Any]:
@@ -240,7 +243,8 @@ class FleetClient:
 
     def run_info(self, name: str) -> dict[str, Any]:
         """Run `name` as the fleet sees it (its token or the admin's): `{"name", "bucket_url", "idle_timeout_s",
-        "weight"}`, `bucket_url` being the run's prefix of the fleet's bucket, where it must publish."""
+        "weight", "max_staleness", "lora_rank"}`, `bucket_url` being the run's prefix of the fleet's bucket, where it
+        must publish."""
         return self._request("GET", f"/v1/runs/{name}")
 
     def heartbeat(self, name: str) -> dict[str, Any]:
@@ -255,3 +259,40 @@ class FleetClient:
 
     def reset_prefix_cache(self) -> dict[str, Any]:
         return self._request("POST", "/reset_prefix_cache")
+
+
+class ServeFleet:
+    """The fleet's admin calls over a DeploymentHandle to its ingress: what `FleetClient` is over HTTP.
+
+    A handle reaches the ingress from any node of the cluster and follows it across restarts
+    (Serve tells every handle where the deployment's replicas are), so no node needs the proxy's
+    address. Only what weight sync calls is here: `load_adapter` and `close`.
+    """
+
+    def __init__(self, address: str, timeout_s: float):
+        self.app_name = address.removeprefix(SERVE_SCHEME)
+        self.timeout_s = timeout_s
+        self._ingress = None
+
+    def __repr__(self) -> str:
+        return f"ServeFleet({self.app_name!r})"
+
+    def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """`FleetClient.load_adapter`: on every live replica or none; TimeoutError after `timeout_s`.
+
+        A call past its deadline is not cancelled: the ingress finishes the load or rolls it back."""
+        from ray import serve
+
+        if self._ingress is None:  # looked up on first use: the application may be (re)deployed after we start
+            self._ingress = serve.get_app_handle(self.app_name)
+        return self._ingress.load_adapter.remote(name, path).result(timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        self._ingress = None
+
+
+def fleet_admin_client(address: str, token: str | None, timeout_s: float) -> FleetClient | ServeFleet:
+    """A client of the fleet's admin calls: a Serve handle for `serve://<app>` (in the cluster), else HTTP."""
+    if address.startswith(SERVE_SCHEME):
+        return ServeFleet(address, timeout_s)
+    return FleetClient(address, token=token, timeout_s=timeout_s)

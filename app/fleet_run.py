@@ -1,6 +1,6 @@
 """A run of a shared fleet: join a fleet that is already running, over HTTP alone, stay alive on it, leave it.
 
-`make train ARGS="--fleet http://HOST:PORT"` (`fleet.join_url`) trains against a fleet somebody else
+`make train ARGS="--fleet http://HOST:PORT"` (`join.url`) trains against a fleet somebody else
 started, whether or not this driver shares its Ray cluster: everything goes through the fleet's HTTP
 API (`deployments.runs`). On the fleet the run is `logging.run_name`, its adapters `<run>/policy-vN`
 (`RunConfig.fleet_run`), and its token is either
@@ -29,9 +29,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.auth import RUN_TOKEN_PREFIX, Secret, admin_token
 from app.fleet_client import FleetClient, FleetError
 from app.models import check_same_base_model
+from contracts.auth import RUN_TOKEN_PREFIX, Secret, admin_token, redact
 
 log = logging.getLogger("spotrl.fleet_run")
 
@@ -58,9 +58,9 @@ class FleetRun:
 
 
 def join(cfg, model_path: str) -> FleetRun:
-    """Become run `logging.run_name` of the fleet at `fleet.join_url`, whose base model must be `model_path`;
+    """Become run `logging.run_name` of the fleet at `join.url`, whose base model must be `model_path`;
     SystemExit with the reason when it cannot."""
-    url, name = cfg.fleet.join_url, cfg.logging.run_name
+    url, name = cfg.join.url, cfg.logging.run_name
     handed_over = os.environ.get(RUN_TOKEN_ENV)
     registered_with = None
     if handed_over:
@@ -76,11 +76,16 @@ def join(cfg, model_path: str) -> FleetRun:
         admin = admin_token(cfg)
         if not admin:
             raise SystemExit(
-                f"fleet.join_url: joining {url} needs {RUN_TOKEN_ENV} (a run token from POST /v1/runs) "
+                f"join.url: joining {url} needs {RUN_TOKEN_ENV} (a run token from POST /v1/runs) "
                 "or SPOTRL_ADMIN_TOKEN (to register this run and mint its token)"
             )
         with contextlib.closing(FleetClient(url, token=admin)) as client:
-            token = _call(lambda: client.register_run(name)["token"], f"registering run {name!r} on {url}")
+            token = _call(
+                lambda: client.register_run(name, max_staleness=cfg.grpo.max_staleness, lora_rank=cfg.lora.rank)[
+                    "token"
+                ],
+                f"registering run {name!r} on {url}",
+            )
         registered_with = Secret(admin)
         log.info("registered run %s on the fleet at %s", name, url)
     try:
@@ -89,6 +94,7 @@ def join(cfg, model_path: str) -> FleetRun:
             if not info.get("bucket_url"):
                 raise SystemExit(f"the fleet at {url} has no bucket for its runs to publish to")
             check_base_model(client, model_path, cfg.model.revision)
+            check_terms(cfg, info, url)
     except SystemExit:
         if registered_with is not None:  # registered a moment ago: not left behind for the idle timeout
             leave(FleetRun(url, name, Secret(token), "", cfg.fleet.run_idle_timeout_s, registered_with))
@@ -102,6 +108,34 @@ def check_base_model(client: FleetClient, model_path: str, revision: str | None)
     """SystemExit unless the fleet behind `client` serves `model_path` (`app.models.check_same_base_model`)."""
     served = _call(client.server_info, f"asking {client.base_url} which base model it serves")["spotrl"]
     check_same_base_model(served.get("base_fingerprint"), model_path, revision, client.base_url)
+
+
+def check_terms(cfg, info: dict, url: str) -> None:
+    """SystemExit when the run was registered (by the admin, for a handed-over token) with a staleness window or a
+    LoRA rank smaller than this run's config: the fleet would unpin versions its samples still use, or refuse
+    its adapters."""
+    registered = info.get("max_staleness")
+    if registered is not None and cfg.grpo.max_staleness > registered:
+        raise SystemExit(
+            f"grpo.max_staleness={cfg.grpo.max_staleness}: run {cfg.logging.run_name!r} is registered on {url} with "
+            f"max_staleness {registered}; use at most that, or have the admin register it with yours"
+        )
+    rank = info.get("lora_rank")
+    if rank is not None and cfg.lora.rank > rank:
+        raise SystemExit(
+            f"lora.rank={cfg.lora.rank}: run {cfg.logging.run_name!r} is registered on {url} with lora_rank {rank}"
+        )
+
+
+def check_same_bucket(client: FleetClient, bucket_url: str) -> None:
+    """SystemExit unless the fleet behind `client` loads its own lineage (`policy-vN`) from `bucket_url`: a run
+    that uses a fleet it found running, without joining it as a run, publishes there."""
+    served = _call(client.server_info, f"asking {client.base_url} which bucket it serves from")["spotrl"]
+    if served.get("bucket_url") != redact(bucket_url):
+        raise SystemExit(
+            f"bucket.url: the fleet running at {client.base_url} loads adapters from {served.get('bucket_url')}, "
+            f"not from this run's {redact(bucket_url)}; join it as a run of it (--fleet {client.base_url}) instead"
+        )
 
 
 def _call(fn, what: str):

@@ -20,10 +20,11 @@ import sys
 import time
 from contextlib import ExitStack
 
-from app.auth import Secret, admin_token, inference_token
 from app.config import RunConfig, add_config_args, config_from_args
-from app.messages import ResumePoint, RolloutStats, StepResult, adapter_name
+from app.messages import ResumePoint, RolloutStats, StepResult
 from app.models import is_local, pin_revision, resolve_model_path
+from contracts.adapters import adapter_name
+from contracts.auth import Secret, admin_token, inference_token
 
 log = logging.getLogger("spotrl.train")
 
@@ -36,11 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fleet",
         default=None,
         metavar="URL",
-        help="Train on the fleet running at URL, as a run of it (fleet.join_url): HTTP alone, no fleet of our own.",
+        help="Train on the fleet running at URL, as a run of it (join.url): HTTP alone, no fleet of our own.",
     )
     args = parser.parse_args(argv)
     if args.fleet:
-        args.overrides.append(f"fleet.join_url={args.fleet}")
+        args.overrides.append(f"join.url={args.fleet}")
     return args
 
 
@@ -205,28 +206,30 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
     from app import fleet_run
     from app.fleet_client import FleetClient
     from app.local_ray import start_ray
-    from deployments.fleet import deploy_fleet, fleet_is_running, fleet_url, shutdown_fleet
+    from deployments.fleet import absolute_bucket_url, deploy_fleet, fleet_is_running, fleet_url, shutdown_fleet
 
     ray_is_ours = start_ray(address, offline=is_local(model_path))
     if ray_is_ours:
         stack.callback(ray.shutdown)
         # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
         check_port_free(cfg.fleet.host, cfg.fleet.port)
-    if not fleet_is_running(cfg):
+    own = cfg.own_fleet()
+    if not fleet_is_running(own):
         log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
-        base_url = deploy_fleet(cfg, model_path)
-        stack.callback(shutdown_fleet, cfg, stop_serve=not ray_is_ours)
+        base_url = deploy_fleet(own, model_path)
+        stack.callback(shutdown_fleet, own, stop_serve=not ray_is_ours)
         return FleetClient(base_url, token=admin_token(cfg))
-    base_url = fleet_url(cfg)  # where Serve's proxy listens, whatever this run's config says
+    base_url = fleet_url(own)  # where Serve's proxy listens, whatever this run's config says
     log.info("using the fleet already running at %s", base_url)
     client = FleetClient(base_url, token=admin_token(cfg))
-    # A fleet another run started may serve another base model than ours.
+    # A fleet another run started may serve another base model than ours, or its own lineage from another bucket.
     fleet_run.check_base_model(client, model_path, cfg.model.revision)
+    fleet_run.check_same_bucket(client, absolute_bucket_url(cfg.bucket_url))
     return client
 
 
 def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
-    """Start or join a Ray of our own and become a run of the fleet at `fleet.join_url` (`app.fleet_run`);
+    """Start or join a Ray of our own and become a run of the fleet at `join.url` (`app.fleet_run`);
     returns a client of the fleet with the run's token, and the token for the rollout and the learner."""
     import ray
 
@@ -247,9 +250,9 @@ def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str |
 
 def learner_fleet_address(cfg: RunConfig) -> str:
     """The fleet as the learner reaches it: by Serve handle, from whichever node Ray puts it on."""
-    from deployments.fleet import cluster_address
+    from contracts.serving import serve_address
 
-    address = cluster_address(cfg)
+    address = serve_address(cfg.fleet.app_name)
     log.info("the learner tells the fleet of new versions through %s", address)
     return address
 
@@ -297,7 +300,7 @@ def train(cfg: RunConfig, address: str | None = None) -> dict:
     model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
     pin_revision(cfg.model, model_path, log=log.info)
     with ExitStack() as stack:
-        if cfg.fleet.join_url:  # a shared fleet: the learner, like everyone, tells it of versions over HTTP
+        if cfg.join.url:  # a shared fleet: the learner, like everyone, tells it of versions over HTTP
             fleet, run_token = join_fleet(stack, cfg, model_path, address)
             learner_address = fleet.base_url
         else:

@@ -10,25 +10,19 @@ once: a version is served only once it is committed to the bucket, and a replica
   over HTTP with the run's token, as `<run>/policy-vN`, when the run joined a shared fleet);
 - the driver makes sure the fleet serves the learner's version before sampling (`ensure_served`)
   and tells the rollout to sample with, and measure staleness to, a new version (`tell_rollout`);
-- a replica that starts loads `CommittedVersions.to_serve()`, and one asked for a version it does not
-  hold loads it if `CommittedVersions.is_committed` says so (published while it was starting, a
-  missed broadcast, or evicted from its LoRA slot: a committed version is never a 404);
-  `CommittedVersions` asks the bucket on the replica's behalf, sparingly: a request for a version
-  the replica does not know must not become a bucket listing each (fees, throttling that would hit
-  the learner's publishes too).
+- a replica that starts loads the newest committed versions, and one asked for a committed version it
+  does not hold loads it from the bucket: that is the fleet's side (`deployments.adapter_sources`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.bucket.store import AdapterStore
-from app.messages import adapter_name
+from app.fleet_client import fleet_admin_client
+from contracts.adapters import adapter_name
 
 log = logging.getLogger(__name__)
 
@@ -39,68 +33,6 @@ log = logging.getLogger(__name__)
 FLEET_LOAD_DEADLINE_S = 60.0
 
 
-# How often a replica may list the bucket for versions newer than the newest it knows.
-LISTING_INTERVAL_S = 5.0
-
-
-def newest(versions: Iterable[int], window: int) -> list[int]:
-    """The newest `window` of `versions`, oldest first (so an engine's LRU order matches age)."""
-    return sorted(set(versions))[-window:] if window > 0 else []
-
-
-class CommittedVersions:
-    """A replica's knowledge of the committed versions: the bucket's last listing, and the versions it fetched.
-
-    Versions are committed in increasing order, so a version older than the newest listed that the
-    listing lacks is not going to appear: it is refused without asking the bucket. Only a version
-    newer than the newest listed makes the replica list again, at most once every `min_interval_s`,
-    and requests that arrive while a listing runs wait for it and share it. Within the interval a
-    version still unknown is refused (404): a flood of requests for versions nobody published
-    must neither list the bucket nor wait, and a missed version a client asks for again is found
-    by the next listing.
-    """
-
-    def __init__(
-        self,
-        store: AdapterStore,
-        window: int,
-        min_interval_s: float = LISTING_INTERVAL_S,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.store, self.window, self.min_interval_s, self._clock = store, window, min_interval_s, clock
-        self._listed: list[int] = []
-        self._fetched: set[int] = set()
-        self._listed_at = float("-inf")
-        self._lock = asyncio.Lock()
-
-    async def to_serve(self) -> list[int]:
-        """The versions a replica should serve now (listed afresh: at start-up), oldest first."""
-        async with self._lock:
-            await self._list()
-        return newest(self._listed, self.window)
-
-    async def is_committed(self, version: int) -> bool:
-        """Whether to load `version` on demand: it is committed (however old; gc may yet remove it)."""
-        if version > self._newest_listed and version not in self._fetched:
-            async with self._lock:
-                # A listing that ended while this request waited for the lock answers it as well.
-                if version > self._newest_listed and self._clock() - self._listed_at >= self.min_interval_s:
-                    await self._list()
-        return version in self._listed or version in self._fetched
-
-    def remember(self, version: int) -> None:
-        """`version` was fetched from the bucket (by broadcast, after the last listing): it is committed."""
-        self._fetched.add(version)
-
-    @property
-    def _newest_listed(self) -> int:
-        return max(self._listed, default=-1)
-
-    async def _list(self) -> None:
-        self._listed_at = self._clock()  # a failing listing is not retried by every request either
-        self._listed = await asyncio.to_thread(self.store.versions)
-
-
 def _load_on_fleet(fleet, store: AdapterStore, version: int, run: str | None) -> None:
     """Ask the fleet to load `version` from the bucket; a run of a shared fleet names it by its path inside the
     run's prefix, which the fleet resolves in its own bucket (however this process reaches that bucket)."""
@@ -108,17 +40,6 @@ def _load_on_fleet(fleet, store: AdapterStore, version: int, run: str | None) ->
         fleet.load_adapter(adapter_name(version, run), adapter_name(version))
     else:
         fleet.load_adapter(adapter_name(version), store.url_of(version))
-
-
-def fleet_admin_client(address: str, token: str | None, timeout_s: float):
-    """A client of the fleet's admin calls: a Serve handle for `serve://<app>` (in the cluster), else HTTP."""
-    from deployments.fleet import SERVE_SCHEME, ServeFleet
-
-    if address.startswith(SERVE_SCHEME):
-        return ServeFleet(address, timeout_s)
-    from app.fleet_client import FleetClient
-
-    return FleetClient(address, token=token, timeout_s=timeout_s)
 
 
 class AdapterPublisher:

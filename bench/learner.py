@@ -47,7 +47,7 @@ PADDED_BATCH = 16
 
 def make_groups(n_groups: int, group_size: int, seed: int):
     """Scored groups whose lengths spread like GRPO completions on math: mostly medium, a tail at the limit."""
-    from app.messages import Group, Sample
+    from contracts.rollouts import Group, Sample
 
     rng = random.Random(seed)
     vocab = MODEL["vocab_size"]
@@ -106,7 +106,7 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
 
 def step_variant(groups: int, seed: int) -> dict:
     """One training step of this process's variant; its metrics and the process's peak RSS so far."""
-    from app.messages import RolloutBatch
+    from contracts.rollouts import RolloutBatch
 
     metrics = _learner.train_step(RolloutBatch(make_groups(groups, 8, seed=seed))).metrics
     return {**metrics, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -109,7 +109,7 @@ def make_groups(step: dict, vocab: int, seed: int):
     """One step's scored groups: random tokens, lengths as `step` says, rewards half 0 half 1 (advantages != 0).
 
     Sampling log-probs are log(1/vocab), near what a random model gives any token, so ratios sit near 1."""
-    from app.messages import Group, Sample
+    from contracts.rollouts import Group, Sample
 
     rng = random.Random(seed)
     logp = -math.log(vocab)

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for phase, name in enumerate(names):
                 t0 = time.time()
-                url = deploy_fleet(cfg, model_path, timeout_s=900, request_router_class=ROUTERS[name])
+                url = deploy_fleet(cfg.own_fleet(), model_path, timeout_s=900, request_router_class=ROUTERS[name])
                 print(f"router {name}: fleet up in {time.time() - t0:.0f} s, measuring ...", flush=True)
                 client = FleetClient(url)
                 try:

@@ -289,7 +289,7 @@ def run_seed(seed: int, steps: list[int], port: int) -> dict:
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
     model_path = resolve_model_path(cfg.model, cfg.task)
     try:
-        url = deploy_fleet(cfg, model_path)
+        url = deploy_fleet(cfg.own_fleet(), model_path)
         base = evaluate(cfg, url, model_path, base_model_name(FleetClient(url)))["accuracy"]
         print(f"seed {seed}: base held-out {base:.3f}", flush=True)
         spotrl = run_spotrl(cfg, url, model_path, steps)

@@ -45,8 +45,23 @@ from typing import Any, Protocol, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from app.auth import presented_token, redact, token_matches
-from app.config import FleetConfig
+from app.config import FleetConfig, FleetSettings
+from contracts.adapters import run_prefix, split_run
+from contracts.auth import presented_token, redact, token_matches
+from contracts.control import (
+    AdapterListing,
+    Command,
+    ListAdapters,
+    LoadAdapter,
+    Pause,
+    Ping,
+    ReportEngine,
+    ResetPrefixCache,
+    Resume,
+    UndoLoad,
+    UnloadAdapter,
+)
+from contracts.serving import PAUSE_MODES, Generated, GenerateRequest
 from deployments.api_schema import (
     ApiError,
     Body,
@@ -66,8 +81,6 @@ from deployments.api_schema import (
     usage,
 )
 from deployments.fair_share import FLEET_TENANT, FairShare
-from deployments.names import run_bucket_url, split_run
-from deployments.protocol import PAUSE_MODES, Generated, GenerateRequest
 from deployments.runs import ADMIN, ANONYMOUS, Caller, Runs
 
 log = logging.getLogger("ray.serve")
@@ -90,8 +103,8 @@ class Backend(Protocol):
 
     async def generate(self, request: GenerateRequest) -> Generated: ...
 
-    async def broadcast(self, method: str, *args: Any) -> list[Any]:
-        """Call `method` on every live replica; one result or exception per replica."""
+    async def broadcast(self, command: Command) -> list[Any]:
+        """Send `command` to every live replica (`contracts.control`); its typed reply or exception per replica."""
         ...
 
     async def server_info(self) -> dict[str, Any]: ...
@@ -112,11 +125,13 @@ class ApiSettings:
     decode: Callable[[list[int]], str]
     chat_ids: Callable[[list[dict[str, Any]], bool], list[int]]
     admin_token: str | None = None
+    bucket_url: str = ""  # where the fleet's own lineage (policy-vN) and its runs' prefixes are, credentials redacted
     protect_inference: bool = False
     num_replicas: int = 1
-    limits: RequestLimits = field(default_factory=lambda: RequestLimits.of(FleetConfig()))
+    limits: RequestLimits = field(default_factory=lambda: RequestLimits.of(FleetSettings()))
     max_loras: int = 4  # LoRA slots per engine: how many runs fit (`deployments.runs`)
-    window: int = 3  # max_staleness + 1: the versions each run pins
+    max_staleness: int = 2  # the window (+ 1) of a run that states none, and of the fleet's own lineage
+    max_lora_rank: int | None = None  # the largest rank a run may register with
     run_idle_timeout_s: float = 600.0  # a run silent for this long is released
     # Generations in flight on the fleet at once, shared by run weight (`deployments.fair_share`).
     inflight_budget: int = field(default_factory=lambda: FleetConfig().inflight_limit)
@@ -140,9 +155,7 @@ def make_app(
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
     if runs is None:
-        runs = Runs(
-            settings.max_loras, settings.window, settings.run_idle_timeout_s, default_weight=settings.default_run_weight
-        )
+        runs = Runs.of(settings)
     gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight)
     InferenceRoutes(backend, settings, replies.scrub, runs, records, gate).register(app)
     AdminRoutes(backend, settings, replies.scrub, runs, records, gate).register(app)
@@ -409,7 +422,7 @@ class InferenceRoutes(_Routes):
     @route("GET", "/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         caller = await self.authorize(request)
-        listed = all_or_raise(await self.backend.broadcast("list_adapters"))
+        listed = all_or_raise(await self.backend.broadcast(ListAdapters()))
         self.gate.note_slots(slots_held(listed))
         now, base, max_model_len = int(time.time()), self.settings.base_model, self.settings.max_model_len
 
@@ -426,14 +439,14 @@ class InferenceRoutes(_Routes):
 
         adapters: dict[str, dict] = {}
         for replica in listed:
-            for a in replica["adapters"]:
-                if not caller.may_use(a["name"], base):  # a run sees its own adapters only
+            for a in replica.adapters:
+                if not caller.may_use(a.name, base):  # a run sees its own adapters only
                     continue
                 listing = adapters.setdefault(
-                    a["name"], {**entry(a["name"], a["source"], base), "replicas": 0, "sha256": a.get("sha256")}
+                    a.name, {**entry(a.name, a.source, base), "replicas": 0, "sha256": a.sha256}
                 )
                 listing["replicas"] += 1
-                if listing["sha256"] != a.get("sha256"):  # replicas disagree (a reload under way): say so
+                if listing["sha256"] != a.sha256:  # replicas disagree (a reload under way): say so
                     listing["sha256"] = None
         data = [entry(base, base, None), *sorted(adapters.values(), key=lambda e: _version_key(e["id"]))]
         return {"object": "list", "data": data}
@@ -441,7 +454,7 @@ class InferenceRoutes(_Routes):
     @route("GET", "/health")
     async def health(self) -> dict[str, Any]:
         # Never behind the token: load balancers and `wait_healthy` probe it.
-        live = [r for r in await self.backend.broadcast("ping") if not isinstance(r, BaseException)]
+        live = [r for r in await self.backend.broadcast(Ping()) if not isinstance(r, BaseException)]
         if not live:
             raise ApiError(503, "no live replica")
         return {"status": "ok", "replicas": len(live)}
@@ -458,6 +471,7 @@ class InferenceRoutes(_Routes):
                 "num_replicas": self.settings.num_replicas,
                 "base_model": self.settings.base_model,
                 "base_fingerprint": self.settings.base_fingerprint,
+                "bucket_url": self.settings.bucket_url,
             },
         }
 
@@ -465,7 +479,7 @@ class InferenceRoutes(_Routes):
     async def router_stats(self, request: Request) -> dict[str, Any]:
         """The router's counters, and under `runs` the fair share's per run (a run's token sees its own only)."""
         caller = await self.authorize(request)
-        listed = await self.backend.broadcast("list_adapters")
+        listed = await self.backend.broadcast(ListAdapters())
         # The router's counters are worth answering even when a replica cannot list its adapters right now.
         self.gate.note_slots(slots_held([r for r in listed if not isinstance(r, BaseException)]))
         fair = self.gate.stats()
@@ -476,10 +490,11 @@ class InferenceRoutes(_Routes):
     @route("GET", "/engine/stats")
     async def engine_stats(self, request: Request) -> dict[str, Any]:
         caller = await self.authorize(request)
-        replicas = all_or_raise(await self.backend.broadcast("engine_stats"))
+        reports = all_or_raise(await self.backend.broadcast(ReportEngine()))
         base = self.settings.base_model
+        replicas = [report.as_json() for report in reports]
         for stats in replicas:  # other runs' adapter names are theirs
-            stats["adapters"] = [a for a in stats.get("adapters", []) if caller.may_use(a, base)]
+            stats["adapters"] = [a for a in stats["adapters"] if caller.may_use(a, base)]
         return {"replicas": replicas}
 
 
@@ -508,12 +523,12 @@ class AdminRoutes(_Routes):
         caller = await self.authorize(request)
         body = await self.body(request, UnloadAdapterBody)
         caller.check_owns(body.lora_name)
-        results = all_or_raise(await self.backend.broadcast("unload_adapter", body.lora_name))
+        results = all_or_raise(await self.backend.broadcast(UnloadAdapter(body.lora_name)))
         return {
             "status": "ok",
             "lora_name": body.lora_name,
             "replicas": len(results),
-            "unloaded": sum(bool(r["unloaded"]) for r in results),
+            "unloaded": sum(r.unloaded for r in results),
         }
 
     @route("POST", "/pause")
@@ -521,25 +536,25 @@ class AdminRoutes(_Routes):
         (await self.authorize(request)).check_admin("pausing the fleet")
         if mode not in PAUSE_MODES:
             raise ApiError(400, f"mode: expected one of {', '.join(PAUSE_MODES)}")
-        results = await self.backend.broadcast("pause", mode)
+        results = await self.backend.broadcast(Pause(mode))
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
-            await self.backend.broadcast("resume")  # nobody stays paused when the pause as a whole failed
+            await self.backend.broadcast(Resume())  # nobody stays paused when the pause as a whole failed
             raise as_api_error(failures[0], f"pause failed on {len(failures)} of {len(results)} replicas, resumed")
         # Each replica resumes by itself after its lease (`VLLMReplica.pause`) unless /resume comes first.
-        lease_s = min((r.get("lease_s") for r in results if r.get("lease_s") is not None), default=None)
+        lease_s = min((r.lease_s for r in results if r.lease_s is not None), default=None)
         return {"status": "paused", "mode": mode, "replicas": len(results), "lease_s": lease_s}
 
     @route("POST", "/resume")
     async def resume(self, request: Request) -> dict[str, Any]:
         (await self.authorize(request)).check_admin("resuming the fleet")
-        return {"status": "resumed", "replicas": len(all_or_raise(await self.backend.broadcast("resume")))}
+        return {"status": "resumed", "replicas": len(all_or_raise(await self.backend.broadcast(Resume())))}
 
     @route("POST", "/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
         (await self.authorize(request)).check_admin("resetting the prefix cache")
-        results = all_or_raise(await self.backend.broadcast("reset_prefix_cache"))
-        return {"success": all(r["success"] for r in results), "replicas": len(results)}
+        results = all_or_raise(await self.backend.broadcast(ResetPrefixCache()))
+        return {"success": all(r.success for r in results), "replicas": len(results)}
 
     # ---- runs: the tenants of a shared fleet (`deployments.runs`) ---------------------------------
 
@@ -547,15 +562,15 @@ class AdminRoutes(_Routes):
     async def register_run(self, request: Request) -> dict[str, Any]:
         (await self.authorize(request)).check_admin("registering a run")
         body = await self.body(request, RunBody)
-        token = self.runs.register(body.name, body.weight)
+        token = self.runs.register(body.name, body.weight, body.max_staleness, body.lora_rank)
         if self.records is not None:
             try:
-                await offload(self.records.save, body.name, self.runs.digest(body.name), body.weight)
+                await offload(self.records.save, body.name, self.runs.registration(body.name).as_record())
             except Exception as e:  # unrecorded, it would be forgotten by the next ingress: not registered
                 self.runs.remove(body.name)
                 raise ApiError(503, f"run {body.name!r} could not be recorded in the bucket: {e}") from None
         log.info("fleet ingress: registered run %s (%d runs)", body.name, len(self.runs.names()))
-        return {"name": body.name, "token": token, "weight": self.runs.weight(body.name)}
+        return {"name": body.name, "token": token, **self.run_terms(body.name)}
 
     @route("GET", "/v1/runs")
     async def list_runs(self, request: Request) -> dict[str, Any]:
@@ -576,9 +591,17 @@ class AdminRoutes(_Routes):
             raise ApiError(404, f"run {name[:64]!r} is not registered")
         return {
             "name": name,
-            "bucket_url": redact(run_bucket_url(self.records.url, name)) if self.records is not None else None,
+            "bucket_url": redact(run_prefix(self.records.url, name)) if self.records is not None else None,
             "idle_timeout_s": self.runs.idle_timeout_s,
+            **self.run_terms(name),
+        }
+
+    def run_terms(self, name: str) -> dict[str, Any]:
+        """What run `name` registered with, as the fleet applies it: weight, staleness window, LoRA rank."""
+        return {
             "weight": self.runs.weight(name),
+            "max_staleness": self.runs.window(name) - 1,
+            "lora_rank": self.runs.registration(name).lora_rank,
         }
 
     @route("DELETE", "/v1/runs/{name}")
@@ -656,14 +679,14 @@ async def load_everywhere(backend: Backend, name: str, path: str) -> dict[str, A
 
 async def _load_all_or_nothing(backend: Backend, name: str, path: str) -> dict[str, Any]:
     load_id = uuid.uuid4().hex
-    results = await backend.broadcast("load_adapter", name, path, load_id)
+    results = await backend.broadcast(LoadAdapter(name, path, load_id))
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures or not results:
         # All or nothing: undo the loads this broadcast made, so no replica serves what others cannot.
-        await backend.broadcast("undo_load", name, load_id)
+        await backend.broadcast(UndoLoad(name, load_id))
         # A client pauses, loads, resumes (TRL does): one whose load failed raises before its resume, and
         # the fleet, everyone's, would stay paused until its pause lease ran out.
-        await backend.broadcast("resume")
+        await backend.broadcast(Resume())
         if not results:
             raise ApiError(503, "no live replica")
         raise as_api_error(
@@ -673,16 +696,16 @@ async def _load_all_or_nothing(backend: Backend, name: str, path: str) -> dict[s
         "status": "ok",
         "lora_name": name,
         "replicas": len(results),
-        "newly_loaded": sum(bool(r["loaded"]) for r in results),
+        "newly_loaded": sum(r.loaded for r in results),
     }
 
 
 async def unload_run(backend: Backend, run: str) -> list[str]:
     """Unload every adapter of `run` (`<run>/...`) from every live replica; returns their names."""
-    listed = all_or_raise(await backend.broadcast("list_adapters"))
-    names = sorted({a["name"] for r in listed for a in r["adapters"] if split_run(a["name"])[0] == run})
+    listed = all_or_raise(await backend.broadcast(ListAdapters()))
+    names = sorted({a.name for r in listed for a in r.adapters if split_run(a.name)[0] == run})
     for adapter in names:
-        all_or_raise(await backend.broadcast("unload_adapter", adapter))
+        all_or_raise(await backend.broadcast(UnloadAdapter(adapter)))
     return names
 
 
@@ -691,13 +714,13 @@ def tenant_of(caller: Caller) -> str:
     return caller.run or FLEET_TENANT
 
 
-def slots_held(listed: list[dict[str, Any]]) -> dict[str, int]:
+def slots_held(listed: list[AdapterListing]) -> dict[str, int]:
     """LoRA slots per run (un-namespaced adapters: `FLEET_TENANT`) on the fullest engine, from `list_adapters`."""
     held: dict[str, int] = {}
     for replica in listed:
         counts: dict[str, int] = {}
-        for a in replica["adapters"]:
-            owner = split_run(a["name"])[0] or FLEET_TENANT
+        for a in replica.adapters:
+            owner = split_run(a.name)[0] or FLEET_TENANT
             counts[owner] = counts.get(owner, 0) + 1
         for owner, n in counts.items():
             held[owner] = max(held.get(owner, 0), n)

@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from deployments.names import MAX_ADAPTER_NAME_CHARS
-from deployments.protocol import SampledChoice, Sampling
+from contracts.adapters import MAX_ADAPTER_NAME_CHARS
+from contracts.serving import SampledChoice, Sampling
 
 ERROR_KINDS = {
     400: "invalid_request_error",
@@ -70,7 +70,7 @@ Body = TypeVar("Body", bound=BaseModel)
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """How much one request may ask of the ingress; `fleet.*` of the run config (app.config.FleetConfig)."""
+    """How much one request may ask of the ingress; `fleet.*` of a fleet (app.config.FleetSettings)."""
 
     max_request_bytes: int
     max_json_depth: int
@@ -80,7 +80,7 @@ class RequestLimits:
 
     @classmethod
     def of(cls, fleet: Any) -> RequestLimits:
-        """The limits of a FleetConfig (the same names)."""
+        """The limits of a fleet's settings (the same names)."""
         return cls(**{f.name: getattr(fleet, f.name) for f in fields(cls)})
 
     def check_fanout(self, prompts: int, n: int) -> None:
@@ -289,12 +289,14 @@ class UnloadAdapterBody(BaseModel):
 
 
 class RunBody(BaseModel):
-    """`POST /v1/runs`: the run to register (`deployments.names.RUN_NAME`, checked by the registry)."""
+    """`POST /v1/runs`: the run to register (`contracts.adapters.RUN_NAME`, checked by the registry)."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=PRINTABLE)
     weight: float | None = Field(None, gt=0, le=1e6)  # share of in-flight generations (`deployments.fair_share`)
+    max_staleness: int | None = Field(None, ge=0, le=1024)  # its window (+ 1) of pinned versions; None: the fleet's
+    lora_rank: int | None = Field(None, ge=1, le=512)  # the rank it trains; None: unstated
 
 
 # ---- responses -----------------------------------------------------------------------------------

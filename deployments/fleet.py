@@ -1,24 +1,24 @@
 """Builds and runs the fleet: one Serve application = an Ingress in front of N VLLMReplicas.
 
-Two ways in, one builder (`fleet_app`):
-- `serve run serve_config.yaml` (`make serve`) imports `build_app`, which reads a run config file;
-- the driver calls `deploy_fleet(cfg, model_path)` on an already initialised Ray and gets the base
-  URL back once every replica has loaded the live adapters; `fleet_is_running` and `shutdown_fleet`
+Two ways in, one builder (`fleet_app`), both with a fleet's config (`app.config.FleetConfig`):
+- `serve run serve_config.yaml` (`make serve`) imports `build_app`, which reads a fleet config file;
+- the driver calls `deploy_fleet(cfg.own_fleet(), model_path)` on an already initialised Ray and gets the
+  base URL back once every replica has loaded the live adapters; `fleet_is_running` and `shutdown_fleet`
   complete the lifecycle.
 
 Two ways to reach it: HTTP at `fleet_url` (the one proxy, on the head) for clients outside the
-cluster and for the driver's side on the head; `cluster_address` for callers on other nodes (the
-learner), who get a `ServeFleet`, a Serve handle to the ingress. fleet.host is an address as the
+cluster and for the driver's side on the head; `contracts.serving.serve_address` for callers on other
+nodes (the learner), who get an `app.fleet_client.ServeFleet`, a Serve handle to the ingress. fleet.host is an address as the
 head sees it: 127.0.0.1, or 0.0.0.0 read as 127.0.0.1, is the learner node itself over there.
 
 Paths are made absolute here, in the process that reads the config, because replicas run in other
 processes (other machines, in a cluster) whose working directory means nothing to the config file.
 
-The admin token travels to the ingress alone, as an `app.auth.Secret` argument: the run config that
-the replicas and the ingress get is `cfg.model_dump()`, which never holds it, and `serve run`'s
+The admin token travels to the ingress alone, as a `contracts.auth.Secret` argument: the fleet config
+that the replicas and the ingress get is `cfg.model_dump()`, which never holds it, and `serve run`'s
 overrides (Serve shows them as the application's config) may not set it. A fleet that others could
 reach (an HTTP host beyond loopback), or whose inference is to be protected, is refused without one
-(`app.auth.check_exposure`), here and again in the ingress's own process.
+(`contracts.auth.check_exposure`), here and again in the ingress's own process.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import HEAD_NODE, REPO_ROOT, ConfigError, RunConfig, load_config
+from app.config import HEAD_NODE, REPO_ROOT, ConfigError, FleetConfig, load_fleet_config
 
 log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the app-build and controller logs
 
 PREFIX_ROUTER = "deployments.router:PrefixHashRouter"
 REPLICA_DEPLOYMENT = "VLLMReplica"
 INGRESS_DEPLOYMENT = "Ingress"
-SERVE_SCHEME = "serve://"  # `serve://<application>`: the fleet as callers inside the Ray cluster name it
 # One access-log line per request drowns the replicas' own messages (and a joined driver's terminal) at
 # hundreds of requests a second; request counts and latencies are in Serve's metrics.
 QUIET = {"enable_access_log": False}
@@ -52,12 +51,12 @@ def absolute_bucket_url(url: str) -> str:
     return url
 
 
-def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PREFIX_ROUTER):
+def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = PREFIX_ROUTER):
     """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from app.auth import Secret, admin_token, check_exposure
+    from contracts.auth import Secret, admin_token, check_exposure
     from deployments.ingress import Ingress
     from deployments.replica import VLLMReplica
 
@@ -108,17 +107,17 @@ def fleet_app(cfg: RunConfig, model_path: str, *, request_router_class: str = PR
 
 
 def build_app(args: dict[str, Any]):
-    """Entry point of `serve run serve_config.yaml`: args `config` (a run config file) and `overrides`."""
+    """Entry point of `serve run serve_config.yaml`: args `config` (a fleet config file) and `overrides`."""
     from app.models import pin_revision, resolve_model_path
 
-    path = Path(args.get("config") or REPO_ROOT / "configs" / "tiny-cpu.yaml")
+    path = Path(args.get("config") or REPO_ROOT / "configs" / "fleet-tiny-cpu.yaml")
     if not path.is_absolute() and not path.exists():
         path = REPO_ROOT / path  # `serve run` may build the app in a process started elsewhere
     overrides = list(args.get("overrides") or [])
     if any(str(o).partition("=")[0].strip() == "fleet.admin_token" for o in overrides):
         raise ConfigError("fleet.admin_token: not in serve_config.yaml (Serve shows it); export SPOTRL_ADMIN_TOKEN")
-    cfg = load_config(path, overrides)
-    model_path = resolve_model_path(cfg.model, cfg.task, log=log.info)
+    cfg = load_fleet_config(path, overrides)
+    model_path = resolve_model_path(cfg.model, cfg.tiny_task, log=log.info)
     pin_revision(cfg.model, model_path, log=log.info)  # every replica, restarts included, loads one commit
     log.info(
         "fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, absolute_bucket_url(cfg.bucket_url)
@@ -132,7 +131,7 @@ def _serve_client():
     return _get_global_client(raise_if_no_controller_running=False)
 
 
-def fleet_is_running(cfg: RunConfig) -> bool:
+def fleet_is_running(cfg: FleetConfig) -> bool:
     """Whether the fleet's Serve application is up and RUNNING on the connected Ray cluster."""
     from ray import serve
 
@@ -142,7 +141,7 @@ def fleet_is_running(cfg: RunConfig) -> bool:
     return app is not None and app.status == "RUNNING"
 
 
-def _http_address(cfg: RunConfig) -> tuple[str, int]:
+def _http_address(cfg: FleetConfig) -> tuple[str, int]:
     """Where Serve's HTTP proxy listens: its actual address when Serve runs, else the configured one."""
     import ray
 
@@ -150,49 +149,14 @@ def _http_address(cfg: RunConfig) -> tuple[str, int]:
     return (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.port)
 
 
-def fleet_url(cfg: RunConfig) -> str:
+def fleet_url(cfg: FleetConfig) -> str:
     """Base URL of the fleet: Serve's actual HTTP address when it runs, else the configured one."""
     host, port = _http_address(cfg)
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
-def cluster_address(cfg: RunConfig) -> str:
-    """The fleet's address for callers inside the Ray cluster, on any node: its Serve application's name."""
-    return f"{SERVE_SCHEME}{cfg.fleet.app_name}"
-
-
-class ServeFleet:
-    """The fleet's admin calls over a DeploymentHandle to its ingress: what `FleetClient` is over HTTP.
-
-    A handle reaches the ingress from any node of the cluster and follows it across restarts
-    (Serve tells every handle where the deployment's replicas are), so no node needs the proxy's
-    address. Only what weight sync calls is here: `load_adapter` and `close`.
-    """
-
-    def __init__(self, address: str, timeout_s: float):
-        self.app_name = address.removeprefix(SERVE_SCHEME)
-        self.timeout_s = timeout_s
-        self._ingress = None
-
-    def __repr__(self) -> str:
-        return f"ServeFleet({self.app_name!r})"
-
-    def load_adapter(self, name: str, path: str) -> dict[str, Any]:
-        """`FleetClient.load_adapter`: on every live replica or none; TimeoutError after `timeout_s`.
-
-        A call past its deadline is not cancelled: the ingress finishes the load or rolls it back."""
-        from ray import serve
-
-        if self._ingress is None:  # looked up on first use: the application may be (re)deployed after we start
-            self._ingress = serve.get_app_handle(self.app_name)
-        return self._ingress.load_adapter.remote(name, path).result(timeout_s=self.timeout_s)
-
-    def close(self) -> None:
-        self._ingress = None
-
-
 def deploy_fleet(
-    cfg: RunConfig, model_path: str, *, timeout_s: float = 900.0, request_router_class: str = PREFIX_ROUTER
+    cfg: FleetConfig, model_path: str, *, timeout_s: float = 900.0, request_router_class: str = PREFIX_ROUTER
 ) -> str:
     """Run the fleet on the already initialised Ray; return its base URL once every replica is healthy.
 
@@ -228,24 +192,25 @@ def deploy_fleet(
 
 def wait_healthy(base_url: str, num_replicas: int, *, timeout_s: float = 300.0) -> None:
     """Block until `/health` reports `num_replicas` live replicas."""
-    from app.fleet_client import NO_RETRY, FleetClient, FleetError
+    import httpx
 
-    client = FleetClient(base_url, backoff=NO_RETRY, timeout_s=10)
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            health = client.health()
-            if health.get("replicas", 0) >= num_replicas:
-                return
-            last = f"{health.get('replicas', 0)} of {num_replicas} replicas live"
-        except FleetError as e:
-            last = str(e)
-        time.sleep(1.0)
+    with httpx.Client(base_url=base_url, timeout=10.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                response = client.get("/health")
+                live = response.json().get("replicas", 0) if response.status_code == 200 else 0
+                if live >= num_replicas:
+                    return
+                last = f"{live} of {num_replicas} replicas live" if response.status_code == 200 else response.text[:200]
+            except (httpx.HTTPError, ValueError) as e:
+                last = f"{type(e).__name__}: {e}"
+            time.sleep(1.0)
     raise TimeoutError(f"fleet at {base_url} not healthy after {timeout_s:.0f}s: {last}")
 
 
-def shutdown_fleet(cfg: RunConfig, *, stop_serve: bool = True) -> None:
+def shutdown_fleet(cfg: FleetConfig, *, stop_serve: bool = True) -> None:
     """Delete the fleet's application (stopping its engines); shut Serve down if nothing else runs on it.
 
     `stop_serve=False` when Ray itself is about to stop: its shutdown ends Serve's controller anyway,

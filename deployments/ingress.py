@@ -24,18 +24,19 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.auth import Secret, check_exposure
-from app.auth import admin_token as resolve_admin_token
 from app.bucket.store import RunRecords
-from app.config import RunConfig
+from app.config import FleetConfig
 from app.models import model_fingerprint
-from app.retry import Backoff, aretry
+from contracts.auth import Secret, check_exposure, redact
+from contracts.auth import admin_token as resolve_admin_token
+from contracts.control import CONTROL_METHOD, Command, DescribeEngine
+from contracts.retry import Backoff, aretry
+from contracts.serving import GENERATE_METHOD, EngineDied, Generated, GenerateRequest, ReplicaUnavailable
 from deployments.api import ApiSettings, load_everywhere, make_app
 from deployments.api_schema import ApiError, RequestLimits
 from deployments.fair_share import FairShare, RunMetrics
 from deployments.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
-from deployments.protocol import GENERATE_METHOD, EngineDied, Generated, GenerateRequest, ReplicaUnavailable
-from deployments.runs import Runs
+from deployments.runs import Registration, Runs
 
 log = logging.getLogger("ray.serve")
 
@@ -122,15 +123,15 @@ class ServeBackend:
             # Never a 503, which clients send again: it would come back with a fresh count.
             raise self._poison.engine_failure(key, engine_deaths) from None
 
-    async def broadcast(self, method: str, *args: Any) -> list[Any]:
-        """Each live replica's result or exception. A replica that died meanwhile is left out, not counted as a
+    async def broadcast(self, command: Command) -> list[Any]:
+        """Each live replica's reply or exception. A replica that died meanwhile is left out, not counted as a
         failure: it is no longer part of the fleet, and its replacement reads the live versions from the bucket."""
-        results = await self._handle.broadcast(method, *args).results_async(return_exceptions=True)
+        results = await self._handle.broadcast(CONTROL_METHOD, command).results_async(return_exceptions=True)
         return [r for r in results if not (isinstance(r, BaseException) and replica_failed(r))]
 
     async def server_info(self) -> dict[str, Any]:
         if self._server_info is None:  # every replica runs the same engine config: ask one, once
-            self._server_info = await self._handle.server_info.remote()
+            self._server_info = await self._handle.options(method_name=CONTROL_METHOD).remote(DescribeEngine())
         return self._server_info
 
     def router_stats(self) -> dict[str, Any]:
@@ -177,7 +178,7 @@ class Ingress:
         http_host: str = "127.0.0.1",
         bucket_url: str = "",
     ):
-        cfg = RunConfig.model_validate(config)
+        cfg = FleetConfig.model_validate(config)
         # The environment of the ingress process wins, then a token handed over by the builder, then the config
         # (which reaches this process without it: `fleet.admin_token` is never dumped). The builder checked the
         # same in its own process; this process's environment may differ, and decides what the API enforces.
@@ -187,6 +188,7 @@ class Ingress:
         settings = ApiSettings(
             base_model=base_model,
             base_fingerprint=model_fingerprint(model_path, cfg.model.revision),
+            bucket_url=redact(bucket_url),
             model_aliases=frozenset(model_aliases),
             max_model_len=cfg.model.max_model_len,
             vocab_size=vocab_size,
@@ -198,19 +200,18 @@ class Ingress:
             num_replicas=cfg.fleet.num_replicas,
             limits=RequestLimits.of(cfg.fleet),
             max_loras=cfg.max_loras,
-            window=cfg.grpo.max_staleness + 1,
+            max_staleness=cfg.max_staleness,
+            max_lora_rank=cfg.max_lora_rank,
             run_idle_timeout_s=cfg.fleet.run_idle_timeout_s,
-            inflight_budget=cfg.fleet.inflight_limit,
+            inflight_budget=cfg.inflight_limit,
             default_run_weight=cfg.fleet.default_run_weight,
         )
         self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
         # The runs of a shared fleet outlive this process in the bucket (`deployments.runs`).
         records = RunRecords.from_config(cfg, bucket_url) if bucket_url else None
-        runs = Runs(
-            settings.max_loras, settings.window, settings.run_idle_timeout_s, default_weight=settings.default_run_weight
-        )
+        runs = Runs.of(settings)
         if records is not None:
-            runs.restore(records.load())
+            runs.restore({name: Registration.from_record(r) for name, r in records.load().items()})
         gate = FairShare(settings.inflight_budget, runs.weight, RunMetrics(cfg.fleet.app_name))
         self._app = make_app(self._backend, settings, runs, records, gate)
         log.info(

@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from deployments.protocol import GenerateRequest, ReplicaError
+from contracts.serving import GenerateRequest, ReplicaError
 
 log = logging.getLogger("ray.serve")
 

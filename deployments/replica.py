@@ -37,15 +37,33 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.auth import redact
 from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionNotFound
 from app.bucket.store import AdapterStore, folder_digest
-from app.config import RunConfig
-from app.messages import adapter_name
-from app.weight_sync import CommittedVersions
-from deployments.engine_watchdog import engine_processes, start_watchdog
-from deployments.names import bucket_version, is_adapter_name, run_bucket_url, split_run
-from deployments.protocol import (
+from app.config import FleetConfig
+from contracts.adapters import AdapterRef, adapter_name, is_adapter_name, run_prefix, split_run
+from contracts.auth import redact
+from contracts.control import (
+    AdapterInfo,
+    AdapterListing,
+    CacheReset,
+    Command,
+    DescribeEngine,
+    EngineReport,
+    ListAdapters,
+    LoadAdapter,
+    Loaded,
+    Pause,
+    PauseState,
+    Ping,
+    Pong,
+    ReportEngine,
+    ResetPrefixCache,
+    Resume,
+    UndoLoad,
+    UnloadAdapter,
+    Unloaded,
+)
+from contracts.serving import (
     PAUSE_MODES,
     BadRequest,
     EngineDied,
@@ -57,6 +75,8 @@ from deployments.protocol import (
     SampledChoice,
     Sampling,
 )
+from deployments.adapter_sources import CommittedVersions
+from deployments.engine_watchdog import engine_processes, start_watchdog
 from deployments.slots import Held, eviction_order, pinned
 
 log = logging.getLogger("ray.serve")
@@ -225,7 +245,7 @@ def _sampled_choice(output, top: int) -> SampledChoice:
     return SampledChoice(output.index, token_ids, logprobs, alternatives, output.finish_reason, output.stop_reason)
 
 
-def engine_args(cfg: RunConfig, model_path: str, on_cpu: bool, block_size: int) -> dict[str, Any]:
+def engine_args(cfg: FleetConfig, model_path: str, on_cpu: bool, block_size: int) -> dict[str, Any]:
     """The engine's arguments (vLLM's `AsyncEngineArgs`), from the run config: one place, unit-tested."""
     fleet = cfg.fleet
     return dict(
@@ -270,7 +290,7 @@ class VLLMReplica:
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-        self.cfg = RunConfig.model_validate(config)
+        self.cfg = FleetConfig.model_validate(config)
         self.base_model = base_model  # the `model` name that means "no adapter"
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -295,7 +315,7 @@ class VLLMReplica:
             raise RuntimeError(f"engine block size {engine_block} != router block size {self.block_size}")
         self.store = self._open_store(bucket_url)
         self.trusted_dirs = [Path(d).expanduser().resolve() for d in fleet.extra_adapter_dirs]
-        self._init_slots(self.cfg.grpo.max_staleness + 1)
+        self._init_slots(self.cfg.window)
         loaded = await self._load_newest()
         log.info(
             "VLLMReplica %s ready in %.1fs (block %d, max_loras %d, CPU bind %s), adapters %s",
@@ -323,7 +343,7 @@ class VLLMReplica:
         if run is None:
             return self.store, self._versions
         if run not in self._run_buckets:
-            store = self._open_store(run_bucket_url(self.store.url, run))
+            store = self._open_store(run_prefix(self.store.url, run))
             versions = CommittedVersions(store, self._window, self.cfg.fleet.version_listing_interval_s)
             self._run_buckets[run] = (store, versions)
         return self._run_buckets[run]
@@ -367,11 +387,36 @@ class VLLMReplica:
         if self.engine.errored:
             raise RuntimeError(f"vLLM engine of replica {self.replica_id} is dead: {self.engine.dead_error}")
 
-    def ping(self) -> str:
+    def ping(self) -> Pong:
         """The ingress's `/health`: this replica's id, if its engine is alive."""
         if self.engine.errored:
             raise ReplicaUnavailable(f"replica {self.replica_id}: engine is dead")
-        return self.replica_id
+        return Pong(self.replica_id)
+
+    async def control(self, command: Command) -> Any:
+        """Every admin call of the ingress (`contracts.control`): the command's typed reply."""
+        match command:
+            case Ping():
+                return self.ping()
+            case ListAdapters():
+                return self.list_adapters()
+            case LoadAdapter(name=name, ref=ref, load_id=load_id):
+                return await self.load_adapter(name, ref, load_id)
+            case UndoLoad(name=name, load_id=load_id):
+                return await self.undo_load(name, load_id)
+            case UnloadAdapter(name=name):
+                return await self.unload_adapter(name)
+            case Pause(mode=mode):
+                return await self.pause(mode)
+            case Resume():
+                return await self.resume()
+            case ResetPrefixCache():
+                return await self.reset_prefix_cache()
+            case ReportEngine():
+                return await self.engine_stats()
+            case DescribeEngine():
+                return self.server_info()
+        raise BadRequest(f"unknown control command {type(command).__name__}")
 
     def __del__(self):
         engine = getattr(self, "engine", None)
@@ -431,11 +476,11 @@ class VLLMReplica:
         adapter = self._adapters.get(model)
         if adapter is not None:
             return adapter
-        run, number = bucket_version(model) or (None, None)
-        if number is not None and model not in self._unloaded and await self._bucket(run)[1].is_committed(number):
+        ref = AdapterRef.parse(model)
+        if ref is not None and model not in self._unloaded and await self._bucket(ref.run)[1].is_committed(ref.version):
             # Committed, so never a 404: published while this replica was starting, a missed broadcast,
             # or evicted from its LoRA slot. The bucket (the run's prefix of it) is the record; load it now.
-            await self.load_adapter(model, adapter_name(number))
+            await self.load_adapter(model, ref.key)
             adapter = self._adapters.get(model)
             if adapter is not None:  # `_sample` counts it in flight before anything can evict it
                 return adapter
@@ -447,7 +492,7 @@ class VLLMReplica:
 
     # ---- adapters (admin calls arrive by broadcast) -----------------------------------------------
 
-    async def load_adapter(self, name: str, ref: str, load_id: str | None = None) -> dict[str, Any]:
+    async def load_adapter(self, name: str, ref: str, load_id: str | None = None) -> Loaded:
         """Pull and add an adapter. Loading a name again is a no-op when the files are the same (by sha256),
         wherever they come from; with other files it is a reload: requests from then on get the new
         weights, requests in flight finish on the old ones, which then leave the engine."""
@@ -460,7 +505,7 @@ class VLLMReplica:
             digest = await asyncio.to_thread(folder_digest, path)
             existing = self._adapters.get(name)
             if existing is not None and existing.digest == digest:
-                return {"replica": self.replica_id, "loaded": False, "replaced": False}
+                return Loaded(self.replica_id, loaded=False)
             adapter = _Adapter(name, next(self._ids), str(path), source, digest, load_id)
             from vllm.exceptions import VLLMClientError
 
@@ -485,7 +530,7 @@ class VLLMReplica:
                 redact(source),
                 digest[:12],
             )
-        return {"replica": self.replica_id, "loaded": True, "replaced": existing is not None}
+        return Loaded(self.replica_id, loaded=True, replaced=existing is not None)
 
     async def _make_room(self) -> None:
         """Free a LoRA slot for one more adapter, evicting as `deployments.slots` orders (never one with
@@ -551,7 +596,7 @@ class VLLMReplica:
     def _trusted_folder(self, name: str, ref: str) -> tuple[str, Path]:
         """A PEFT folder under one of `fleet.extra_adapter_dirs` (TRL's own trainer writes adapters there)."""
         refused = BadRequest(f"lora_path {redact(str(ref))[:300]!r} is outside the bucket {redact(self.store.url)}")
-        if not self.trusted_dirs or bucket_version(name) or not isinstance(ref, str):
+        if not self.trusted_dirs or AdapterRef.parse(name) or not isinstance(ref, str):
             raise refused
         path = ref.removeprefix("file://")
         if not os.path.isabs(path):
@@ -563,24 +608,24 @@ class VLLMReplica:
             raise ModelNotFound(f"no PEFT adapter at {folder}")
         return str(folder), folder
 
-    async def undo_load(self, name: str, load_id: str) -> dict[str, Any]:
+    async def undo_load(self, name: str, load_id: str) -> Unloaded:
         """Unload `name` only if the broadcast `load_id` loaded it here (rollback of a failed broadcast).
 
         Undoing a reload leaves the name unloaded, not back on the weights it replaced: those files may
         be gone (a trainer overwrote its folder), and a committed version comes back from the bucket."""
         adapter = self._adapters.get(name)
         if adapter is None or adapter.load_id != load_id:
-            return {"replica": self.replica_id, "unloaded": False}
+            return Unloaded(self.replica_id, unloaded=False)
         return await self.unload_adapter(name)
 
-    async def unload_adapter(self, name: str) -> dict[str, Any]:
+    async def unload_adapter(self, name: str) -> Unloaded:
         """Stop accepting requests for `name`; the engine drops it once its in-flight requests finish."""
         self._unloaded.add(name)
         adapter = self._adapters.pop(name, None)
         if adapter is None:
-            return {"replica": self.replica_id, "unloaded": False}
+            return Unloaded(self.replica_id, unloaded=False)
         await self._drain(adapter)
-        return {"replica": self.replica_id, "unloaded": True, "draining": adapter.inflight}
+        return Unloaded(self.replica_id, unloaded=True, draining=adapter.inflight)
 
     async def _drain(self, adapter: _Adapter) -> None:
         """`adapter` (no longer under its name) leaves the engine once its in-flight requests finish."""
@@ -598,18 +643,18 @@ class VLLMReplica:
         self._slot_freed.set()
         log.info("replica %s removed %s", self.replica_id, adapter.name)
 
-    def list_adapters(self) -> dict[str, Any]:
-        return {
-            "replica": self.replica_id,
-            "adapters": [
-                {"name": a.name, "source": redact(a.source), "sha256": a.digest, "inflight": a.inflight}
+    def list_adapters(self) -> AdapterListing:
+        return AdapterListing(
+            self.replica_id,
+            tuple(
+                AdapterInfo(a.name, redact(a.source), a.digest, a.inflight)
                 for a in sorted(self._adapters.values(), key=lambda a: a.int_id)
-            ],
-        }
+            ),
+        )
 
     # ---- engine control ---------------------------------------------------------------------------
 
-    async def pause(self, mode: str = "keep") -> dict[str, Any]:
+    async def pause(self, mode: str = "keep") -> PauseState:
         """Stop scheduling. `keep` freezes in-flight requests until resume (what TRL asks for).
 
         A pause is a lease of `fleet.pause_lease_s`: a client that paused and vanished (or died before
@@ -623,7 +668,7 @@ class VLLMReplica:
         lease_s = self.cfg.fleet.pause_lease_s
         self._end_pause_lease()
         self._pause_lease = asyncio.get_running_loop().create_task(self._expire_pause(lease_s))
-        return {"replica": self.replica_id, "paused": True, "lease_s": lease_s}
+        return PauseState(self.replica_id, paused=True, lease_s=lease_s)
 
     async def _expire_pause(self, lease_s: float) -> None:
         await asyncio.sleep(lease_s)
@@ -636,25 +681,25 @@ class VLLMReplica:
         if lease is not None:
             lease.cancel()
 
-    async def resume(self) -> dict[str, Any]:
+    async def resume(self) -> PauseState:
         self._end_pause_lease()
         await self.engine.resume_generation()
-        return {"replica": self.replica_id, "paused": False}
+        return PauseState(self.replica_id, paused=False)
 
-    async def reset_prefix_cache(self) -> dict[str, Any]:
-        return {"replica": self.replica_id, "success": bool(await self.engine.reset_prefix_cache())}
+    async def reset_prefix_cache(self) -> CacheReset:
+        return CacheReset(self.replica_id, bool(await self.engine.reset_prefix_cache()))
 
-    async def engine_stats(self) -> dict[str, Any]:
-        return {
-            "replica": self.replica_id,
-            "pid": os.getpid(),  # the replica's process; its engines run in child processes
-            "paused": await self.engine.is_paused(),
-            **self.counters.snapshot(),
-            "adapters": sorted(self._adapters),
+    async def engine_stats(self) -> EngineReport:
+        return EngineReport(
+            replica=self.replica_id,
+            pid=os.getpid(),  # the replica's process; its engines run in child processes
+            paused=await self.engine.is_paused(),
+            counters=self.counters.snapshot(),
+            adapters=tuple(sorted(self._adapters)),
             # vLLM's own count: equal to ours (adapters + draining) unless vLLM dropped one by itself.
-            "engine_adapters": len(await self.engine.list_loras()),
-            "draining": len(self._draining),
-        }
+            engine_adapters=len(await self.engine.list_loras()),
+            draining=len(self._draining),
+        )
 
     def server_info(self) -> dict[str, Any]:
         """The engine's resolved VllmConfig as JSON, the shape vLLM's own `/server_info` returns."""

@@ -29,8 +29,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from app.config import RouterConfig
+from contracts.serving import GENERATE_METHOD, GenerateRequest
 from deployments.prefix import OUTCOMES, Decision, PrefixTable, block_hashes, decide
-from deployments.protocol import GENERATE_METHOD, GenerateRequest
 
 log = logging.getLogger("ray.serve")
 

@@ -8,7 +8,7 @@ admin token is open to everyone on its machine, runs or not: tokens mean somethi
 
 The registry lives in the ingress and holds only each token's sha256 (`app.auth`): the token itself
 is answered once, to the admin who registered the run. Each registration is also recorded in the
-fleet's bucket (`app.bucket.store.RunRecords`, name, sha256 and weight), so an ingress that restarts
+fleet's bucket (`app.bucket.store.RunRecords`: name, sha256, weight, window and rank), so an ingress that restarts
 (its head node lost, the application redeployed) knows its runs, and their tokens, again. Replicas
 know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
 restarts loses nothing either.
@@ -18,9 +18,12 @@ A run that says nothing for `fleet.run_idle_timeout_s` (no request with its toke
 The first request after that releases it (`take_idle`): its token stops working and its adapters
 leave every replica, so its slots serve the others and its place is free for a new run.
 
-Registration is refused (409) when the pinned LoRA slots of every run, plus the fleet's own
-`policy-vN` lineage, would no longer fit `max_loras` (`deployments.slots.slots_needed`): better a
-clear refusal than runs that evict each other's live versions on every request.
+A run states its LoRA rank and its staleness window when it registers (`POST /v1/runs {"name",
+"lora_rank", "max_staleness"}`; the fleet's `max_staleness` when it says none): a rank above the fleet's
+`max_lora_rank` is refused (400), and so is a run whose window would no longer fit: the windows of every
+run, plus the fleet's own `policy-vN` lineage's, plus one slot to load into, must fit `max_loras`
+(`app.config.slots_needed`; 409 with the arithmetic). Better a clear refusal than runs that evict each
+other's live versions on every request.
 
 Each run has a weight (`POST /v1/runs {"name", "weight"}`, `fleet.default_run_weight` when not given): its
 share of the fleet's in-flight generations under contention (`deployments.fair_share`).
@@ -31,15 +34,12 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from app.auth import mint_run_token, token_digest
+from app.config import slots_needed
+from contracts.adapters import RUN_NAME, split_run
+from contracts.auth import mint_run_token, token_digest
 from deployments.api_schema import ApiError
-from deployments.names import RUN_NAME, split_run
-from deployments.slots import slots_needed
-
-# The fleet's own learner (`policy-vN` at the bucket's root) pins a window too, whether or not it runs now.
-OWN_LINEAGES = 1
 
 
 @dataclass(frozen=True)
@@ -80,87 +80,142 @@ ADMIN = Caller(admin=True)
 ANONYMOUS = Caller()
 
 
+@dataclass(frozen=True)
+class Registration:
+    """What the fleet keeps of a run: its token's sha256 (never the token), and what it registered with."""
+
+    token_sha256: str
+    weight: float | None = None  # None: the fleet's default weight, whatever it is when asked
+    max_staleness: int | None = None  # None: the fleet's own max_staleness
+    lora_rank: int | None = None  # None: not stated (any rank up to the fleet's max_lora_rank)
+
+    def as_record(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict) -> Registration:
+        return cls(**{k: record.get(k) for k in ("token_sha256", "weight", "max_staleness", "lora_rank")})
+
+
 class Runs:
-    """The registered runs of a fleet, by name, each with the sha256 of its token and when it was last heard of."""
+    """The registered runs of a fleet, by name, each with its `Registration` and when it was last heard of."""
 
     def __init__(
         self,
         max_loras: int,
-        window: int,
+        max_staleness: int,
         idle_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         default_weight: float = 1.0,
+        max_lora_rank: int | None = None,
     ):
-        self.max_loras, self.window, self.idle_timeout_s, self._clock = max_loras, window, idle_timeout_s, clock
-        self.default_weight = default_weight
-        self._weights: dict[str, float] = {}  # run -> its weight, when registered with one
-        self._digests: dict[str, str] = {}  # run -> sha256 of its token
+        self.max_loras, self.max_staleness = max_loras, max_staleness
+        self.idle_timeout_s, self._clock = idle_timeout_s, clock
+        self.default_weight, self.max_lora_rank = default_weight, max_lora_rank
+        self._runs: dict[str, Registration] = {}
         self._seen: dict[str, float] = {}  # run -> clock of its latest request or heartbeat
 
+    @classmethod
+    def of(cls, settings) -> Runs:
+        """The registry of an ingress of these `deployments.api.ApiSettings`."""
+        return cls(
+            settings.max_loras,
+            settings.max_staleness,
+            settings.run_idle_timeout_s,
+            default_weight=settings.default_run_weight,
+            max_lora_rank=settings.max_lora_rank,
+        )
+
     def __repr__(self) -> str:  # names only: there is nothing secret to show, and no reason to try
-        return f"Runs({sorted(self._digests)})"
+        return f"Runs({sorted(self._runs)})"
 
     def names(self) -> list[str]:
-        return sorted(self._digests)
+        return sorted(self._runs)
 
-    def register(self, name: str, weight: float | None = None) -> str:
-        """Register run `name` (with `weight`, else the default) and return its token (the only time anyone sees it)."""
+    def window(self, name: str) -> int:
+        """The versions of run `name`'s lineage that samples may still use, and its slots pin: max_staleness + 1."""
+        staleness = self._runs[name].max_staleness
+        return (self.max_staleness if staleness is None else staleness) + 1
+
+    def register(
+        self,
+        name: str,
+        weight: float | None = None,
+        max_staleness: int | None = None,
+        lora_rank: int | None = None,
+    ) -> str:
+        """Register run `name` and return its token (the only time anyone sees it)."""
         if not RUN_NAME.fullmatch(name):
             raise ApiError(
                 400, f"name {name[:64]!r}: expected 1-32 of a-z, 0-9, '_', '-', starting with a letter or digit"
             )
-        if name in self._digests:
+        if name in self._runs:
             raise ApiError(409, f"run {name!r} is already registered; DELETE /v1/runs/{name} first")
-        lineages = len(self._digests) + 1 + OWN_LINEAGES
-        needed = slots_needed(lineages, self.window)
-        if needed > self.max_loras:
-            raise ApiError(
-                409,
-                f"run {name!r} would not fit: {len(self._digests) + 1} runs and the fleet's own lineage pin "
-                f"{self.window} versions each (max_staleness + 1), {needed} LoRA slots per engine with one to load "
-                f"into, more than fleet.max_loras={self.max_loras}; remove a run or redeploy with more slots",
-            )
         if weight is not None and not (0 < weight < float("inf")):  # the API's schema says so too; Python callers
             raise ApiError(400, f"weight: {weight}, expected a positive finite number")
+        if lora_rank is not None and self.max_lora_rank is not None and lora_rank > self.max_lora_rank:
+            raise ApiError(
+                400,
+                f"lora_rank: {lora_rank} exceeds the fleet's max_lora_rank {self.max_lora_rank} (its engines' LoRA "
+                "buffers are sized for it); train a smaller rank or redeploy the fleet with a larger fleet.max_lora_rank",
+            )
+        registration = Registration("", weight, max_staleness, lora_rank)
+        self._check_fits(name, registration)
         token = mint_run_token()
-        if weight is not None:
-            self._weights[name] = weight
-        self._digests[name] = token_digest(token)
+        self._runs[name] = Registration(token_digest(token), weight, max_staleness, lora_rank)
         self._seen[name] = self._clock()
         return token
 
+    def _check_fits(self, name: str, registration: Registration) -> None:
+        """409 with the arithmetic when one more run of this window would overflow the slots."""
+        staleness = self.max_staleness if registration.max_staleness is None else registration.max_staleness
+        windows = {**{run: self.window(run) for run in self._runs}, name: staleness + 1}
+        own = self.max_staleness + 1  # the fleet's own learner (`policy-vN` at the bucket's root)
+        needed = slots_needed([*windows.values(), own])
+        if needed > self.max_loras:
+            pins = ", ".join(f"{run} {w}" for run, w in sorted(windows.items()))
+            raise ApiError(
+                409,
+                f"run {name!r} would not fit: runs pin their windows (max_staleness + 1: {pins}) and the fleet's own "
+                f"lineage {own}, {needed} LoRA slots per engine with one to load into, more than "
+                f"fleet.max_loras={self.max_loras}; remove a run, register with a smaller max_staleness, or redeploy "
+                "with more slots",
+            )
+
     def remove(self, name: str) -> None:
-        if self._digests.pop(name, None) is None:
+        if self._runs.pop(name, None) is None:
             raise ApiError(404, f"run {name[:64]!r} is not registered")
         self._seen.pop(name, None)
-        self._weights.pop(name, None)
+
+    def registration(self, name: str) -> Registration:
+        if name not in self._runs:
+            raise ApiError(404, f"run {name[:64]!r} is not registered")
+        return self._runs[name]
 
     def weight(self, name: str) -> float:
         """Run `name`'s weight; the default for one registered without and for the admin's pseudo-run."""
-        return self._weights.get(name, self.default_weight)
+        registration = self._runs.get(name)
+        return registration.weight if registration and registration.weight is not None else self.default_weight
 
     def run_of(self, token: str) -> str | None:
         """The run whose token this is, or None; a request with it counts as the run's heartbeat."""
         digest = token_digest(token)
-        for name, known in self._digests.items():
-            if hmac.compare_digest(digest, known):
+        for name, registration in self._runs.items():
+            if hmac.compare_digest(digest, registration.token_sha256):
                 self._seen[name] = self._clock()
                 return name
         return None
 
-    def restore(self, records: dict[str, tuple[str, float | None]]) -> None:
-        """Runs recorded before this registry existed (an ingress restart): {name: (token sha256, weight or None)},
-        each heard of from now on."""
-        for name, (digest, weight) in records.items():
-            self._digests[name], self._seen[name] = digest, self._clock()
-            if weight is not None:
-                self._weights[name] = weight
+    def restore(self, records: dict[str, Registration]) -> None:
+        """Runs recorded before this registry existed (an ingress restart), each heard of from now on."""
+        for name, registration in records.items():
+            self._runs[name], self._seen[name] = registration, self._clock()
 
     def digest(self, name: str) -> str:
-        return self._digests[name]
+        return self._runs[name].token_sha256
 
     def heartbeat(self, name: str) -> None:
-        if name not in self._digests:
+        if name not in self._runs:
             raise ApiError(404, f"run {name[:64]!r} is not registered")
         self._seen[name] = self._clock()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from deployments.names import family_of
+from contracts.adapters import family_of
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,3 @@ def eviction_order(held: Iterable[Held], window: int) -> list[str]:
     keep = pinned((h.name for h in held), window)
     idle = sorted((h for h in held if h.inflight == 0), key=lambda h: h.last_used)
     return [h.name for h in idle if h.name not in keep] + [h.name for h in idle if h.name in keep]
-
-
-def slots_needed(families: int, window: int) -> int:
-    """Slots that `families` pinned sets need: a window each, plus one to load the next version into while
-    the oldest of a window still drains."""
-    return families * window + 1

@@ -87,7 +87,7 @@ def running_fleet(work: Path, model_path: str, overrides: list[str], token: str,
     saved = os.environ.get("SPOTRL_ADMIN_TOKEN")
     os.environ["SPOTRL_ADMIN_TOKEN"] = token  # as a user would export it before deploying
     try:
-        url = deploy_fleet(cfg, model_path, timeout_s=600)
+        url = deploy_fleet(cfg.own_fleet(), model_path, timeout_s=600)
     except BaseException:
         ray.shutdown()
         raise

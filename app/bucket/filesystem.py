@@ -12,7 +12,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from app.auth import redact
+from contracts.auth import redact
 
 # Codes that S3 and S3-compatible stores answer when a retry is the right move; AWS answers concurrent
 # conditional writes with ConditionalRequestConflict, and a retry then learns who won.

@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from app.auth import redact
 from app.bucket.filesystem import (
     BucketError,
     IntegrityError,
@@ -53,8 +52,9 @@ from app.bucket.filesystem import (
     parse_url,
     s3_error_code,
 )
-from app.messages import adapter_name
-from app.retry import Backoff, retry
+from contracts.adapters import adapter_name
+from contracts.auth import redact
+from contracts.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 
@@ -609,8 +609,9 @@ class RunRecords:
     """The runs registered on a shared fleet (`deployments.runs`), one small JSON each at `<bucket>/runs/<name>/RUN.json`.
 
     What lets an ingress that restarts (its node lost, the application redeployed) know its runs again:
-    the registry otherwise lives in its memory alone. A record holds the run's name, its token's sha256
-    (never the token) and the weight it registered with. Written whole and removed whole; the newest write of a name wins.
+    the registry otherwise lives in its memory alone. A record holds the run's name and what the fleet keeps
+    of its registration (its token's sha256, never the token; its weight, window and rank). Written whole and
+    removed whole; the newest write of a name wins.
     """
 
     FILE = "RUN.json"
@@ -640,8 +641,8 @@ class RunRecords:
                 raise
             raise BucketError(f"{op} {redact(self.url)}: {describe_error(exc)}") from None
 
-    def load(self) -> dict[str, tuple[str, float | None]]:
-        """{run name: (its token's sha256, its weight or None)} of every record."""
+    def load(self) -> dict[str, dict]:
+        """{run name: its record} of every record."""
         try:
             paths = self._retry("list runs", self._fs.glob, f"{self._root}/runs/*/{self.FILE}")
         except Exception as exc:
@@ -651,12 +652,12 @@ class RunRecords:
         records = {}
         for path in sorted(paths):
             record = json.loads(self._retry("read run", self._fs.cat_file, path))
-            records[record["name"]] = (record["token_sha256"], record.get("weight"))
+            records[record.pop("name")] = record
         return records
 
-    def save(self, name: str, token_sha256: str, weight: float | None = None) -> None:
-        """Record run `name`; `weight` None: the fleet's default, whatever it is when the record is read."""
-        record = {"name": name, "token_sha256": token_sha256, "weight": weight, "registered_unix": time.time()}
+    def save(self, name: str, record: dict) -> None:
+        """Record run `name` (`record`: what the fleet keeps of its registration, JSON)."""
+        record = {"name": name, **record, "registered_unix": time.time()}
         self._retry("record run", self._fs.pipe_file, self._path(name), json.dumps(record).encode())
 
     def delete(self, name: str) -> None:

@@ -29,7 +29,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from app.config import RunConfig
 from app.learner.rank import LearnerRank, NotStarted
-from app.messages import ResumePoint, RolloutBatch, StepResult
+from app.messages import ResumePoint, StepResult
+from contracts.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from app.learner.grpo_loss import group_advantages
-from app.messages import Group
+from contracts.rollouts import Group
 
 PACKED_ATTENTION = "spotrl_packed_sdpa"
 

@@ -69,8 +69,9 @@ from app.learner.state import (
     write_adapter,
     write_checkpoint,
 )
-from app.messages import Group, ResumePoint, RolloutBatch, StepResult
+from app.messages import ResumePoint, StepResult
 from app.weight_sync import AdapterPublisher
+from contracts.rollouts import Group, RolloutBatch
 
 if TYPE_CHECKING:
     from app.config import RunConfig

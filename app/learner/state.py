@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from app.messages import ResumePoint, parse_group_ids
+from app.messages import ResumePoint
+from contracts.rollouts import parse_group_ids
 
 ADAPTER_DIR = "adapter"
 STATE_FILE = "learner_state.json"

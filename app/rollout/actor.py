@@ -13,14 +13,15 @@ import warnings
 
 import ray
 
-from app.auth import Secret, inference_token
 from app.config import HEAD_NODE
 from app.fleet_client import FleetClient
-from app.messages import ResumePoint, RolloutBatch, RolloutStats
-from app.retry import Backoff
+from app.messages import ResumePoint, RolloutStats
 from app.rollout.episodes import runner_for
 from app.rollout.producer import GroupProducer
 from app.tasks.rewards import RewardScorer
+from contracts.auth import Secret, inference_token
+from contracts.retry import Backoff
+from contracts.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.fleet_client import Choice
-from app.messages import Generate, Sample
 from app.tasks.environments import Environment, EnvStep
 from app.tasks.problems import Problem
+from contracts.rollouts import Choice, Generate, Sample
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.messages import Generate, Group, ResumePoint, RolloutBatch, RolloutStats, Sample, adapter_name
+from app.messages import ResumePoint, RolloutStats
 from app.rollout.episodes import EpisodeRunner, GroupStale, SamplingArgs
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
+from contracts.adapters import adapter_name
+from contracts.rollouts import Generate, Group, RolloutBatch, Sample
 
 log = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ def cluster(tmp_path_factory, tiny_model_path):
             ray_cluster.add_node(**node, num_cpus=1, resources={"rollout_node": 1})
             ray.init(address=ray_cluster.address)
             # What `make serve` does on the head of a cluster: the proxy listens at the head's address.
-            deploy_fleet(load_config(None, [*overrides, f"fleet.host={HEAD_LOOPBACK}"]), tiny_model_path)
+            deploy_fleet(load_config(None, [*overrides, f"fleet.host={HEAD_LOOPBACK}"]).own_fleet(), tiny_model_path)
             yield ray_cluster, tmp, overrides
         finally:
             serve.shutdown()

@@ -29,7 +29,7 @@ tmp, model, port = sys.argv[1:]
 cfg = load_config(None, ["fleet.num_replicas=1", f"fleet.port={port}", f"bucket.url=file://{tmp}/bucket",
                          f"bucket.cache_dir={tmp}/cache", "logging.run_name=engine-cleanup"])
 start_ray(None)
-deploy_fleet(cfg, model, timeout_s=600)
+deploy_fleet(cfg.own_fleet(), model, timeout_s=600)
 print("READY", flush=True)
 time.sleep(3600)
 """

@@ -185,7 +185,7 @@ def test_admin_calls_need_the_token_as_bearer_or_netrc_basic(fleet, tmp_path, mo
     trl_client.resume()
     info = trl_client.get_server_info()
     assert info["lora_config"]["max_loras"] >= fleet.cfg.grpo.max_staleness + 2
-    assert info["lora_config"]["max_lora_rank"] == fleet.cfg.max_lora_rank
+    assert info["lora_config"]["max_lora_rank"] == fleet.cfg.own_fleet().max_lora_rank
     assert info["parallel_config"]["data_parallel_size"] == 1  # loads reach every replica: no merged-weight fallback
     assert trl_client.get_max_model_len() == fleet.cfg.model.max_model_len
     served = httpx.get(f"{url}/server_info", timeout=30).json()["spotrl"]  # what a joining run checks
@@ -436,11 +436,11 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
     from app.config import RunConfig
     from app.learner.packing import pack, samples_from_groups
     from app.learner.rank import LearnerRank
-    from app.messages import Group
     from app.models import load_tokenizer, prompt_token_ids
     from app.rollout.episodes import EpisodeRunner, SamplingArgs
     from app.tasks.environments import Environment, EnvStep
     from app.tasks.problems import Problem
+    from contracts.rollouts import Group
 
     class ThreeTurns(Environment):
         """Always asks for another turn, twice: the tiny model need not be right for the episode to go on."""

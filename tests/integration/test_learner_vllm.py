@@ -62,9 +62,9 @@ import torch  # noqa: E402
 from app.bucket.store import AdapterStore  # noqa: E402
 from app.config import RunConfig  # noqa: E402
 from app.learner.rank import LearnerRank  # noqa: E402
-from app.messages import Group, RolloutBatch, Sample  # noqa: E402
 from app.models import load_tokenizer  # noqa: E402
 from app.tasks.problems import arithmetic_prompt  # noqa: E402
+from contracts.rollouts import Group, RolloutBatch, Sample  # noqa: E402
 
 
 def _config(tmp_path) -> RunConfig:

@@ -88,7 +88,7 @@ def test_make_train_listens_on_loopback_only(tmp_path, tiny_model_path):
     )
     assert start_ray(None)
     try:
-        deploy_fleet(cfg, tiny_model_path, timeout_s=600)
+        deploy_fleet(cfg.own_fleet(), tiny_model_path, timeout_s=600)
 
         @ray.remote(num_cpus=0)
         class Actor:  # as the learner's ranks and the rollout actor are

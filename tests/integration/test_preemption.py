@@ -156,7 +156,7 @@ def spot(tmp_path_factory):
             ray.init(address=spot.address)
             t0 = time.time()
             cfg = spot.config()  # task.num_heldout=32: a tiny model of its own (its warm-up never sees those 32)
-            deploy_fleet(cfg, resolve_model_path(cfg.model, cfg.task))
+            deploy_fleet(cfg.own_fleet(), resolve_model_path(cfg.model, cfg.task))
             report(f"spot cluster: fleet of 2 replicas up in {time.time() - t0:.0f} s")
             yield spot
         finally:

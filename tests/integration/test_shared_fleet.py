@@ -123,7 +123,7 @@ def test_lora_slots_are_a_cache_where_an_evicted_committed_version_comes_back_on
 def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_bucket(fleet):
     from app.bucket.store import AdapterStore
     from app.fleet_client import FleetClient
-    from deployments.names import run_bucket_url
+    from contracts.adapters import run_prefix
 
     admin = fleet.client
     tokens = {run: admin.register_run(run)["token"] for run in ("alice", "bob")}
@@ -132,7 +132,7 @@ def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_buc
     assert full.value.status == 409 and "fleet.max_loras=7" in str(full.value)
     stores = {}
     for seed, run in enumerate(("alice", "bob"), start=101):
-        stores[run] = AdapterStore(run_bucket_url(fleet.store.url, run), cache_dir=fleet.work / "cache")
+        stores[run] = AdapterStore(run_prefix(fleet.store.url, run), cache_dir=fleet.work / "cache")
         stores[run].publish(random_adapter(fleet.model_path, fleet.work / f"{run}-v1", seed=seed), 1)
     alice, bob = (FleetClient(fleet.url, token=tokens[run]) for run in ("alice", "bob"))
     try:
@@ -175,7 +175,7 @@ def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_buc
 def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet):
     from app.bucket.store import AdapterStore
     from app.fleet_client import FleetClient
-    from deployments.names import run_bucket_url
+    from contracts.adapters import run_prefix
 
     admin = fleet.client
     for run in admin.list_runs():  # what earlier tests left registered
@@ -183,7 +183,7 @@ def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet
     tokens = {run: admin.register_run(run)["token"] for run in ("dave", "erin")}
     dave, erin = (FleetClient(fleet.url, token=tokens[run]) for run in ("dave", "erin"))
     try:
-        store = AdapterStore(run_bucket_url(fleet.store.url, "dave"), cache_dir=fleet.work / "cache")
+        store = AdapterStore(run_prefix(fleet.store.url, "dave"), cache_dir=fleet.work / "cache")
         store.publish(random_adapter(fleet.model_path, fleet.work / "dave-v1", seed=301), 1)
         dave.load_adapter("dave/policy-v1", "adapters/policy-v1")
         assert {s["adapters"].count("dave/policy-v1") for s in admin.engine_stats()} == {1}

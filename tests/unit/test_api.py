@@ -9,8 +9,27 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from contracts.control import (
+    AdapterInfo,
+    AdapterListing,
+    CacheReset,
+    EngineReport,
+    ListAdapters,
+    LoadAdapter,
+    Loaded,
+    Pause,
+    PauseState,
+    Ping,
+    Pong,
+    ReportEngine,
+    ResetPrefixCache,
+    Resume,
+    UndoLoad,
+    UnloadAdapter,
+    Unloaded,
+)
+from contracts.serving import BadRequest, Generated, GenerateRequest, ModelNotFound, SampledChoice
 from deployments.api import ApiSettings, make_app
-from deployments.protocol import BadRequest, Generated, GenerateRequest, ModelNotFound, SampledChoice
 
 TOKEN = "s3cret-token-value"
 BASE = "/models/tiny"
@@ -43,33 +62,35 @@ class FakeBackend:
         ]
         return Generated("r0", choices)
 
-    async def broadcast(self, method, *args):
-        self.calls.append((method, *args))
+    async def broadcast(self, command):
+        self.calls.append((type(command).__name__, command))
         out = []
         for replica in (0, 1):
-            if method == "load_adapter":
-                if replica in self.fail_load_on:
-                    out.append(BadRequest("lora_path is outside the bucket"))
-                    continue
-                self.adapters[replica].add(args[0])
-                out.append({"replica": f"r{replica}", "loaded": True})
-            elif method == "undo_load":
-                self.adapters[replica].discard(args[0])
-                out.append({"replica": f"r{replica}", "unloaded": True})
-            elif method == "unload_adapter":
-                out.append({"replica": f"r{replica}", "unloaded": args[0] in self.adapters[replica]})
-                self.adapters[replica].discard(args[0])
-            elif method == "list_adapters":
-                out.append(
-                    {
-                        "replica": f"r{replica}",
-                        "adapters": [{"name": a, "source": "file:///b", "inflight": 0} for a in self.adapters[replica]],
-                    }
-                )
-            elif method in ("pause", "resume", "ping"):
-                out.append({"replica": f"r{replica}"})
-            elif method == "reset_prefix_cache":
-                out.append({"replica": f"r{replica}", "success": True})
+            rid = f"r{replica}"
+            match command:
+                case LoadAdapter(name=name):
+                    if replica in self.fail_load_on:
+                        out.append(BadRequest("lora_path is outside the bucket"))
+                        continue
+                    self.adapters[replica].add(name)
+                    out.append(Loaded(rid, loaded=True))
+                case UndoLoad(name=name):
+                    self.adapters[replica].discard(name)
+                    out.append(Unloaded(rid, unloaded=True))
+                case UnloadAdapter(name=name):
+                    out.append(Unloaded(rid, unloaded=name in self.adapters[replica]))
+                    self.adapters[replica].discard(name)
+                case ListAdapters():
+                    infos = tuple(AdapterInfo(a, "file:///b", "sha", 0) for a in sorted(self.adapters[replica]))
+                    out.append(AdapterListing(rid, infos))
+                case Pause():
+                    out.append(PauseState(rid, paused=True))
+                case Resume():
+                    out.append(PauseState(rid, paused=False))
+                case Ping():
+                    out.append(Pong(rid))
+                case ResetPrefixCache():
+                    out.append(CacheReset(rid, True))
         return out
 
     async def server_info(self):
@@ -289,8 +310,8 @@ def test_a_load_that_fails_anywhere_is_rolled_back_everywhere(client, backend):
     body = {"lora_name": "policy-v1", "lora_path": "/etc/passwd"}
     r = client.post("/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 400 and "outside the bucket" in r.json()["error"]["message"]
-    load_id = [c for c in backend.calls if c[0] == "load_adapter"][-1][3]
-    assert ("undo_load", "policy-v1", load_id) in backend.calls
+    load_id = [c for c in backend.calls if c[0] == "LoadAdapter"][-1][1].load_id
+    assert ("UndoLoad", UndoLoad("policy-v1", load_id)) in backend.calls
     assert backend.adapters == {0: set(), 1: set()}
 
 
@@ -412,10 +433,11 @@ class NonFiniteBackend(FakeBackend):
                 choice.top_logprobs = [{5: -0.5, 9: float("-inf")} for _ in choice.token_ids]
         return generated
 
-    async def broadcast(self, method, *args):
-        if method == "engine_stats":
-            return [{"replica": "r0", "prefix_cache_hit_rate": float("nan"), "tokens": float("inf")}]
-        return await super().broadcast(method, *args)
+    async def broadcast(self, command):
+        if isinstance(command, ReportEngine):
+            counters = {"prefix_cache_hit_rate": float("nan"), "tokens": float("inf")}
+            return [EngineReport("r0", 1, False, counters, (), 0, 0)]
+        return await super().broadcast(command)
 
 
 def test_no_response_holds_nan_or_infinity(backend):
@@ -488,10 +510,10 @@ def test_an_oversized_body_is_refused_before_it_is_read(backend):
 
 
 def _limits(**overrides):
-    from app.config import FleetConfig
+    from app.config import FleetSettings
     from deployments.api_schema import RequestLimits
 
-    return RequestLimits.of(FleetConfig(**overrides))
+    return RequestLimits.of(FleetSettings(**overrides))
 
 
 def test_prompts_completions_and_text_per_request_are_limited(backend):
@@ -600,4 +622,4 @@ def test_a_failed_load_resumes_a_paused_fleet(client, backend):
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "policy-v1", "lora_path": "/etc"}, headers=auth)
     assert r.status_code == 400
     methods = [c[0] for c in backend.calls]
-    assert methods[-3:] == ["load_adapter", "undo_load", "resume"]
+    assert methods[-3:] == ["LoadAdapter", "UndoLoad", "Resume"]

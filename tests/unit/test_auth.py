@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import SecretStr
 
-from app.auth import (
+from contracts.auth import (
     Secret,
     TokenError,
     admin_token,

@@ -13,7 +13,7 @@ def test_shipped_configs_validate():
     assert tiny.model.name_or_path == "tiny" and tiny.learner.device == "cpu"
     seed = load_config(CONFIG_DIR / "qwen2.5-math-1.5b.yaml")
     assert (seed.lora.rank, seed.lora.alpha, seed.grpo.learning_rate) == (1, 2.0, 4e-5)
-    assert seed.grpo.max_staleness == 4 and seed.max_loras >= seed.grpo.max_staleness + 2
+    assert seed.grpo.max_staleness == 4 and seed.own_fleet().max_loras >= seed.grpo.max_staleness + 2
 
 
 def test_overrides_are_typed_and_nested():
@@ -86,16 +86,59 @@ def test_one_node_gpu_config_needs_no_custom_resources_and_shares_one_gpu():
 
 
 def test_request_limits_are_fleet_settings_with_safe_defaults():
-    from app.config import FleetConfig
+    from app.config import FleetSettings
 
     limits = ("max_request_bytes", "max_json_depth", "max_prompts_per_request", "max_sequences_per_request")
-    fleet = FleetConfig()
+    fleet = FleetSettings()
     assert fleet.max_prompts_per_request == 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS
     assert fleet.max_request_bytes == 16 * 2**20 and fleet.max_json_depth == 32
     for name in (*limits, "max_text_chars"):
-        description = FleetConfig.model_fields[name].description
+        description = FleetSettings.model_fields[name].description
         assert description and "\n" not in description, name
     cfg = load_config(None, ["fleet.max_request_bytes=65536", "fleet.max_text_chars=100"])
     assert (cfg.fleet.max_request_bytes, cfg.fleet.max_text_chars) == (65536, 100)
     with pytest.raises(ConfigError, match="fleet.max_json_depth"):
         load_config(None, ["fleet.max_json_depth=0"])
+
+
+def test_a_run_and_a_fleet_are_configured_apart():
+    """A fleet is a product of its own (`FleetConfig`, what serve_config.yaml names); a run either brings one along,
+    sized for itself from its `fleet` section, or joins one (`join.url`), stating its own rank and window there."""
+    from app.config import DEFAULT_FLEET_CONFIG, load_fleet_config
+
+    run = load_config(None, ["lora.rank=4", "grpo.max_staleness=3"])
+    own = run.own_fleet()
+    assert (own.max_loras, own.max_lora_rank, own.max_staleness, own.window) == (5, 8, 3, 4)  # its window + 1, vLLM's 8
+    assert own.bucket_url == run.bucket_url and own.model == run.model and own.tiny_task == run.task
+    assert load_config(None, ["fleet.max_loras=9"]).own_fleet().max_loras == 9  # as its fleet section says
+    with pytest.raises(ConfigError, match="lora.rank=16 exceeds fleet.max_lora_rank=8"):
+        load_config(None, ["lora.rank=16", "fleet.max_lora_rank=8"])
+    with pytest.raises(ConfigError, match="fleet.join_url: unknown key"):  # a client's setting, no longer the server's
+        load_config(None, ["fleet.join_url=http://127.0.0.1:8000"])
+    assert load_config(None, ["join.url=http://127.0.0.1:8000"]).fleet_run == "tiny-cpu"
+
+    fleet = load_fleet_config()  # configs/fleet-tiny-cpu.yaml, which serve_config.yaml names
+    assert "fleet-tiny-cpu.yaml" in str(DEFAULT_FLEET_CONFIG)
+    assert fleet.bucket_url == "file://runs/fleet/bucket" and fleet.model.name_or_path == "tiny"
+    assert (fleet.max_loras, fleet.max_lora_rank, fleet.window) == (8, 8, 3)
+    with pytest.raises(ConfigError, match="grpo: unknown key"):  # a run's settings have no place in a fleet's
+        load_fleet_config(None, ["grpo.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"fleet.max_loras must be >= max_staleness \+ 2 = 6"):
+        load_fleet_config(None, ["fleet.max_staleness=4", "fleet.max_loras=5"])
+
+
+def test_every_field_of_a_run_and_a_fleet_says_what_it_is_in_one_line():
+    from pydantic import BaseModel
+
+    from app.config import FleetConfig, RunConfig
+
+    def fields(model: type[BaseModel], prefix: str = ""):
+        for name, info in model.model_fields.items():
+            yield f"{prefix}{name}", info
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                yield from fields(annotation, f"{prefix}{name}.")
+
+    for schema in (RunConfig, FleetConfig):
+        missing = [name for name, info in fields(schema) if not info.description or "\n" in info.description]
+        assert missing == [], schema.__name__

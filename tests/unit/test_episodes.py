@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from app.fleet_client import Choice
 from app.rollout.episodes import EpisodeRunner, SamplingArgs
 from app.tasks.environments import Calculator, ChainedArithmetic, Environment, EnvStep, calculate
 from app.tasks.problems import Problem
+from contracts.rollouts import Choice
 
 EOS = 0
 PROBLEM = Problem("p", "Compute 12+34. Answer: ", "46", {"chain": [7, 2]})
@@ -197,10 +197,10 @@ def test_calculator_evaluates_only_bounded_integer_arithmetic():
 
 def test_the_producer_makes_groups_of_episodes_and_counts_environment_errors():
     from app.config import load_config
-    from app.messages import BatchStats
     from app.rollout.producer import GroupProducer
     from app.tasks.problems import make_chained_arithmetic
     from app.tasks.rewards import RewardScorer, exact_answer
+    from contracts.rollouts import BatchStats
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(1, 1), operand_max=9).train
     cfg = load_config(None, ["env.name=chained_arithmetic", "rollout.max_inflight_tasks=2", "grpo.num_generations=4"])

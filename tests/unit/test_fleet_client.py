@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.fleet_client import FleetClient, FleetError
-from app.retry import Backoff
+from contracts.retry import Backoff
 from deployments.api import make_app
 from tests.fleet_helpers import free_port
 from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
@@ -60,7 +60,7 @@ def test_admin_calls_send_the_token_and_errors_carry_the_status():
 def test_no_live_replica_is_retried_then_reported():
     backend = FakeBackend()
 
-    async def nobody(method, *args):
+    async def nobody(command):
         return []
 
     backend.broadcast = nobody

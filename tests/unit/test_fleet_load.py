@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from contracts.control import LoadAdapter
 from tests.unit.test_api import FakeBackend
 
 
@@ -34,9 +35,9 @@ def test_a_handle_load_that_fails_anywhere_is_rolled_back_and_says_why():
 class _SlowBackend(FakeBackend):
     """Replicas that answer a while after loading, so that the caller can give up in the middle."""
 
-    async def broadcast(self, method, *args):
-        results = await super().broadcast(method, *args)
-        if method == "load_adapter":
+    async def broadcast(self, command):
+        results = await super().broadcast(command)
+        if isinstance(command, LoadAdapter):
             await asyncio.sleep(0.2)
         return results
 
@@ -57,5 +58,5 @@ def test_a_caller_that_gives_up_never_leaves_a_load_half_done():
 
     asyncio.run(give_up_then_wait())
     # Rolled back, and the fleet resumed in case the caller had paused it for the load (`deployments.api`).
-    assert [c[0] for c in backend.calls] == ["load_adapter", "undo_load", "resume"]
+    assert [c[0] for c in backend.calls] == ["LoadAdapter", "UndoLoad", "Resume"]
     assert backend.adapters == {0: set(), 1: set()}  # rolled back, not left loaded on replica 0 alone

@@ -19,11 +19,11 @@ from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
 def fleet(tmp_path):
     """The fleet's FastAPI app served by uvicorn on 127.0.0.1, its registrations recorded under `tmp_path`."""
     from app.bucket.store import RunRecords
-    from app.retry import Backoff
+    from contracts.retry import Backoff
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
     backend = FakeBackend()
-    app = make_app(backend, _settings(max_loras=7, window=2, run_idle_timeout_s=2.0), None, records)
+    app = make_app(backend, _settings(max_loras=7, max_staleness=1, run_idle_timeout_s=2.0), None, records)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -36,7 +36,7 @@ def fleet(tmp_path):
 
 
 def _cfg(url, name="alice"):
-    return load_config(None, [f"fleet.join_url={url}", f"logging.run_name={name}"])
+    return load_config(None, [f"join.url={url}", f"logging.run_name={name}"])
 
 
 def _admin(url):
@@ -64,7 +64,7 @@ def test_a_handed_over_token_must_be_this_runs_and_its_run_stays_registered_with
     fleet, monkeypatch
 ):
     url, backend, _ = fleet
-    token = _admin(url).register_run("alice")["token"]
+    token = _admin(url).register_run("alice", max_staleness=2)["token"]  # the run's own grpo.max_staleness
     monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, token)
     with pytest.raises(SystemExit, match="belongs to run 'alice', not logging.run_name='bob'"):
         fleet_run.join(_cfg(url, "bob"), BASE)
@@ -76,6 +76,26 @@ def test_a_handed_over_token_must_be_this_runs_and_its_run_stays_registered_with
     fleet_run.leave(run)
     assert {m["id"] for m in client.models()} == {BASE}
     assert _admin(url).list_runs() == ["alice"]  # the admin who registered it removes it
+
+
+def test_a_run_states_its_rank_and_window_and_a_registration_that_cannot_hold_them_is_refused(fleet, monkeypatch):
+    """The driver registers with its own `grpo.max_staleness` and `lora.rank`; a token the admin registered for a
+    smaller window or rank would have the fleet unpin versions the run still samples, or refuse its adapters."""
+    url, _, _ = fleet
+    monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
+    run = fleet_run.join(_cfg(url), BASE)
+    info = FleetClient(url, token=run.token.value).run_info("alice")
+    assert (info["max_staleness"], info["lora_rank"]) == (2, 8)  # tiny-cpu's grpo.max_staleness and lora.rank
+    fleet_run.leave(run)
+    for terms, message in (
+        ({"max_staleness": 1}, "grpo.max_staleness=2: run 'alice' is registered .* with max_staleness 1"),
+        ({"max_staleness": 2, "lora_rank": 4}, "lora.rank=8: run 'alice' is registered .* with lora_rank 4"),
+    ):
+        monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, _admin(url).register_run("alice", **terms)["token"])
+        with pytest.raises(SystemExit, match=message):
+            fleet_run.join(_cfg(url), BASE)
+        _admin(url).remove_run("alice")
 
 
 def test_joining_without_a_token_or_with_a_name_taken_says_what_to_do(fleet, monkeypatch):
@@ -156,7 +176,7 @@ def test_a_shared_fleet_run_needs_a_run_name_the_fleet_accepts_and_an_http_url()
     from app.config import ConfigError
 
     with pytest.raises(ConfigError, match="logging.run_name='Tiny CPU' cannot name a run of a shared fleet"):
-        load_config(None, ["fleet.join_url=http://127.0.0.1:8000", "logging.run_name=Tiny CPU"])
+        load_config(None, ["join.url=http://127.0.0.1:8000", "logging.run_name=Tiny CPU"])
     with pytest.raises(ConfigError, match="expected an http:// or https:// URL"):
-        load_config(None, ["fleet.join_url=127.0.0.1:8000"])
+        load_config(None, ["join.url=127.0.0.1:8000"])
     assert load_config(None, []).fleet_run is None

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from app.retry import Backoff
-from deployments.protocol import (
+from contracts.retry import Backoff
+from contracts.serving import (
     GENERATE_METHOD,
     BadRequest,
     EngineDied,
@@ -75,18 +75,20 @@ def test_a_generation_the_replica_refused_is_not_sent_again(no_pauses):
 
 
 def test_a_replica_that_died_is_left_out_of_a_broadcast_not_counted_as_failing():
+    from contracts.control import LoadAdapter, Loaded
     from deployments.ingress import ServeBackend
 
     class Results:
         async def results_async(self, return_exceptions):
-            return [{"replica": "a", "loaded": True}, ActorDiedError(), ModelNotFound("policy-v9")]
+            return [Loaded("a", loaded=True), ActorDiedError(), ModelNotFound("policy-v9")]
 
     class Handle:
         def broadcast(self, method, *args):
+            assert (method, args) == ("control", (LoadAdapter("policy-v1", "ref", "id"),))
             return Results()
 
-    results = asyncio.run(ServeBackend(Handle()).broadcast("load_adapter", "policy-v1", "ref", "id"))
-    assert results[0] == {"replica": "a", "loaded": True}
+    results = asyncio.run(ServeBackend(Handle()).broadcast(LoadAdapter("policy-v1", "ref", "id")))
+    assert results[0] == Loaded("a", loaded=True)
     assert len(results) == 2 and isinstance(results[1], ModelNotFound)  # a real failure still counts
 
 

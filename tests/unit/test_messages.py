@@ -5,7 +5,7 @@ import json
 import pytest
 
 from app.learner.state import STATE_FILE, read_state
-from app.messages import BatchStats, Group, Sample, parse_group_ids
+from contracts.rollouts import BatchStats, Group, Sample, parse_group_ids
 
 
 def test_checkpoints_with_string_group_ids_still_load(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from app.config import RunConfig
 from app.learner.packing import batch_metrics, filler, pack, pad, register_packed_attention, samples_from_groups, shard
-from app.messages import Group, Sample
+from contracts.rollouts import Group, Sample
 
 VOCAB = 64
 

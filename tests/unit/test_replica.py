@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.protocol import (
+from contracts.serving import (
     GENERATE_METHOD,
     BadRequest,
     EngineDied,
@@ -98,12 +98,12 @@ def test_engine_args_follow_the_run_config_and_are_vllms_own_fields():
     from app.config import load_config
 
     seed = load_config("configs/qwen2.5-math-1.5b.yaml")
-    gpu = engine_args(seed, "/models/qwen", on_cpu=False, block_size=16)
+    gpu = engine_args(seed.own_fleet(), "/models/qwen", on_cpu=False, block_size=16)
     assert gpu["max_lora_rank"] == 1  # follows lora.rank: rank-1 adapters in rank-1 slots
     assert gpu["max_num_batched_tokens"] == seed.fleet.max_num_batched_tokens >= seed.model.max_model_len
     assert gpu["revision"] == gpu["tokenizer_revision"] == seed.model.revision
     assert "gpu_memory_utilization" in gpu and "kv_cache_memory_bytes" not in gpu
-    tiny = engine_args(load_config(None, ["model.revision=abc123"]), "/m", on_cpu=True, block_size=32)
+    tiny = engine_args(load_config(None, ["model.revision=abc123"]).own_fleet(), "/m", on_cpu=True, block_size=32)
     assert tiny["enforce_eager"] and "kv_cache_memory_bytes" in tiny and tiny["revision"] == "abc123"
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     assert set(gpu) <= known and set(tiny) <= known
@@ -166,7 +166,7 @@ def _replica(engine=None, store=None, window=3, *overrides):
 
     replica = object.__new__(VLLMReplica)  # the request path alone, without an engine behind it
     replica.replica_id, replica.base_model, replica.engine = "r", "base", engine or _Engine()
-    replica.store, replica.cfg = store, load_config(None, list(overrides))
+    replica.store, replica.cfg = store, load_config(None, list(overrides)).own_fleet()
     replica._init_slots(window)
     return replica
 
@@ -280,13 +280,13 @@ def test_a_name_loaded_again_with_other_files_is_reloaded_never_kept_on_the_old_
     replica = _loading_replica(tmp_path)
     folder = _adapter_folder(tmp_path / "trl" / "trl-policy-v2", b"first run's weights")
     load = asyncio.run(replica.load_adapter("trl-policy-v2", str(folder)))
-    assert load["loaded"] and not asyncio.run(replica.load_adapter("trl-policy-v2", str(folder)))["loaded"]
+    assert load.loaded and not asyncio.run(replica.load_adapter("trl-policy-v2", str(folder))).loaded
     first = replica._adapters["trl-policy-v2"]
     first.inflight = 1  # a request still sampling on the first run's weights
 
     _adapter_folder(folder, b"second run's weights")
     reload = asyncio.run(replica.load_adapter("trl-policy-v2", str(folder)))
-    assert reload["loaded"] and reload["replaced"]
+    assert reload.loaded and reload.replaced
     second = replica._adapters["trl-policy-v2"]
     assert second.digest != first.digest and second.int_id != first.int_id
     old_request, new_request = (a for a in replica.engine.added)
@@ -295,14 +295,14 @@ def test_a_name_loaded_again_with_other_files_is_reloaded_never_kept_on_the_old_
     assert replica.engine.removed == [] and first.draining  # the request in flight finishes on what it started on
     # The same files under another folder are the same adapter: nothing to do.
     copy = _adapter_folder(tmp_path / "trl" / "elsewhere", b"second run's weights")
-    assert not asyncio.run(replica.load_adapter("trl-policy-v2", str(copy)))["loaded"]
+    assert not asyncio.run(replica.load_adapter("trl-policy-v2", str(copy))).loaded
 
 
 def test_a_pause_is_a_lease_that_ends_by_itself_and_resume_or_a_new_pause_renews_it():
     replica = _replica(_LoraEngine(), None, 3, "fleet.pause_lease_s=0.2")
 
     async def scenario():
-        assert (await replica.pause("keep"))["lease_s"] == 0.2 and replica.engine.paused
+        assert (await replica.pause("keep")).lease_s == 0.2 and replica.engine.paused
         await asyncio.sleep(0.1)
         await replica.pause("keep")  # renewed: counts from now
         await asyncio.sleep(0.15)
@@ -321,7 +321,7 @@ def test_a_pause_is_a_lease_that_ends_by_itself_and_resume_or_a_new_pause_renews
 
 def test_every_clients_versioned_names_are_pinned_by_family():
     """TRL's `trl-policy-vN` count against the same slots as `policy-vN`: each lineage pins its newest window."""
-    from deployments.names import family_of
+    from contracts.adapters import family_of
     from deployments.slots import pinned
 
     assert family_of("trl-policy-v12") == ("trl-policy", 12) and family_of("policy-v0") == ("policy", 0)
@@ -340,7 +340,8 @@ def test_a_replica_never_holds_more_adapters_than_max_loras_whoever_named_them(t
 
 
 def test_eviction_takes_the_least_recently_used_idle_adapter_unpinned_first():
-    from deployments.slots import Held, eviction_order, slots_needed
+    from app.config import slots_needed
+    from deployments.slots import Held, eviction_order
 
     held = [
         Held("policy-v7", last_used=1.0, inflight=0),  # pinned (newest two of policy), least recently used
@@ -350,7 +351,7 @@ def test_eviction_takes_the_least_recently_used_idle_adapter_unpinned_first():
         Held("my-lora", last_used=4.0, inflight=0),
     ]
     assert eviction_order(held, window=2) == ["my-lora", "policy-v3", "policy-v7", "policy-v8"]
-    assert slots_needed(families=3, window=2) == 7
+    assert slots_needed([2, 2, 2]) == 7
 
 
 def test_a_load_never_evicts_an_adapter_in_flight_it_waits_for_one_to_finish_or_says_503(tmp_path):
@@ -369,7 +370,7 @@ def test_a_load_never_evicts_an_adapter_in_flight_it_waits_for_one_to_finish_or_
         started = asyncio.get_running_loop().time()
         _, loaded = await asyncio.gather(finish_one_later(), replica.load_adapter("lora-3", str(folders[3])))
         waited = asyncio.get_running_loop().time() - started
-        assert loaded["loaded"] and 0.2 <= waited < 2
+        assert loaded.loaded and 0.2 <= waited < 2
         assert sorted(replica._adapters) == ["lora-0", "lora-2", "lora-3"]  # the one that finished made room
         replica._adapters["lora-3"].inflight = 1
         replica.cfg.fleet.lora_slot_wait_s = 0.1
@@ -404,19 +405,19 @@ def test_an_evicted_committed_version_is_loaded_again_on_demand_never_a_404(tmp_
 
 def test_a_runs_adapters_load_only_from_its_own_prefix_of_the_bucket(tmp_path):
     from app.bucket.store import AdapterStore
-    from deployments.names import run_bucket_url
+    from contracts.adapters import run_prefix
 
     replica = _loading_replica(tmp_path, 2, "fleet.max_loras=3", "grpo.max_staleness=1")
-    alice = AdapterStore(run_bucket_url(replica.store.url, "alice"), cache_dir=tmp_path / "cache")
-    bob = AdapterStore(run_bucket_url(replica.store.url, "bob"), cache_dir=tmp_path / "cache")
+    alice = AdapterStore(run_prefix(replica.store.url, "alice"), cache_dir=tmp_path / "cache")
+    bob = AdapterStore(run_prefix(replica.store.url, "bob"), cache_dir=tmp_path / "cache")
     replica.store.publish(_adapter_folder(tmp_path / "own", b"the fleet's own v1"), 1)
     alice.publish(_adapter_folder(tmp_path / "alice", b"alice's v1"), 1)
     bob.publish(_adapter_folder(tmp_path / "bob", b"bob's v1"), 1)
     _adapter_folder(tmp_path / "trl" / "x", b"a trusted folder")
 
     async def scenario():
-        assert (await replica.load_adapter("alice/policy-v1", "adapters/policy-v1"))["loaded"]
-        assert (await replica.load_adapter("bob/policy-v1", bob.url_of(1)))["loaded"]
+        assert (await replica.load_adapter("alice/policy-v1", "adapters/policy-v1")).loaded
+        assert (await replica.load_adapter("bob/policy-v1", bob.url_of(1))).loaded
         for name, ref in (
             ("alice/policy-v1", replica.store.url_of(1)),  # the fleet's own version
             ("alice/policy-v1", bob.url_of(1)),  # another run's

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from app.retry import Backoff, aretry, retry
+from contracts.retry import Backoff, aretry, retry
 
 
 class Flaky:

@@ -8,11 +8,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from app.config import load_config
-from app.fleet_client import Choice
 from app.messages import ResumePoint
 from app.rollout.producer import GroupProducer
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
+from contracts.rollouts import Choice
 
 PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 
@@ -70,7 +70,7 @@ def test_a_run_of_a_shared_fleet_samples_its_own_namespaced_versions():
     async def main():
         calls = []
         w = make_worker(
-            echo_answer_generate(calls), **{"fleet.join_url": "http://127.0.0.1:8000", "logging.run_name": "alice"}
+            echo_answer_generate(calls), **{"join.url": "http://127.0.0.1:8000", "logging.run_name": "alice"}
         )
         w.start()
         await w.get_groups(1)

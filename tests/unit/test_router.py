@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.protocol import GENERATE_METHOD, GenerateRequest, Sampling
+from contracts.serving import GENERATE_METHOD, GenerateRequest, Sampling
 
 
 class _FakeReplica:

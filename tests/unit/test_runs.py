@@ -20,7 +20,7 @@ def _bearer(token):
 @pytest.fixture
 def fleet():
     backend = FakeBackend()
-    return backend, TestClient(make_app(backend, _settings(max_loras=7, window=2)))
+    return backend, TestClient(make_app(backend, _settings(max_loras=7, max_staleness=1)))
 
 
 def _register(client, name):
@@ -128,7 +128,7 @@ def test_a_removed_run_loses_its_token_and_its_adapters(fleet):
 
 
 def test_a_run_token_shows_nowhere_but_in_the_answer_that_mints_it(fleet, caplog):
-    from app.auth import redact
+    from contracts.auth import redact
 
     caplog.set_level(logging.DEBUG)
     _, client = fleet
@@ -149,7 +149,7 @@ def test_a_run_token_shows_nowhere_but_in_the_answer_that_mints_it(fleet, caplog
 def test_the_registry_keeps_only_the_tokens_sha256():
     from deployments.runs import Runs
 
-    runs = Runs(max_loras=7, window=2)
+    runs = Runs(max_loras=7, max_staleness=1)
     token = runs.register("alice")
     assert runs.run_of(token) == "alice" and runs.run_of(token + "x") is None
     assert token not in repr(runs) and token not in repr(vars(runs))
@@ -161,8 +161,8 @@ def test_a_run_that_goes_silent_is_released_by_the_next_request_and_a_heartbeat_
 
     now = [0.0]
     backend = FakeBackend()
-    runs = Runs(max_loras=7, window=2, idle_timeout_s=60.0, clock=lambda: now[0])
-    client = TestClient(make_app(backend, _settings(max_loras=7, window=2), runs))
+    runs = Runs(max_loras=7, max_staleness=1, idle_timeout_s=60.0, clock=lambda: now[0])
+    client = TestClient(make_app(backend, _settings(max_loras=7, max_staleness=1), runs))
     alice, bob = _register(client, "alice"), _register(client, "bob")
     backend.adapters = {0: {"alice/policy-v1", "bob/policy-v1"}, 1: {"alice/policy-v1", "bob/policy-v1"}}
     assert client.post("/v1/runs", json={"name": "carol"}, headers=ADMIN).status_code == 409  # full
@@ -183,19 +183,20 @@ def test_a_run_that_goes_silent_is_released_by_the_next_request_and_a_heartbeat_
 
 
 def test_a_release_that_cannot_unload_never_fails_the_request_that_triggered_it():
-    from deployments.protocol import ReplicaError
+    from contracts.control import ListAdapters
+    from contracts.serving import ReplicaError
     from deployments.runs import Runs
 
     class Failing(FakeBackend):
-        async def broadcast(self, method, *args):
-            if method == "list_adapters" and self.broken:
+        async def broadcast(self, command):
+            if isinstance(command, ListAdapters) and self.broken:
                 return [ReplicaError("bucket unavailable", 503)]
-            return await super().broadcast(method, *args)
+            return await super().broadcast(command)
 
     now, backend = [0.0], Failing()
     backend.broken = False
     client = TestClient(
-        make_app(backend, _settings(), Runs(max_loras=7, window=2, idle_timeout_s=60.0, clock=lambda: now[0]))
+        make_app(backend, _settings(), Runs(max_loras=7, max_staleness=1, idle_timeout_s=60.0, clock=lambda: now[0]))
     )
     _register(client, "alice")
     backend.broken, now[0] = True, 61.0
@@ -207,14 +208,14 @@ def test_a_release_that_cannot_unload_never_fails_the_request_that_triggered_it(
 def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never_holds_a_token(tmp_path):
     """A fresh ingress (its node lost, the app redeployed) restores the runs from the bucket, tokens and all."""
     from app.bucket.store import RunRecords
-    from app.retry import Backoff
-    from deployments.runs import Runs
+    from contracts.retry import Backoff
+    from deployments.runs import Registration, Runs
 
     def ingress():
         records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
-        runs = Runs(max_loras=7, window=2)
-        runs.restore(records.load())
-        return TestClient(make_app(FakeBackend(), _settings(max_loras=7, window=2), runs, records))
+        runs = Runs(max_loras=7, max_staleness=1)
+        runs.restore({name: Registration.from_record(r) for name, r in records.load().items()})
+        return TestClient(make_app(FakeBackend(), _settings(max_loras=7, max_staleness=1), runs, records))
 
     first = ingress()
     alice = _register(first, "alice")
@@ -239,11 +240,11 @@ def test_a_run_learns_its_prefix_of_the_fleets_bucket_and_nobody_elses(tmp_path)
     """`GET /v1/runs/NAME`: where run NAME must publish (the only place the fleet loads its adapters from) and how
     long it may stay silent; for its own token and the admin's, a 403 for another run's, a 404 for no run."""
     from app.bucket.store import RunRecords
-    from app.retry import Backoff
+    from contracts.retry import Backoff
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
     client = TestClient(
-        make_app(FakeBackend(), _settings(max_loras=7, window=2, run_idle_timeout_s=45.0), None, records)
+        make_app(FakeBackend(), _settings(max_loras=7, max_staleness=1, run_idle_timeout_s=45.0), None, records)
     )
     alice, bob = _register(client, "alice"), _register(client, "bob")
     info = client.get("/v1/runs/alice", headers=_bearer(alice)).json()
@@ -252,6 +253,8 @@ def test_a_run_learns_its_prefix_of_the_fleets_bucket_and_nobody_elses(tmp_path)
         "bucket_url": f"file://{tmp_path}/bucket/runs/alice",
         "idle_timeout_s": 45.0,
         "weight": 1.0,
+        "max_staleness": 1,
+        "lora_rank": None,
     }
     assert client.get("/v1/runs/alice", headers=ADMIN).json() == info
     r = client.get("/v1/runs/alice", headers=_bearer(bob))
@@ -287,3 +290,21 @@ def test_router_stats_count_each_runs_requests_tokens_and_slots_and_a_run_sees_o
     assert (runs["bob"]["requests"], runs["bob"]["prompt_tokens"], runs["bob"]["completion_tokens"]) == (1, 1, 1)
     assert runs["alice"]["slots_held"] == 1 and runs["bob"]["slots_held"] == 0 and runs["_fleet"]["slots_held"] == 1
     assert set(client.get("/router/stats", headers=_bearer(bob)).json()["runs"]["runs"]) == {"bob"}
+
+
+def test_a_run_registers_with_its_own_window_and_rank_and_the_fleet_checks_both():
+    """Slots are pinned per run by the window it states (max_staleness + 1); a rank above the engines' is a 400."""
+    client = TestClient(make_app(FakeBackend(), _settings(max_loras=9, max_staleness=1, max_lora_rank=8)))
+    r = client.post("/v1/runs", json={"name": "alice", "max_staleness": 3, "lora_rank": 8}, headers=ADMIN)
+    assert r.status_code == 200 and (r.json()["max_staleness"], r.json()["lora_rank"]) == (3, 8)
+    r = client.post("/v1/runs", json={"name": "bob", "lora_rank": 16}, headers=ADMIN)
+    assert r.status_code == 400 and "lora_rank: 16 exceeds the fleet's max_lora_rank 8" in r.json()["error"]["message"]
+    # alice 4 + the fleet's own lineage 2 + one to load into = 7 of 9: a run of window 2 fits, one of window 3 not.
+    r = client.post("/v1/runs", json={"name": "bob", "max_staleness": 2}, headers=ADMIN)
+    assert r.status_code == 409
+    message = r.json()["error"]["message"]
+    assert "alice 4, bob 3" in message and "own lineage 2" in message and "10 LoRA slots" in message, message
+    assert "fleet.max_loras=9" in message
+    r = client.post("/v1/runs", json={"name": "bob"}, headers=ADMIN)  # the fleet's max_staleness: window 2
+    assert r.status_code == 200 and r.json()["max_staleness"] == 1
+    assert client.get("/v1/runs/bob", headers=ADMIN).json()["max_staleness"] == 1

@@ -13,10 +13,10 @@ import pickle
 import pytest
 from fastapi.testclient import TestClient
 
-from app.auth import Secret, TokenError, admin_token
 from app.config import ConfigError, load_config
+from contracts.auth import Secret, TokenError, admin_token
+from contracts.serving import BadRequest
 from deployments.api import make_app
-from deployments.protocol import BadRequest
 from tests.unit.test_api import FakeBackend, _settings
 
 KNOWN = "known-token-value-7c1e9a"

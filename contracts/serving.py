@@ -1,4 +1,4 @@
-"""What the ingress, the router and the replicas exchange through the Serve handle, as types.
+"""What crosses the Serve handle for a generation, as types: the request, its answer, its failures.
 
 A generation crosses three hands: the ingress validates the HTTP body and builds one
 `GenerateRequest`; the PrefixHashRouter, inside the ingress's handle, reads its `prompt_ids` and
@@ -7,13 +7,23 @@ for the three, built once, so a field added here reaches every hop and a renamed
 instead of being dropped on the way. Replies come back as `Generated`, failures as `ReplicaError`s
 that carry the HTTP status the ingress answers with.
 
-Nothing here imports Ray, vLLM or FastAPI: the ingress, the replicas and the unit tests import it cheaply,
-and Ray pickles these classes by reference on both sides of the handle.
+Nothing here imports Ray, vLLM or FastAPI: the ingress, the replicas, the clients and the unit tests import it
+cheaply, and Ray pickles these classes by reference on both sides of the handle. The fleet's control calls
+(load, unload, pause, ...) are typed the same way in `contracts.control`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# The fleet as callers inside its Ray cluster name it: `serve://<application>` (a Serve handle to the ingress).
+SERVE_SCHEME = "serve://"
+
+
+def serve_address(app_name: str) -> str:
+    """The fleet's address for callers inside its Ray cluster, on any node: its Serve application's name."""
+    return f"{SERVE_SCHEME}{app_name}"
+
 
 # The VLLMReplica method that samples (called with one GenerateRequest); the router routes its calls by prefix.
 GENERATE_METHOD = "generate"

@@ -1,0 +1,174 @@
+"""The fleet's control calls as types: what the ingress asks of every replica, and what each one answers.
+
+An admin call (load an adapter, pause, ...) reaches every live replica as one `Command`, through a single
+replica method (`CONTROL_METHOD`), and each replica answers the command's own reply type. So a command
+or a field renamed on one side fails loudly on the other instead of a string-named call and a dict
+answer drifting apart, and the unit tests of either side build the same objects the other side sends.
+
+Nothing here imports Ray or vLLM; Ray pickles these classes by reference on both sides of the handle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# The VLLMReplica method every Command goes through (`VLLMReplica.control`).
+CONTROL_METHOD = "control"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A call the ingress makes on every live replica (`FleetControl.broadcast`)."""
+
+
+# ---- replies ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pong:
+    """The replica is alive and its engine with it."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One adapter a replica serves: under which name, loaded from where, which files, with how many requests."""
+
+    name: str
+    source: str  # the bucket URL of the version (credentials redacted), or the trusted local folder
+    sha256: str  # of its files (`app.bucket.store.folder_digest`): what "already loaded" is checked against
+    inflight: int
+
+
+@dataclass(frozen=True)
+class AdapterListing:
+    """What one replica serves now."""
+
+    replica: str
+    adapters: tuple[AdapterInfo, ...]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The answer to `LoadAdapter`: whether this replica added the adapter, and whether it replaced other files."""
+
+    replica: str
+    loaded: bool
+    replaced: bool = False
+
+
+@dataclass(frozen=True)
+class Unloaded:
+    """The answer to `UnloadAdapter` and `UndoLoad`: whether the name left, and requests that still finish on it."""
+
+    replica: str
+    unloaded: bool
+    draining: int = 0
+
+
+@dataclass(frozen=True)
+class PauseState:
+    """The answer to `Pause` and `Resume`: whether the replica's engine is paused, and for how long at most."""
+
+    replica: str
+    paused: bool
+    lease_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CacheReset:
+    replica: str
+    success: bool
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """A replica's engine numbers (vLLM's own counters) and adapter bookkeeping."""
+
+    replica: str
+    pid: int  # the replica's process; its engines run in child processes
+    paused: bool
+    counters: dict[str, float]  # prefix-cache queries and hits, tokens, running and waiting requests, KV usage
+    adapters: tuple[str, ...]  # served now
+    engine_adapters: int  # vLLM's own count: adapters + draining, unless vLLM dropped one by itself
+    draining: int
+
+    def as_json(self) -> dict[str, Any]:
+        """The shape `GET /engine/stats` answers per replica: the counters beside the other fields."""
+        return {
+            "replica": self.replica,
+            "pid": self.pid,
+            "paused": self.paused,
+            **self.counters,
+            "adapters": list(self.adapters),
+            "engine_adapters": self.engine_adapters,
+            "draining": self.draining,
+        }
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ping(Command):
+    """Answer `Pong` if the engine is alive (`/health` counts the live replicas)."""
+
+
+@dataclass(frozen=True)
+class ListAdapters(Command):
+    """Answer the `AdapterListing` of this replica."""
+
+
+@dataclass(frozen=True)
+class LoadAdapter(Command):
+    """Load adapter `name` from `ref` (a bucket version's path or URL, or a trusted folder); answer `Loaded`.
+
+    `load_id` names the broadcast, so that a failed broadcast undoes only its own loads (`UndoLoad`)."""
+
+    name: str
+    ref: str
+    load_id: str | None = None
+
+
+@dataclass(frozen=True)
+class UndoLoad(Command):
+    """Unload `name` only if the broadcast `load_id` loaded it here; answer `Unloaded`."""
+
+    name: str
+    load_id: str
+
+
+@dataclass(frozen=True)
+class UnloadAdapter(Command):
+    """Stop serving `name` (requests in flight finish on it first); answer `Unloaded`."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Pause(Command):
+    """Stop scheduling (vLLM's `mode`: keep, wait or abort) for at most the replica's pause lease; answer `PauseState`."""
+
+    mode: str = "keep"
+
+
+@dataclass(frozen=True)
+class Resume(Command):
+    """Schedule again; answer `PauseState`."""
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache(Command):
+    """Drop the engine's prefix cache; answer `CacheReset`."""
+
+
+@dataclass(frozen=True)
+class ReportEngine(Command):
+    """Answer this replica's `EngineReport`."""
+
+
+@dataclass(frozen=True)
+class DescribeEngine(Command):
+    """Answer the engine's resolved vLLM config as JSON (a dict: the shape vLLM's own `/server_info` returns)."""

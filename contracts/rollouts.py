@@ -1,0 +1,212 @@
+"""What a rollout produces and a learner trains on, as types: samples, groups of them, and the batches of a step.
+
+A group is the G completions of one prompt, sampled under one policy version (`policy-v{N}`); its
+integer id is its index in the run's data order, unique per run, so a restarted learner can refuse
+a group it already trained on. The rollout hands the learner a `RolloutBatch` (scored groups plus the
+data cursor to resume from) as an ObjectRef the driver never opens; `BatchStats` is what the driver
+logs of it. `Generate` is how a sampler asks the fleet for completions (`app.fleet_client` speaks it
+over HTTP; tests speak it with a fake), and `Choice` what it gets back.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Choice:
+    """One completion as a sampler gets it back from the fleet: token ids, their log-probs, the decoded text."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]  # the sampled tokens' log-probs at the sampling temperature
+    text: str
+    finish_reason: str | None
+
+
+class Generate(Protocol):
+    """How the rollout and the evaluation sample from the fleet (`FleetClient.acompletions` is one)."""
+
+    async def __call__(
+        self,
+        prompt_ids: list[int] | list[list[int]],  # one prompt, or a batch: `n` choices per prompt, in prompt order
+        model: str,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        *,
+        turn: int | None = None,  # a multi-turn episode's turn (1-based) that this request continues
+    ) -> list[Choice]: ...
+
+
+@dataclass
+class Sample:
+    """One completion: token ids as the sampler saw them, its log-probs and its reward.
+
+    A multi-turn episode is one sample too: `completion_ids` is everything after the prompt (model turn 1,
+    observation 1, model turn 2, ...), `completion_mask` marks the model's tokens (the only ones trained),
+    and `sampling_logprobs` has vLLM's log-prob at each model token and NaN at each observation token.
+    """
+
+    completion_ids: list[int]
+    sampling_logprobs: list[float]  # per completion token: vLLM's log-prob at the sampling temperature
+    reward: float  # NaN: unscorable (an environment that failed), advantage 0
+    truncated: bool = False  # stopped by max_completion_length (or an episode by its token budget or max_turns)
+    text: str = ""
+    completion_mask: list[int] | None = None  # 1 for a model token, 0 for an observation; None: all model tokens
+    turn_rewards: list[float] | None = (
+        None  # an episode's reward of each model turn it was scored on; None: single-turn
+    )
+    env_error: bool = False  # the environment raised or timed out and ended this episode
+    num_turns: int = 1  # model turns (an episode's last may be unscored: cut by the budget, or its step failed)
+
+    def model_token_ids(self) -> list[int]:
+        """The tokens the model generated (and the learner trains), in order."""
+        if self.completion_mask is None:
+            return list(self.completion_ids)
+        return [t for t, m in zip(self.completion_ids, self.completion_mask, strict=True) if m]
+
+
+@dataclass
+class Group:
+    """The G samples of one prompt, sampled under `policy_version`."""
+
+    group_id: int
+    problem_id: str
+    prompt_ids: list[int]
+    policy_version: int
+    samples: list[Sample]
+    created_at: float = 0.0
+    reward_errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def is_episodic(self) -> bool:
+        """Sampled as multi-turn episodes (by an environment) rather than single completions."""
+        return any(s.turn_rewards is not None for s in self.samples)
+
+    def num_tokens(self) -> int:
+        return sum(len(self.prompt_ids) + len(s.completion_ids) for s in self.samples)
+
+
+def parse_group_ids(ids: Iterable[Any]) -> list[int]:
+    """Group ids as stored in a checkpoint: ints, or the "g{index}" strings of checkpoints before ids were ints."""
+    out = []
+    for gid in ids:
+        if isinstance(gid, int) and not isinstance(gid, bool):
+            out.append(gid)
+        elif isinstance(gid, str) and gid.startswith("g") and gid[1:].isdigit():
+            out.append(int(gid[1:]))
+        else:
+            raise ValueError(f"checkpoint: group id {gid!r} is neither an int nor 'g<index>'")
+    return out
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """What the driver logs about a step's groups, computed where the groups are (the driver never opens them)."""
+
+    num_samples: int
+    reward_mean: float
+    reward_std: float
+    staleness: list[int]  # per group: learner version when taken minus sampling version
+    version_min: int
+    version_max: int
+    episodes: EpisodeStats | None = None  # the multi-turn episodes among the groups, if any
+
+    @classmethod
+    def of(cls, groups: list[Group], learner_version: int | None) -> BatchStats | None:
+        if not groups:
+            return None
+        rewards = [r for g in groups for r in g.rewards]
+        scored = [r for r in rewards if not math.isnan(r)]  # an environment failure is no reward of 0
+        versions = [g.policy_version for g in groups]
+        return cls(
+            num_samples=len(rewards),
+            reward_mean=statistics.fmean(scored) if scored else math.nan,
+            reward_std=statistics.pstdev(scored) if scored else math.nan,
+            staleness=[] if learner_version is None else [learner_version - v for v in versions],
+            version_min=min(versions),
+            version_max=max(versions),
+            episodes=EpisodeStats.of([s for g in groups if g.is_episodic for s in g.samples]),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "reward": self.reward_mean,
+            "reward_std": self.reward_std,
+            "sample/version_min": self.version_min,
+            "sample/version_max": self.version_max,
+            "samples": self.num_samples,
+        }
+        if self.staleness:
+            out["sample/staleness_mean"] = statistics.fmean(self.staleness)
+            out["sample/staleness_max"] = max(self.staleness)
+        if self.episodes:
+            out.update(self.episodes.metrics())
+        return out
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """Turns, truncation, environment failures and per-turn rewards of a step's multi-turn episodes."""
+
+    num_episodes: int
+    turns_mean: float
+    turns_max: int
+    truncated_share: float
+    env_errors: int
+    turn_reward_mean: tuple[float, ...]  # index k: mean reward of turn k + 1 over the episodes scored on it
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> EpisodeStats | None:
+        if not samples:
+            return None
+        turns = [s.num_turns for s in samples]
+        per_turn: list[list[float]] = [[] for _ in range(max(len(s.turn_rewards or ()) for s in samples))]
+        for s in samples:
+            for k, r in enumerate(s.turn_rewards or ()):
+                per_turn[k].append(r)
+        return cls(
+            num_episodes=len(samples),
+            turns_mean=statistics.fmean(turns),
+            turns_max=max(turns),
+            truncated_share=sum(s.truncated for s in samples) / len(samples),
+            env_errors=sum(s.env_error for s in samples),
+            turn_reward_mean=tuple(statistics.fmean(r) for r in per_turn),
+        )
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "env/episodes": float(self.num_episodes),
+            "env/turns_mean": self.turns_mean,
+            "env/turns_max": float(self.turns_max),
+            "env/truncated_share": self.truncated_share,
+            "env/errors": float(self.env_errors),
+            **{f"env/turn_reward/{k + 1}": r for k, r in enumerate(self.turn_reward_mean)},
+        }
+
+
+@dataclass
+class RolloutBatch:
+    """One step's groups as the rollout hands them to the learner.
+
+    `data_cursor` is where a resumed rollout goes on (the learner checkpoints it); `learner_version`
+    is the version the rollout measured staleness to when it took the groups.
+    """
+
+    groups: list[Group]
+    data_cursor: int | None = None
+    learner_version: int | None = None
+
+    def stats(self) -> BatchStats | None:
+        return BatchStats.of(self.groups, self.learner_version)

@@ -1,0 +1,123 @@
+"""Which committed versions a replica serves, and how rarely it lists the bucket to find out."""
+
+import asyncio
+import threading
+import time
+
+from app.bucket.store import AdapterStore
+from app.config import load_config
+from deployments.adapter_sources import CommittedVersions
+
+
+def _config(tmp_path, *overrides: str):
+    return load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache", *overrides])
+
+
+def _publish(store: AdapterStore, tmp_path, *versions: int) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir(exist_ok=True)
+    (adapter / "adapter_config.json").write_text('{"r": 1}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    for v in versions:
+        store.publish(adapter, v)
+
+
+class _Bucket:
+    """Committed versions, newest first, counting the listings; each listing takes `delay_s`."""
+
+    def __init__(self, *committed: int, delay_s: float = 0.0):
+        self.committed, self.delay_s, self.listings = list(committed), delay_s, 0
+        self._count = threading.Lock()  # listings run on threads
+
+    def versions(self) -> list[int]:
+        with self._count:
+            self.listings += 1
+        time.sleep(self.delay_s)
+        return list(self.committed)
+
+
+def test_a_replica_serves_the_newest_committed_versions_oldest_first(tmp_path):
+    store = AdapterStore.from_config(_config(tmp_path))
+
+    def versions_to_serve():
+        return asyncio.run(CommittedVersions(store, window=3).to_serve())
+
+    def is_committed(version):
+        return asyncio.run(CommittedVersions(store, window=3).is_committed(version))
+
+    assert versions_to_serve() == []
+    _publish(store, tmp_path, 0, 1, 2, 3, 4)
+    assert versions_to_serve() == [2, 3, 4]
+    assert is_committed(4) and is_committed(2)
+    assert is_committed(1)  # too old for a sample, but committed: served on demand (an evaluation, say)
+    assert not is_committed(5)
+
+
+async def _ask(versions: CommittedVersions, *asked: int) -> list[bool]:
+    """The answers to requests for `asked`, all at once (a replica's one event loop)."""
+    return await asyncio.gather(*(versions.is_committed(v) for v in asked))
+
+
+def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_once_per_interval():
+    now = [0.0]
+    bucket = _Bucket(3, 2, 1, 0, delay_s=0.05)
+    versions = CommittedVersions(bucket, window=3, min_interval_s=5.0, clock=lambda: now[0])
+
+    async def scenario():
+        assert await versions.to_serve() == [1, 2, 3] and bucket.listings == 1  # start-up
+        assert await _ask(versions, 3, 2, 1, 0) == [True, True, True, True]  # known: no listing
+        assert bucket.listings == 1
+        assert not any(await _ask(versions, *range(4, 1004)))  # 1000 versions nobody published
+        assert bucket.listings == 1  # listed at start-up, less than the interval ago
+        now[0] = 5.0
+        assert not any(await _ask(versions, *range(4, 1004)))
+        assert bucket.listings == 2  # one listing, shared by the burst
+        bucket.committed.insert(0, 4)
+        assert await _ask(versions, 4) == [False]  # published within the interval: found by the next listing
+        now[0] = 10.0
+        assert await _ask(versions, 4, 4, 4) == [True, True, True]
+        assert await _ask(versions, 1) == [True]  # out of the window since v4, still committed
+        assert bucket.listings == 3
+
+    asyncio.run(scenario())
+
+
+def test_an_older_unknown_version_is_refused_without_listing():
+    bucket = _Bucket(9, 7, 6)  # v8 was never committed (or was removed)
+    versions = CommittedVersions(bucket, window=3, min_interval_s=0.0)
+
+    async def scenario():
+        await versions.to_serve()
+        assert await _ask(versions, 8, 5, 0, 8) == [False] * 4
+        assert bucket.listings == 1  # however often: nothing older than v9 is going to appear
+
+    asyncio.run(scenario())
+
+
+def test_requests_waiting_for_a_listing_share_it():
+    bucket = _Bucket(2, 1, delay_s=0.2)
+    versions = CommittedVersions(bucket, window=2, min_interval_s=0.0)  # no interval: sharing alone
+
+    async def scenario():
+        await versions.to_serve()
+        bucket.committed.insert(0, 3)  # published, its broadcast missed
+        assert all(await _ask(versions, *[3] * 200))
+        assert bucket.listings == 2
+
+    asyncio.run(scenario())
+
+
+def test_versions_fetched_by_broadcast_count_as_known():
+    bucket = _Bucket(5, 4, 3)
+    versions = CommittedVersions(bucket, window=3, min_interval_s=0.0)
+
+    async def scenario():
+        await versions.to_serve()
+        bucket.committed[:0] = [8, 7, 6]
+        versions.remember(6)  # came by broadcast since the listing (and was evicted since, say)
+        versions.remember(7)
+        assert await _ask(versions, 6, 7, 4) == [True, True, True] and bucket.listings == 1
+        # Newer than the listing and never fetched here (its broadcast was missed): listed for.
+        assert await _ask(versions, 8) == [True] and bucket.listings == 2
+
+    asyncio.run(scenario())
