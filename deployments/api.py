@@ -142,7 +142,7 @@ def make_app(
     backend: Backend, settings: ApiSettings, runs: Runs | None = None, records=None, gate: FairShare | None = None
 ) -> FastAPI:
     """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants, `records` (an
-    `app.bucket.store.RunRecords`) where registrations are kept across restarts of the ingress, `gate` the fair
+    `app.bucket.records.RunRecords`) where registrations are kept across restarts of the ingress, `gate` the fair
     share of in-flight generations between them."""
     app = FastAPI(
         title="spotrl fleet",

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from app.bucket.store import RunRecords
+from app.bucket.records import RunRecords
 from app.config import FleetConfig
 from app.models import model_fingerprint
 from contracts.auth import Secret, check_exposure, redact

@@ -8,7 +8,7 @@ admin token is open to everyone on its machine, runs or not: tokens mean somethi
 
 The registry lives in the ingress and holds only each token's sha256 (`app.auth`): the token itself
 is answered once, to the admin who registered the run. Each registration is also recorded in the
-fleet's bucket (`app.bucket.store.RunRecords`: name, sha256, weight, window and rank), so an ingress that restarts
+fleet's bucket (`app.bucket.records.RunRecords`: name, sha256, weight, window and rank), so an ingress that restarts
 (its head node lost, the application redeployed) knows its runs, and their tokens, again. Replicas
 know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
 restarts loses nothing either.

@@ -18,7 +18,7 @@ from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
 @pytest.fixture
 def fleet(tmp_path):
     """The fleet's FastAPI app served by uvicorn on 127.0.0.1, its registrations recorded under `tmp_path`."""
-    from app.bucket.store import RunRecords
+    from app.bucket.records import RunRecords
     from contracts.retry import Backoff
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))

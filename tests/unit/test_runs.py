@@ -207,7 +207,7 @@ def test_a_release_that_cannot_unload_never_fails_the_request_that_triggered_it(
 
 def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never_holds_a_token(tmp_path):
     """A fresh ingress (its node lost, the app redeployed) restores the runs from the bucket, tokens and all."""
-    from app.bucket.store import RunRecords
+    from app.bucket.records import RunRecords
     from contracts.retry import Backoff
     from deployments.runs import Registration, Runs
 
@@ -239,7 +239,7 @@ def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never
 def test_a_run_learns_its_prefix_of_the_fleets_bucket_and_nobody_elses(tmp_path):
     """`GET /v1/runs/NAME`: where run NAME must publish (the only place the fleet loads its adapters from) and how
     long it may stay silent; for its own token and the admin's, a 403 for another run's, a 404 for no run."""
-    from app.bucket.store import RunRecords
+    from app.bucket.records import RunRecords
     from contracts.retry import Backoff
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
