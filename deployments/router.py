@@ -14,7 +14,8 @@ size, and `serve_config.yaml` need only name this class. Explicit `request_route
 
 Counters (routed / affinity / spilled / unmatched, per replica) are Ray metrics and, for
 `GET /router/stats`, a snapshot that the ingress reads in-process: the router lives inside the
-ingress replica, as part of its handle to the vLLM deployment.
+ingress replica, as part of its handle to the vLLM deployment. A replica that leaves takes its row
+with it (its counts join one `retired` sum), so the snapshot's size follows the live fleet.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class PrefixHashRouter(RequestRouter):
         self._inflight: dict[str, int] = {}
         self._lock = threading.Lock()  # counters are read by the ingress's loop, written by the router's
         self._counts: dict[str, dict[str, int]] = {}
+        # What replicas that left (died, drained, scaled down) had counted: kept as one sum, so that the totals and
+        # the affinity share stay whole while the per-replica table holds the live replicas alone (spot churn
+        # would otherwise grow it for ever).
+        self._retired: dict[str, int] = dict.fromkeys(("routed", *OUTCOMES), 0)
         self._turns: dict[int, dict[str, int]] = {}  # the same outcomes by episode turn, for requests that say theirs
         self._metrics = _RouterMetrics(self.app_name)
         # Serve ships this class to the ingress by value (cloudpickle), with its own copy of this
@@ -155,8 +160,11 @@ class PrefixHashRouter(RequestRouter):
         if not gone:
             return
         self._table.forget(gone)
-        for rid in gone:
-            self._inflight.pop(rid, None)
+        with self._lock:
+            for rid in gone:
+                self._inflight.pop(rid, None)
+                for key, value in self._counts.pop(rid, {}).items():
+                    self._retired[key] += value
 
     def _adopt_replica_settings(self, replicas: list[RunningReplica]) -> None:
         """Take block size and thresholds from what the replicas publish (their engine and run config)."""
@@ -184,6 +192,7 @@ class PrefixHashRouter(RequestRouter):
                 for rid, counts in self._counts.items()
             }
             turns = {k: dict(v) for k, v in self._turns.items()}
+            retired = dict(self._retired)
         for rid in live - set(replicas):
             replicas[rid] = {
                 **dict.fromkeys(("routed", *OUTCOMES), 0),
@@ -194,6 +203,7 @@ class PrefixHashRouter(RequestRouter):
             "settings": dict(self._settings),
             "table_entries": len(self._table),
             "replicas": replicas,
+            "retired": retired,
             "turns": turns,
         }
 
@@ -239,11 +249,14 @@ class _RouterMetrics:
 def router_stats() -> dict[str, Any]:
     """Counters of every PrefixHashRouter in this process (the ingress has one per vLLM handle)."""
     merged: dict[str, Any] = {"router": "PrefixHashRouter", "settings": None, "table_entries": 0, "replicas": {}}
+    retired = dict.fromkeys(("routed", *OUTCOMES), 0)
     turns: dict[int, dict[str, int]] = {}
     for router in list(_ROUTERS):
         snap = router.stats()
         merged["settings"] = snap["settings"]
         merged["table_entries"] += snap["table_entries"]
+        for key in retired:
+            retired[key] += snap["retired"][key]
         for turn, counts in snap["turns"].items():
             into = turns.setdefault(turn, dict.fromkeys(("routed", *OUTCOMES), 0))
             for key in into:
@@ -255,7 +268,8 @@ def router_stats() -> dict[str, Any]:
             for key in ("routed", *OUTCOMES, "inflight"):
                 into[key] += counts[key]
             into["live"] = into["live"] or counts["live"]
-    totals = dict.fromkeys(("routed", *OUTCOMES), 0)
+    merged["retired"] = retired  # the counts of replicas no longer in the fleet, summed
+    totals = dict(retired)
     for counts in merged["replicas"].values():
         for key in totals:
             totals[key] += counts[key]

@@ -103,6 +103,8 @@ async def _reuses_decision_and_forgets_dead():
     survivor = b if first is a else a
     router.on_replica_actor_died(first.replica_id)
     assert len(router._table) == 0
+    stats = router.stats()  # its row goes (spot churn must not grow the stats), its counts stay in the totals
+    assert first.replica_id.unique_id not in stats["replicas"] and stats["retired"]["routed"] == 1
     moved = (await router.choose_replicas([survivor], pending))[0][0]
     assert moved is survivor
 
@@ -169,3 +171,25 @@ async def _per_turn():
     merged = router_stats()["turns"]
     assert merged["2"]["affinity_share"] == 1.0 and merged["1"]["affinity_share"] == 0.0
     assert sum(c["routed"] for c in router.stats()["replicas"].values()) == 13
+
+
+def test_router_stats_stay_the_size_of_the_live_fleet_through_churn(patched_replicas):
+    """Replicas come and go (spot nodes): `/router/stats` holds the live ones, and the totals lose nothing."""
+    from deployments.router import router_stats
+
+    async def churn():
+        router = _router(spill_threshold=100)
+        live = [_FakeReplica("r0")]
+        router.update_replicas(live)
+        for i in range(1, 51):
+            await router.choose_replicas(live, _pending([i] * 40))
+            replacement = _FakeReplica(f"r{i}")
+            router.update_replicas([replacement])  # the old one left: preempted, scaled down
+            live = [replacement]
+        return router
+
+    router = asyncio.run(churn())
+    stats = router.stats()
+    assert list(stats["replicas"]) == ["r50"] and stats["retired"]["routed"] == 50
+    merged = router_stats()
+    assert merged["totals"]["routed"] >= 50 and "r0" not in merged["replicas"]
