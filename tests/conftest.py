@@ -10,6 +10,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# Spot notices are watched by default (`contracts.notices`); in tests the clouds' metadata endpoints are a closed port
+# on loopback (tests that need notices start a fake server there), so nothing ever asks 169.254.169.254.
+os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,285 @@
+"""Spot interruption notices: what one is, where each cloud says it, and a watcher that hears it first.
+
+A spot machine is taken back with a warning: AWS gives two minutes (IMDS `spot/instance-action`, and often
+a rebalance recommendation earlier), GCP about 30 s (metadata `instance/preempted`, and
+`instance/maintenance-event` before host maintenance), Kubernetes and SkyPilot a SIGTERM with a grace
+period, and some schedulers write a file. Ray watches for none of these. `NoticeWatcher` polls them in a
+thread of the process that hosts a role (the learner, a replica, the driver) and calls that role's
+handlers once with a `Notice`: the node is then drained in Ray, the learner checkpoints, the replicas hand
+their work back (`app.spot`, `deployments`).
+
+The metadata services are reached where the clouds' own SDKs reach them, honouring their variables:
+`AWS_EC2_METADATA_SERVICE_ENDPOINT` (botocore's, a URL; `AWS_EC2_METADATA_DISABLED=true` turns AWS off)
+and `GCE_METADATA_HOST` (google-auth's, host:port), so tests point them at a fake server on 127.0.0.1.
+IMDSv2 first (a session token, then GETs that carry it); where the token is refused, IMDSv1 (plain GETs).
+Off a cloud (a laptop, CI) the first short probe finds nothing and the watcher stops asking, from its own
+thread: start-up never waits for it.
+
+Both sides need this (the learner's and the replicas' nodes are spot alike), so it sits below them.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger("spotrl.notices")
+
+AWS_ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+AWS_DISABLED_ENV = "AWS_EC2_METADATA_DISABLED"
+GCE_HOST_ENV = "GCE_METADATA_HOST"
+METADATA_IP = "169.254.169.254"  # both clouds' default, when their variable is not set
+AWS_TOKEN_TTL_S = 21600
+GCP_NOTICE_S = 30.0  # GCP's preemption notice; its maintenance notice is 60 s
+GCP_MAINTENANCE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Notice:
+    """The machine will go away (or, `binding` False, a cloud recommends moving off it)."""
+
+    source: str  # aws, aws-rebalance, gcp, gcp-maintenance, sigterm, file
+    deadline: float | None  # unix seconds when the machine goes; None: not said
+    detail: str = ""
+
+    @property
+    def binding(self) -> bool:
+        """An interruption, not a recommendation: AWS's rebalance recommendation promises nothing."""
+        return self.source != "aws-rebalance"
+
+    def remaining_s(self, now: float | None = None) -> float | None:
+        return None if self.deadline is None else self.deadline - (time.time() if now is None else now)
+
+    def describe(self) -> str:
+        left = self.remaining_s()
+        when = f", {left:.0f} s left" if left is not None else ""
+        return f"{self.source} notice{when}{f' ({self.detail})' if self.detail else ''}"
+
+
+def _parse_utc(stamp: str) -> float:
+    """`2026-12-02T08:22:00Z` as unix seconds."""
+    return float(calendar.timegm(time.strptime(stamp.replace(".000", ""), "%Y-%m-%dT%H:%M:%SZ")))
+
+
+class AwsMetadata:
+    """EC2's instance metadata service: `spot/instance-action` and the rebalance recommendation."""
+
+    name = "aws"
+
+    def __init__(self, endpoint: str | None = None, timeout_s: float = 1.0):
+        self.endpoint = (endpoint or os.environ.get(AWS_ENDPOINT_ENV) or f"http://{METADATA_IP}").rstrip("/")
+        self._client = httpx.Client(base_url=self.endpoint, timeout=timeout_s, trust_env=False)
+        self._token: str | None = None
+        self._token_until = 0.0
+        self._v1 = False  # the token was refused: plain GETs (IMDSv1)
+
+    def _headers(self) -> dict[str, str]:
+        if self._v1:
+            return {}
+        if self._token is None or time.monotonic() > self._token_until:
+            r = self._client.put(
+                "/latest/api/token", headers={"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)}
+            )
+            if r.status_code != 200:  # IMDSv2 refused (403/404/405): this instance answers IMDSv1
+                self._v1 = True
+                return {}
+            self._token, self._token_until = r.text, time.monotonic() + AWS_TOKEN_TTL_S / 2
+        return {"X-aws-ec2-metadata-token": self._token}
+
+    def _get(self, path: str) -> httpx.Response:
+        r = self._client.get(f"/latest/meta-data/{path}", headers=self._headers())
+        if r.status_code == 401 and not self._v1:  # the token expired early: one fresh one
+            self._token = None
+            r = self._client.get(f"/latest/meta-data/{path}", headers=self._headers())
+        return r
+
+    def probe(self) -> bool:
+        return self._get("instance-id").status_code == 200
+
+    def poll(self) -> Notice | None:
+        action = self._get("spot/instance-action")
+        if action.status_code == 200:
+            body = action.json()
+            return Notice("aws", _parse_utc(body["time"]), f"spot {body.get('action', 'terminate')}")
+        rebalance = self._get("events/recommendations/rebalance")
+        if rebalance.status_code == 200:
+            return Notice("aws-rebalance", None, f"rebalance recommended at {rebalance.json().get('noticeTime')}")
+        return None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class GcpMetadata:
+    """GCE's metadata server: `instance/preempted` and `instance/maintenance-event`."""
+
+    name = "gcp"
+
+    def __init__(self, host: str | None = None, timeout_s: float = 1.0):
+        self.host = host or os.environ.get(GCE_HOST_ENV) or METADATA_IP
+        self._client = httpx.Client(
+            base_url=f"http://{self.host}/computeMetadata/v1",
+            headers={"Metadata-Flavor": "Google"},
+            timeout=timeout_s,
+            trust_env=False,
+        )
+
+    def _get(self, path: str) -> str | None:
+        r = self._client.get(f"/{path}")
+        # A server that is no GCE metadata server (EC2's, say) does not answer with Google's flavor header.
+        return r.text.strip() if r.status_code == 200 and r.headers.get("metadata-flavor") == "Google" else None
+
+    def probe(self) -> bool:
+        return self._get("instance/id") is not None
+
+    def poll(self) -> Notice | None:
+        if self._get("instance/preempted") == "TRUE":
+            return Notice("gcp", time.time() + GCP_NOTICE_S, "preempted")
+        event = self._get("instance/maintenance-event")
+        if event and event.startswith("TERMINATE"):  # MIGRATE_ON_HOST_MAINTENANCE moves the VM live: no notice
+            return Notice("gcp-maintenance", time.time() + GCP_MAINTENANCE_S, event)
+        return None
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class NoticeFile:
+    """A file a scheduler writes when the machine is to go: empty, or JSON with `deadline` (unix) or `in_s`."""
+
+    name = "file"
+
+    def __init__(self, path: str | os.PathLike, default_grace_s: float):
+        self.path, self.default_grace_s = Path(path).expanduser(), default_grace_s
+
+    def probe(self) -> bool:
+        return True  # a file may appear at any time: always asked
+
+    def poll(self) -> Notice | None:
+        try:
+            text = self.path.read_text().strip()
+        except FileNotFoundError:
+            return None
+        try:
+            spec = json.loads(text) if text else {}
+        except ValueError:
+            spec = {}
+        spec = spec if isinstance(spec, dict) else {}
+        if isinstance(spec.get("deadline"), int | float):
+            deadline = float(spec["deadline"])
+        else:
+            in_s = spec.get("in_s")
+            deadline = time.time() + (float(in_s) if isinstance(in_s, int | float) else self.default_grace_s)
+        return Notice("file", deadline, str(self.path))
+
+    def close(self) -> None:
+        pass
+
+
+def cloud_sources(timeout_s: float) -> list:
+    """The metadata services to ask: AWS's unless disabled, GCP's."""
+    sources = [] if os.environ.get(AWS_DISABLED_ENV, "").lower() == "true" else [AwsMetadata(timeout_s=timeout_s)]
+    return [*sources, GcpMetadata(timeout_s=timeout_s)]
+
+
+class NoticeWatcher:
+    """Polls the notice sources every `interval_s` in a daemon thread and calls each handler once per notice.
+
+    A binding notice (an interruption) is reported once, and the watcher keeps watching only for nothing
+    more (the machine is going); a recommendation (AWS rebalance) is reported once, and the watcher goes on
+    watching for the interruption itself. `sigterm_grace_s` makes a SIGTERM to this process a notice with
+    that deadline (installed only from the main thread; the previous handler still runs after ours, so what
+    SIGTERM did before, it still does)."""
+
+    def __init__(
+        self,
+        handlers: list[Callable[[Notice], None]],
+        *,
+        interval_s: float = 5.0,
+        probe_timeout_s: float = 1.0,
+        notice_file: str | None = None,
+        sources: list | None = None,
+        sigterm_grace_s: float | None = None,
+    ):
+        self.handlers = list(handlers)
+        self.interval_s = interval_s
+        self.sources = cloud_sources(probe_timeout_s) if sources is None else list(sources)
+        if notice_file:
+            self.sources.append(NoticeFile(notice_file, sigterm_grace_s or GCP_NOTICE_S))
+        self.notices: list[Notice] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="spot-notices", daemon=True)
+        if sigterm_grace_s is not None:
+            self._install_sigterm(sigterm_grace_s)
+
+    def start(self) -> NoticeWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def binding(self) -> Notice | None:
+        """The interruption notice, once one came."""
+        return next((n for n in self.notices if n.binding), None)
+
+    def _install_sigterm(self, grace_s: float) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            self.report(Notice("sigterm", time.time() + grace_s, f"SIGTERM, {grace_s:.0f} s grace"))
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def report(self, notice: Notice) -> None:
+        """Hand `notice` to every handler, unless a notice of its kind (binding or not) came already."""
+        with self._lock:
+            if any(n.binding == notice.binding for n in self.notices):
+                return
+            self.notices.append(notice)
+        log.warning("spot: %s", notice.describe())
+        for handler in self.handlers:
+            try:
+                handler(notice)
+            except Exception:  # noqa: BLE001 - one role's failure must not keep the others from acting
+                log.exception("spot: a notice handler failed")
+
+    def _watch(self) -> None:
+        live = [s for s in self.sources if self._answers(s)]
+        if not live:
+            log.info("spot: no metadata service or notice file answers here; not watching")
+        while live and not self._stop.is_set() and self.binding is None:
+            for source in live:
+                try:
+                    notice = source.poll()
+                except (httpx.HTTPError, ValueError, KeyError) as e:
+                    log.debug("spot: %s poll failed: %s", source.name, e)
+                    continue
+                if notice is not None:
+                    self.report(notice)
+            self._stop.wait(self.interval_s)
+        for source in self.sources:
+            source.close()
+
+    @staticmethod
+    def _answers(source) -> bool:
+        try:
+            return source.probe()
+        except (httpx.HTTPError, ValueError):
+            return False

@@ -1,0 +1,126 @@
+"""Spot notices (`contracts.notices`) against a fake metadata server on 127.0.0.1: AWS IMDSv2 and IMDSv1, GCP,
+a scheduler's file, SIGTERM; the watcher reports each kind once and gives up at once where nothing answers."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from contracts.notices import AwsMetadata, GcpMetadata, Notice, NoticeFile, NoticeWatcher
+from tests.fake_metadata import TOKEN, FakeMetadata
+from tests.fleet_helpers import free_port
+
+
+@pytest.fixture
+def metadata(monkeypatch):
+    with FakeMetadata() as server:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        yield server
+
+
+def test_aws_imdsv2_fetches_a_token_once_and_reads_the_instance_action_and_the_rebalance(metadata):
+    aws = AwsMetadata()  # the endpoint comes from AWS_EC2_METADATA_SERVICE_ENDPOINT, as botocore's does
+    assert aws.endpoint == f"http://127.0.0.1:{metadata.port}"
+    assert aws.probe() and aws.poll() is None
+    metadata.aws_rebalance()
+    rebalance = aws.poll()
+    assert rebalance.source == "aws-rebalance" and not rebalance.binding and rebalance.deadline is None
+    metadata.aws_notice(in_s=120)
+    notice = aws.poll()
+    assert notice.source == "aws" and notice.binding and 100 < notice.remaining_s() <= 121
+    puts = [r for r in metadata.requests if r[0] == "PUT"]
+    gets = [r for r in metadata.requests if r[0] == "GET"]
+    assert len(puts) == 1 and all(r[2].get("x-aws-ec2-metadata-token") == TOKEN for r in gets)
+
+
+def test_aws_falls_back_to_imdsv1_where_tokens_are_refused(monkeypatch):
+    with FakeMetadata(refuse_tokens=True) as server:
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", server.env()["AWS_EC2_METADATA_SERVICE_ENDPOINT"])
+        aws = AwsMetadata()
+        assert aws.probe()
+        server.aws_notice(in_s=60, action="stop")
+        notice = aws.poll()
+        assert notice.source == "aws" and "stop" in notice.detail and 40 < notice.remaining_s() <= 61
+        assert [r[1] for r in server.requests if r[0] == "PUT"] == ["/latest/api/token"]  # asked once, then v1
+
+
+def test_gcp_reads_preempted_and_terminating_maintenance_but_not_a_live_migration(metadata):
+    gcp = GcpMetadata()
+    assert gcp.host == f"127.0.0.1:{metadata.port}" and gcp.probe() and gcp.poll() is None
+    metadata.gcp_maintenance("MIGRATE_ON_HOST_MAINTENANCE")
+    assert gcp.poll() is None  # a live migration: the VM stays
+    metadata.gcp_maintenance()
+    assert gcp.poll().source == "gcp-maintenance"
+    metadata.gcp_preempt()
+    notice = gcp.poll()
+    assert notice.source == "gcp" and 25 < notice.remaining_s() <= 30
+
+
+def test_a_metadata_server_of_the_other_cloud_is_not_taken_for_gcp(monkeypatch):
+    with FakeMetadata(cloud="aws") as server:
+        monkeypatch.setenv("GCE_METADATA_HOST", server.env()["GCE_METADATA_HOST"])
+        assert not GcpMetadata().probe()
+
+
+def test_a_schedulers_file_is_a_notice_with_its_deadline_or_the_default_grace(tmp_path):
+    path = tmp_path / "preempt"
+    source = NoticeFile(path, default_grace_s=30.0)
+    assert source.probe() and source.poll() is None
+    path.write_text("")
+    assert 25 < source.poll().remaining_s() <= 30
+    path.write_text('{"in_s": 90}')
+    assert 85 < source.poll().remaining_s() <= 90
+    path.write_text(f'{{"deadline": {time.time() + 10}}}')
+    assert 5 < source.poll().remaining_s() <= 10
+
+
+def test_the_watcher_reports_a_recommendation_then_the_interruption_each_once_and_stops(metadata):
+    seen: list[Notice] = []
+    got_binding = threading.Event()
+
+    def handler(notice):
+        seen.append(notice)
+        if notice.binding:
+            got_binding.set()
+
+    watcher = NoticeWatcher([handler], interval_s=0.05).start()
+    time.sleep(0.3)
+    assert seen == []
+    metadata.aws_rebalance()
+    time.sleep(0.3)
+    metadata.aws_notice(in_s=120)
+    assert got_binding.wait(5)
+    time.sleep(0.3)
+    assert [n.source for n in seen] == ["aws-rebalance", "aws"]  # each once, though every poll still sees them
+    watcher._thread.join(5)
+    assert not watcher._thread.is_alive()  # the machine is going: nothing more to watch for
+
+
+def test_where_no_metadata_service_answers_the_watcher_gives_up_at_once(monkeypatch):
+    closed = free_port()
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{closed}")
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{closed}")
+    started = time.monotonic()
+    watcher = NoticeWatcher([lambda n: None], interval_s=5.0).start()
+    watcher._thread.join(5)
+    assert not watcher._thread.is_alive() and time.monotonic() - started < 2
+
+
+def test_sigterm_is_a_notice_with_its_grace_and_the_previous_handler_still_runs(monkeypatch):
+    earlier: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: earlier.append(signum))
+    try:
+        closed = free_port()
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{closed}")
+        seen: list[Notice] = []
+        NoticeWatcher([seen.append], sigterm_grace_s=30.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert [n.source for n in seen] == ["sigterm"] and 25 < seen[0].remaining_s() <= 30
+        assert earlier == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
