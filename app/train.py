@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
-import statistics
 import sys
 import time
 from contextlib import ExitStack
 
 from app.config import RunConfig, add_config_args, config_from_args
-from app.messages import ResumePoint, RolloutStats, StepResult
+from app.messages import ResumePoint
 from app.models import is_local, pin_revision, resolve_model_path
+from app.run_log import Run, StepLog
+from app.spot import DriverNotices, Preempted, finished_line, preempted_line, resumed_line
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, admin_token, inference_token
 
@@ -43,137 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.fleet:
         args.overrides.append(f"join.url={args.fleet}")
     return args
-
-
-def window_mean(values: list[float], share: float, last: bool) -> float | None:
-    if not values:
-        return None
-    k = max(1, round(len(values) * share))
-    chunk = values[-k:] if last else values[:k]
-    return statistics.fmean(chunk)
-
-
-class Run:
-    """The numbers of one training run, so the loop and the summary read the same ones."""
-
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
-        self.history: list[dict] = []
-        self.staleness: list[int] = []
-        self.samples_trained = 0
-        self.t0 = time.time()
-        self.loop_t0: float | None = None  # start of the training loop, after start-up and the first evaluation
-        self.loop_s = 0.0
-        self.idle_at_loop_start = 0.0
-
-    def start_loop(self, rollout_stats: RolloutStats) -> None:
-        self.loop_t0 = time.time()
-        self.idle_at_loop_start = rollout_stats.idle_s
-
-    def end_loop(self) -> None:
-        self.loop_s = time.time() - self.loop_t0
-
-    def record(self, result: StepResult, rollout_stats: RolloutStats, rollout_wait_s: float) -> dict:
-        """The step's metrics as logged: the learner's, the rollout's, its groups', and how long we waited for them."""
-        metrics = {
-            **result.metrics,
-            "policy_version": result.policy_version,
-            **rollout_stats.metrics(),
-            **(result.batch.metrics() if result.batch else {}),
-            "perf/rollout_wait_s": rollout_wait_s,
-        }
-        self.history.append(metrics)
-        if result.batch:
-            self.staleness.extend(result.batch.staleness)
-            self.samples_trained += result.batch.num_samples
-        return metrics
-
-    def summary(self, before: dict | None, after: dict | None, rollout: RolloutStats, router: dict | None) -> dict:
-        rewards = [m["reward"] for m in self.history if "reward" in m]
-        ratios = [m["ratio"] for m in self.history if "ratio" in m]
-        return {
-            "run_name": self.cfg.logging.run_name,
-            "fleet_run": self.cfg.fleet_run,  # its name on the shared fleet it joined, else None
-            "steps": len(self.history),
-            "samples_trained": self.samples_trained,
-            "policy_version": self.history[-1].get("policy_version") if self.history else None,
-            "reward_first_10pct": window_mean(rewards, 0.1, last=False),
-            "reward_last_10pct": window_mean(rewards, 0.1, last=True),
-            "heldout_accuracy_before": before and before["accuracy"],
-            "heldout_accuracy_after": after and after["accuracy"],
-            "heldout_models": [before and before["model"], after and after["model"]],
-            "affinity_share": router_affinity(router),
-            **episode_summary(self.history, rollout, router),
-            "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
-            "staleness_max": max(self.staleness) if self.staleness else None,
-            "dropped_stale_share": rollout.dropped_stale_share,
-            "dropped_failed_total": rollout.dropped_failed_total,
-            "ratio_mean": statistics.fmean(ratios) if ratios else None,
-            "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
-            "loop_wall_s": round(self.loop_s, 1),
-            "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history) / self.loop_s
-            if self.loop_s
-            else None,
-            "generation_idle_share": (rollout.idle_s - self.idle_at_loop_start) / self.loop_s if self.loop_s else None,
-            "wall_time_s": round(time.time() - self.t0, 1),
-        }
-
-
-class StepLog:
-    """Where each step goes: the audit trail of trained groups, the metrics sink, the progress bar, the verdicts."""
-
-    def __init__(self, stack: ExitStack, run: Run, initial_step: int):
-        from app.metrics_sink import MetricsSink
-
-        cfg = run.cfg
-        self.cfg, self.run = cfg, run
-        # Which groups each step trained: the audit trail of exactly-once across restarts (a resumed learner
-        # repeats step numbers; the last line of a step is the one its checkpoints descend from).
-        self.trained = stack.enter_context(open(cfg.run_dir / "trained_groups.jsonl", "a"))
-        self.sink = MetricsSink(cfg.run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
-        stack.callback(self.sink.close)
-        self.bar = progress_bar(cfg, initial_step)
-        stack.callback(self.bar.close)
-
-    def write(self, result: StepResult, metrics: dict) -> None:
-        from app.diagnosis import diagnose
-
-        self.trained.write(json.dumps({"step": result.step, "groups": result.trained_group_ids}) + "\n")
-        self.trained.flush()
-        self.sink.log(metrics, result.step)
-        self.bar.update(1)
-        self.bar.set_postfix(
-            reward=f"{metrics['reward']:.2f}",
-            step_s=f"{metrics['perf/step_s']:.2f}",
-            stale=f"{metrics['sample/staleness_mean']:.1f}",
-            queue=int(metrics["sample/rollout_queue_size"]),
-        )
-        every = self.cfg.logging.diagnose_every
-        if result.step % every == 0:
-            self.bar.write(str(diagnose(self.run.history[-every:], self.cfg)))
-
-
-def router_affinity(router: dict | None) -> float | None:
-    """Share of routed requests that matched a specific prefix, from the fleet's /router/stats."""
-    if not router:
-        return None
-    totals = router.get("totals", router)
-    routed = totals.get("routed", 0)
-    return totals.get("affinity", 0) / routed if routed else None
-
-
-def episode_summary(history: list[dict], rollout: RolloutStats, router: dict | None) -> dict:
-    """Multi-turn runs: turns per episode, truncated share, environment errors, and the router's affinity by turn
-    (from turn 2 on, the share of requests that stayed on the replica holding their trajectory); {} otherwise."""
-    steps = [m for m in history if "env/turns_mean" in m]
-    if not steps:
-        return {}
-    return {
-        "env_turns_mean": statistics.fmean(m["env/turns_mean"] for m in steps),
-        "env_truncated_share": statistics.fmean(m["env/truncated_share"] for m in steps),
-        "env_errors_total": rollout.env_errors_total,
-        "affinity_by_turn": {k: v["affinity_share"] for k, v in (router or {}).get("turns", {}).items()},
-    }
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -230,7 +99,8 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
 
 def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
     """Start or join a Ray of our own and become a run of the fleet at `join.url` (`app.fleet_run`);
-    returns a client of the fleet with the run's token, and the token for the rollout and the learner."""
+    returns a client of the fleet with the run's token, and the token for the rollout and the learner; None when
+    the run (in its prefix of the fleet's bucket) had finished already: it leaves the fleet again at once."""
     import ray
 
     from app import fleet_run
@@ -241,6 +111,8 @@ def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str |
     stack.callback(fleet_run.leave, run)  # after the learner and rollout stopped: nothing uses the adapters any more
     stack.enter_context(fleet_run.Heartbeat(run))
     fleet_run.publish_to_fleet_bucket(cfg, run)
+    if report_finished(cfg):
+        return None
     if start_ray(address, offline=is_local(model_path)):
         stack.callback(ray.shutdown)
     client = FleetClient(run.url, token=run.token.value)
@@ -286,76 +158,125 @@ def take_groups(rollout, n: int):
     return batch, time.perf_counter() - t0
 
 
-def train(cfg: RunConfig, address: str | None = None) -> dict:
-    """Train to `grpo.max_steps`; returns the run's summary (also in runs/<name>/summary.json)."""
-    import ray
-
-    from app.diagnosis import diagnose
-    from app.evaluate import evaluate
+def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | None = None) -> dict | None:
+    """Train to `grpo.max_steps`; returns the run's summary (also in runs/<name>/summary.json), or None when the run
+    had finished already (reported in one line, nothing touched). Raises `Preempted` after checkpointing when the
+    driver's machine gets a spot notice."""
     from app.learner.group import LearnerGroup
-    from app.weight_sync import ensure_served, tell_rollout
+    from app.weight_sync import ensure_served
 
     run = Run(cfg)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: log.info(m))
     pin_revision(cfg.model, model_path, log=log.info)
+    if not cfg.join.url and report_finished(cfg):
+        return None
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         if cfg.join.url:  # a shared fleet: the learner, like everyone, tells it of versions over HTTP
-            fleet, run_token = join_fleet(stack, cfg, model_path, address)
+            joined = join_fleet(stack, cfg, model_path, address)
+            if joined is None:
+                return None
+            fleet, run_token = joined
             learner_address = fleet.base_url
         else:
             fleet, run_token = start_fleet(stack, cfg, model_path, address), None
             learner_address = learner_fleet_address(cfg)
+        if notices is not None:
+            notices.take_sigterm()  # Ray has started: its handler replaced ours
         token = run_token.value if run_token else None
-        eval_token = token or inference_token(cfg)
         learner = LearnerGroup(cfg, model_path, fleet_url=learner_address, fleet_token=token)
         stack.callback(learner.shutdown)
         resume = learner.start()
-        version = resume.policy_version
-        log.info("learner at step %d, policy version %d", resume.step, version)
-        ensure_served(fleet, cfg, version)
-
-        before = evaluate(cfg, fleet.base_url, model_path, adapter_name(version, cfg.fleet_run), eval_token)
-        log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
-
+        ensure_served(fleet, cfg, resume.policy_version)
+        evaluation = Evaluation(cfg, fleet.base_url, model_path, token or inference_token(cfg))
+        before = evaluation.baseline(resume)
         rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token)
         steps = StepLog(stack, run, resume.step)
-        step = resume.step
-        run.start_loop(ray.get(rollout.stats.remote()))
-        while step < cfg.grpo.max_steps:
-            batch, rollout_wait_s = take_groups(rollout, cfg.grpo.num_prompts_per_step)
-            rollout_stats = ray.get(rollout.stats.remote())
-            result = learner.train_step(batch)
-            if result.policy_version != version:
-                version = result.policy_version
-                tell_rollout(rollout, version)
-            step = result.step
-            steps.write(result, run.record(result, rollout_stats, rollout_wait_s))
-        run.end_loop()
+        version = loop(cfg, run, steps, learner, rollout, resume, notices)
+        return finish(cfg, run, steps, rollout, fleet, evaluation, before, version)
 
-        final_stats = ray.get(rollout.stats.remote())
-        verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
-        after = evaluate(cfg, fleet.base_url, model_path, adapter_name(version, cfg.fleet_run), eval_token)
-        log.info("held-out accuracy after: %.3f (%s)", after["accuracy"], after["model"])
-        summary = run.summary(before, after, final_stats, fleet.router_stats())
-        summary["bottleneck"] = verdict.kind
-        summary["bottleneck_detail"] = str(verdict)
-        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        steps.bar.write(str(verdict))
+
+def report_finished(cfg: RunConfig) -> bool:
+    """Print one line and say True when this run reached `grpo.max_steps` already (`app.spot.finished_line`)."""
+    line = finished_line(cfg)
+    if line:
+        print(line, file=sys.stderr)
+    return line is not None
+
+
+def loop(cfg, run: Run, steps: StepLog, learner, rollout, resume: ResumePoint, notices: DriverNotices | None) -> int:
+    """Get groups, train, log, to `grpo.max_steps`; returns the policy version trained last. A spot notice for this
+    machine stops it after the step under way, checkpointed (`Preempted`). The last step is always checkpointed, so
+    that a run trained further later resumes exactly where this one ended."""
+    import ray
+
+    from app.weight_sync import tell_rollout
+
+    step, version = resume.step, resume.policy_version
+    checkpointed = step
+    run.start_loop(ray.get(rollout.stats.remote()))
+    while step < cfg.grpo.max_steps:
+        if notices is not None and notices.binding is not None:
+            if checkpointed != step:
+                learner.checkpoint()
+            raise Preempted(preempted_line(cfg, notices.binding, step, version))
+        batch, rollout_wait_s = take_groups(rollout, cfg.grpo.num_prompts_per_step)
+        rollout_stats = ray.get(rollout.stats.remote())
+        result = learner.train_step(batch)
+        if result.policy_version != version:
+            version = result.policy_version
+            tell_rollout(rollout, version)
+        step = result.step
+        if step % cfg.learner.save_steps == 0:
+            checkpointed = step
+        steps.write(result, run.record(result, rollout_stats, rollout_wait_s))
+    if checkpointed != step:
+        learner.checkpoint()
+    run.end_loop()
+    return version
+
+
+def finish(cfg, run: Run, steps: StepLog, rollout, fleet, evaluation: Evaluation, before: dict, version: int) -> dict:
+    """Evaluate the trained policy, write the summary, say which side was the bottleneck."""
+    import ray
+
+    from app.diagnosis import diagnose
+
+    final_stats = ray.get(rollout.stats.remote())
+    verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
+    after = evaluation.of(version)
+    log.info("held-out accuracy after: %.3f (%s)", after["accuracy"], after["model"])
+    summary = run.summary(before, after, final_stats, fleet.router_stats())
+    summary["bottleneck"] = verdict.kind
+    summary["bottleneck_detail"] = str(verdict)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    steps.bar.write(str(verdict))
     return summary
 
 
-def progress_bar(cfg: RunConfig, initial: int):
-    from tqdm import tqdm
+class Evaluation:
+    """Held-out accuracy through the fleet (`app.evaluate`), and the run's baseline: measured once, before the first
+    step, and kept in the run's folder, so that a resumed run reports the accuracy it started from."""
 
-    return tqdm(
-        total=cfg.grpo.max_steps,
-        initial=initial,
-        desc=cfg.logging.run_name,
-        unit="step",
-        disable=not cfg.logging.progress_bar,
-        dynamic_ncols=True,
-    )
+    def __init__(self, cfg: RunConfig, base_url: str, model_path: str, token: str | None):
+        self.cfg, self.base_url, self.model_path, self.token = cfg, base_url, model_path, token
+
+    def of(self, version: int) -> dict:
+        from app.evaluate import evaluate
+
+        return evaluate(self.cfg, self.base_url, self.model_path, adapter_name(version, self.cfg.fleet_run), self.token)
+
+    def baseline(self, resume: ResumePoint) -> dict:
+        kept = self.cfg.run_dir / "heldout_before.json"
+        if resume.step > 0:
+            print(resumed_line(self.cfg, resume.step, resume.policy_version), file=sys.stderr)
+            if kept.is_file():
+                return json.loads(kept.read_text())
+        before = self.of(resume.policy_version)
+        log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
+        if resume.step == 0:
+            kept.write_text(json.dumps(before))
+        return before
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -363,14 +284,21 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the run
-    # SIGTERM ends a run like Ctrl-C does, so the cleanup in train() also runs when a scheduler stops us.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # A spot notice for this machine (a SIGTERM too: a scheduler stopping us) ends the run after a checkpoint;
+    # a second SIGTERM, like Ctrl-C, stops it at once. Either way train() stops what it started.
+    notices = DriverNotices(cfg.spot).start()
     try:
-        summary = train(cfg, args.address)
+        summary = train(cfg, args.address, notices)
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(0) from None
     except KeyboardInterrupt:
         print("interrupted: stopped what this run started", file=sys.stderr)
         raise SystemExit(130) from None
-    print(json.dumps(summary))
+    finally:
+        notices.stop()
+    if summary is not None:
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

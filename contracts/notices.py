@@ -66,6 +66,32 @@ class Notice:
         return f"{self.source} notice{when}{f' ({self.detail})' if self.detail else ''}"
 
 
+def drain_this_node(notice: Notice) -> bool:
+    """Tell Ray that the node this process runs on is going (reason preemption, with the notice's deadline): nothing
+    new is scheduled on it, and Serve starts replacements for its replicas elsewhere. False when Ray is not running
+    here or refused (it says why in the log); Ray's own SIGTERM handler makes the same call."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    from ray._private.worker import global_worker
+    from ray.core.generated import autoscaler_pb2
+
+    node_id = ray.get_runtime_context().get_node_id()
+    deadline = notice.deadline if notice.deadline is not None else time.time() + GCP_NOTICE_S
+    accepted, why = global_worker.gcs_client.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        f"spotrl: {notice.describe()}",
+        int(deadline * 1000),
+    )
+    if not accepted:
+        log.warning("spot: Ray refused to drain node %s: %s", node_id[:12], why)
+    else:
+        log.warning("spot: node %s drained in Ray (%s)", node_id[:12], notice.describe())
+    return bool(accepted)
+
+
 def _parse_utc(stamp: str) -> float:
     """`2026-12-02T08:22:00Z` as unix seconds."""
     return float(calendar.timegm(time.strptime(stamp.replace(".000", ""), "%Y-%m-%dT%H:%M:%SZ")))

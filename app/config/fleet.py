@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
-from app.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, TaskConfig
+from app.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig, TaskConfig
 from contracts.auth import check_token
 
 # A fleet of its own (`serve run serve_config.yaml`) hosts at least two runs of the default config out of the
@@ -158,6 +158,9 @@ class FleetConfig(Section):
         default_factory=BucketConfig, description="The fleet's bucket ({run_name} is the fleet's app_name)."
     )
     fleet: FleetSettings = Field(default_factory=FleetSettings, description="Replicas, slots, limits, tenants.")
+    spot: SpotConfig = Field(
+        default_factory=SpotConfig, description="Spot interruption notices on the replicas' nodes."
+    )
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> FleetConfig:

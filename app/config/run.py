@@ -20,6 +20,7 @@ from app.config.sections import (
     LoraConfig,
     ModelConfig,
     Section,
+    SpotConfig,
     TaskConfig,
     vllm_rank_for,
 )
@@ -162,6 +163,7 @@ class RunConfig(Section):
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Adapter and checkpoint bucket.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and output.")
+    spot: SpotConfig = Field(default_factory=SpotConfig, description="Spot interruption notices.")
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> RunConfig:
@@ -213,6 +215,7 @@ class RunConfig(Section):
             tiny_task=self.task,
             bucket=bucket,
             fleet=self.fleet.model_copy(update=self.own_fleet_sizes()),
+            spot=self.spot,
         )
 
     @property

@@ -128,3 +128,20 @@ class BucketConfig(Section):
     keep_versions: int = Field(8, ge=1, description="Adapter versions kept in the bucket (gc beyond).")
     keep_checkpoints: int = Field(2, ge=1, description="Learner checkpoints kept in the bucket.")
     cache_dir: str = Field("~/.cache/spotrl/adapters", description="Local cache of fetched adapters.")
+
+
+class SpotConfig(Section):
+    """Spot interruption notices (`contracts.notices`), watched by every role of the run and of the fleet."""
+
+    watch: bool = Field(True, description="Watch for notices: AWS and GCP metadata, SIGTERM, notice_file.")
+    poll_interval_s: float = Field(5.0, gt=0, description="Seconds between two polls of the metadata service.")
+    probe_timeout_s: float = Field(
+        1.0, gt=0, description="How long the first probe waits for a metadata service before giving up on it."
+    )
+    notice_file: str | None = Field(
+        None, description="A file whose appearance is a notice (schedulers that write one)."
+    )
+    sigterm_grace_s: float = Field(
+        30.0, gt=0, description="A SIGTERM is a notice of this many seconds (Kubernetes' default grace period)."
+    )
+    drain_node: bool = Field(True, description="Drain a noticed node in Ray (reason preemption, with the deadline).")

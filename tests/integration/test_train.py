@@ -147,3 +147,51 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model_path):
     assert proc.returncode == 130, out[-3000:]
     _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline()[:3] for p in alive]
+
+
+@pytest.mark.slow
+def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_command_resumes_then_says_finished(
+    tmp_path, tiny_model_path
+):
+    """The embedded default on a spot machine: a SIGTERM (the scheduler's notice) ends the run after the step under way
+    with a checkpoint, exit code 0 and one line; the same command resumes from that step, trains each step and each
+    group once, and once finished is reported in one line without starting anything or touching its files."""
+    from app.bucket.store import CheckpointStore
+
+    steps, env = 8, {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
+    cmd = train_cmd(tmp_path, steps, "learner.save_steps=100")  # no periodic checkpoint: only the notice's
+    metrics = tmp_path / "smoke" / "metrics.jsonl"
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 900
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.stdout.read()[-5000:]
+        time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-5000:]
+    stopped = metrics.read_text().count("\n")
+    line = "run smoke was preempted (sigterm notice, "
+    assert line in out and f"checkpointed at step {stopped} " in out and "the same command resumes it" in out, out[
+        -3000:
+    ]
+    assert CheckpointStore(f"file://{tmp_path}/bucket").latest() == stopped
+    assert "Traceback" not in out
+
+    resumed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert f"resuming run smoke from step {stopped} (policy-v" in resumed.stderr
+    trained = [json.loads(x) for x in (tmp_path / "smoke" / "trained_groups.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trained] == list(range(1, steps + 1))  # no step lost, none trained twice
+    groups = [g for t in trained for g in t["groups"]]
+    assert len(groups) == len(set(groups)) == steps * 16
+    summary_file = tmp_path / "smoke" / "summary.json"
+    summary = json.loads(summary_file.read_text())
+    assert summary["heldout_accuracy_before"] is not None  # the run's own baseline, kept from its first start
+    kept = summary_file.read_bytes(), summary_file.stat().st_mtime_ns
+
+    t0 = time.monotonic()
+    finished = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert finished.returncode == 0 and time.monotonic() - t0 < 60, finished.stderr[-3000:]
+    assert "run smoke is finished (8 steps" in finished.stderr and "grpo.max_steps=16" in finished.stderr
+    assert (summary_file.read_bytes(), summary_file.stat().st_mtime_ns) == kept  # its files untouched
+    assert "Ray" not in finished.stderr  # nothing was started

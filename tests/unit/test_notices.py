@@ -124,3 +124,45 @@ def test_sigterm_is_a_notice_with_its_grace_and_the_previous_handler_still_runs(
         assert earlier == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_drivers_first_sigterm_is_a_notice_and_a_second_stops_at_once(monkeypatch):
+    from app.config import SpotConfig
+    from app.spot import DriverNotices
+
+    closed = free_port()
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{closed}")
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{closed}")
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        notices = DriverNotices(SpotConfig(sigterm_grace_s=20.0)).start()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert notices.binding.source == "sigterm" and 15 < notices.binding.remaining_s() <= 20
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        off = DriverNotices(SpotConfig(watch=False))  # not watching: SIGTERM stops the run as Ctrl-C does
+        assert off.binding is None
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_driver_hears_its_machines_cloud_notice(metadata):
+    from app.config import SpotConfig
+    from app.spot import DriverNotices
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        notices = DriverNotices(SpotConfig(poll_interval_s=0.05)).start()
+        metadata.aws_notice(in_s=120)
+        deadline = time.monotonic() + 5
+        while notices.binding is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert notices.binding.source == "aws"
+        notices.stop()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

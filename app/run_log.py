@@ -1,0 +1,156 @@
+"""What a run records: its numbers step by step (metrics, the audit trail of trained groups, the progress bar,
+the verdicts) and the summary at the end, so that the loop and the summary read the same figures."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from contextlib import ExitStack
+
+from app.config import RunConfig
+from app.messages import RolloutStats, StepResult
+
+
+def window_mean(values: list[float], share: float, last: bool) -> float | None:
+    if not values:
+        return None
+    k = max(1, round(len(values) * share))
+    chunk = values[-k:] if last else values[:k]
+    return statistics.fmean(chunk)
+
+
+class Run:
+    """The numbers of one training run, so the loop and the summary read the same ones."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.history: list[dict] = []
+        self.staleness: list[int] = []
+        self.samples_trained = 0
+        self.t0 = time.time()
+        self.loop_t0: float | None = None  # start of the training loop, after start-up and the first evaluation
+        self.loop_s = 0.0
+        self.idle_at_loop_start = 0.0
+
+    def start_loop(self, rollout_stats: RolloutStats) -> None:
+        self.loop_t0 = time.time()
+        self.idle_at_loop_start = rollout_stats.idle_s
+
+    def end_loop(self) -> None:
+        self.loop_s = time.time() - self.loop_t0
+
+    def record(self, result: StepResult, rollout_stats: RolloutStats, rollout_wait_s: float) -> dict:
+        """The step's metrics as logged: the learner's, the rollout's, its groups', and how long we waited for them."""
+        metrics = {
+            **result.metrics,
+            "policy_version": result.policy_version,
+            **rollout_stats.metrics(),
+            **(result.batch.metrics() if result.batch else {}),
+            "perf/rollout_wait_s": rollout_wait_s,
+        }
+        self.history.append(metrics)
+        if result.batch:
+            self.staleness.extend(result.batch.staleness)
+            self.samples_trained += result.batch.num_samples
+        return metrics
+
+    def summary(self, before: dict | None, after: dict | None, rollout: RolloutStats, router: dict | None) -> dict:
+        rewards = [m["reward"] for m in self.history if "reward" in m]
+        ratios = [m["ratio"] for m in self.history if "ratio" in m]
+        return {
+            "run_name": self.cfg.logging.run_name,
+            "fleet_run": self.cfg.fleet_run,  # its name on the shared fleet it joined, else None
+            "steps": len(self.history),
+            "samples_trained": self.samples_trained,
+            "policy_version": self.history[-1].get("policy_version") if self.history else None,
+            "reward_first_10pct": window_mean(rewards, 0.1, last=False),
+            "reward_last_10pct": window_mean(rewards, 0.1, last=True),
+            "heldout_accuracy_before": before and before["accuracy"],
+            "heldout_accuracy_after": after and after["accuracy"],
+            "heldout_models": [before and before["model"], after and after["model"]],
+            "affinity_share": router_affinity(router),
+            **episode_summary(self.history, rollout, router),
+            "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
+            "staleness_max": max(self.staleness) if self.staleness else None,
+            "dropped_stale_share": rollout.dropped_stale_share,
+            "dropped_failed_total": rollout.dropped_failed_total,
+            "ratio_mean": statistics.fmean(ratios) if ratios else None,
+            "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
+            "loop_wall_s": round(self.loop_s, 1),
+            "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history) / self.loop_s
+            if self.loop_s
+            else None,
+            "generation_idle_share": (rollout.idle_s - self.idle_at_loop_start) / self.loop_s if self.loop_s else None,
+            "wall_time_s": round(time.time() - self.t0, 1),
+        }
+
+
+class StepLog:
+    """Where each step goes: the audit trail of trained groups, the metrics sink, the progress bar, the verdicts."""
+
+    def __init__(self, stack: ExitStack, run: Run, initial_step: int):
+        from app.metrics_sink import MetricsSink
+
+        cfg = run.cfg
+        self.cfg, self.run = cfg, run
+        # Which groups each step trained: the audit trail of exactly-once across restarts (a resumed learner
+        # repeats step numbers; the last line of a step is the one its checkpoints descend from).
+        self.trained = stack.enter_context(open(cfg.run_dir / "trained_groups.jsonl", "a"))
+        self.sink = MetricsSink(cfg.run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
+        stack.callback(self.sink.close)
+        self.bar = progress_bar(cfg, initial_step)
+        stack.callback(self.bar.close)
+
+    def write(self, result: StepResult, metrics: dict) -> None:
+        from app.diagnosis import diagnose
+
+        self.trained.write(json.dumps({"step": result.step, "groups": result.trained_group_ids}) + "\n")
+        self.trained.flush()
+        self.sink.log(metrics, result.step)
+        self.bar.update(1)
+        self.bar.set_postfix(
+            reward=f"{metrics['reward']:.2f}",
+            step_s=f"{metrics['perf/step_s']:.2f}",
+            stale=f"{metrics['sample/staleness_mean']:.1f}",
+            queue=int(metrics["sample/rollout_queue_size"]),
+        )
+        every = self.cfg.logging.diagnose_every
+        if result.step % every == 0:
+            self.bar.write(str(diagnose(self.run.history[-every:], self.cfg)))
+
+
+def router_affinity(router: dict | None) -> float | None:
+    """Share of routed requests that matched a specific prefix, from the fleet's /router/stats."""
+    if not router:
+        return None
+    totals = router.get("totals", router)
+    routed = totals.get("routed", 0)
+    return totals.get("affinity", 0) / routed if routed else None
+
+
+def episode_summary(history: list[dict], rollout: RolloutStats, router: dict | None) -> dict:
+    """Multi-turn runs: turns per episode, truncated share, environment errors, and the router's affinity by turn
+    (from turn 2 on, the share of requests that stayed on the replica holding their trajectory); {} otherwise."""
+    steps = [m for m in history if "env/turns_mean" in m]
+    if not steps:
+        return {}
+    return {
+        "env_turns_mean": statistics.fmean(m["env/turns_mean"] for m in steps),
+        "env_truncated_share": statistics.fmean(m["env/truncated_share"] for m in steps),
+        "env_errors_total": rollout.env_errors_total,
+        "affinity_by_turn": {k: v["affinity_share"] for k, v in (router or {}).get("turns", {}).items()},
+    }
+
+
+def progress_bar(cfg: RunConfig, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.grpo.max_steps,
+        initial=initial,
+        desc=cfg.logging.run_name,
+        unit="step",
+        disable=not cfg.logging.progress_bar,
+        dynamic_ncols=True,
+    )
