@@ -14,6 +14,8 @@ and what the ingress checks a caller's token against. `AdapterRef` is that mappi
     ref.name                          # "alice/policy-v3"  (what the fleet serves, what a request names)
     ref.key                           # "policy-v3"        (the version's folder under the run's prefix)
     run_prefix("s3://b/fleet", "alice")  # "s3://b/fleet/runs/alice"  (the run's bucket.url)
+
+A fleet's own records of its runs live beside the runs' prefixes, inside none (`RECORDS_PREFIX`).
 """
 
 from __future__ import annotations
@@ -91,3 +93,8 @@ def run_prefix(bucket_url: str, run: str | None) -> str:
     """The prefix of the fleet's bucket that run `run` publishes under (its `bucket.url`); the bucket itself for
     the fleet's own lineage."""
     return f"{bucket_url.rstrip('/')}/runs/{run}" if run else bucket_url
+
+
+# Where a fleet keeps its records of runs: `<bucket>/fleet/`, beside the runs' prefixes (`<bucket>/runs/<name>`) and
+# inside none of them, so that no run can rewrite its own registration; only the ingress writes there.
+RECORDS_PREFIX = "fleet"

@@ -10,14 +10,16 @@ import json
 import time
 
 from app.bucket.filesystem import BucketError, describe_error, is_missing, is_transient, make_filesystem
+from contracts.adapters import RECORDS_PREFIX
 from contracts.auth import redact
 from contracts.retry import Backoff, retry
 
 
 class RunRecords:
-    """The runs registered on a shared fleet (`deployments.runs`), one small JSON each.
+    """The runs registered on a shared fleet (`deployments.runs`), one small JSON each under `<bucket>/fleet/runs/`.
 
-    What lets an ingress that restarts (its node lost, the application redeployed) know its runs again:
+    The records lie outside every run's prefix (`contracts.adapters.RECORDS_PREFIX`): a run may write its own
+    prefix, and must not be able to rewrite its weight or register runs by planting a record. What lets an ingress that restarts (its node lost, the application redeployed) know its runs again:
     the registry otherwise lives in its memory alone. A record holds the run's name and what the fleet keeps
     of its registration (its token's sha256, never the token; its weight, window and rank). Written whole and
     removed whole; the newest write of a name wins.
@@ -26,8 +28,9 @@ class RunRecords:
     FILE = "RUN.json"
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None, backoff: Backoff):
-        self.url = url
-        self._fs, self._root = make_filesystem(url, endpoint_url=endpoint_url, region=region)
+        self.url = url  # the fleet's bucket; the records lie under its `fleet/` prefix
+        self._fs, root = make_filesystem(url, endpoint_url=endpoint_url, region=region)
+        self._records = f"{root.rstrip('/')}/{RECORDS_PREFIX}/runs"
         self._backoff = backoff
 
     @classmethod
@@ -40,7 +43,7 @@ class RunRecords:
         return f"RunRecords({redact(self.url)!r})"
 
     def _path(self, name: str) -> str:
-        return f"{self._root}/runs/{name}/{self.FILE}"
+        return f"{self._records}/{name}/{self.FILE}"
 
     def _retry(self, op: str, fn, *args):
         try:
@@ -53,7 +56,7 @@ class RunRecords:
     def load(self) -> dict[str, dict]:
         """{run name: its record} of every record."""
         try:
-            paths = self._retry("list runs", self._fs.glob, f"{self._root}/runs/*/{self.FILE}")
+            paths = self._retry("list runs", self._fs.glob, f"{self._records}/*/{self.FILE}")
         except Exception as exc:
             if is_missing(exc):
                 return {}

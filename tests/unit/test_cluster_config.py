@@ -35,20 +35,46 @@ def test_cluster_layout_on_demand_head_and_spot_workers():
     assert any("make setup" in c for c in cfg["setup_commands"])
 
 
-def test_rollout_nodes_are_h200_with_one_replica_per_gpu_and_the_seed_config_fills_them():
-    rollout = load_cluster()["available_node_types"]["rollout"]
-    assert rollout["node_config"]["InstanceType"] in ("p5e.48xlarge", "p5en.48xlarge")  # 8x H200
-    assert rollout["resources"]["rollout_node"] == 8
+def test_the_rollout_group_is_diversified_8_gpu_spot_nodes_one_replica_per_gpu_and_the_seed_config_fills_it():
+    nodes = load_cluster()["available_node_types"]
+    rollout = {name: node for name, node in nodes.items() if "rollout_node" in node["resources"]}
+    types = {node["node_config"]["InstanceType"] for node in rollout.values()}
+    assert len(types) >= 3 and types <= {"p5e.48xlarge", "p5en.48xlarge", "p5.48xlarge"}  # 8x H200 or H100
+    assert all(node["resources"]["rollout_node"] == 8 for node in rollout.values())
+    assert all(node["node_config"]["InstanceMarketOptions"]["MarketType"] == "spot" for node in rollout.values())
+    assert all(node["max_workers"] > node["min_workers"] for node in rollout.values())  # room for the autoscaler
+    assert len(load_cluster()["provider"]["availability_zone"].split(",")) >= 3
     seed = load_config(REPO / "configs" / "qwen2.5-math-1.5b.yaml")
     assert seed.fleet.replica_resources == {"rollout_node": 1} and seed.fleet.num_gpus_per_replica == 1
-    assert seed.fleet.num_replicas == rollout["min_workers"] * rollout["resources"]["rollout_node"]
+    assert seed.fleet.num_replicas == sum(n["min_workers"] * n["resources"]["rollout_node"] for n in rollout.values())
 
 
-def test_only_the_learner_writes_the_bucket():
+def test_only_the_learner_writes_runs_and_only_the_head_writes_the_fleets_records():
+    """The head (the fleet's ingress) writes exactly `<bucket>/fleet/*`, where the records of runs lie; the learner writes
+    the rest and never that prefix; the rollout nodes read (deployments/aws/bucket-policies.json)."""
+    import json
+
+    from contracts.adapters import RECORDS_PREFIX
+
     nodes = load_cluster()["available_node_types"]
-    profiles = {name: node["node_config"]["IamInstanceProfile"]["Arn"] for name, node in nodes.items()}
-    assert profiles["learner"].endswith("-rw")
-    assert all(arn.endswith("-ro") for name, arn in profiles.items() if name != "learner")
+    profiles = {
+        name: node["node_config"]["IamInstanceProfile"]["Arn"].rsplit("/", 1)[1] for name, node in nodes.items()
+    }
+    assert profiles["learner"] == "spotrl-bucket-rw" and profiles["head"] == "spotrl-bucket-ro-records"
+    assert all(p == "spotrl-bucket-ro" for name, p in profiles.items() if name not in ("learner", "head"))
+    policies = json.loads((REPO / "deployments" / "aws" / "bucket-policies.json").read_text())
+
+    def writes(profile: str) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {"Allow": set(), "Deny": set()}
+        for s in policies[profile]["Statement"]:
+            if {"s3:PutObject", "s3:DeleteObject"} & set(s["Action"]):
+                out[s["Effect"]].add(s["Resource"])
+        return out
+
+    records = f"arn:aws:s3:::BUCKET/{RECORDS_PREFIX}/*"
+    assert writes("spotrl-bucket-ro-records") == {"Allow": {records}, "Deny": set()}
+    assert writes("spotrl-bucket-rw") == {"Allow": {"arn:aws:s3:::BUCKET/*"}, "Deny": {records}}
+    assert writes("spotrl-bucket-ro") == {"Allow": set(), "Deny": set()}
 
 
 def test_ray_token_auth_on_every_node_and_ssh_not_open_to_the_world():

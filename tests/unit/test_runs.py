@@ -2,6 +2,7 @@
 backend: who may register, what a run's token may sample, load, unload and see, what the admin may, when a
 run no longer fits, and that a run's token shows nowhere but in the answer that mints it."""
 
+import json
 import logging
 
 import pytest
@@ -221,13 +222,23 @@ def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never
     alice = _register(first, "alice")
     r = first.post("/v1/runs", json={"name": "bob", "weight": 3}, headers=ADMIN)
     bob = r.json()["token"]
-    stored = "".join(p.read_text() for p in (tmp_path / "bucket").rglob("RUN.json"))
+    records = sorted((tmp_path / "bucket").rglob("RUN.json"))
+    stored = "".join(p.read_text() for p in records)
     assert alice not in stored and bob not in stored and "alice" in stored
+    # Outside every run's prefix (`<bucket>/runs/<name>`, which the run itself may write): a run cannot rewrite its
+    # weight there, nor register a run by planting a record.
+    assert [p.relative_to(tmp_path / "bucket").as_posix() for p in records] == [
+        "fleet/runs/alice/RUN.json",
+        "fleet/runs/bob/RUN.json",
+    ]
+    planted = tmp_path / "bucket" / "runs" / "bob" / "RUN.json"  # bob's own prefix: what he may write
+    planted.parent.mkdir(parents=True)
+    planted.write_text(json.dumps({"name": "bob", "token_sha256": "0" * 64, "weight": 1000.0}))
 
     restarted = ingress()
     assert restarted.get("/v1/runs", headers=ADMIN).json() == {"runs": ["alice", "bob"]}
     weights = {n: restarted.get(f"/v1/runs/{n}", headers=ADMIN).json()["weight"] for n in ("alice", "bob")}
-    assert weights == {"alice": 1.0, "bob": 3.0}  # the weight it registered with, the default for none
+    assert weights == {"alice": 1.0, "bob": 3.0}  # registered with, the default for none; not what bob planted
     assert _sample(restarted, "alice/policy-v1", _bearer(alice)).status_code == 200  # her token still works
     assert restarted.post("/v1/runs", json={"name": "carol"}, headers=ADMIN).status_code == 409  # still full
     assert restarted.delete("/v1/runs/alice", headers=ADMIN).status_code == 200
