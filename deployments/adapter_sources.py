@@ -1,21 +1,29 @@
-"""Where a replica's adapters come from: the fleet's bucket (a run's prefix of it, for a run's adapters), and
-which committed versions there are to serve.
+"""Where a replica's adapters come from: the fleet's bucket (a run's prefix of it, for a run's adapters) or a
+trusted local folder, and which committed versions there are to serve.
 
-A replica that starts loads `CommittedVersions.to_serve()` (the newest `max_staleness + 1`), and one asked
-for a version it does not hold loads it if `CommittedVersions.is_committed` says so (published while it was
+A replica that starts loads `AdapterSources.to_serve()` (the newest `max_staleness + 1`), and one asked
+for a version it does not hold loads it if `AdapterSources.is_committed` says so (published while it was
 starting, a missed broadcast, or evicted from its LoRA slot: a committed version is never a 404).
 `CommittedVersions` asks the bucket on the replica's behalf, sparingly: a request for a version the
 replica does not know must not become a bucket listing each (fees, throttling that would hit the
-learner's publishes too).
+learner's publishes too). What a fetch fails with is what the ingress answers: a reference outside the
+bucket is a 400, a version never committed a 404, a corrupted one a 502, a bucket out of reach a 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
+from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionNotFound
 from app.bucket.store import AdapterStore
+from app.config import BucketConfig
+from contracts.adapters import AdapterRef, adapter_name, run_prefix, split_run
+from contracts.auth import redact
+from contracts.serving import BadRequest, ModelNotFound, ReplicaError
 
 # How often a replica may list the bucket for versions newer than the newest it knows.
 LISTING_INTERVAL_S = 5.0
@@ -77,3 +85,90 @@ class CommittedVersions:
     async def _list(self) -> None:
         self._listed_at = self._clock()  # a failing listing is not retried by every request either
         self._listed = await asyncio.to_thread(self.store.versions)
+
+
+class AdapterSources:
+    """Where a replica's adapters come from, by name: a bucket version of the fleet's own lineage from the
+    fleet's bucket, a run's (`alice/policy-v3`) from the run's prefix of it and nowhere else, any other name
+    from a PEFT folder under one of the trusted local folders (`fleet.extra_adapter_dirs`, where TRL's own
+    trainer writes its adapters). Also what is committed in each: `CommittedVersions` per prefix."""
+
+    def __init__(
+        self,
+        url: str,
+        bucket: BucketConfig,
+        *,
+        window: int,
+        listing_interval_s: float = LISTING_INTERVAL_S,
+        trusted_dirs: Iterable[str | Path] = (),
+    ):
+        self.url, self.bucket, self.window, self.listing_interval_s = url, bucket, window, listing_interval_s
+        self.trusted_dirs = [Path(d).expanduser().resolve() for d in trusted_dirs]
+        self._prefixes: dict[str | None, tuple[AdapterStore, CommittedVersions]] = {}
+        self.store = self._prefix(None)[0]  # the fleet's own versions
+
+    def _prefix(self, run: str | None) -> tuple[AdapterStore, CommittedVersions]:
+        """The store of the fleet's own versions (`run` None), or of a run's, under its prefix of the bucket."""
+        if run not in self._prefixes:
+            b = self.bucket
+            store = AdapterStore(
+                run_prefix(self.url, run),
+                endpoint_url=b.endpoint_url,
+                region=b.region,
+                max_attempts=b.max_attempts,
+                backoff_s=b.backoff_s,
+                cache_dir=b.cache_dir,
+            )
+            self._prefixes[run] = (store, CommittedVersions(store, self.window, self.listing_interval_s))
+        return self._prefixes[run]
+
+    async def to_serve(self) -> list[int]:
+        """The fleet's own versions a replica serves from its start (listed afresh), oldest first."""
+        return await self._prefix(None)[1].to_serve()
+
+    async def is_committed(self, ref: AdapterRef) -> bool:
+        """Whether the bucket version `ref` is committed in its run's prefix (or the fleet's own)."""
+        return await self._prefix(ref.run)[1].is_committed(ref.version)
+
+    async def fetch(self, name: str, ref: str) -> tuple[str, Path]:
+        """(source, verified local folder) of adapter `name` at `ref`: a bucket version, or a trusted local folder.
+
+        A run's adapter (`alice/policy-v3`) comes only from the run's own prefix of the bucket: its
+        `lora_path` is resolved there (`adapters/policy-v3`, or that prefix's URL of it), never elsewhere."""
+        run, local = split_run(name)
+        store, versions = self._prefix(run)
+        try:
+            version = store.resolve(ref)
+        except InvalidName:
+            if run is not None:
+                raise BadRequest(
+                    f"lora_path {redact(str(ref))[:300]!r}: run {run!r} loads only from {redact(store.url)}"
+                ) from None
+            return self._trusted_folder(name, ref)
+        if local != adapter_name(version):
+            raise BadRequest(f"lora_name {name!r} does not name the bucket version {adapter_name(version)}")
+        try:
+            folder = await asyncio.to_thread(store.fetch, version)
+            versions.remember(version)
+            return store.url_of(version), folder
+        except VersionNotFound:
+            raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None
+        except IntegrityError as e:
+            raise ReplicaError(f"{adapter_name(version)} failed verification: {e}", 502) from None
+        except BucketError as e:
+            raise ReplicaError(f"bucket unavailable: {e}", 503) from None
+
+    def _trusted_folder(self, name: str, ref: str) -> tuple[str, Path]:
+        """A PEFT folder under one of the trusted folders, for a name that is no bucket version's."""
+        refused = BadRequest(f"lora_path {redact(str(ref))[:300]!r} is outside the bucket {redact(self.store.url)}")
+        if not self.trusted_dirs or AdapterRef.parse(name) or not isinstance(ref, str):
+            raise refused
+        path = ref.removeprefix("file://")
+        if not os.path.isabs(path):
+            raise refused
+        folder = Path(path).resolve()
+        if not any(folder.is_relative_to(root) and folder != root for root in self.trusted_dirs):
+            raise refused
+        if not (folder / "adapter_config.json").is_file():
+            raise ModelNotFound(f"no PEFT adapter at {folder}")
+        return str(folder), folder

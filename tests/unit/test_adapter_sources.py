@@ -1,12 +1,17 @@
-"""Which committed versions a replica serves, and how rarely it lists the bucket to find out."""
+"""Where a replica's adapters come from: which committed versions it serves, how rarely it lists the bucket to
+find out, and a run's adapters from the run's own prefix of the bucket alone."""
 
 import asyncio
 import threading
 import time
 
+import pytest
+
 from app.bucket.store import AdapterStore
 from app.config import load_config
+from contracts.serving import BadRequest, ModelNotFound
 from deployments.adapter_sources import CommittedVersions
+from tests.unit.replica_parts import adapter_folder, adapter_slots
 
 
 def _config(tmp_path, *overrides: str):
@@ -121,3 +126,41 @@ def test_versions_fetched_by_broadcast_count_as_known():
         assert await _ask(versions, 8) == [True] and bucket.listings == 2
 
     asyncio.run(scenario())
+
+
+def test_a_runs_adapters_load_only_from_its_own_prefix_of_the_bucket(tmp_path):
+    from contracts.adapters import run_prefix
+
+    slots = adapter_slots(tmp_path, window=2, max_loras=3)
+    fleet = slots.sources.store
+    alice = AdapterStore(run_prefix(fleet.url, "alice"), cache_dir=tmp_path / "cache")
+    bob = AdapterStore(run_prefix(fleet.url, "bob"), cache_dir=tmp_path / "cache")
+    fleet.publish(adapter_folder(tmp_path / "own", b"the fleet's own v1"), 1)
+    alice.publish(adapter_folder(tmp_path / "alice", b"alice's v1"), 1)
+    bob.publish(adapter_folder(tmp_path / "bob", b"bob's v1"), 1)
+    adapter_folder(tmp_path / "trl" / "x", b"a trusted folder")
+
+    async def scenario():
+        assert (await slots.load("alice/policy-v1", "adapters/policy-v1")).loaded
+        assert (await slots.load("bob/policy-v1", bob.url_of(1))).loaded
+        for name, ref in (
+            ("alice/policy-v1", fleet.url_of(1)),  # the fleet's own version
+            ("alice/policy-v1", bob.url_of(1)),  # another run's
+            ("alice/policy-v1", f"{alice.url}/../bob/adapters/policy-v1"),
+            ("alice/x", str(tmp_path / "trl" / "x")),  # a trusted folder is for the fleet's own names
+            ("Alice/policy-v1", "adapters/policy-v1"),  # not a run name
+        ):
+            with pytest.raises(BadRequest):
+                await slots.load(name, ref)
+        await slots.unload("alice/policy-v1")
+        slots._unloaded.clear()  # as if evicted: asked for again, it comes back from alice's prefix
+        async with slots.use("alice/policy-v1") as lora:
+            assert lora.lora_name.startswith("alice/policy-v1@")
+        with pytest.raises(ModelNotFound):  # committed at the root and in alice's prefix, not in carol's
+            async with slots.use("carol/policy-v1"):
+                pass
+
+    asyncio.run(scenario())
+    adapters = slots.listing().adapters
+    assert {a.name: a.source for a in adapters}["alice/policy-v1"] == alice.url_of(1)
+    assert len({a.sha256 for a in adapters}) == len(adapters)  # alice's and bob's v1 are different files

@@ -1,0 +1,80 @@
+"""A replica's parts for unit tests, without an engine: a stand-in for vLLM's AsyncLLM, adapter folders, and the LoRA
+slots of a replica over a local bucket (`test_replica`, `test_adapter_slots`, `test_adapter_sources`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from app.config import BucketConfig
+from deployments.adapter_slots import AdapterSlots
+from deployments.adapter_sources import AdapterSources
+from deployments.engine import Engine
+
+REPLICA = "r"
+BASE_MODEL = "base"
+
+
+class StandInLLM:
+    """Stands in for vLLM's `AsyncLLM`: records the adapters added and removed, the LoRA requests sampled and
+    pauses; every request samples token 7, or raises `error` (with the engine dead first if `dies`)."""
+
+    def __init__(self, error: BaseException | None = None, dies: bool = False):
+        self.error, self.dies, self.errored, self.paused = error, dies, False, False
+        self.added, self.removed, self.generated = [], [], []
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.generated.append(lora_request)
+        if self.dies:
+            self.errored = True
+        if self.error is not None:
+            raise self.error
+        yield SimpleNamespace(
+            outputs=[SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)]
+        )
+
+    async def add_lora(self, request):
+        self.added.append(request)
+        return True
+
+    async def remove_lora(self, int_id):
+        self.removed.append(int_id)
+
+    async def pause_generation(self, mode, clear_cache):
+        self.paused = True
+
+    async def resume_generation(self):
+        self.paused = False
+
+
+def adapter_folder(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 1, "peft_type": "LORA"}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def adapter_slots(
+    tmp_path: Path,
+    llm: StandInLLM | None = None,
+    *,
+    window: int = 3,
+    max_loras: int = 6,
+    slot_wait_s: float = 30.0,
+) -> AdapterSlots:
+    """The slots of replica `REPLICA` around `llm`, over the bucket `tmp_path/bucket`, trusting `tmp_path/trl`."""
+    sources = AdapterSources(
+        f"file://{tmp_path}/bucket",
+        BucketConfig(cache_dir=str(tmp_path / "cache")),
+        window=window,
+        trusted_dirs=[tmp_path / "trl"],
+    )
+    return AdapterSlots(
+        REPLICA,
+        Engine(llm or StandInLLM(), REPLICA),
+        sources,
+        base_model=BASE_MODEL,
+        max_loras=max_loras,
+        window=window,
+        slot_wait_s=slot_wait_s,
+    )
