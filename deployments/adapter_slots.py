@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-from app.bucket.store import folder_digest
+from app.bucket.manifest import folder_digest
 from contracts.adapters import AdapterRef, family_of, is_adapter_name
 from contracts.auth import redact
 from contracts.control import AdapterInfo, AdapterListing, Loaded, Unloaded

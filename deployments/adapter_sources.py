@@ -110,15 +110,7 @@ class AdapterSources:
     def _prefix(self, run: str | None) -> tuple[AdapterStore, CommittedVersions]:
         """The store of the fleet's own versions (`run` None), or of a run's, under its prefix of the bucket."""
         if run not in self._prefixes:
-            b = self.bucket
-            store = AdapterStore(
-                run_prefix(self.url, run),
-                endpoint_url=b.endpoint_url,
-                region=b.region,
-                max_attempts=b.max_attempts,
-                backoff_s=b.backoff_s,
-                cache_dir=b.cache_dir,
-            )
+            store = AdapterStore.at(run_prefix(self.url, run), self.bucket)
             self._prefixes[run] = (store, CommittedVersions(store, self.window, self.listing_interval_s))
         return self._prefixes[run]
 

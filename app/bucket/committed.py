@@ -97,14 +97,18 @@ class CommittedStore(abc.ABC):
     @classmethod
     def from_config(cls, cfg):
         """The store a run's config names (`cfg.bucket_url` with `cfg.bucket.*`)."""
-        b = cfg.bucket
+        return cls.at(cfg.bucket_url, cfg.bucket)
+
+    @classmethod
+    def at(cls, url: str, bucket):
+        """The store at `url` with the retries, endpoint and cache of a `BucketConfig`."""
         return cls(
-            cfg.bucket_url,
-            endpoint_url=b.endpoint_url,
-            region=b.region,
-            max_attempts=b.max_attempts,
-            backoff_s=b.backoff_s,
-            cache_dir=b.cache_dir,
+            url,
+            endpoint_url=bucket.endpoint_url,
+            region=bucket.region,
+            max_attempts=bucket.max_attempts,
+            backoff_s=bucket.backoff_s,
+            cache_dir=bucket.cache_dir,
         )
 
     def __repr__(self) -> str:

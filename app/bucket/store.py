@@ -14,11 +14,9 @@ from pathlib import Path
 
 from app.bucket.committed import CommittedStore
 from app.bucket.filesystem import BucketError, InvalidName
-from app.bucket.manifest import ADAPTER_WEIGHTS, MANIFEST, files_of_dir, folder_digest
+from app.bucket.manifest import ADAPTER_WEIGHTS, files_of_dir
 from contracts.adapters import AdapterRef
 from contracts.auth import redact
-
-__all__ = ["MANIFEST", "AdapterStore", "CheckpointStore", "folder_digest"]
 
 
 class AdapterStore(CommittedStore):

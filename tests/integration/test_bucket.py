@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionExists, VersionNotFound
-from app.bucket.store import MANIFEST, AdapterStore, CheckpointStore
+from app.bucket.manifest import MANIFEST
+from app.bucket.store import AdapterStore, CheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from app.bucket.store import folder_digest
+from app.bucket.manifest import folder_digest
 from app.fleet_client import FleetError
 from tests.fleet_helpers import publish_random_adapters, random_adapter, running_fleet
 from tests.integration.test_fleet import _prompt
