@@ -23,6 +23,7 @@ from app.config.run import (
     JoinConfig,
     LearnerConfig,
     LoggingConfig,
+    ObjectiveConfig,
     RolloutConfig,
     RunConfig,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
+    "ObjectiveConfig",
     "RolloutConfig",
     "RouterConfig",
     "RunConfig",

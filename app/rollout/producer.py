@@ -1,9 +1,9 @@
-"""The rollout's producer: plain asyncio that keeps the fleet busy and feeds the learner scored groups.
+"""The rollout's producer: plain asyncio that keeps the fleet busy and feeds the learner annotated groups.
 
 It keeps up to `max_inflight_tasks` groups in flight, asks for the G samples of a prompt in one
 request (so the router keeps them on one replica and vLLM prefills the prompt once), tags each
-group with the policy version it was sampled under, scores it off the event loop and puts it on a
-bounded queue. A slot is held until its group is on the queue, so a slow learner stops new
+group with the policy version it was sampled under, scores it off the event loop, has the run's
+objectives annotate it (`app.objectives`: GRPO's advantages, for one) and puts it on a bounded queue. A slot is held until its group is on the queue, so a slow learner stops new
 requests instead of growing memory (backpressure). Groups more than `max_staleness` versions
 behind the learner are dropped and counted when taken, never trained (a multi-turn group as soon
 as it is found stale, between turns). A request that still fails after the fleet client's retries
@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 
 from app.messages import ResumePoint, RolloutStats
+from app.objectives import Objectives
 from app.rollout.episodes import EpisodeRunner, GroupStale, SamplingArgs
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
@@ -53,6 +54,7 @@ class GroupProducer:
         self.problems, self.prompt_ids, self.generate, self.scorer = problems, prompt_ids, generate, scorer
         self.retries_done = retries_done
         self.episodes = episodes
+        self.objectives = Objectives.from_config(cfg)
         resume = resume or ResumePoint()
         self.cursor = resume.data_cursor or 0
         self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
@@ -164,7 +166,7 @@ class GroupProducer:
         if self.episodes is not None:  # the environment has rewarded every episode already
             samples = [e.sample() for e in episodes]
             self._count_tokens(sum(sum(s.completion_mask) for s in samples))
-            return Group(group_id, problem.id, prompt_ids, version, samples, time.time())
+            return self.objectives.annotate(Group(group_id, problem.id, prompt_ids, version, samples, time.time()))
         self._count_tokens(sum(len(c.token_ids) for c in completions))
         texts = [c.text for c in completions]
         truncated = [c.finish_reason == "length" for c in completions]
@@ -180,7 +182,8 @@ class GroupProducer:
             Sample(c.token_ids, c.logprobs, r, t, c.text)
             for c, r, t in zip(completions, scores.rewards, truncated, strict=True)
         ]
-        return Group(group_id, problem.id, prompt_ids, version, samples, time.time(), dict(scores.errors))
+        group = Group(group_id, problem.id, prompt_ids, version, samples, time.time(), dict(scores.errors))
+        return self.objectives.annotate(group)
 
     def _count_tokens(self, generated: int) -> None:
         self.counters["completion_tokens"] += generated

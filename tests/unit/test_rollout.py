@@ -9,6 +9,7 @@ import pytest
 
 from app.config import load_config
 from app.messages import ResumePoint
+from app.objectives.grpo import group_advantages
 from app.rollout.producer import GroupProducer
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
@@ -53,6 +54,9 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
         w.start()
         first = (await w.get_groups(2)).groups
         assert [g.policy_version for g in first] == [0, 0] and len(first[0].samples) == 8
+        for group in first:  # annotated by the run's objectives before they were queued: ready to train
+            for sample, advantage in zip(group.samples, group_advantages(group.rewards), strict=True):
+                assert sample.streams == {"advantages": [advantage] * len(sample.completion_ids)}
         while w.queue.qsize() < 4:  # a full queue of v0 groups
             await asyncio.sleep(0.01)
         w.set_policy_version(2)  # learner two versions ahead: queued v0 groups are now too stale
