@@ -71,8 +71,14 @@ class Sample:
     )
     env_error: bool = False  # the environment raised or timed out and ended this episode
     num_turns: int = 1  # model turns (an episode's last may be unscored: cut by the budget, or its step failed)
+    solved: bool | None = None  # an episode's verdict from its environment at the end, if it gave one
     # Per completion token, by name: what the run's objectives attached (read at model tokens only).
     streams: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> bool:
+        """Held-out success: the environment's verdict when it gave one, else a positive reward (NaN is none)."""
+        return self.solved if self.solved is not None else self.reward > 0
 
     def token_streams(self) -> dict[str, list[float]]:
         """Every per-token stream of the sample by name, its sampling log-probs included."""

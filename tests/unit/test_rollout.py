@@ -11,6 +11,7 @@ from app.config import load_config
 from app.messages import ResumePoint
 from app.objectives.grpo import group_advantages
 from app.rollout.producer import GroupProducer
+from app.rollout.sampling import CompletionSampler
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import Choice
@@ -21,8 +22,8 @@ PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 def make_worker(generate, funcs=(exact_answer,), retries_done=lambda: 0, **overrides):
     sets = [f"{k}={v}" for k, v in overrides.items()]
     cfg = load_config(None, sets)
-    scorer = RewardScorer(list(funcs), timeout_s=2.0)
-    return GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], generate, scorer, retries_done=retries_done)
+    sampler = CompletionSampler(generate, RewardScorer(list(funcs), timeout_s=2.0))
+    return GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], sampler, retries_done=retries_done)
 
 
 def echo_answer_generate(calls=None, delay=0.0, fail_first=0):
@@ -179,8 +180,7 @@ def test_consumed_groups_are_never_produced_again():
             cfg,
             PROBLEMS,
             lambda p: [1],
-            echo_answer_generate(),
-            RewardScorer([exact_answer]),
+            CompletionSampler(echo_answer_generate(), RewardScorer([exact_answer])),
             resume=ResumePoint(data_cursor=0, consumed_group_ids=(0, 1)),
         )
         w.start()
