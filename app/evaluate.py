@@ -1,5 +1,5 @@
 """Held-out accuracy through the fleet: greedy completions (or, with an environment, greedy episodes) of the
-held-out split, scored by the task's rewards (or the environment).
+held-out split, sampled and scored by the run's sampler (`app.rollout.sampling`), as the rollout scores them.
 
     python -m app.evaluate --config FILE [--adapter policy-vN] [--url http://127.0.0.1:8000]
 
@@ -13,55 +13,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 
 from app.config import add_config_args, config_from_args
 from app.fleet_client import FleetClient
 from app.models import prompt_token_ids
-from app.rollout.episodes import EpisodeRunner, SamplingArgs, runner_for
+from app.rollout.sampling import Sampler, SamplingArgs, sampler_for
 from app.tasks.problems import Problem
-from app.tasks.rewards import RewardScorer
 from contracts.auth import inference_token
-from contracts.rollouts import Generate
+from contracts.rollouts import Sample
 
 
 async def evaluate_async(
-    generate: Generate,
+    sampler: Sampler,
     tokenizer,
     problems: list[Problem],
     model: str,
-    scorer: RewardScorer,
     max_tokens: int,
     concurrency: int = 32,
-    episodes: EpisodeRunner | None = None,
 ) -> dict:
-    """Accuracy = share of problems whose greedy completion gets a positive reward, or, with an environment,
-    whose greedy episode succeeds (the environment's `solved`, else a positive reward)."""
+    """Accuracy = share of problems whose greedy sample succeeds: a positive reward, or an episode that the
+    environment says is solved (else a positive reward)."""
     gate = asyncio.Semaphore(concurrency)
+    greedy = SamplingArgs(max_tokens, temperature=0.0)
 
-    async def one(problem: Problem) -> tuple[bool, float, int]:
+    async def one(problem: Problem) -> Sample:
         prompt_ids = prompt_token_ids(tokenizer, problem.prompt)
-        if episodes is not None:
-            async with gate:
-                (ep,) = await episodes.run_group(problem, prompt_ids, model, 1, SamplingArgs(max_tokens, 0.0))
-            return ep.succeeded, 0.0 if ep.env_error else ep.reward, ep.turns
         async with gate:
-            (c,) = await generate(prompt_ids, model, 1, max_tokens, 0.0)
-        scores = await asyncio.to_thread(
-            scorer.score,
-            [c.text],
-            [problem.prompt],
-            [c.token_ids],
-            answer=[problem.answer],
-            truncated=[c.finish_reason == "length"],
-        )
-        return scores.rewards[0] > 0, scores.rewards[0], 1
+            (sample,) = (await sampler.sample(problem, prompt_ids, model, 1, greedy)).samples
+        return sample
 
-    results = await asyncio.gather(*(one(p) for p in problems))
+    samples = await asyncio.gather(*(one(p) for p in problems))
     return {
         "model": model,
-        "accuracy": sum(ok for ok, _, _ in results) / len(results),
-        "mean_reward": sum(r for _, r, _ in results) / len(results),
-        "turns_mean": sum(t for _, _, t in results) / len(results),
+        "accuracy": sum(s.succeeded for s in samples) / len(samples),
+        "mean_reward": sum(0.0 if math.isnan(s.reward) else s.reward for s in samples) / len(samples),
+        "turns_mean": sum(s.num_turns for s in samples) / len(samples),
         "num_problems": len(problems),
     }
 
@@ -72,26 +59,16 @@ def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None 
     from app.tasks.problems import load_task
 
     problems = load_task(cfg.task).heldout
-    scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
-    generate = FleetClient(base_url, token).acompletions
     tokenizer = load_tokenizer(model_path)
-    episodes = runner_for(cfg, tokenizer, generate)
+    sampler = sampler_for(cfg, tokenizer, FleetClient(base_url, token).acompletions)
     try:
         return asyncio.run(
             evaluate_async(
-                generate,
-                tokenizer,
-                problems,
-                model,
-                scorer,
-                cfg.grpo.max_completion_length,
-                cfg.task.eval_concurrency,
-                episodes,
+                sampler, tokenizer, problems, model, cfg.grpo.max_completion_length, cfg.task.eval_concurrency
             )
         )
     finally:
-        if episodes is not None:
-            episodes.close()
+        sampler.close()
 
 
 def base_model_name(fleet: FleetClient) -> str:

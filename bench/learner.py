@@ -45,8 +45,9 @@ TOKEN_BUDGET = 2048
 PADDED_BATCH = 16
 
 
-def make_groups(n_groups: int, group_size: int, seed: int):
-    """Scored groups whose lengths spread like GRPO completions on math: mostly medium, a tail at the limit."""
+def make_groups(n_groups: int, group_size: int, seed: int, objectives):
+    """Scored groups whose lengths spread like GRPO completions on math: mostly medium, a tail at the limit,
+    annotated by `objectives` as the rollout annotates them."""
     from contracts.rollouts import Group, Sample
 
     rng = random.Random(seed)
@@ -66,7 +67,8 @@ def make_groups(n_groups: int, group_size: int, seed: int):
                     truncated=truncated,
                 )
             )
-        groups.append(Group(seed * n_groups + g, f"p{g}", prompt, 0, samples))  # ids unique across steps
+        group = Group(seed * n_groups + g, f"p{g}", prompt, 0, samples)  # ids unique across steps
+        groups.append(objectives.annotate(group))
     return groups
 
 
@@ -106,9 +108,11 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
 
 def step_variant(groups: int, seed: int) -> dict:
     """One training step of this process's variant; its metrics and the process's peak RSS so far."""
+    from app.objectives import Objectives
     from contracts.rollouts import RolloutBatch
 
-    metrics = _learner.train_step(RolloutBatch(make_groups(groups, 8, seed=seed))).metrics
+    batch = RolloutBatch(make_groups(groups, 8, seed, Objectives.from_config(_learner.cfg)))
+    metrics = _learner.train_step(batch).metrics
     return {**metrics, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

@@ -99,14 +99,20 @@ SMALL_STEP = {"prompts": 2, "group_size": 4, "prompt_tokens": 16, "completion_to
 SMALL_TOKEN_BUDGET = 256
 
 
+SEED_OBJECTIVES = [{"kind": "grpo", "weight": 1.0}]  # the seed recipe's `objectives` (the default)
+
+
 def bench_config(**learner) -> SimpleNamespace:
     """The seed recipe as attribute access (`cfg.grpo.temperature`), learner fields overridden."""
     sections = {**SEED_RECIPE, "learner": {**SEED_RECIPE["learner"], **learner}}
-    return SimpleNamespace(**{name: SimpleNamespace(**values) for name, values in sections.items()})
+    cfg = SimpleNamespace(**{name: SimpleNamespace(**values) for name, values in sections.items()})
+    cfg.objectives = [SimpleNamespace(**spec) for spec in SEED_OBJECTIVES]
+    return cfg
 
 
-def make_groups(step: dict, vocab: int, seed: int):
-    """One step's scored groups: random tokens, lengths as `step` says, rewards half 0 half 1 (advantages != 0).
+def make_groups(step: dict, vocab: int, seed: int, objectives):
+    """One step's scored groups: random tokens, lengths as `step` says, rewards half 0 half 1 (advantages != 0),
+    annotated by `objectives` as the rollout annotates them.
 
     Sampling log-probs are log(1/vocab), near what a random model gives any token, so ratios sit near 1."""
     from contracts.rollouts import Group, Sample
@@ -120,7 +126,7 @@ def make_groups(step: dict, vocab: int, seed: int):
         for i in range(step["group_size"]):
             n = rng.randint(*step["completion_tokens"])
             samples.append(Sample([rng.randrange(1, vocab) for _ in range(n)], [logp] * n, float(i % 2)))
-        groups.append(Group(seed * step["prompts"] + g, f"p{g}", prompt, 0, samples))
+        groups.append(objectives.annotate(Group(seed * step["prompts"] + g, f"p{g}", prompt, 0, samples)))
     return groups
 
 
@@ -146,11 +152,14 @@ def run_steps(learner, step: dict, vocab: int, warmup: int, steps: int) -> list[
     """Warm-up steps, then timed ones: each `forward_backward` + `optimizer_step`, as `train_step` runs them."""
     import torch
 
+    from app.objectives import Objectives
+
+    objectives = Objectives.from_config(learner.cfg)
     cuda = learner.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     runs = []
     for i in range(-warmup, steps):
-        groups = make_groups(step, vocab, seed=1000 + i)
+        groups = make_groups(step, vocab, 1000 + i, objectives)
         if i == 0 and cuda:
             torch.cuda.reset_peak_memory_stats()  # the timed steps' peak, not the warm-up's first-call allocations
         sync()

@@ -3,7 +3,7 @@
 Qwen2.5's output layer (151,936 x 1,536, frozen as under LoRA) scores the completion
 tokens of one micro-batch: hidden states in, GRPO loss out, then backward into the hidden states.
 The hidden states and the layer are bfloat16 on CUDA, float32 on the CPU.
-`unchunked` is the plain path (the lm_head's logits, `grpo_loss.token_logprobs`); `chunked` is
+`unchunked` is the plain path (the lm_head's logits, `logprobs.token_logprobs`); `chunked` is
 `app.learner.logprobs.chunked_token_logprobs`. Each variant runs in its own fresh process, so the
 peak is its own: resident memory on the CPU (peak RSS above the process's baseline with the inputs
 allocated), `torch.cuda.max_memory_allocated` on CUDA. The values of both paths are compared too.
@@ -34,8 +34,8 @@ def run_variant(variant: str, tokens: int, vocab: int, hidden_size: int, device:
     """One forward + backward of the path in this (fresh) process; its peak memory above the inputs'."""
     import torch
 
-    from app.learner.grpo_loss import grpo_loss, token_logprobs
-    from app.learner.logprobs import chunked_token_logprobs
+    from app.learner.logprobs import chunked_token_logprobs, token_logprobs
+    from app.objectives.grpo import grpo_loss
 
     torch.manual_seed(0)
     # bfloat16 as the GPU learner runs it; float32 on the CPU, whose bfloat16 matmuls take minutes here

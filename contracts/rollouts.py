@@ -6,6 +6,10 @@ a group it already trained on. The rollout hands the learner a `RolloutBatch` (s
 data cursor to resume from) as an ObjectRef the driver never opens; `BatchStats` is what the driver
 logs of it. `Generate` is how a sampler asks the fleet for completions (`app.fleet_client` speaks it
 over HTTP; tests speak it with a fake), and `Choice` what it gets back.
+
+Besides the sampling log-probs, a sample carries named per-token `streams` that the run's objectives
+(`app.objectives`) attach on the rollout side (GRPO's `advantages`, for one); the learner lays every
+stream out at the trained tokens without knowing what it means.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+SAMPLING_LOGPROBS = "sampling_logprobs"  # the stream every sample carries: the sampler's log-prob of each token
 
 
 @dataclass
@@ -65,6 +71,18 @@ class Sample:
     )
     env_error: bool = False  # the environment raised or timed out and ended this episode
     num_turns: int = 1  # model turns (an episode's last may be unscored: cut by the budget, or its step failed)
+    solved: bool | None = None  # an episode's verdict from its environment at the end, if it gave one
+    # Per completion token, by name: what the run's objectives attached (read at model tokens only).
+    streams: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> bool:
+        """Held-out success: the environment's verdict when it gave one, else a positive reward (NaN is none)."""
+        return self.solved if self.solved is not None else self.reward > 0
+
+    def token_streams(self) -> dict[str, list[float]]:
+        """Every per-token stream of the sample by name, its sampling log-probs included."""
+        return {SAMPLING_LOGPROBS: self.sampling_logprobs, **self.streams}
 
     def model_token_ids(self) -> list[int]:
         """The tokens the model generated (and the learner trains), in order."""

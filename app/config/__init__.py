@@ -23,6 +23,7 @@ from app.config.run import (
     JoinConfig,
     LearnerConfig,
     LoggingConfig,
+    ObjectiveConfig,
     RolloutConfig,
     RunConfig,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
+    "ObjectiveConfig",
     "RolloutConfig",
     "RouterConfig",
     "RunConfig",

@@ -86,6 +86,15 @@ class GRPOConfig(Section):
     seed: int = Field(42, description="Seed of the learner and the prompt order.")
 
 
+class ObjectiveConfig(Section):
+    """One term of the learner's loss (`app.objectives`): which objective, and its weight in the sum."""
+
+    kind: Literal["grpo"] = Field(
+        description="The objective: grpo (group-normalised advantages, TRL's clipped loss; its settings in `grpo`)."
+    )
+    weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
+
+
 class RolloutConfig(Section):
     """The asynchronous producer of scored groups."""
 
@@ -155,6 +164,11 @@ class RunConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="Task, data and rewards.")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn environment (none: single-turn).")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO algorithm.")
+    objectives: list[ObjectiveConfig] = Field(
+        default_factory=lambda: [ObjectiveConfig(kind="grpo")],
+        min_length=1,
+        description="Objectives the learner sums, each divided by its own token count (default: GRPO alone).",
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout producer.")
     fleet: FleetSettings = Field(
         default_factory=FleetSettings, description="The fleet the run brings along (unless it joins one)."
@@ -180,6 +194,9 @@ class RunConfig(Section):
             )
         if self.join.url and not self.join.url.startswith(("http://", "https://")):
             raise ValueError(f"join.url={self.join.url!r}: expected an http:// or https:// URL")
+        kinds = [o.kind for o in self.objectives]
+        if len(set(kinds)) < len(kinds):
+            raise ValueError(f"objectives: each kind at most once (got {kinds}): their metrics would mix")
         if self.grpo.max_completion_length >= self.model.max_model_len:
             raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
         if self.task.name == "math" and not self.task.dataset:

@@ -1,6 +1,6 @@
 """Log-probs and entropy of the sampled tokens without ever holding the `[tokens x vocab]` logits.
 
-Qwen2.5 has a 151,936-token vocabulary: the plain path (`grpo_loss.token_logprobs` on the model's
+Qwen2.5 has a 151,936-token vocabulary: the plain path (`token_logprobs` on the model's
 logits) materialises the logits, an fp32 copy, the tempered copy and the softmax temporaries of the
 entropy, tens of GB for one 16k-token row. Here the hidden states of the predicting positions go
 through the output layer a chunk of tokens at a time; each chunk's log-probs and entropy are taken
@@ -20,6 +20,24 @@ from contextlib import contextmanager
 import torch
 
 DEFAULT_CHUNK_TOKENS = 1024
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target token and the entropy of its distribution, both at `temperature`.
+
+    vLLM (with `logprobs_mode="processed_logprobs"`) reports log-probs of the tempered distribution
+    it sampled from, so the learner must divide its logits by the same temperature before the
+    softmax, or the ratio is off on every token. The softmax runs in float32 (float64 stays float64)
+    whatever the model's dtype, so it adds no bfloat16 rounding of its own. Entropy carries no gradient.
+    """
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    log_norm = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    with torch.no_grad():
+        entropy = log_norm - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+    return logp, entropy
 
 
 def _chunk_values(hidden, weight, bias, targets, temperature, want_grad):

@@ -18,22 +18,25 @@ gets a row of its own rather than being cut (cutting would change its log-probs)
 positions that predict a completion token are computed (`logits_to_keep`), since the vocabulary
 projection dominates memory for real vocabularies.
 
+Packing knows no algorithm: every per-token stream a sample carries (the sampler's log-probs, and
+whatever the run's objectives annotated, `app.objectives`) is laid out at the trained tokens, by name,
+for the objectives' losses to read.
+
 With several ranks, every rank computes the same plan from the same groups and takes its share of
 micro-batches (longest-processing-time first, by tokens); ranks with fewer micro-batches get filler
-ones (one token, zero weight), because FSDP needs every rank to run the same number of forward and
-backward passes.
+ones (one token, zero streams, zero weight), because FSDP needs every rank to run the same number of
+forward and backward passes.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from app.learner.grpo_loss import group_advantages
-from contracts.rollouts import Group
+from contracts.rollouts import Group, Sample
 
 PACKED_ATTENTION = "spotrl_packed_sdpa"
 
@@ -74,7 +77,7 @@ def register_packed_attention() -> str:
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One completion with its prompt, ready to score: what the loss needs and nothing else.
+    """One completion with its prompt, ready to score: its tokens, which of them are trained, its streams.
 
     A multi-turn episode's completion interleaves model turns and observations: only the positions
     `completion_mask` marks are targets (scored, trained, counted in the normaliser); observations are
@@ -82,9 +85,8 @@ class TrainSample:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    sampling_logprobs: list[float]  # per completion token (observation tokens' are never read)
-    advantage: float
-    group_id: int
+    streams: dict[str, list[float]]  # per completion token, by name (observation tokens' are never read)
+    origin: tuple[int, int]  # (its group's index among the groups packed, its index in the group)
     completion_mask: list[int] | None = None  # 1: a model token, trained; None: every completion token
 
     def __len__(self) -> int:
@@ -105,31 +107,38 @@ class TrainSample:
         return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
 
 
+def _checked_streams(group: Group, sample: Sample, names: Iterable[str] | None) -> dict[str, list[float]]:
+    """The sample's streams, each one value per completion token, named as the other samples' (`names`) are."""
+    streams = sample.token_streams()
+    n = len(sample.completion_ids)
+    for name, values in streams.items():
+        if len(values) != n:
+            raise ValueError(f"group {group.group_id}: {n} completion tokens but {len(values)} values of {name}")
+    if names is not None and set(streams) != set(names):
+        raise ValueError(f"group {group.group_id}: streams {sorted(streams)}, other samples carry {sorted(names)}")
+    mask = sample.completion_mask
+    if mask is not None and len(mask) != n:
+        raise ValueError(f"group {group.group_id}: {n} completion tokens but a mask of {len(mask)}")
+    return streams
+
+
 def samples_from_groups(groups: Sequence[Group]) -> list[TrainSample]:
-    """Flatten groups into samples with group-normalised advantages; empty completions train nothing."""
-    out = []
-    for group in groups:
+    """Flatten groups into samples with their streams; samples with no model token train nothing."""
+    out, names = [], None
+    for gi, group in enumerate(groups):
         if not group.prompt_ids:
             raise ValueError(f"group {group.group_id}: empty prompt")
-        for sample, advantage in zip(group.samples, group_advantages(group.rewards), strict=True):
-            if len(sample.sampling_logprobs) != len(sample.completion_ids):
-                raise ValueError(
-                    f"group {group.group_id}: {len(sample.completion_ids)} completion tokens but "
-                    f"{len(sample.sampling_logprobs)} sampling log-probs"
-                )
+        for si, sample in enumerate(group.samples):
+            streams = _checked_streams(group, sample, names)
+            names = streams.keys()
             mask = sample.completion_mask
-            if mask is not None and len(mask) != len(sample.completion_ids):
-                raise ValueError(
-                    f"group {group.group_id}: {len(sample.completion_ids)} completion tokens but a mask of {len(mask)}"
-                )
             if any(mask) if mask is not None else sample.completion_ids:
                 out.append(
                     TrainSample(
                         list(group.prompt_ids),
                         list(sample.completion_ids),
-                        list(sample.sampling_logprobs),
-                        float(advantage),
-                        group.group_id,
+                        {name: list(values) for name, values in streams.items()},
+                        (gi, si),
                         None if mask is None else list(mask),
                     )
                 )
@@ -152,8 +161,7 @@ class MicroBatch:
     target_rows: torch.Tensor  # (M,)
     target_cols: torch.Tensor  # (M,) indices into logits_to_keep
     targets: torch.Tensor  # (M,) the completion tokens
-    sampling_logprobs: torch.Tensor  # (M,)
-    advantages: torch.Tensor  # (M,)
+    streams: dict[str, torch.Tensor]  # name -> (M,) float32: each sample's streams at its targets
     target_sample: torch.Tensor  # (M,) index of each target's sample in the list that was packed
     num_samples: int
     num_tokens: int  # real (non-pad) tokens forwarded
@@ -175,6 +183,7 @@ class MicroBatch:
             k: v.to(device) if isinstance(v, torch.Tensor) and k != "cu_seqlens" else v
             for k, v in self.__dict__.items()
         }
+        moved["streams"] = {k: v.to(device) for k, v in self.streams.items()}
         return MicroBatch(**moved)
 
 
@@ -184,7 +193,8 @@ def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    t_rows, t_pos, targets, logps, advs, t_sample = [], [], [], [], [], []
+    t_rows, t_pos, targets, t_sample = [], [], [], []
+    streams: dict[str, list[float]] = {name: [] for name in rows[0][0][1].streams}
     for r, row in enumerate(rows):
         offset = 0
         for index, s in row:
@@ -198,8 +208,8 @@ def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool
             t_rows += [r] * len(trained)
             t_pos += (first + j for j in trained)
             targets += (s.completion_ids[j] for j in trained)
-            logps += (s.sampling_logprobs[j] for j in trained)
-            advs += [s.advantage] * len(trained)
+            for name, values in s.streams.items():
+                streams[name] += (values[j] for j in trained)
             t_sample += [index] * len(trained)
             offset += n
     t_pos_t = torch.tensor(t_pos, dtype=torch.long)
@@ -220,8 +230,7 @@ def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool
         target_rows=torch.tensor(t_rows, dtype=torch.long),
         target_cols=cols,
         targets=torch.tensor(targets, dtype=torch.long),
-        sampling_logprobs=torch.tensor(logps, dtype=torch.float32),
-        advantages=torch.tensor(advs, dtype=torch.float32),
+        streams={name: torch.tensor(values, dtype=torch.float32) for name, values in streams.items()},
         target_sample=torch.tensor(t_sample, dtype=torch.long),
         num_samples=sum(len(row) for row in rows),
         num_tokens=int(mask.sum()),
@@ -254,9 +263,10 @@ def pad(samples: Sequence[TrainSample], batch_size: int, pad_id: int) -> list[Mi
     ]
 
 
-def filler(pad_id: int) -> MicroBatch:
-    """A one-token micro-batch whose loss the learner multiplies by zero."""
-    mb = _layout([[(0, TrainSample([pad_id], [pad_id], [0.0], 0.0, ""))]], pad_id, packed=True)
+def filler(pad_id: int, streams: Iterable[str] = ()) -> MicroBatch:
+    """A one-token micro-batch, zero in each of `streams`, whose loss the learner multiplies by zero."""
+    sample = TrainSample([pad_id], [pad_id], dict.fromkeys(streams, [0.0]), (0, 0))
+    mb = _layout([[(0, sample)]], pad_id, packed=True)
     mb.is_filler = True
     return mb
 
@@ -274,7 +284,7 @@ def shard(batches: Sequence[MicroBatch], rank: int, world_size: int, pad_id: int
         loads[r] += batches[i].num_slots
     count = max(len(o) for o in owned)
     mine = [batches[i] for i in sorted(owned[rank])]
-    return mine + [filler(pad_id) for _ in range(count - len(mine))]
+    return mine + [filler(pad_id, batches[0].streams) for _ in range(count - len(mine))]
 
 
 def batch_metrics(batches: Sequence[MicroBatch], token_budget: int | None) -> dict[str, float]:

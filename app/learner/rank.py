@@ -1,18 +1,18 @@
-"""One rank of the learner: a PEFT LoRA policy trained with GRPO, FSDP2-sharded (on CUDA always, see model.py).
+"""One rank of the learner: a PEFT LoRA policy trained on the run's objectives, FSDP2-sharded (on CUDA always).
 
 `LearnerRank` holds no Ray, so that tests can drive it in-process; `app.learner.group` runs one per
 device as a Ray actor (`LearnerRankActor`) behind `LearnerGroup`, which joins them with
 torch.distributed (gloo on the CPU; NCCL only between the GPUs of one learner node, never to the fleet).
 
-A step takes a `RolloutBatch` and answers a `StepResult`: drop groups already trained on (a
-restarted learner may be fed them again), turn groups into samples with group-normalised
-advantages, pack them into micro-batches (`app.learner.packing`), accumulate the GRPO loss's
-gradient (`app.learner.grpo_loss`) over this rank's micro-batches, clip, AdamW. The forward never
-materialises `[tokens x vocab]` logits: the model's output layer is a `LogProbHead`
-(`app.learner.logprobs`), which returns the sampled tokens' log-probs and entropies chunk by chunk. Every
-`weight_sync_steps` the whole adapter is gathered from the FSDP shards and handed to
-`app.weight_sync` as the next `policy-v{N}` (bucket, then fleet); every `save_steps` the whole
-learner state goes to the bucket as a checkpoint (`app.learner.state`).
+A step takes a `RolloutBatch` of groups the rollout has annotated for the run's objectives and answers
+a `StepResult`: drop groups already trained on (a restarted learner may be fed them again), pack their
+samples and per-token streams into micro-batches (`app.learner.packing`), accumulate the gradient of
+the objectives' summed loss (`app.objectives`: GRPO by default; the rank names no algorithm) over this
+rank's micro-batches, clip, AdamW. The forward never materialises `[tokens x vocab]` logits: the
+model's output layer is a `LogProbHead` (`app.learner.logprobs`), which returns the sampled tokens'
+log-probs and entropies chunk by chunk. Every `weight_sync_steps` the whole adapter is gathered from
+the FSDP shards and handed to `app.weight_sync` as the next `policy-v{N}` (bucket, then fleet); every
+`save_steps` the whole learner state goes to the bucket as a checkpoint (`app.learner.state`).
 
 Versions are monotonic across restarts: a learner resumed from a checkpoint older than the newest
 published adapter (it died after publishing) republishes its restored adapter as a new version
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import tempfile
 import time
@@ -37,7 +36,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from app.learner.grpo_loss import LossStats, grpo_loss
 from app.learner.model import (
     build_lora_model,
     build_optimizer,
@@ -47,15 +45,7 @@ from app.learner.model import (
     mixed_precision_policy,
     uses_fsdp,
 )
-from app.learner.packing import (
-    MicroBatch,
-    TrainSample,
-    batch_metrics,
-    pack,
-    pad,
-    samples_from_groups,
-    shard,
-)
+from app.learner.packing import MicroBatch, TrainSample, batch_metrics, pack, pad, samples_from_groups, shard
 from app.learner.perf import Stopwatch, device_name, peak_flops, step_perf_metrics
 from app.learner.state import (
     ADAPTER_DIR,
@@ -70,6 +60,7 @@ from app.learner.state import (
     write_checkpoint,
 )
 from app.messages import ResumePoint, StepResult
+from app.objectives import LossStats, Objectives
 from app.weight_sync import AdapterPublisher
 from contracts.rollouts import Group, RolloutBatch
 
@@ -98,6 +89,7 @@ class LearnerRank:
         self.cfg, self.model_path = cfg, model_path
         self.rank, self.world_size = rank, world_size
         self.fleet_url, self.fleet_token = fleet_url, fleet_token
+        self.objectives = Objectives.from_config(cfg)
         self.state = LearnerState()
         self._consumed: set[int] = set()
         self.model = self.optimizer = self.scheduler = None
@@ -185,12 +177,10 @@ class LearnerRank:
             return pack(samples, lcfg.token_budget, self.pad_id), lcfg.token_budget
         return pad(samples, lcfg.per_device_train_batch_size, self.pad_id), None
 
-    def plan(self, groups: list[Group]) -> tuple[list[MicroBatch], int, dict]:
-        """All ranks' micro-batches of these groups, the step's completion-token count, and batch metrics."""
-        samples = samples_from_groups(groups)
-        batches, budget = self._batches(samples)
-        metrics = {**batch_metrics(batches, budget), "batch/groups": float(len(groups))}
-        return batches, sum(s.num_targets for s in samples), metrics
+    def plan(self, groups: list[Group]) -> tuple[list[MicroBatch], dict]:
+        """All ranks' micro-batches of these groups, and their batch metrics."""
+        batches, budget = self._batches(samples_from_groups(groups))
+        return batches, {**batch_metrics(batches, budget), "batch/groups": float(len(groups))}
 
     def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob (with gradient) and entropy (without) of each of the micro-batch's targets, at the sampling
@@ -211,41 +201,33 @@ class LearnerRank:
         return logp, entropy.detach()
 
     def forward_backward(self, groups: list[Group]) -> dict:
-        """Accumulate the GRPO loss's gradient over these groups into `.grad` (no optimizer step).
+        """Accumulate the gradient of the objectives' loss over these groups into `.grad` (no optimizer step).
 
         Returns the batch, loss and timing metrics of the pass, reduced over ranks (every rank must call).
         """
-        g = self.cfg.grpo
-        batches, n_tokens, metrics = self.plan(groups)
-        if n_tokens == 0:
+        batches, metrics = self.plan(groups)
+        if not batches:
             return metrics
+        # FSDP averages gradients over ranks; dividing by tokens/world_size makes that average the sum over all
+        # ranks' tokens divided once by the step's token count (each objective's own).
+        normalizers = [n / self.world_size for n in self.objectives.num_tokens(mb.streams for mb in batches)]
         watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
-        stats, loss_sum = LossStats.empty(), 0.0
+        stats, loss_sum = LossStats(), 0.0
         self.model.train()
         with watch("fwd_bwd"):
             for mb in shard(batches, self.rank, self.world_size, self.pad_id):
                 mb = mb.to(self.device)
                 logp, entropy = self._forward(mb)
-                # FSDP averages gradients over ranks; dividing by tokens/world_size makes that average the
-                # sum over all ranks' tokens divided once by the step's token count.
-                loss, mb_stats = grpo_loss(
-                    logp,
-                    mb.sampling_logprobs,
-                    mb.advantages,
-                    n_tokens / self.world_size,
-                    epsilon=g.epsilon,
-                    epsilon_high=g.epsilon_high,
-                    entropy=entropy,
-                    tis_cap=g.vllm_importance_sampling_cap if g.vllm_importance_sampling_correction else None,
-                )
+                loss, mb_stats = self.objectives.loss(logp, entropy, mb.streams, normalizers)
                 if mb.is_filler:
                     loss = loss * 0.0  # runs forward and backward only to keep FSDP's collectives in step
+                    stats.add(mb_stats.emptied())
                 else:
                     stats.add(mb_stats)
                     loss_sum += loss.item() / self.world_size
                 loss.backward()
         stats, loss_sum = self._reduce(stats, loss_sum)
-        metrics.update(stats.metrics(tis=g.vllm_importance_sampling_correction))
+        metrics.update(stats.metrics())
         metrics.update({"loss": loss_sum, "perf/fwd_bwd_s": watch.get("fwd_bwd")})
         return metrics
 
@@ -313,17 +295,19 @@ class LearnerRank:
                 self.state.consumed_group_ids.append(grp.group_id)
 
     def _reduce(self, stats: LossStats, loss_sum: float) -> tuple[LossStats, float]:
-        """Sum token statistics over ranks (min/max for the importance weights): one small all-reduce each."""
+        """Sum token statistics over ranks (min/max for extremes): one small all-reduce each."""
         if self.world_size == 1:
             return stats, loss_sum
         sums, lo, hi = stats.as_tensors()
         sums = torch.cat([sums, torch.tensor([loss_sum], dtype=torch.float64)]).to(self.device)
         lo, hi = lo.to(self.device), hi.to(self.device)
         dist.all_reduce(sums)
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if lo.numel():
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        if hi.numel():
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         sums, lo, hi = sums.cpu(), lo.cpu(), hi.cpu()
-        return LossStats.from_tensors(sums[:-1], lo, hi), sums[-1].item()
+        return stats.from_tensors(sums[:-1], lo, hi), sums[-1].item()
 
     # ---- weights out: publish, checkpoint ---------------------------------------------------------
 
@@ -371,21 +355,7 @@ class LearnerRank:
         Goes through the training path (same batching, same forward) without gradients. Each rank
         forwards everything, so under FSDP every rank must call it, and each returns the full answer.
         """
-        keys, samples = [], []
-        for gi, grp in enumerate(groups):
-            for si, smp in enumerate(grp.samples):
-                if smp.model_token_ids():
-                    keys.append((gi, si))
-                    samples.append(
-                        TrainSample(
-                            list(grp.prompt_ids),
-                            list(smp.completion_ids),
-                            [math.nan] * len(smp.completion_ids),
-                            0.0,
-                            grp.group_id,
-                            smp.completion_mask,
-                        )
-                    )
+        samples = samples_from_groups(groups)
         batches, _ = self._batches(samples)
         out: list[list[list[float]]] = [[[] for _ in grp.samples] for grp in groups]
         was_training = self.model.training
@@ -395,7 +365,7 @@ class LearnerRank:
                 logp, _ = self._forward(mb.to(self.device))
                 # Targets of one sample are laid out in order, so appending keeps each sample's tokens in order.
                 for index, value in zip(mb.target_sample.tolist(), logp.cpu().tolist(), strict=True):
-                    gi, si = keys[index]
+                    gi, si = samples[index].origin
                     out[gi][si].append(value)
         finally:
             self.model.train(was_training)

@@ -1,9 +1,9 @@
 """The rollout in Ray: a `GroupProducer` hosted in an actor, talking to the fleet over HTTP.
 
 Kept apart from the producer so that the producer stays plain asyncio. The actor wires it to the
-fleet (one `FleetClient`, which owns the retries of generation requests), the task's problems and
-rewards, and where to start: the learner's `ResumePoint` at the start of a run, or, when Ray
-restarts the actor, the newest checkpoint in the bucket (`resume_state`).
+fleet (one `FleetClient`, which owns the retries of generation requests), the task's problems, the
+run's sampler (`app.rollout.sampling`), and where to start: the learner's `ResumePoint` at the start
+of a run, or, when Ray restarts the actor, the newest checkpoint in the bucket (`resume_state`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import ray
 from app.config import HEAD_NODE
 from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
-from app.rollout.episodes import runner_for
 from app.rollout.producer import GroupProducer
-from app.tasks.rewards import RewardScorer
+from app.rollout.sampling import sampler_for
 from contracts.auth import Secret, inference_token
 from contracts.retry import Backoff
 from contracts.rollouts import RolloutBatch
@@ -62,11 +61,9 @@ class RolloutActor:
             cfg,
             load_task(cfg.task).train,
             lambda p: prompt_token_ids(tokenizer, p.prompt),
-            self.client.acompletions,
-            RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s),
+            sampler_for(cfg, tokenizer, self.client.acompletions),
             resume=resume,
             retries_done=lambda: self.client.retries_done,
-            episodes=runner_for(cfg, tokenizer, self.client.acompletions),
         )
 
     async def start(self) -> None:

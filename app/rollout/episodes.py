@@ -19,7 +19,8 @@ group, as in single-turn sampling. A group outlives its policy version only so l
 learner is more than `max_staleness` versions ahead it could never be trained, so the runner
 stops it before the next turn (`GroupStale`) instead of sampling for nothing.
 
-No Ray here: the rollout actor and the evaluation host it; tests drive it with a fake `generate`.
+The runner is a `Sampler` (`app.rollout.sampling`): the rollout and the evaluation both take a group
+of episodes as scored samples from it. No Ray here; tests drive it with a fake `generate`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
 from app.tasks.environments import Environment, EnvStep
 from app.tasks.problems import Problem
 from contracts.rollouts import Choice, Generate, Sample
@@ -40,10 +42,6 @@ log = logging.getLogger(__name__)
 
 class EnvFailed(Exception):
     """The environment raised or timed out: its episode ends with reward None."""
-
-
-class GroupStale(Exception):
-    """The learner moved on while the group's episodes were still being played: it could never be trained."""
 
 
 @dataclass
@@ -67,7 +65,7 @@ class Episode:
     @property
     def succeeded(self) -> bool:
         """Held-out success: the environment's `solved`, else a positive reward."""
-        return self.solved if self.solved is not None else (not self.env_error and self.reward > 0)
+        return self.sample().succeeded
 
     def add_model_turn(self, choice: Choice) -> None:
         if len(choice.logprobs) != len(choice.token_ids):
@@ -95,21 +93,12 @@ class Episode:
             turn_rewards=self.turn_rewards,
             env_error=self.env_error,
             num_turns=self.turns,
+            solved=self.solved,
         )
 
 
-@dataclass(frozen=True)
-class SamplingArgs:
-    """How every turn of an episode samples (the run's GRPO settings, or greedy for evaluation)."""
-
-    max_completion_length: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-
-
-class EpisodeRunner:
-    """Plays groups of episodes of one environment class against the fleet."""
+class EpisodeRunner(Sampler):
+    """Plays groups of episodes of one environment class against the fleet; as a sampler, answers them as samples."""
 
     def __init__(
         self,
@@ -122,11 +111,39 @@ class EpisodeRunner:
         timeout_s: float,
         max_threads: int = 32,
     ):
+        super().__init__()
         self.env_factory, self.encode, self.generate = env_factory, encode, generate
         self.max_turns, self.max_episode_tokens, self.timeout_s = max_turns, max_episode_tokens, timeout_s
         # Its own threads: a hung environment holds one of these until it returns, never the reward scorer's.
         self._threads = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="env")
-        self.env_errors = 0
+        self._env_errors = 0
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, generate: Generate) -> EpisodeRunner:
+        """The runner of the config's environment, observations tokenised as prompts are."""
+        from app.models import prompt_token_ids
+        from app.tasks.environments import resolve_environment
+
+        env_cls, kwargs = resolve_environment(cfg.env.name), dict(cfg.env.kwargs)
+        return cls(
+            lambda: env_cls(**kwargs),
+            lambda text: prompt_token_ids(tokenizer, text),
+            generate,
+            max_turns=cfg.env.max_turns,
+            max_episode_tokens=cfg.max_episode_tokens,
+            timeout_s=cfg.env.timeout_s,
+        )
+
+    @property
+    def env_errors(self) -> int:
+        return self._env_errors
+
+    async def sample(self, problem, prompt_ids, model, n, sampling, is_fresh=lambda: True) -> Sampled:
+        with self.meter.on_the_wire():
+            episodes = await self.run_group(problem, prompt_ids, model, n, sampling, is_fresh)
+        samples = [e.sample() for e in episodes]
+        self.meter.generated(sum(sum(s.completion_mask) for s in samples))
+        return Sampled(samples)
 
     async def _env_call(self, fn: Callable, *args):
         """`fn(*args)` in a worker thread under the timeout; any failure becomes EnvFailed."""
@@ -248,28 +265,10 @@ class EpisodeRunner:
                     return False
                 episode.add_observation(obs_ids, step.observation if isinstance(step.observation, str) else "")
                 return True
-        self.env_errors += 1
+        self._env_errors += 1
         episode.env_error = True
         log.warning("environment failed, ending its episode with reward None: %s", failure)
         return False
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
-
-
-def runner_for(cfg, tokenizer, generate: Generate) -> EpisodeRunner | None:
-    """The runner of the config's environment, observations tokenised as prompts are; None for single-turn runs."""
-    if cfg.env.name is None:
-        return None
-    from app.models import prompt_token_ids
-    from app.tasks.environments import resolve_environment
-
-    env_cls, kwargs = resolve_environment(cfg.env.name), dict(cfg.env.kwargs)
-    return EpisodeRunner(
-        lambda: env_cls(**kwargs),
-        lambda text: prompt_token_ids(tokenizer, text),
-        generate,
-        max_turns=cfg.env.max_turns,
-        max_episode_tokens=cfg.max_episode_tokens,
-        timeout_s=cfg.env.timeout_s,
-    )

@@ -1,18 +1,17 @@
-"""The rollout's producer: plain asyncio that keeps the fleet busy and feeds the learner scored groups.
+"""The rollout's producer: plain asyncio that keeps the fleet busy and feeds the learner annotated groups.
 
-It keeps up to `max_inflight_tasks` groups in flight, asks for the G samples of a prompt in one
-request (so the router keeps them on one replica and vLLM prefills the prompt once), tags each
-group with the policy version it was sampled under, scores it off the event loop and puts it on a
-bounded queue. A slot is held until its group is on the queue, so a slow learner stops new
-requests instead of growing memory (backpressure). Groups more than `max_staleness` versions
-behind the learner are dropped and counted when taken, never trained (a multi-turn group as soon
-as it is found stale, between turns). A request that still fails after the fleet client's retries
-costs its group, counted, never the producer.
+It keeps up to `max_inflight_tasks` groups in flight, has its sampler (`app.rollout.sampling`: G single
+completions in one request, scored off the event loop, or G multi-turn episodes) sample and score the
+G samples of a prompt, tags the group with the policy version it was sampled under, has the run's
+objectives annotate it (`app.objectives`: GRPO's advantages, for one) and puts it on a bounded queue.
+A slot is held until its group is on the queue, so a slow learner stops new requests instead of
+growing memory (backpressure). Groups more than `max_staleness` versions behind the learner are
+dropped and counted when taken, never trained (a multi-turn group as soon as it is found stale,
+between turns). A request that still fails after the fleet client's retries costs its group,
+counted, never the producer.
 
-With an environment (`env.name`), a group is G multi-turn episodes played by an `EpisodeRunner`
-(`app.rollout.episodes`), rewarded by the environment instead of the reward functions.
-
-No Ray here, so that tests drive it with a fake `generate`; `app.rollout.actor` hosts it in Ray.
+No Ray here, so that tests drive it with a fake `generate` behind its sampler; `app.rollout.actor` hosts
+it in Ray.
 """
 
 from __future__ import annotations
@@ -21,15 +20,14 @@ import asyncio
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 
 from app.messages import ResumePoint, RolloutStats
-from app.rollout.episodes import EpisodeRunner, GroupStale, SamplingArgs
+from app.objectives import Objectives
+from app.rollout.sampling import GroupStale, Sampler, SamplingArgs
 from app.tasks.problems import Problem
-from app.tasks.rewards import RewardScorer
 from contracts.adapters import adapter_name
-from contracts.rollouts import Generate, Group, RolloutBatch, Sample
+from contracts.rollouts import Group, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +40,17 @@ class GroupProducer:
         cfg,
         problems: list[Problem],
         prompt_ids: Callable[[Problem], list[int]],
-        generate: Generate,
-        scorer: RewardScorer,
+        sampler: Sampler,
         *,
         resume: ResumePoint | None = None,  # where to go on; None: a fresh run
         retries_done: Callable[[], int] = lambda: 0,  # the fleet client's retries so far, for the metrics
-        episodes: EpisodeRunner | None = None,  # plays multi-turn episodes (env.name set); None: single-turn
     ):
         self.cfg = cfg
-        self.problems, self.prompt_ids, self.generate, self.scorer = problems, prompt_ids, generate, scorer
+        self.problems, self.prompt_ids, self.sampler = problems, prompt_ids, sampler
+        self.objectives = Objectives.from_config(cfg)
+        g = cfg.grpo
+        self.sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         self.retries_done = retries_done
-        self.episodes = episodes
         resume = resume or ResumePoint()
         self.cursor = resume.data_cursor or 0
         self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
@@ -62,18 +60,9 @@ class GroupProducer:
         self._slots = asyncio.Semaphore(cfg.rollout.max_inflight_tasks)
         self._tasks: set[asyncio.Task] = set()
         self._producer: asyncio.Task | None = None
-        self.inflight = 0  # requests on the wire (a slot waiting to enqueue is not one)
         self._pending: set[int] = set()  # indices issued but not yet taken or lost: the resume frontier
-        self._idle_s, self._idle_since = 0.0, time.monotonic()  # time with no request on the wire
         self.queue_size_at_take = 0
-        self.counters = {
-            "groups_produced": 0,
-            "dropped_stale": 0,
-            "dropped_failed": 0,
-            "groups_taken": 0,
-            "completion_tokens": 0,
-        }
-        self._token_times: deque[tuple[float, int]] = deque(maxlen=512)
+        self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "groups_taken": 0}
 
     # -- data order ------------------------------------------------------------------------
     def _problem_at(self, index: int) -> Problem:
@@ -123,32 +112,18 @@ class GroupProducer:
             self._slots.release()
 
     async def _sample_and_score(self, group_id: int, problem: Problem) -> Group | None:
-        g = self.cfg.grpo
         version = self.sampling_version
         prompt_ids = self.prompt_ids(problem)
-        self._count_inflight(+1)
         try:
             # The fleet client retries what is worth retrying (`app.retry`): what still fails here is final.
-            if self.episodes is not None:
-                sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
-                episodes = await self.episodes.run_group(
-                    problem,
-                    prompt_ids,
-                    adapter_name(version, self.cfg.fleet_run),
-                    g.num_generations,
-                    sampling,
-                    is_fresh=lambda: not self._too_stale(version),
-                )
-            else:
-                completions = await self.generate(
-                    prompt_ids,
-                    adapter_name(version, self.cfg.fleet_run),
-                    g.num_generations,
-                    g.max_completion_length,
-                    g.temperature,
-                    g.top_p,
-                    g.top_k,
-                )
+            sampled = await self.sampler.sample(
+                problem,
+                prompt_ids,
+                adapter_name(version, self.cfg.fleet_run),
+                self.cfg.grpo.num_generations,
+                self.sampling,
+                is_fresh=lambda: not self._too_stale(version),
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -159,44 +134,8 @@ class GroupProducer:
                 log.warning("generation for group %d failed, dropping it: %s", group_id, e)
                 self.counters["dropped_failed"] += 1
             return None
-        finally:
-            self._count_inflight(-1)
-        if self.episodes is not None:  # the environment has rewarded every episode already
-            samples = [e.sample() for e in episodes]
-            self._count_tokens(sum(sum(s.completion_mask) for s in samples))
-            return Group(group_id, problem.id, prompt_ids, version, samples, time.time())
-        self._count_tokens(sum(len(c.token_ids) for c in completions))
-        texts = [c.text for c in completions]
-        truncated = [c.finish_reason == "length" for c in completions]
-        columns = {
-            "answer": [problem.answer] * len(texts),
-            "truncated": truncated,
-            **{k: [v] * len(texts) for k, v in problem.columns.items()},
-        }
-        scores = await asyncio.to_thread(
-            self.scorer.score, texts, [problem.prompt] * len(texts), [c.token_ids for c in completions], **columns
-        )
-        samples = [
-            Sample(c.token_ids, c.logprobs, r, t, c.text)
-            for c, r, t in zip(completions, scores.rewards, truncated, strict=True)
-        ]
-        return Group(group_id, problem.id, prompt_ids, version, samples, time.time(), dict(scores.errors))
-
-    def _count_tokens(self, generated: int) -> None:
-        self.counters["completion_tokens"] += generated
-        self._token_times.append((time.monotonic(), generated))
-
-    def _count_inflight(self, delta: int) -> None:
-        now = time.monotonic()
-        if self.inflight == 0 and delta > 0:
-            self._idle_s += now - self._idle_since
-        self.inflight += delta
-        if self.inflight == 0:
-            self._idle_since = now
-
-    def idle_s(self) -> float:
-        """Seconds so far with no generation request on the wire (the fleet idle, as far as we know)."""
-        return self._idle_s + (time.monotonic() - self._idle_since if self.inflight == 0 else 0.0)
+        group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
+        return self.objectives.annotate(group)
 
     # -- consuming -------------------------------------------------------------------------
     def set_policy_version(self, policy_version: int) -> None:
@@ -251,21 +190,14 @@ class GroupProducer:
         """Lowest data index not yet settled: a resumed run restarts here (consumed ids skip the trained ones)."""
         return min(self._pending, default=self.cursor)
 
-    def generated_tok_s(self, window_s: float = 30.0) -> float:
-        now = time.monotonic()
-        recent = [(t, n) for t, n in self._token_times if now - t <= window_s]
-        if len(recent) < 2:
-            return 0.0
-        return sum(n for _, n in recent[1:]) / max(1e-6, recent[-1][0] - recent[0][0])
-
     def stats(self) -> RolloutStats:
         c = self.counters
         seen = c["groups_taken"] + c["dropped_stale"]
         return RolloutStats(
             queue_size_at_take=self.queue_size_at_take,
             queue_size_now=self.queue.qsize(),
-            inflight=self.inflight,
-            generated_tok_s=self.generated_tok_s(),
+            inflight=self.sampler.meter.inflight,
+            generated_tok_s=self.sampler.meter.generated_tok_s(),
             dropped_stale_total=c["dropped_stale"],
             dropped_stale_share=c["dropped_stale"] / seen if seen else 0.0,
             dropped_failed_total=c["dropped_failed"],
@@ -273,9 +205,9 @@ class GroupProducer:
             groups_produced_total=c["groups_produced"],
             data_cursor=self.cursor,
             data_frontier=self.frontier,
-            idle_s=self.idle_s(),
-            reward_metrics=self.scorer.metrics(),
-            env_errors_total=self.episodes.env_errors if self.episodes is not None else 0,
+            idle_s=self.sampler.meter.idle_s(),
+            reward_metrics=self.sampler.reward_metrics(),
+            env_errors_total=self.sampler.env_errors,
         )
 
     async def stop(self) -> None:
@@ -284,5 +216,4 @@ class GroupProducer:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._producer = None
-        if self.episodes is not None:
-            self.episodes.close()
+        self.sampler.close()

@@ -188,3 +188,7 @@ class RewardScorer:
 
     def metrics(self) -> dict[str, float]:
         return {f"reward/errors/{name}": float(c) for name, c in self.errors_total.items()}
+
+    def close(self) -> None:
+        """Let go of the worker threads (one hung in a reward function is abandoned, never waited for)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -437,7 +437,8 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
     from app.learner.packing import pack, samples_from_groups
     from app.learner.rank import LearnerRank
     from app.models import load_tokenizer, prompt_token_ids
-    from app.rollout.episodes import EpisodeRunner, SamplingArgs
+    from app.rollout.episodes import EpisodeRunner
+    from app.rollout.sampling import SamplingArgs
     from app.tasks.environments import Environment, EnvStep
     from app.tasks.problems import Problem
     from contracts.rollouts import Group

@@ -2,7 +2,7 @@
 
 Log-probs and gradients through the learner's `LogProbHead` equal the plain path through the logits.
 The plain path is what the learner did before the head was wrapped: the model's whole logits at the
-kept positions, then `grpo_loss.token_logprobs`. Both run through the learner's own batching and loss
+kept positions, then `logprobs.token_logprobs`. Both run through the learner's own batching and loss
 (`forward_backward`, `score`), in float32 on a small random Qwen2 with tied embeddings, at a sampling
 temperature other than 1 and with chunks smaller than a micro-batch: on one rank in-process, and
 with FSDP2 across two CPU ranks (gloo), where the output layer's weight is the one FSDP gathered.
@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.multiprocessing as mp
 
-from app.learner.grpo_loss import token_logprobs
+from app.learner.logprobs import token_logprobs
 from app.learner.rank import LearnerRank
 from tests.fleet_helpers import free_port
 from tests.unit.test_packing import learner_config, random_groups, random_model

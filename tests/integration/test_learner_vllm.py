@@ -63,6 +63,7 @@ from app.bucket.store import AdapterStore  # noqa: E402
 from app.config import RunConfig  # noqa: E402
 from app.learner.rank import LearnerRank  # noqa: E402
 from app.models import load_tokenizer  # noqa: E402
+from app.objectives import Objectives  # noqa: E402
 from app.tasks.problems import arithmetic_prompt  # noqa: E402
 from contracts.rollouts import Group, RolloutBatch, Sample  # noqa: E402
 
@@ -77,11 +78,13 @@ def _config(tmp_path) -> RunConfig:
     return cfg
 
 
-def _warm_groups(prompts: list[list[int]], eos: int) -> list[Group]:
-    """Arbitrary scored completions: any gradient will do to move the adapter away from zero."""
+def _warm_groups(prompts: list[list[int]], eos: int, objectives: Objectives) -> list[Group]:
+    """Arbitrary scored completions, annotated: any gradient will do to move the adapter away from zero."""
     digits = [[(13 * i + 7 * j) % 300 + 20 for j in range(5)] + [eos] for i in range(4)]
     return [
-        Group(g, f"p{g}", p, 0, [Sample(d, [-2.0] * len(d), float(i % 2)) for i, d in enumerate(digits)])
+        objectives.annotate(
+            Group(g, f"p{g}", p, 0, [Sample(d, [-2.0] * len(d), float(i % 2)) for i, d in enumerate(digits)])
+        )
         for g, p in enumerate(prompts)
     ]
 
@@ -97,7 +100,9 @@ def test_learner_logprobs_match_vllm_and_published_adapter_loads(tiny_model_path
     learner = LearnerRank(cfg, tiny_model_path)
     learner.setup()
     assert learner.start().policy_version == 0
-    assert learner.train_step(RolloutBatch(_warm_groups(prompts, tokenizer.eos_token_id))).policy_version == 1
+    objectives = Objectives.from_config(cfg)
+    warm = _warm_groups(prompts, tokenizer.eos_token_id, objectives)
+    assert learner.train_step(RolloutBatch(warm)).policy_version == 1
     adapter_dir = AdapterStore.from_config(cfg).fetch(1)
 
     out_file, prompts_file = tmp_path / "vllm.json", tmp_path / "prompts.json"
@@ -113,7 +118,9 @@ def test_learner_logprobs_match_vllm_and_published_adapter_loads(tiny_model_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     sampled = json.loads(out_file.read_text())
     groups = [
-        Group(100 + g, f"p{g}", p, 1, [Sample(s["ids"], s["logprobs"], float(i % 2)) for i, s in enumerate(outs)])
+        objectives.annotate(
+            Group(100 + g, f"p{g}", p, 1, [Sample(s["ids"], s["logprobs"], float(i % 2)) for i, s in enumerate(outs)])
+        )
         for g, (p, outs) in enumerate(zip(prompts, sampled, strict=True))
     ]
     n_tokens = sum(len(s.completion_ids) for g in groups for s in g.samples)

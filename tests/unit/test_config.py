@@ -33,6 +33,10 @@ def test_overrides_are_typed_and_nested():
         ("learner.batching=sorted", "learner.batching"),
         ("lora.rank.x=1", "lora.rank"),
         ("fleet.max_loras=1", "fleet.max_loras"),
+        ("objectives=[{kind: distill}]", "objectives.0.kind"),
+        ("objectives=[{kind: grpo, weight: 0}]", "objectives.0.weight"),
+        ("objectives=[]", "objectives"),
+        ("objectives=[{kind: grpo}, {kind: grpo}]", "objectives"),
     ],
 )
 def test_bad_override_names_the_field(override, field):

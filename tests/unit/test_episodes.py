@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from app.rollout.episodes import EpisodeRunner, SamplingArgs
+from app.rollout.episodes import EpisodeRunner
+from app.rollout.sampling import SamplingArgs
 from app.tasks.environments import Calculator, ChainedArithmetic, Environment, EnvStep, calculate
 from app.tasks.problems import Problem
 from contracts.rollouts import Choice
@@ -199,7 +200,6 @@ def test_the_producer_makes_groups_of_episodes_and_counts_environment_errors():
     from app.config import load_config
     from app.rollout.producer import GroupProducer
     from app.tasks.problems import make_chained_arithmetic
-    from app.tasks.rewards import RewardScorer, exact_answer
     from contracts.rollouts import BatchStats
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(1, 1), operand_max=9).train
@@ -223,9 +223,7 @@ def test_the_producer_makes_groups_of_episodes_and_counts_environment_errors():
 
     async def main():
         episodes = EpisodeRunner(FlakyChain, encode, answer_right, max_turns=3, max_episode_tokens=64, timeout_s=2.0)
-        producer = GroupProducer(
-            cfg, problems, lambda p: [1, 2], answer_right, RewardScorer([exact_answer]), episodes=episodes
-        )
+        producer = GroupProducer(cfg, problems, lambda p: [1, 2], episodes)
         producer.start()
         batch = await producer.get_groups(5)
         stats = producer.stats()
@@ -245,7 +243,6 @@ def test_the_producer_makes_groups_of_episodes_and_counts_environment_errors():
 
 def test_evaluation_with_an_environment_counts_whole_episodes_solved():
     from app.evaluate import evaluate_async
-    from app.tasks.rewards import RewardScorer, exact_answer
 
     problems = [Problem("a", "x", "46", {"chain": [7]}), Problem("b", "y", "46", {"chain": [8]})]
 
@@ -254,10 +251,7 @@ def test_evaluation_with_an_environment_counts_whole_episodes_solved():
             return {"input_ids": encode(text)}
 
     fleet = ScriptedFleet(["46", "53"])  # right for a (46, 53), wrong on b's second turn (54)
-    episodes = runner(fleet)
-    result = asyncio.run(
-        evaluate_async(fleet, Tokenizer(), problems, "policy-v0", RewardScorer([exact_answer]), 8, 4, episodes)
-    )
+    result = asyncio.run(evaluate_async(runner(fleet), Tokenizer(), problems, "policy-v0", 8, 4))
     assert result["accuracy"] == 0.5 and result["mean_reward"] == pytest.approx(0.75) and result["turns_mean"] == 2
     assert all(c["max_tokens"] == 8 for c in fleet.calls)
 
@@ -285,7 +279,6 @@ def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_
     from app.config import load_config
     from app.rollout.producer import GroupProducer
     from app.tasks.problems import make_chained_arithmetic
-    from app.tasks.rewards import RewardScorer, exact_answer
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(2, 2), operand_max=9).train
     cfg = load_config(None, ["env.name=chained_arithmetic", "grpo.max_staleness=1", "rollout.max_inflight_tasks=1"])
@@ -308,14 +301,7 @@ def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_
     episodes = EpisodeRunner(
         AlwaysOn, encode, learner_moves_on_during_turn_one, max_turns=3, max_episode_tokens=64, timeout_s=2.0
     )
-    producer = GroupProducer(
-        cfg,
-        problems,
-        lambda p: [1, 2],
-        learner_moves_on_during_turn_one,
-        RewardScorer([exact_answer]),
-        episodes=episodes,
-    )
+    producer = GroupProducer(cfg, problems, lambda p: [1, 2], episodes)
 
     async def main():
         producer.start()

@@ -28,3 +28,47 @@ def test_without_a_version_the_base_model_is_evaluated_under_the_name_the_fleet_
     (adapter / "adapter_model.safetensors").write_bytes(b"weights")
     AdapterStore.from_config(cfg).publish(adapter, 3)
     assert default_model(cfg, _fleet(served_as, ["policy-v3"])) == "policy-v3"
+
+
+def test_evaluation_scores_a_problem_as_training_does_with_every_column_it_has():
+    """Evaluation and the rollout share one sampler: the reward functions see the problem's own columns in both."""
+    import asyncio
+
+    from app.config import load_config
+    from app.evaluate import evaluate_async
+    from app.rollout.producer import GroupProducer
+    from app.rollout.sampling import CompletionSampler
+    from app.tasks.problems import Problem
+    from app.tasks.rewards import RewardScorer
+    from contracts.rollouts import Choice
+
+    seen = []
+
+    def recording(completions, prompts, completion_ids, answer, **columns):
+        seen.append({"answer": answer, **columns})
+        return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+    async def generate(prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
+        return [Choice(i, [4, 6], [-0.1, -0.2], "46", "stop") for i in range(n)]
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    problem = Problem("p", "Compute 12+34. Answer: ", "46", {"level": "easy", "source": "unit"})
+    sampler = CompletionSampler(generate, RewardScorer([recording]))
+    result = asyncio.run(evaluate_async(sampler, Tokenizer(), [problem], "policy-v0", 8, 4))
+    assert result["accuracy"] == 1.0 and result["mean_reward"] == 1.0
+    (evaluated,) = seen
+    assert evaluated == {"answer": ["46"], "truncated": [False], "level": ["easy"], "source": ["unit"]}
+
+    async def train_one_group():
+        cfg = load_config(None, ["grpo.num_generations=2", "rollout.max_inflight_tasks=1"])
+        producer = GroupProducer(cfg, [problem], lambda p: [1, 2], sampler)
+        producer.start()
+        await producer.get_groups(1)
+        await producer.stop()
+
+    asyncio.run(asyncio.wait_for(train_one_group(), 30))
+    trained = seen[1]
+    assert trained == {name: values * 2 for name, values in evaluated.items()}  # the same columns, per sample

@@ -1,6 +1,7 @@
-"""The GRPO loss against references computed by hand (numpy, float64, explicit formulas).
+"""The GRPO objective against references computed by hand (numpy, float64, explicit formulas).
 
-The learnable tensor is the logits themselves, so the reference gradient can be written out:
+The loss goes through the objective's learner-side interface (`GRPO.loss` over named streams), as the
+learner calls it. The learnable tensor is the logits themselves, so the reference gradient can be written out:
 d loss / d logp_t = -A_t * ratio_t / N on tokens where the unclipped term is the minimum, 0 where the
 clipped one is; d logp_t / d logits = (onehot - softmax(logits / T)) / T.
 """
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from app.learner.grpo_loss import group_advantages, grpo_loss, token_logprobs
+from app.learner.logprobs import token_logprobs
+from app.objectives.grpo import ADVANTAGES, GRPO, group_advantages, grpo_loss
+from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 
@@ -43,18 +46,12 @@ def _case(log_ratio_offsets, advantages, temperature=0.7, vocab=11, seed=0):
 def _torch_loss(logits, targets, sampling, adv, temperature, normalizer, tis_cap=None):
     leaf = torch.tensor(logits, dtype=torch.float64, requires_grad=True)
     logp, entropy = token_logprobs(leaf, torch.tensor(targets), temperature)
-    loss, stats = grpo_loss(
-        logp,
-        torch.tensor(sampling),
-        torch.tensor(adv),
-        normalizer,
-        epsilon=EPS_LOW,
-        epsilon_high=EPS_HIGH,
-        tis_cap=tis_cap,
-        entropy=entropy,
-    )
+    objective = GRPO(epsilon=EPS_LOW, epsilon_high=EPS_HIGH, tis_cap=tis_cap)
+    streams = {SAMPLING_LOGPROBS: torch.tensor(sampling), ADVANTAGES: torch.tensor(adv)}
+    assert objective.num_tokens(streams) == len(targets)  # GRPO averages over every trained token
+    loss, stats = objective.loss(logp, entropy, streams, normalizer)
     loss.backward()
-    return loss.item(), leaf.grad.numpy(), stats.metrics(tis=tis_cap is not None)
+    return loss.item(), leaf.grad.numpy(), stats.metrics()
 
 
 def _reference(logits, targets, sampling, adv, temperature, normalizer, tis_cap=None):
@@ -89,6 +86,7 @@ def test_loss_and_gradient_match_hand_reference_without_clipping():
     assert metrics["ratio"] == pytest.approx(ratio.mean())
     assert metrics["entropy"] == pytest.approx(entropy)
     assert metrics["clip_ratio/region_mean"] == 0.0
+    assert not any(k.startswith("sampling/importance_sampling_ratio") for k in metrics)  # no TIS, no weights
 
 
 def test_clipping_zeroes_gradient_only_where_the_clipped_term_is_the_minimum():
@@ -135,4 +133,13 @@ def test_unreported_sampling_logprob_counts_as_agreement():
     _, stats = grpo_loss(
         logp, torch.tensor([float("nan"), -2.0]), torch.tensor([1.0, 1.0]), 2.0, epsilon=EPS_LOW, epsilon_high=EPS_HIGH
     )
-    assert stats.metrics(tis=False)["ratio"] == pytest.approx(1.0)
+    assert stats.metrics()["ratio"] == pytest.approx(1.0)
+
+
+def test_annotation_puts_each_samples_group_advantage_on_every_token():
+    rewards = [1.0, 0.0, float("nan"), 1.0]
+    samples = [Sample([5] * n, [-1.0] * n, r) for n, r in zip([3, 1, 2, 4], rewards, strict=True)]
+    group = Group(0, "p", [1, 2], 0, samples)
+    GRPO(epsilon=EPS_LOW, epsilon_high=EPS_HIGH).annotate(group)
+    for sample, advantage in zip(group.samples, group_advantages(rewards), strict=True):
+        assert sample.streams[ADVANTAGES] == [advantage] * len(sample.completion_ids)

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from app.learner.grpo_loss import token_logprobs
-from app.learner.logprobs import LogProbHead, chunked_token_logprobs
+from app.learner.logprobs import LogProbHead, chunked_token_logprobs, token_logprobs
 
 
 def _case(tokens=37, hidden=16, vocab=101, seed=0, dtype=torch.float32):

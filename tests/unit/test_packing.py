@@ -12,7 +12,8 @@ import torch
 
 from app.config import RunConfig
 from app.learner.packing import batch_metrics, filler, pack, pad, register_packed_attention, samples_from_groups, shard
-from contracts.rollouts import Group, Sample
+from app.objectives import Objectives
+from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
 
 VOCAB = 64
 
@@ -37,7 +38,8 @@ def random_model(folder) -> str:
 def random_groups(
     n_groups: int, group_size: int = 4, seed: int = 0, first_id: int = 0, max_completion: int = 12
 ) -> list[Group]:
-    """Groups shaped like GRPO rollouts: one prompt per group, completions of very different lengths.
+    """Groups shaped like GRPO rollouts: one prompt per group, completions of very different lengths, annotated
+    by the default objectives (GRPO) as the rollout annotates them.
 
     Their ids are `first_id`, `first_id + 1`, ...: give each step's groups their own range."""
     rng = random.Random(seed)
@@ -55,7 +57,8 @@ def random_groups(
                 )
             )
         groups.append(Group(first_id + g, f"p{g}", prompt, 0, samples))
-    return groups
+    objectives = Objectives.from_config(RunConfig())
+    return [objectives.annotate(group) for group in groups]
 
 
 def learner_config(**learner) -> RunConfig:
@@ -108,6 +111,9 @@ def test_shard_balances_ranks_and_evens_out_counts_with_fillers():
     real = [mb for s in shares for mb in s if not mb.is_filler]
     assert sorted(id(mb) for mb in real) == sorted(id(mb) for mb in batches)
     assert filler(0).num_targets == 1 and filler(0).is_filler
+    fillers = [mb for share in shares for mb in share if mb.is_filler]
+    assert fillers and all(mb.streams.keys() == batches[0].streams.keys() for mb in fillers)  # what losses read
+    assert all(v.tolist() == [0.0] for mb in fillers for v in mb.streams.values())
 
 
 def test_packed_row_scores_like_separate_forwards(tmp_path):
@@ -194,7 +200,7 @@ def episode_group(group_id: int = 50, seed: int = 1) -> Group:
             mask += [1] * n_model + [0] * n_obs
             logps += [-rng.uniform(3.5, 4.8) for _ in range(n_model)] + [float("nan")] * n_obs
         samples.append(Sample(ids, logps, float(k), completion_mask=mask, turn_rewards=[float(k)] * 3, num_turns=3))
-    return Group(group_id, "episode", prompt, 0, samples)
+    return Objectives.from_config(RunConfig()).annotate(Group(group_id, "episode", prompt, 0, samples))
 
 
 def test_the_targets_of_an_episode_are_exactly_its_model_tokens_and_it_packs_with_single_turn_groups():
@@ -213,7 +219,12 @@ def test_the_targets_of_an_episode_are_exactly_its_model_tokens_and_it_packs_wit
     row = mb.input_ids[0]
     for c, tok in zip(mb.target_cols.tolist(), mb.targets.tolist(), strict=True):
         assert row[mb.logits_to_keep[c] + 1] == tok
-    assert not torch.isnan(mb.sampling_logprobs).any()  # observation tokens' NaN never reach the loss
+    assert not torch.isnan(mb.streams[SAMPLING_LOGPROBS]).any()  # observation tokens' NaN never reach the loss
+    for name, values in mb.streams.items():  # every stream sits at its sample's trained tokens, in order
+        for index, sample in enumerate(samples):
+            at = (mb.target_sample == index).nonzero().flatten()
+            expected = torch.tensor([sample.streams[name][j] for j in sample.target_offsets()], dtype=torch.float32)
+            assert torch.equal(values[at], expected), name
     episode = samples[-1]
     assert episode.num_targets == sum(episode.completion_mask) < len(episode.completion_ids)
     assert mb.num_targets == sum(s.num_targets for s in samples)
@@ -242,3 +253,20 @@ def test_a_mask_of_the_wrong_length_is_refused():
     group.samples[0].completion_mask = group.samples[0].completion_mask[:-1]
     with pytest.raises(ValueError, match="mask"):
         samples_from_groups([group])
+
+
+def test_packing_lays_out_whatever_streams_the_samples_carry_and_refuses_samples_that_disagree():
+    groups = random_groups(2, seed=4)
+    for group in groups:  # a stream no part of packing knows, as a later objective would attach one
+        for sample in group.samples:
+            sample.streams["teacher_logprobs"] = [-float(t) for t in sample.completion_ids]
+    samples = samples_from_groups(groups)
+    for mb in pack(samples, token_budget=30, pad_id=0):
+        assert set(mb.streams) == {SAMPLING_LOGPROBS, "advantages", "teacher_logprobs"}
+        assert torch.equal(mb.streams["teacher_logprobs"], -mb.targets.float())
+    del groups[1].samples[2].streams["teacher_logprobs"]
+    with pytest.raises(ValueError, match="group 1: streams"):
+        samples_from_groups(groups)
+    groups[1].samples[2].streams["teacher_logprobs"] = [0.0]
+    with pytest.raises(ValueError, match="values of teacher_logprobs"):
+        samples_from_groups(groups)

@@ -9,7 +9,9 @@ import pytest
 
 from app.config import load_config
 from app.messages import ResumePoint
+from app.objectives.grpo import group_advantages
 from app.rollout.producer import GroupProducer
+from app.rollout.sampling import CompletionSampler
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import Choice
@@ -20,8 +22,8 @@ PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 def make_worker(generate, funcs=(exact_answer,), retries_done=lambda: 0, **overrides):
     sets = [f"{k}={v}" for k, v in overrides.items()]
     cfg = load_config(None, sets)
-    scorer = RewardScorer(list(funcs), timeout_s=2.0)
-    return GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], generate, scorer, retries_done=retries_done)
+    sampler = CompletionSampler(generate, RewardScorer(list(funcs), timeout_s=2.0))
+    return GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], sampler, retries_done=retries_done)
 
 
 def echo_answer_generate(calls=None, delay=0.0, fail_first=0):
@@ -53,6 +55,9 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
         w.start()
         first = (await w.get_groups(2)).groups
         assert [g.policy_version for g in first] == [0, 0] and len(first[0].samples) == 8
+        for group in first:  # annotated by the run's objectives before they were queued: ready to train
+            for sample, advantage in zip(group.samples, group_advantages(group.rewards), strict=True):
+                assert sample.streams == {"advantages": [advantage] * len(sample.completion_ids)}
         while w.queue.qsize() < 4:  # a full queue of v0 groups
             await asyncio.sleep(0.01)
         w.set_policy_version(2)  # learner two versions ahead: queued v0 groups are now too stale
@@ -175,8 +180,7 @@ def test_consumed_groups_are_never_produced_again():
             cfg,
             PROBLEMS,
             lambda p: [1],
-            echo_answer_generate(),
-            RewardScorer([exact_answer]),
+            CompletionSampler(echo_answer_generate(), RewardScorer([exact_answer])),
             resume=ResumePoint(data_cursor=0, consumed_group_ids=(0, 1)),
         )
         w.start()

@@ -1,0 +1,65 @@
+"""The run's objectives together, as the config lists them: what the rollout and the learner each hold.
+
+The rollout annotates every group with all of them; the learner's loss is their weighted sum, each
+objective's term divided by its own token count over the step. Neither side names an algorithm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from app.objectives.base import LossStats, Objective
+from app.objectives.grpo import GRPO
+from contracts.rollouts import Group
+
+KINDS: dict[str, type[Objective]] = {GRPO.kind: GRPO}  # what `objectives[].kind` may name
+
+
+class Objectives:
+    """The objectives of one run, in config order."""
+
+    def __init__(self, objectives: list[Objective]):
+        if not objectives:
+            raise ValueError("a run needs at least one objective")
+        self.objectives = objectives
+
+    @classmethod
+    def from_config(cls, cfg) -> Objectives:
+        """The objectives of `cfg.objectives` (read as attributes: the GPU bench passes a plain namespace)."""
+        return cls([KINDS[spec.kind].from_config(spec, cfg) for spec in cfg.objectives])
+
+    def annotate(self, group: Group) -> Group:
+        """`group` with every objective's per-token streams written into its samples (rollout side)."""
+        for objective in self.objectives:
+            objective.annotate(group)
+        return group
+
+    def num_tokens(self, streams_of_batches: Iterable[Mapping[str, torch.Tensor]]) -> list[int]:
+        """Each objective's token count over a step's micro-batches (all ranks'): what its loss is divided by."""
+        counts = [0] * len(self.objectives)
+        for streams in streams_of_batches:
+            missing = sorted({name for o in self.objectives for name in o.streams} - streams.keys())
+            if missing:
+                raise ValueError(
+                    f"the groups carry no {', '.join(missing)} stream: annotate them with the run's objectives "
+                    "(app.objectives.Objectives.annotate) before the learner trains on them"
+                )
+            counts = [n + o.num_tokens(streams) for n, o in zip(counts, self.objectives, strict=True)]
+        return counts
+
+    def loss(
+        self,
+        logp: torch.Tensor,
+        entropy: torch.Tensor,
+        streams: Mapping[str, torch.Tensor],
+        normalizers: list[float],
+    ) -> tuple[torch.Tensor, LossStats]:
+        """The weighted sum of the objectives' losses over one micro-batch, and all their statistics."""
+        total, stats = None, LossStats()
+        for objective, normalizer in zip(self.objectives, normalizers, strict=True):
+            loss, own = objective.loss(logp, entropy, streams, normalizer)
+            total = loss * objective.weight if total is None else total + loss * objective.weight
+            stats.add(own)
+        return total, stats
