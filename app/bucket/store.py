@@ -606,7 +606,8 @@ class CheckpointStore(_CommittedStore):
 
 
 class RunRecords:
-    """The runs registered on a shared fleet (`deployments.runs`), one small JSON each at `<bucket>/runs/<name>/RUN.json`.
+    """The runs registered on a shared fleet (`deployments.control.runs`), one small JSON each at
+    `<bucket>/runs/<name>/RUN.json`.
 
     What lets an ingress that restarts (its node lost, the application redeployed) know its runs again:
     the registry otherwise lives in its memory alone. A record holds the run's name and what the fleet keeps

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from deployments.fair_share import FairShare
+from deployments.control.fair_share import FairShare
 
 
 class Fleet:

@@ -1,22 +1,18 @@
-"""Runs as tenants of one fleet: who may use which adapters, and whether one more run still fits.
+"""The registry of a shared fleet's runs: who is registered, with which token, and whether one more fits.
 
 A team starts one fleet and many experiments use it; each is a run, registered by the admin
-(`POST /v1/runs`), with a token of its own. A run token may sample the base model and its own adapters
-(`<run>/...`, `deployments.names`), load and unload its own versions, and sees only those in
-`/v1/models`; anything of another run is a 403. The admin token may do everything. A fleet without an
-admin token is open to everyone on its machine, runs or not: tokens mean something only beside one.
+(`POST /v1/runs`), with a token of its own (what that token may do: `deployments.api.callers`).
 
-The registry lives in the ingress and holds only each token's sha256 (`app.auth`): the token itself
+The registry lives in the ingress and holds only each token's sha256 (`contracts.auth`): the token itself
 is answered once, to the admin who registered the run. Each registration is also recorded in the
-fleet's bucket (`app.bucket.store.RunRecords`: name, sha256, weight, window and rank), so an ingress that restarts
-(its head node lost, the application redeployed) knows its runs, and their tokens, again. Replicas
-know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
-restarts loses nothing either.
+fleet's bucket (`deployments.control.tenancy`), so an ingress that restarts knows its runs, and their
+tokens, again (`restore`).
 
 A run that says nothing for `fleet.run_idle_timeout_s` (no request with its token, no
 `POST /v1/runs/NAME/heartbeat`) is taken to be dead: killed, preempted, or ended without a DELETE.
-The first request after that releases it (`take_idle`): its token stops working and its adapters
-leave every replica, so its slots serve the others and its place is free for a new run.
+The first request after that releases it (`take_idle`, `deployments.control.tenancy`): its token stops
+working and its adapters leave every replica, so its slots serve the others and its place is free for a
+new run.
 
 A run states its LoRA rank and its staleness window when it registers (`POST /v1/runs {"name",
 "lora_rank", "max_staleness"}`; the fleet's `max_staleness` when it says none): a rank above the fleet's
@@ -26,7 +22,7 @@ run, plus the fleet's own `policy-vN` lineage's, plus one slot to load into, mus
 other's live versions on every request.
 
 Each run has a weight (`POST /v1/runs {"name", "weight"}`, `fleet.default_run_weight` when not given): its
-share of the fleet's in-flight generations under contention (`deployments.fair_share`).
+share of the fleet's in-flight generations under contention (`deployments.control.fair_share`).
 """
 
 from __future__ import annotations
@@ -37,47 +33,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from app.config import slots_needed
-from contracts.adapters import RUN_NAME, split_run
+from contracts.adapters import RUN_NAME
 from contracts.auth import mint_run_token, token_digest
-from deployments.api_schema import ApiError
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request: the admin (`admin`), a run (`run`), or neither (anonymous, open inference only)."""
-
-    admin: bool = False
-    run: str | None = None
-
-    def may_use(self, model: str, base_model: str) -> bool:
-        """Whether this caller may sample `model` (the base model's name, or an adapter's)."""
-        if self.admin or model == base_model:
-            return True
-        owner, _ = split_run(model)
-        return owner == self.run  # a run its own adapters; anonymous callers the un-namespaced ones
-
-    def check_use(self, model: str, base_model: str) -> None:
-        if not self.may_use(model, base_model):
-            owner, _ = split_run(model)
-            whose = f"run {owner!r}" if owner else "the fleet, not to a run"
-            raise ApiError(403, f"model {model!r} belongs to {whose}; this token may use only its own adapters")
-
-    def check_owns(self, name: str) -> None:
-        """An adapter this caller may load or unload: any for the admin, `<run>/...` for a run."""
-        if self.admin:
-            return
-        owner, _ = split_run(name)
-        if self.run is None or owner != self.run:
-            mine = f"{self.run}/<name>" if self.run else "none"
-            raise ApiError(403, f"lora_name {name!r}: this token may load and unload only its own adapters ({mine})")
-
-    def check_admin(self, what: str) -> None:
-        if not self.admin:
-            raise ApiError(403, f"{what} needs the admin token (it affects every run on the fleet)")
-
-
-ADMIN = Caller(admin=True)
-ANONYMOUS = Caller()
+from deployments.control.errors import ApiError
 
 
 @dataclass(frozen=True)
@@ -117,7 +75,7 @@ class Runs:
 
     @classmethod
     def of(cls, settings) -> Runs:
-        """The registry of an ingress of these `deployments.api.ApiSettings`."""
+        """The registry of an ingress of these `deployments.api.settings.ApiSettings`."""
         return cls(
             settings.max_loras,
             settings.max_staleness,
