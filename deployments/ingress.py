@@ -9,7 +9,8 @@ The ingress is where failures are hidden from clients: a generation whose replic
 preemption, OOM) is sent again (`contracts.retry.aretry`, whose docstring says who retries what), and the
 router, told of the death by Serve, picks a live replica; a generation during which an engine died is
 sent once more at most, then refused as poison (`deployments.poison`). Admin calls are broadcast to
-every live replica.
+every live replica. Serve runs the app's lifespan in this replica, so the control layer's upkeep
+(`deployments.control.upkeep`: idle runs released, slots gauges) runs here, beside the requests.
 
 Callers inside the Ray cluster (the learner, on another node) reach the fleet through a handle to
 this deployment instead of HTTP: the HTTP proxy listens on the head, at an address that may mean

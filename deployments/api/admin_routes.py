@@ -29,7 +29,7 @@ class AdminRoutes(Routes):
 
     @route("POST", "/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> dict[str, Any]:
-        caller = await self.callers.authorize(request, admin_call=True)
+        caller = self.callers.authorize(request, admin_call=True)
         body = await read_json(request, LoadAdapterBody, self.limits)
         caller.check_owns(body.lora_name)
         if body.load_inplace:
@@ -38,7 +38,7 @@ class AdminRoutes(Routes):
 
     @route("POST", "/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> dict[str, Any]:
-        caller = await self.callers.authorize(request, admin_call=True)
+        caller = self.callers.authorize(request, admin_call=True)
         body = await read_json(request, UnloadAdapterBody, self.limits)
         caller.check_owns(body.lora_name)
         results = await everywhere(self.backend, UnloadAdapter(body.lora_name))
@@ -51,7 +51,7 @@ class AdminRoutes(Routes):
 
     @route("POST", "/pause")
     async def pause(self, request: Request, mode: str = "keep") -> dict[str, Any]:
-        (await self.callers.authorize(request, admin_call=True)).check_admin("pausing the fleet")
+        self.callers.authorize(request, admin_call=True).check_admin("pausing the fleet")
         if mode not in PAUSE_MODES:
             raise ApiError(400, f"mode: expected one of {', '.join(PAUSE_MODES)}")
         results = await pause_everywhere(self.backend, mode)
@@ -61,11 +61,11 @@ class AdminRoutes(Routes):
 
     @route("POST", "/resume")
     async def resume(self, request: Request) -> dict[str, Any]:
-        (await self.callers.authorize(request, admin_call=True)).check_admin("resuming the fleet")
+        self.callers.authorize(request, admin_call=True).check_admin("resuming the fleet")
         return {"status": "resumed", "replicas": len(await everywhere(self.backend, Resume()))}
 
     @route("POST", "/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request) -> dict[str, Any]:
-        (await self.callers.authorize(request, admin_call=True)).check_admin("resetting the prefix cache")
+        self.callers.authorize(request, admin_call=True).check_admin("resetting the prefix cache")
         results = await everywhere(self.backend, ResetPrefixCache())
         return {"success": all(r.success for r in results), "replicas": len(results)}

@@ -1,7 +1,8 @@
 """The fleet's FastAPI app, put together: the routes of every job over one control layer, and its error replies.
 
 The app is independent of Ray: a `Backend` does the generating and broadcasting, so its parsing, auth and
-error handling are unit-tested with a fake backend; `deployments.ingress` plugs in Ray Serve.
+error handling are unit-tested with a fake backend; `deployments.ingress` plugs in Ray Serve. While the app
+serves (its lifespan), the control layer's upkeep runs beside it (`deployments.control.upkeep`).
 
 Errors: a malformed request gets 400 with the reason, an unknown model 404, a missing or wrong
 token 401, a body over `fleet.max_request_bytes` 413 (by its Content-Length, without waiting for
@@ -33,6 +34,7 @@ from deployments.control.fair_share import FairShare
 from deployments.control.membership import Membership
 from deployments.control.runs import Runs
 from deployments.control.tenancy import Tenancy
+from deployments.control.upkeep import Upkeep
 
 log = logging.getLogger("ray.serve")
 
@@ -44,22 +46,25 @@ def make_app(
 ) -> FastAPI:
     """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants, `records` (an
     `app.bucket.store.RunRecords`) where registrations are kept across restarts of the ingress, `gate` the fair
-    share of in-flight generations between them."""
+    share of in-flight generations between them. `app.state.upkeep` is its background upkeep."""
     scrub = Scrub(settings.admin_token)
     runs = runs if runs is not None else Runs.of(settings)
     gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight)
     tenancy = Tenancy(runs, records, backend, scrub)
+    upkeep = Upkeep(tenancy, backend, gate)
     app = FastAPI(
         title="spotrl fleet",
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
         default_response_class=FiniteJSONResponse,
+        lifespan=upkeep.lifespan,
     )
+    app.state.upkeep = upkeep
     replies = ErrorReplies(scrub)
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
-    callers = Callers(settings.admin_token, runs, settings.protect_inference, tenancy.release_idle)
+    callers = Callers(settings.admin_token, runs, settings.protect_inference)
     membership = Membership(backend, settings.num_replicas)
     for routes in (
         InferenceRoutes(settings, callers, backend, gate, scrub),

@@ -5,8 +5,8 @@ A run's token (`deployments.control.runs`) may sample the base model and its own
 another run is a 403. The admin token may do everything. A fleet without an admin token is open to
 everyone on its machine, runs or not: tokens mean something only beside one.
 
-A request with a run's token counts as the run's heartbeat (`Runs.run_of`). Whichever request comes first
-after a run's idle timeout releases it (`deployments.control.tenancy`), before it is authorized.
+Finding out who a caller is changes nothing. A run's request that uses the fleet (anything but a GET:
+generations, loads, unloads, heartbeats) is its sign of life (`Runs.heard_from`); reading is not.
 
 Admin calls are not for browsers: a web page the operator visits can send a CORS "simple" request
 (a form, or a body-less `fetch`) to 127.0.0.1 without asking, with any cached Basic credentials;
@@ -17,7 +17,6 @@ never grants. So an admin call must declare JSON, except a body-less one (TRL's 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -79,17 +78,10 @@ ANONYMOUS = Caller()
 
 class Callers:
     """The callers of one fleet: its admin token (None: everyone is the admin), its runs, whether inference is
-    behind the token too, and how its idle runs are released (`Tenancy.release_idle`)."""
+    behind the token too."""
 
-    def __init__(
-        self,
-        admin_token: str | None,
-        runs: Runs,
-        protect_inference: bool,
-        release_idle: Callable[[], Awaitable[object]],
-    ):
+    def __init__(self, admin_token: str | None, runs: Runs, protect_inference: bool = False):
         self.admin_token, self.runs, self.protect_inference = admin_token, runs, protect_inference
-        self.release_idle = release_idle
 
     def resolve(self, request: Request) -> Caller:
         """Who sent `request`: the admin token's holder, a registered run, or anonymous (everyone is the admin
@@ -103,13 +95,12 @@ class Callers:
             return Caller(run=run)
         return ANONYMOUS if self.admin_token else ADMIN
 
-    async def authorize(self, request: Request, admin_call: bool = False) -> Caller:
+    def authorize(self, request: Request, admin_call: bool = False) -> Caller:
         """The caller, once it may call at all: a 401 for an anonymous admin call (or any anonymous call, with
-        `protect_inference`), a 415 for an admin call that does not declare JSON (`require_json`). The runs gone
-        silent are released first: whichever request comes first after the timeout frees their slots, before
-        it needs any itself."""
-        await self.release_idle()
+        `protect_inference`), a 415 for an admin call that does not declare JSON (`require_json`)."""
         caller = self.resolve(request)
+        if caller.run is not None and request.method != "GET":
+            self.runs.heard_from(caller.run)
         if caller is ANONYMOUS and (admin_call or self.protect_inference):
             raise ApiError(401, "missing or invalid token (send Authorization: Bearer <token>, or Basic auth)")
         if admin_call:

@@ -38,7 +38,7 @@ from deployments.api.replies import (
 from deployments.api.routing import Routes, route
 from deployments.api.settings import ApiSettings
 from deployments.control.backend import Backend
-from deployments.control.broadcast import everywhere, slots_held
+from deployments.control.broadcast import everywhere
 from deployments.control.errors import as_api_error
 from deployments.control.fair_share import FairShare
 from deployments.control.offload import offload
@@ -81,7 +81,7 @@ class InferenceRoutes(Routes):
 
     @route("POST", "/v1/completions")
     async def completions(self, request: Request) -> JSONResponse:
-        caller = await self.callers.authorize(request)
+        caller = self.callers.authorize(request)
         body = await read_json(request, CompletionBody, self.settings.limits)
         caller.check_use(self.prompts.resolve_model(body.model), self.settings.base_model)
         prompts = body.prompts()
@@ -121,7 +121,7 @@ class InferenceRoutes(Routes):
 
     @route("POST", "/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
-        caller = await self.callers.authorize(request)
+        caller = self.callers.authorize(request)
         body = await read_json(request, ChatCompletionBody, self.settings.limits)
         caller.check_use(self.prompts.resolve_model(body.model), self.settings.base_model)
         messages = body.conversation()
@@ -152,9 +152,8 @@ class InferenceRoutes(Routes):
 
     @route("GET", "/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
-        caller = await self.callers.authorize(request)
+        caller = self.callers.authorize(request)
         listed = await everywhere(self.backend, ListAdapters())
-        self.gate.note_slots(slots_held(listed))
         now, base, max_model_len = int(time.time()), self.settings.base_model, self.settings.max_model_len
 
         def entry(name: str, root: str, parent: str | None) -> dict[str, Any]:

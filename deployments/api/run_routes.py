@@ -27,7 +27,7 @@ class RunRoutes(Routes):
 
     @route("POST", "/v1/runs")
     async def register_run(self, request: Request) -> dict[str, Any]:
-        (await self.callers.authorize(request, admin_call=True)).check_admin("registering a run")
+        self.callers.authorize(request, admin_call=True).check_admin("registering a run")
         body = await read_json(request, RunBody, self.limits)
         token = await self.tenancy.register(body.name, body.weight, body.max_staleness, body.lora_rank)
         return {"name": body.name, "token": token, **self.run_terms(body.name)}
@@ -35,7 +35,7 @@ class RunRoutes(Routes):
     @route("GET", "/v1/runs")
     async def list_runs(self, request: Request) -> dict[str, Any]:
         """Every run for the admin; a run's token sees only its own (which is how a driver learns whose it is)."""
-        caller = await self.callers.authorize(request, admin_call=True)
+        caller = self.callers.authorize(request, admin_call=True)
         if caller.admin:
             return {"runs": self.runs.names()}
         return {"runs": [caller.run] if caller.run else []}
@@ -44,7 +44,7 @@ class RunRoutes(Routes):
     async def run_info(self, request: Request, name: str) -> dict[str, Any]:
         """What a run joining the fleet needs to know: where to publish (its prefix of the fleet's bucket, the
         only place the fleet loads its adapters from) and how long it may stay silent."""
-        (await self.callers.authorize(request, admin_call=True)).check_run(name, "may see only its own run")
+        self.callers.authorize(request, admin_call=True).check_run(name, "may see only its own run")
         if name not in self.runs.names():
             raise ApiError(404, f"run {name[:64]!r} is not registered")
         return {
@@ -65,12 +65,12 @@ class RunRoutes(Routes):
     @route("DELETE", "/v1/runs/{name}")
     async def remove_run(self, request: Request, name: str) -> dict[str, Any]:
         """Forget the run (its token stops working at once) and unload its adapters everywhere."""
-        (await self.callers.authorize(request, admin_call=True)).check_admin("removing a run")
+        self.callers.authorize(request, admin_call=True).check_admin("removing a run")
         return {"status": "removed", "name": name, "unloaded": await self.tenancy.remove(name)}
 
     @route("POST", "/v1/runs/{name}/heartbeat")
     async def run_heartbeat(self, request: Request, name: str) -> dict[str, Any]:
         """A run that is alive but sends nothing else for a while (a long learner step) says so here."""
-        (await self.callers.authorize(request, admin_call=True)).check_run(name, "keeps only its own run alive")
+        self.callers.authorize(request, admin_call=True).check_run(name, "keeps only its own run alive")
         self.runs.heartbeat(name)
         return {"name": name, "idle_timeout_s": self.runs.idle_timeout_s}

@@ -1,7 +1,7 @@
 """What the fleet says of itself, read-only: `/health`, `/server_info`, `/router/stats`, `/engine/stats`.
 
-A run's token sees its own adapters and counters only. The LoRA slots each run holds are noted by the fair
-share (`FairShare.note_slots`) as of each listing of the replicas.
+Reading changes nothing: no handler here stores what it found or counts as a run's sign of life (the slots
+gauges are refreshed by `deployments.control.upkeep`). A run's token sees its own adapters and counters only.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
-from contracts.control import ListAdapters, ReportEngine
+from contracts.control import ReportEngine
 from deployments.api.callers import Callers
 from deployments.api.routing import Routes, route
 from deployments.api.settings import ApiSettings
@@ -36,7 +36,7 @@ class StatusRoutes(Routes):
 
     @route("GET", "/server_info")
     async def server_info(self, request: Request, config_format: str = "text") -> dict[str, Any]:
-        await self.callers.authorize(request)
+        self.callers.authorize(request)
         if config_format not in ("text", "json"):
             raise ApiError(400, "config_format: expected text or json")
         info = await self.backend.server_info()
@@ -53,18 +53,16 @@ class StatusRoutes(Routes):
     @route("GET", "/router/stats")
     async def router_stats(self, request: Request) -> dict[str, Any]:
         """The router's counters, and under `runs` the fair share's per run (a run's token sees its own only)."""
-        caller = await self.callers.authorize(request)
-        listed = await self.backend.broadcast(ListAdapters())
+        caller = self.callers.authorize(request)
         # The router's counters are worth answering even when a replica cannot list its adapters right now.
-        self.gate.note_slots(slots_held([r for r in listed if not isinstance(r, BaseException)]))
-        fair = self.gate.stats()
+        fair = self.gate.stats(await slots_held(self.backend))
         if not caller.admin:
             fair["runs"] = {name: s for name, s in fair["runs"].items() if name == caller.tenant}
         return {**self.backend.router_stats(), "runs": fair}
 
     @route("GET", "/engine/stats")
     async def engine_stats(self, request: Request) -> dict[str, Any]:
-        caller = await self.callers.authorize(request)
+        caller = self.callers.authorize(request)
         reports = await everywhere(self.backend, ReportEngine())
         base = self.settings.base_model
         replicas = [report.as_json() for report in reports]

@@ -6,5 +6,6 @@
 - `runs`, `tenancy`: the registry of a shared fleet's runs; runs registered, removed and released with their
   bucket records and their adapters.
 - `fair_share`, `run_metrics`: the runs' weighted share of in-flight generations, and its per-run metrics.
+- `upkeep`: the background task that releases idle runs and refreshes the slots gauges.
 - `errors`, `offload`: refusals with an HTTP status; worker threads for blocking work.
 """

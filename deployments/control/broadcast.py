@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from contracts.adapters import split_run
-from contracts.control import AdapterListing, Command, ListAdapters, LoadAdapter, Pause, Resume, UndoLoad, UnloadAdapter
+from contracts.control import Command, ListAdapters, LoadAdapter, Pause, Resume, UndoLoad, UnloadAdapter
 from deployments.control.backend import Backend
 from deployments.control.errors import ApiError, as_api_error
 from deployments.control.fair_share import FLEET_TENANT
@@ -86,8 +86,10 @@ async def unload_run(backend: Backend, run: str) -> list[str]:
     return names
 
 
-def slots_held(listed: list[AdapterListing]) -> dict[str, int]:
-    """LoRA slots per run (un-namespaced adapters: `FLEET_TENANT`) on the fullest engine, from `ListAdapters`."""
+async def slots_held(backend: Backend) -> dict[str, int]:
+    """LoRA slots per run (un-namespaced adapters: `FLEET_TENANT`) on the fullest engine, as listed by the
+    replicas that answer (a replica that cannot list its adapters right now is left out, not an error)."""
+    listed = [r for r in await backend.broadcast(ListAdapters()) if not isinstance(r, BaseException)]
     held: dict[str, int] = {}
     for replica in listed:
         counts: dict[str, int] = {}

@@ -1,7 +1,8 @@
 """The fair share's per-run counts as Ray metrics (Prometheus via Ray's metrics export), tagged by run.
 
 The gate (`deployments.control.fair_share`) tells them as they change: requests, tokens, queue waits,
-places in flight and waiting, and the LoRA slots a run holds as of the latest listing of the replicas.
+places in flight and waiting; the LoRA slots a run holds come from the ingress's upkeep
+(`deployments.control.upkeep`), which lists the replicas' adapters every few seconds.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ is answered once, to the admin who registered the run. Each registration is also
 fleet's bucket (`deployments.control.tenancy`), so an ingress that restarts knows its runs, and their
 tokens, again (`restore`).
 
-A run that says nothing for `fleet.run_idle_timeout_s` (no request with its token, no
+A run that says nothing for `fleet.run_idle_timeout_s` (no request that uses the fleet with its token, no
 `POST /v1/runs/NAME/heartbeat`) is taken to be dead: killed, preempted, or ended without a DELETE.
-The first request after that releases it (`take_idle`, `deployments.control.tenancy`): its token stops
-working and its adapters leave every replica, so its slots serve the others and its place is free for a
-new run.
+`take_idle` hands such runs over to be released (`deployments.control.upkeep`). Reading is no sign of
+life: resolving a token (`run_of`) changes nothing, and the routes say when a run was heard of
+(`heard_from`).
 
 A run states its LoRA rank and its staleness window when it registers (`POST /v1/runs {"name",
 "lora_rank", "max_staleness"}`; the fleet's `max_staleness` when it says none): a rank above the fleet's
@@ -71,7 +71,7 @@ class Runs:
         self.idle_timeout_s, self._clock = idle_timeout_s, clock
         self.default_weight, self.max_lora_rank = default_weight, max_lora_rank
         self._runs: dict[str, Registration] = {}
-        self._seen: dict[str, float] = {}  # run -> clock of its latest request or heartbeat
+        self._seen: dict[str, float] = {}  # run -> clock of its latest sign of life (`heard_from`)
 
     @classmethod
     def of(cls, settings) -> Runs:
@@ -156,11 +156,10 @@ class Runs:
         return registration.weight if registration and registration.weight is not None else self.default_weight
 
     def run_of(self, token: str) -> str | None:
-        """The run whose token this is, or None; a request with it counts as the run's heartbeat."""
+        """The run whose token this is, or None."""
         digest = token_digest(token)
         for name, registration in self._runs.items():
             if hmac.compare_digest(digest, registration.token_sha256):
-                self._seen[name] = self._clock()
                 return name
         return None
 
@@ -173,12 +172,18 @@ class Runs:
         return self._runs[name].token_sha256
 
     def heartbeat(self, name: str) -> None:
+        """Run `name` is alive (`POST /v1/runs/NAME/heartbeat`); a 404 if it is not registered."""
         if name not in self._runs:
             raise ApiError(404, f"run {name[:64]!r} is not registered")
-        self._seen[name] = self._clock()
+        self.heard_from(name)
+
+    def heard_from(self, name: str) -> None:
+        """Run `name` used the fleet just now: its idle clock starts again (no-op for a run since removed)."""
+        if name in self._runs:
+            self._seen[name] = self._clock()
 
     def take_idle(self) -> list[str]:
-        """Remove and return the runs not heard of for `idle_timeout_s` (at once: no two requests release one)."""
+        """Remove and return the runs not heard of for `idle_timeout_s` (at once: each is released only once)."""
         now = self._clock()
         idle = sorted(name for name, seen in self._seen.items() if now - seen > self.idle_timeout_s)
         for name in idle:

@@ -63,8 +63,8 @@ class Tenancy:
     async def release_idle(self) -> list[str]:
         """Release the runs gone silent for `fleet.run_idle_timeout_s`, as if removed; their names.
 
-        Their tokens stop working at once. Whatever fails after that is logged, not raised: it is not the
-        failure of the request that came first after the timeout, and the adapters still leave by LRU."""
+        Their tokens stop working at once. Whatever fails after that is logged, not raised: the run is gone
+        either way, and its adapters still leave the replicas by LRU."""
         released = self.runs.take_idle()
         for name in released:
             log.warning("fleet ingress: run %s sent nothing for %.0fs: released", name, self.runs.idle_timeout_s)
