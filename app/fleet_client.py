@@ -1,6 +1,6 @@
 """The clients of the rollout fleet: HTTP for everyone (`FleetClient`), a Serve handle inside its cluster (`ServeFleet`).
 
-The fleet speaks OpenAI's API plus vLLM's admin calls (`deployments/api.py`); this wraps the calls
+The fleet speaks OpenAI's API plus vLLM's admin calls (`deployments/api/`); this wraps the calls
 spotrl makes, parses the answers, and retries (with `app.retry`, whose docstring says who retries
 what) only what the fleet could not answer: connection failures, timeouts and 502/503/504 while
 replicas restart. Generation is retried too, which at worst samples a request twice; a request whose

@@ -2,7 +2,7 @@
 
 `make train ARGS="--fleet http://HOST:PORT"` (`join.url`) trains against a fleet somebody else
 started, whether or not this driver shares its Ray cluster: everything goes through the fleet's HTTP
-API (`deployments.runs`). On the fleet the run is `logging.run_name`, its adapters `<run>/policy-vN`
+API (`deployments.api.run_routes`). On the fleet the run is `logging.run_name`, its adapters `<run>/policy-vN`
 (`RunConfig.fleet_run`), and its token is either
 
 - `SPOTRL_RUN_TOKEN`: a token the admin registered for it (`POST /v1/runs`); the fleet says which run it

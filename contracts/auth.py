@@ -9,7 +9,7 @@ What a token must be (`check_token`: 16 characters or more, a guessable one is n
 when the fleet needs one at all (`check_exposure`: reachable beyond loopback, or inference
 protected) are decided here too, so the config, the builder and the ingress refuse the same things.
 
-Run tokens (a shared fleet's tenants, `deployments.runs`) are minted here too. They carry a fixed
+Run tokens (a shared fleet's tenants, `deployments.control.runs`) are minted here too. They carry a fixed
 prefix, so `redact` recognises one wherever it shows up, without having to know it; and the fleet
 keeps only their sha256 (`token_digest`), so nothing it holds or logs can give a run's token away.
 """

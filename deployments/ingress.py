@@ -3,13 +3,14 @@
 One ingress replica holds the tokenizer and a `DeploymentHandle` to `VLLMReplica`; the handle's
 request router is the PrefixHashRouter, so it lives in this process and `/router/stats` reads its
 counters directly. Generations go through the handle as one `GenerateRequest` each
-(`deployments.protocol`), the type the router reads and the replica samples from.
+(`contracts.serving`), the type the router reads and the replica samples from.
 
 The ingress is where failures are hidden from clients: a generation whose replica died (spot
-preemption, OOM) is sent again (`app.retry.aretry`, whose docstring says who retries what), and the
+preemption, OOM) is sent again (`contracts.retry.aretry`, whose docstring says who retries what), and the
 router, told of the death by Serve, picks a live replica; a generation during which an engine died is
 sent once more at most, then refused as poison (`deployments.poison`). Admin calls are broadcast to
-every live replica.
+every live replica. Serve runs the app's lifespan in this replica, so the control layer's upkeep
+(`deployments.control.upkeep`: idle runs released, slots gauges) runs here, beside the requests.
 
 Callers inside the Ray cluster (the learner, on another node) reach the fleet through a handle to
 this deployment instead of HTTP: the HTTP proxy listens on the head, at an address that may mean
@@ -32,11 +33,14 @@ from contracts.auth import admin_token as resolve_admin_token
 from contracts.control import CONTROL_METHOD, Command, DescribeEngine
 from contracts.retry import Backoff, aretry
 from contracts.serving import GENERATE_METHOD, EngineDied, Generated, GenerateRequest, ReplicaUnavailable
-from deployments.api import ApiSettings, load_everywhere, make_app
-from deployments.api_schema import ApiError, RequestLimits
-from deployments.fair_share import FairShare, RunMetrics
+from deployments.api import ApiSettings, make_app
+from deployments.api.bodies import RequestLimits
+from deployments.control.broadcast import load_everywhere
+from deployments.control.errors import ApiError
+from deployments.control.fair_share import FairShare
+from deployments.control.run_metrics import RunMetrics
+from deployments.control.runs import Registration, Runs
 from deployments.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
-from deployments.runs import Registration, Runs
 
 log = logging.getLogger("ray.serve")
 
@@ -88,7 +92,7 @@ def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
 
 
 class ServeBackend:
-    """`deployments.api.Backend` over a DeploymentHandle to the VLLMReplica deployment."""
+    """`deployments.control.backend.Backend` over a DeploymentHandle to the VLLMReplica deployment."""
 
     def __init__(self, handle, poison: PoisonTable | None = None):
         self._handle = handle
@@ -207,7 +211,7 @@ class Ingress:
             default_run_weight=cfg.fleet.default_run_weight,
         )
         self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
-        # The runs of a shared fleet outlive this process in the bucket (`deployments.runs`).
+        # The runs of a shared fleet outlive this process in the bucket (`deployments.control.tenancy`).
         records = RunRecords.from_config(cfg, bucket_url) if bucket_url else None
         runs = Runs.of(settings)
         if records is not None:

@@ -1,6 +1,6 @@
 """The registrations of a shared fleet's runs, kept in its bucket so that they outlive the ingress.
 
-The registry itself lives in the ingress's memory (`deployments.runs`); these records let an ingress that
+The registry itself lives in the ingress's memory (`deployments.control.runs`); these records let an ingress that
 restarts (its node lost, the application redeployed) know its runs, and their tokens, again.
 """
 
@@ -16,7 +16,7 @@ from contracts.retry import Backoff, retry
 
 
 class RunRecords:
-    """The runs registered on a shared fleet (`deployments.runs`), one small JSON each under `<bucket>/fleet/runs/`.
+    """The runs registered on a shared fleet (`deployments.control.runs`), one small JSON each under `<bucket>/fleet/runs/`.
 
     The records lie outside every run's prefix (`contracts.adapters.RECORDS_PREFIX`): a run may write its own
     prefix, and must not be able to rewrite its weight or register runs by planting a record. What lets an ingress that restarts (its node lost, the application redeployed) know its runs again:

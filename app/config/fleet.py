@@ -113,7 +113,9 @@ class FleetSettings(Section):
         30.0, ge=0, description="How long a load waits for a free LoRA slot while every adapter has requests in flight."
     )
     run_idle_timeout_s: float = Field(
-        600.0, gt=0, description="A run silent this long (no request, no heartbeat) is released: token, adapters."
+        600.0,
+        gt=0,
+        description="A run silent this long (no generation, load or heartbeat) is released: token, adapters.",
     )
     inflight_budget: int | None = Field(
         None, ge=1, description="Generations in flight at once on the fleet, shared by weight; None: replicas x seqs."

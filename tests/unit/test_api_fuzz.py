@@ -3,7 +3,7 @@
 Hypothesis builds bodies from valid requests with fields swapped for hostile values (integers beyond int64,
 NaN and infinities, lone UTF-16 surrogates, wrong types, nesting far beyond `max_json_depth`) and from
 arbitrary JSON, and sends them to the inference and admin endpoints of the app over the fake backend of
-`test_api`. A 4xx is the only acceptable refusal: a 5xx means the request crashed something.
+`fake_fleet`. A 4xx is the only acceptable refusal: a 5xx means the request crashed something.
 """
 
 import json
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments.api import make_app
-from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
+from tests.unit.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
 
 FUZZ = settings(
     max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -115,7 +115,7 @@ def bodies(fields):
 
 @pytest.fixture(scope="module")
 def client():
-    with TestClient(make_app(FakeBackend(), _settings()), raise_server_exceptions=False) as client:
+    with TestClient(make_app(FakeBackend(), api_settings()), raise_server_exceptions=False) as client:
         yield client
 
 

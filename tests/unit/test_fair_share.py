@@ -1,10 +1,10 @@
-"""The fair share gate (`deployments.fair_share`) as pure asyncio: generations are fakes that finish when told."""
+"""The fair share gate (`deployments.control.fair_share`) as pure asyncio: generations are fakes that finish when told."""
 
 import asyncio
 
 import pytest
 
-from deployments.fair_share import FairShare
+from deployments.control.fair_share import FairShare
 
 
 class Fleet:

@@ -1,4 +1,4 @@
-"""FleetClient (`app.fleet_client`) against the fleet's API in-process, over test_api's fake backend:
+"""FleetClient (`app.fleet_client`) against the fleet's API in-process, over fake_fleet's backend:
 parsing, errors, retries."""
 
 import httpx
@@ -9,12 +9,12 @@ from app.fleet_client import FleetClient, FleetError
 from contracts.retry import Backoff
 from deployments.api import make_app
 from tests.fleet_helpers import free_port
-from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
+from tests.unit.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
 
 
 def _client(backend, token=TOKEN, **kwargs):
     """A FleetClient whose requests are served by the ASGI app, counting them."""
-    app = TestClient(make_app(backend, _settings()), raise_server_exceptions=False)
+    app = TestClient(make_app(backend, api_settings()), raise_server_exceptions=False)
     seen = []
 
     def handler(request: httpx.Request) -> httpx.Response:

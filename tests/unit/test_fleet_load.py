@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from contracts.control import LoadAdapter
-from tests.unit.test_api import FakeBackend
+from tests.unit.fake_fleet import FakeBackend
 
 
 def _ingress(backend):
@@ -43,7 +43,7 @@ class _SlowBackend(FakeBackend):
 
 
 def test_a_caller_that_gives_up_never_leaves_a_load_half_done():
-    from deployments.api import load_everywhere
+    from deployments.control.broadcast import load_everywhere
 
     backend = _SlowBackend()
     backend.fail_load_on = {1}
@@ -57,6 +57,6 @@ def test_a_caller_that_gives_up_never_leaves_a_load_half_done():
         await asyncio.sleep(0.7)  # the broadcasts go on without the caller
 
     asyncio.run(give_up_then_wait())
-    # Rolled back, and the fleet resumed in case the caller had paused it for the load (`deployments.api`).
+    # Rolled back, and the fleet resumed in case the caller had paused it for the load (`control.broadcast`).
     assert [c[0] for c in backend.calls] == ["LoadAdapter", "UndoLoad", "Resume"]
     assert backend.adapters == {0: set(), 1: set()}  # rolled back, not left loaded on replica 0 alone

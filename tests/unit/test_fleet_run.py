@@ -12,7 +12,7 @@ from app.config import load_config
 from app.fleet_client import FleetClient
 from deployments.api import make_app
 from tests.fleet_helpers import free_port
-from tests.unit.test_api import BASE, TOKEN, FakeBackend, _settings
+from tests.unit.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def fleet(tmp_path):
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
     backend = FakeBackend()
-    app = make_app(backend, _settings(max_loras=7, max_staleness=1, run_idle_timeout_s=2.0), None, records)
+    app = make_app(backend, api_settings(max_loras=7, max_staleness=1, run_idle_timeout_s=2.0), None, records)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -49,7 +49,7 @@ def test_dashboard_covers_the_run_and_names_real_metrics():
         )
     }
     router_source = (REPO / "deployments" / "router.py").read_text()
-    fair_share_source = (REPO / "deployments" / "fair_share.py").read_text()
+    fair_share_source = (REPO / "deployments" / "control" / "run_metrics.py").read_text()
     per_run = {n for n in names | histograms if n.startswith("spotrl_fleet_run_")}
     for metric in (
         "requests",

@@ -108,7 +108,7 @@ def test_a_request_during_which_an_engine_died_is_sent_once_more(no_pauses):
 
 
 def test_a_request_that_kills_two_engines_gets_a_500_and_is_refused_for_a_while(no_pauses):
-    from deployments.api import as_api_error
+    from deployments.control.errors import as_api_error
     from deployments.poison import PoisonRequest
 
     now = [0.0]

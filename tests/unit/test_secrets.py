@@ -17,7 +17,7 @@ from app.config import ConfigError, load_config
 from contracts.auth import Secret, TokenError, admin_token
 from contracts.serving import BadRequest
 from deployments.api import make_app
-from tests.unit.test_api import FakeBackend, _settings
+from tests.unit.fake_fleet import FakeBackend, api_settings
 
 KNOWN = "known-token-value-7c1e9a"
 
@@ -90,7 +90,7 @@ class LeakyBackend(FakeBackend):
 
 def test_error_bodies_and_logs_of_an_app_run_never_show_the_token(caplog):
     caplog.set_level(logging.DEBUG)
-    client = TestClient(make_app(LeakyBackend(), _settings(admin_token=KNOWN)), raise_server_exceptions=False)
+    client = TestClient(make_app(LeakyBackend(), api_settings(admin_token=KNOWN)), raise_server_exceptions=False)
     body = {"prompt": [1, 2], "max_tokens": 1}
     responses = [
         client.post("/v1/completions", json={**body, "model": "boom"}),  # 500

@@ -1,10 +1,10 @@
-"""The HTTP API's wire format: OpenAI's request bodies, validated, and the response shapes built from replies.
+"""The HTTP API's request bodies: OpenAI's, validated, and how much one request may ask for.
 
 Bodies are validated here (types, ranges, and what the fleet does not do, such as streaming or stop
 strings) so that the handlers of `deployments.api` see only valid values, and a malformed request
 becomes a 400 that names the field. A valid completion body becomes the fleet's own `Sampling`
-(`deployments.protocol`) in one step. Responses keep OpenAI's and vLLM's field names: TRL's trainer
-and the `openai` client parse them.
+(`contracts.serving`) in one step. Field names are OpenAI's and vLLM's: TRL's trainer and the `openai`
+client send them.
 
 Nothing a client sends may reach an engine that vLLM's own OpenAI server would refuse: the sampling
 fields carry vLLM's ranges (`SamplingParams._verify_args` and the request models of
@@ -12,36 +12,23 @@ fields carry vLLM's ranges (`SamplingParams._verify_args` and the request models
 runner; any integer beyond it breaks the engine's MessagePack transport), and no number is NaN or
 infinite. What the JSON itself may be (depth, lone UTF-16 surrogates, which no UTF-8 text can hold)
 and how much one request may ask for (`RequestLimits`) are checked here too, each in one place.
-Responses never carry NaN or infinity either: `FiniteJSONResponse`, and log-probs floored like vLLM's.
-
-Per-token strings (`logprobs.tokens`, `text_offset`, the chat `logprobs.content`) are made only
-when a client asks for log-probs, from a per-token cache (a token id always decodes to the same
-string), or not decoded at all when the client sends vLLM's `return_tokens_as_token_ids`.
+The replies are shaped in `deployments.api.replies`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from contracts.adapters import MAX_ADAPTER_NAME_CHARS
-from contracts.serving import SampledChoice, Sampling
-
-ERROR_KINDS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-}
+from contracts.serving import Sampling
+from deployments.control.errors import ApiError
 
 # vLLM's bounds (vllm.sampling_params, vllm.entrypoints.openai.*.protocol, vllm.envs), mirrored.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -49,20 +36,7 @@ MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
 MAX_LOGPROBS = 20  # the engine's default max_logprobs
 MAX_TURN = 1024  # bounds the router's per-turn counters
 GREEDY_TEMPERATURE = 1e-5  # _SAMPLING_EPS: below it vLLM samples greedily, and refuses n > 1
-LOGPROB_FLOOR = -9999.0  # what vLLM's server answers for a -inf log-prob (a filtered-out alternative)
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class ApiError(Exception):
-    """Answered as `{"error": {"message", "type", "code"}}` with this HTTP status."""
-
-    def __init__(self, status: int, message: str, kind: str | None = None):
-        super().__init__(message)
-        self.status, self.message = status, message
-        self.kind = kind or ERROR_KINDS.get(status, "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -157,7 +131,7 @@ def _check_structure(data: Any, max_depth: int) -> None:
 
 # ---- request bodies ------------------------------------------------------------------------------
 
-TokenIds = list[StrictInt]  # each checked against the vocabulary by the handler (deployments.api)
+TokenIds = list[StrictInt]  # each checked against the vocabulary (`deployments.api.prompts`)
 # No control characters in names and paths: they end up in file paths, logs and error messages.
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
@@ -294,120 +268,6 @@ class RunBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=PRINTABLE)
-    weight: float | None = Field(None, gt=0, le=1e6)  # share of in-flight generations (`deployments.fair_share`)
+    weight: float | None = Field(None, gt=0, le=1e6)  # share of in-flight generations (`fair_share`)
     max_staleness: int | None = Field(None, ge=0, le=1024)  # its window (+ 1) of pinned versions; None: the fleet's
     lora_rank: int | None = Field(None, ge=1, le=512)  # the rank it trains; None: unstated
-
-
-# ---- responses -----------------------------------------------------------------------------------
-
-
-class FiniteJSONResponse(JSONResponse):
-    """A JSON response that is always valid JSON: a NaN or infinity anywhere becomes null.
-
-    Starlette refuses them (allow_nan=False) with an exception, which would turn an odd engine
-    statistic into a 500; log-probs never get here as -inf (`finite_logprob` floors them first).
-    """
-
-    def render(self, content: Any) -> bytes:
-        try:
-            return super().render(content)
-        except ValueError:
-            return super().render(_finite(content))
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def finite_logprob(logprob: float) -> float:
-    """vLLM's server answers -9999.0 for a -inf log-prob (a filtered-out alternative); NaN gets the same."""
-    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares false: floored too
-
-
-TokenText = Callable[[int], str]  # a token id's string in log-prob listings
-
-
-def cached_token_text(decode: Callable[[list[int]], str]) -> TokenText:
-    """`decode([token])`, once per token id: a vocabulary is finite, and a listing repeats tokens."""
-    return functools.lru_cache(maxsize=None)(lambda token: decode([token]))
-
-
-def token_id_placeholder(token: int) -> str:
-    """vLLM's `return_tokens_as_token_ids` format: the id itself, nothing decoded."""
-    return f"token_id:{token}"
-
-
-def completion_choice(
-    index: int, choice: SampledChoice, text: str, token_text: TokenText | None, prompt_ids: list[int] | None
-) -> dict[str, Any]:
-    """A `/v1/completions` choice; log-probs when `token_text` is given, token ids when `prompt_ids` is."""
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": completion_logprobs(choice, token_text) if token_text else None,
-        "finish_reason": choice.finish_reason,
-        "stop_reason": choice.stop_reason,
-        "token_ids": choice.token_ids if prompt_ids is not None else None,
-        "prompt_token_ids": prompt_ids,
-    }
-
-
-def completion_logprobs(choice: SampledChoice, token_text: TokenText) -> dict[str, Any]:
-    """OpenAI's legacy completions log-probs: per-token strings, log-probs, offsets, top alternatives."""
-    tokens = [token_text(t) for t in choice.token_ids]
-    offsets, at = [], 0
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    top = choice.top_logprobs
-    return {
-        "tokens": tokens,
-        "token_logprobs": [finite_logprob(lp) for lp in choice.logprobs or []],
-        "text_offset": offsets,
-        "top_logprobs": [{token_text(t): finite_logprob(lp) for t, lp in alt.items()} for alt in top] if top else None,
-    }
-
-
-def chat_choice(choice: SampledChoice, text: str, token_text: TokenText | None, with_token_ids: bool) -> dict[str, Any]:
-    """A `/v1/chat/completions` choice; log-probs when `token_text` is given."""
-    out = {
-        "index": choice.index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": {"content": chat_logprobs(choice, token_text)} if token_text else None,
-        "finish_reason": choice.finish_reason,
-        "stop_reason": choice.stop_reason,
-    }
-    if with_token_ids:
-        out["token_ids"] = choice.token_ids
-    return out
-
-
-def chat_logprobs(choice: SampledChoice, token_text: TokenText) -> list[dict[str, Any]]:
-    top = choice.top_logprobs or [{}] * len(choice.token_ids)
-    out = []
-    for token, lp, alt in zip(choice.token_ids, choice.logprobs or [], top, strict=False):
-        text = token_text(token)
-        out.append(
-            {
-                "token": text,
-                "logprob": finite_logprob(lp),
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": token_text(t), "logprob": finite_logprob(v), "bytes": list(token_text(t).encode())}
-                    for t, v in alt.items()
-                ],
-            }
-        )
-    return out
-
-
-def usage(prompt_tokens: int, choices: list[SampledChoice]) -> dict[str, int]:
-    completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}

@@ -1,22 +1,18 @@
-"""Runs as tenants of one fleet: who may use which adapters, and whether one more run still fits.
+"""The registry of a shared fleet's runs: who is registered, with which token, and whether one more fits.
 
 A team starts one fleet and many experiments use it; each is a run, registered by the admin
-(`POST /v1/runs`), with a token of its own. A run token may sample the base model and its own adapters
-(`<run>/...`, `deployments.names`), load and unload its own versions, and sees only those in
-`/v1/models`; anything of another run is a 403. The admin token may do everything. A fleet without an
-admin token is open to everyone on its machine, runs or not: tokens mean something only beside one.
+(`POST /v1/runs`), with a token of its own (what that token may do: `deployments.api.callers`).
 
-The registry lives in the ingress and holds only each token's sha256 (`app.auth`): the token itself
+The registry lives in the ingress and holds only each token's sha256 (`contracts.auth`): the token itself
 is answered once, to the admin who registered the run. Each registration is also recorded in the
-fleet's bucket (`app.bucket.records.RunRecords`: name, sha256, weight, window and rank), so an ingress that restarts
-(its head node lost, the application redeployed) knows its runs, and their tokens, again. Replicas
-know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
-restarts loses nothing either.
+fleet's bucket (`deployments.control.tenancy`), so an ingress that restarts knows its runs, and their
+tokens, again (`restore`).
 
-A run that says nothing for `fleet.run_idle_timeout_s` (no request with its token, no
+A run that says nothing for `fleet.run_idle_timeout_s` (no request that uses the fleet with its token, no
 `POST /v1/runs/NAME/heartbeat`) is taken to be dead: killed, preempted, or ended without a DELETE.
-The first request after that releases it (`take_idle`): its token stops working and its adapters
-leave every replica, so its slots serve the others and its place is free for a new run.
+`take_idle` hands such runs over to be released (`deployments.control.upkeep`). Reading is no sign of
+life: resolving a token (`run_of`) changes nothing, and the routes say when a run was heard of
+(`heard_from`).
 
 A run states its LoRA rank and its staleness window when it registers (`POST /v1/runs {"name",
 "lora_rank", "max_staleness"}`; the fleet's `max_staleness` when it says none): a rank above the fleet's
@@ -26,7 +22,7 @@ run, plus the fleet's own `policy-vN` lineage's, plus one slot to load into, mus
 other's live versions on every request.
 
 Each run has a weight (`POST /v1/runs {"name", "weight"}`, `fleet.default_run_weight` when not given): its
-share of the fleet's in-flight generations under contention (`deployments.fair_share`).
+share of the fleet's in-flight generations under contention (`deployments.control.fair_share`).
 """
 
 from __future__ import annotations
@@ -37,47 +33,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from app.config import slots_needed
-from contracts.adapters import RUN_NAME, split_run
+from contracts.adapters import RUN_NAME
 from contracts.auth import mint_run_token, token_digest
-from deployments.api_schema import ApiError
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who sent a request: the admin (`admin`), a run (`run`), or neither (anonymous, open inference only)."""
-
-    admin: bool = False
-    run: str | None = None
-
-    def may_use(self, model: str, base_model: str) -> bool:
-        """Whether this caller may sample `model` (the base model's name, or an adapter's)."""
-        if self.admin or model == base_model:
-            return True
-        owner, _ = split_run(model)
-        return owner == self.run  # a run its own adapters; anonymous callers the un-namespaced ones
-
-    def check_use(self, model: str, base_model: str) -> None:
-        if not self.may_use(model, base_model):
-            owner, _ = split_run(model)
-            whose = f"run {owner!r}" if owner else "the fleet, not to a run"
-            raise ApiError(403, f"model {model!r} belongs to {whose}; this token may use only its own adapters")
-
-    def check_owns(self, name: str) -> None:
-        """An adapter this caller may load or unload: any for the admin, `<run>/...` for a run."""
-        if self.admin:
-            return
-        owner, _ = split_run(name)
-        if self.run is None or owner != self.run:
-            mine = f"{self.run}/<name>" if self.run else "none"
-            raise ApiError(403, f"lora_name {name!r}: this token may load and unload only its own adapters ({mine})")
-
-    def check_admin(self, what: str) -> None:
-        if not self.admin:
-            raise ApiError(403, f"{what} needs the admin token (it affects every run on the fleet)")
-
-
-ADMIN = Caller(admin=True)
-ANONYMOUS = Caller()
+from deployments.control.errors import ApiError
 
 
 @dataclass(frozen=True)
@@ -113,11 +71,11 @@ class Runs:
         self.idle_timeout_s, self._clock = idle_timeout_s, clock
         self.default_weight, self.max_lora_rank = default_weight, max_lora_rank
         self._runs: dict[str, Registration] = {}
-        self._seen: dict[str, float] = {}  # run -> clock of its latest request or heartbeat
+        self._seen: dict[str, float] = {}  # run -> clock of its latest sign of life (`heard_from`)
 
     @classmethod
     def of(cls, settings) -> Runs:
-        """The registry of an ingress of these `deployments.api.ApiSettings`."""
+        """The registry of an ingress of these `deployments.api.settings.ApiSettings`."""
         return cls(
             settings.max_loras,
             settings.max_staleness,
@@ -198,11 +156,10 @@ class Runs:
         return registration.weight if registration and registration.weight is not None else self.default_weight
 
     def run_of(self, token: str) -> str | None:
-        """The run whose token this is, or None; a request with it counts as the run's heartbeat."""
+        """The run whose token this is, or None."""
         digest = token_digest(token)
         for name, registration in self._runs.items():
             if hmac.compare_digest(digest, registration.token_sha256):
-                self._seen[name] = self._clock()
                 return name
         return None
 
@@ -215,12 +172,18 @@ class Runs:
         return self._runs[name].token_sha256
 
     def heartbeat(self, name: str) -> None:
+        """Run `name` is alive (`POST /v1/runs/NAME/heartbeat`); a 404 if it is not registered."""
         if name not in self._runs:
             raise ApiError(404, f"run {name[:64]!r} is not registered")
-        self._seen[name] = self._clock()
+        self.heard_from(name)
+
+    def heard_from(self, name: str) -> None:
+        """Run `name` used the fleet just now: its idle clock starts again (no-op for a run since removed)."""
+        if name in self._runs:
+            self._seen[name] = self._clock()
 
     def take_idle(self) -> list[str]:
-        """Remove and return the runs not heard of for `idle_timeout_s` (at once: no two requests release one)."""
+        """Remove and return the runs not heard of for `idle_timeout_s` (at once: each is released only once)."""
         now = self._clock()
         idle = sorted(name for name, seen in self._seen.items() if now - seen > self.idle_timeout_s)
         for name in idle:

@@ -16,8 +16,9 @@ they finish, so a run arriving then waits for the first of them to finish (not f
 
 Admin and anonymous callers (the fleet's own learner, evaluations) are one pseudo-run, `FLEET_TENANT`,
 a name no run can have (run names start with a letter or digit). Per run the gate counts requests,
-prompt and completion tokens, queue waits, places in flight and waiting, and LoRA slots held; those
-are in `GET /router/stats` under `runs` and Ray metrics tagged `run` (`RunMetrics`).
+prompt and completion tokens, queue waits, places in flight and waiting; those are in `GET /router/stats`
+under `runs`, beside the LoRA slots each run holds, and in Ray metrics tagged `run`
+(`deployments.control.run_metrics`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-FLEET_TENANT = "_fleet"
+from deployments.control.run_metrics import RunMetrics
 
-# Queue waits, seconds: from "admitted at once" to "waited behind a long burst".
-WAIT_BOUNDARIES_S = [0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
+FLEET_TENANT = "_fleet"
 
 
 @dataclass
@@ -54,7 +54,6 @@ class _Tenant:
     waits: int = 0
     wait_total_s: float = 0.0
     wait_max_s: float = 0.0
-    slots: int = 0
 
 
 @dataclass
@@ -96,7 +95,7 @@ class FairShare:
             state.prompt_tokens += usage.prompt_tokens
             state.completion_tokens += usage.completion_tokens
             if self._metrics is not None:
-                self._metrics.used(tenant, usage)
+                self._metrics.used(tenant, usage.prompt_tokens, usage.completion_tokens)
             self._release(tenant, state)
 
     async def _acquire(self, tenant: str, state: _Tenant, since: float) -> None:
@@ -157,14 +156,15 @@ class FairShare:
 
     def _report(self, tenant: str, state: _Tenant) -> None:
         if self._metrics is not None:
-            self._metrics.gauges(tenant, state.in_flight, len(state.waiting), state.slots)
+            self._metrics.places(tenant, state.in_flight, len(state.waiting))
 
-    def note_slots(self, held: dict[str, int]) -> None:
-        """LoRA slots each run's adapters hold on the fullest engine, as a listing of the replicas just found."""
+    def report_slots(self, held: Mapping[str, int]) -> None:
+        """Set each run's slots gauge to the LoRA slots its adapters hold on the fullest engine (`held`, from a
+        listing of the replicas just made); a run the gate knows of that holds none now reports 0."""
         for tenant in set(held) | set(self._tenants):
-            state = self._tenants.setdefault(tenant, _Tenant())
-            state.slots = held.get(tenant, 0)
-            self._report(tenant, state)
+            self._tenants.setdefault(tenant, _Tenant())  # known from now on: its gauge goes back to 0 when due
+            if self._metrics is not None:
+                self._metrics.slots(tenant, held.get(tenant, 0))
 
     def share(self, tenant: str) -> float:
         """Places `tenant` holds under contention: the budget split by weight between the runs using the fleet now
@@ -172,8 +172,11 @@ class FairShare:
         active = {name for name, s in self._tenants.items() if s.in_flight or s.waiting} | {tenant}
         return self.budget * self._weight_of(tenant) / sum(self._weight_of(name) for name in active)
 
-    def stats(self) -> dict[str, Any]:
-        """`/router/stats`'s `runs`: per run its weight, share, places in flight and waiting, and counters."""
+    def stats(self, slots_held: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """`/router/stats`'s `runs`: per run its weight, share, places in flight and waiting, counters, and the
+        LoRA slots it holds (`slots_held`, from a listing of the replicas: a run holding some is listed too)."""
+        slots_held = slots_held or {}
+        tenants = {name: self._tenants.get(name) or _Tenant() for name in set(self._tenants) | set(slots_held)}
         return {
             "inflight_budget": self.budget,
             "in_flight": self._in_flight,
@@ -188,63 +191,8 @@ class FairShare:
                     "completion_tokens": s.completion_tokens,
                     "queue_wait_mean_s": round(s.wait_total_s / s.waits, 6) if s.waits else 0.0,
                     "queue_wait_max_s": round(s.wait_max_s, 6),
-                    "slots_held": s.slots,
+                    "slots_held": slots_held.get(name, 0),
                 }
-                for name, s in sorted(self._tenants.items())
+                for name, s in sorted(tenants.items())
             },
         }
-
-
-class RunMetrics:
-    """The gate's counts as Ray metrics (Prometheus via Ray's metrics export), tagged by run."""
-
-    def __init__(self, application: str):
-        from ray.util import metrics
-
-        tags = ("application", "run")
-        self._application = application
-        self._requests = metrics.Counter(
-            "spotrl_fleet_run_requests", description="Generations admitted for the run.", tag_keys=tags
-        )
-        self._prompt_tokens = metrics.Counter(
-            "spotrl_fleet_run_prompt_tokens", description="Prompt tokens of the run's generations.", tag_keys=tags
-        )
-        self._completion_tokens = metrics.Counter(
-            "spotrl_fleet_run_completion_tokens", description="Tokens generated for the run.", tag_keys=tags
-        )
-        self._wait = metrics.Histogram(
-            "spotrl_fleet_run_queue_wait_s",
-            description="Seconds a generation of the run waited for a place in the fleet.",
-            boundaries=WAIT_BOUNDARIES_S,
-            tag_keys=tags,
-        )
-        self._in_flight = metrics.Gauge(
-            "spotrl_fleet_run_in_flight", description="The run's generations in flight.", tag_keys=tags
-        )
-        self._queued = metrics.Gauge(
-            "spotrl_fleet_run_queued", description="The run's generations waiting for a place.", tag_keys=tags
-        )
-        self._slots = metrics.Gauge(
-            "spotrl_fleet_run_slots_held",
-            description="LoRA slots the run's adapters hold on the fullest engine.",
-            tag_keys=tags,
-        )
-
-    def _tags(self, run: str) -> dict[str, str]:
-        return {"application": self._application, "run": run}
-
-    def waited(self, run: str, wait_s: float) -> None:
-        self._requests.inc(1, self._tags(run))
-        self._wait.observe(wait_s, self._tags(run))
-
-    def used(self, run: str, usage: Usage) -> None:
-        if usage.prompt_tokens:
-            self._prompt_tokens.inc(usage.prompt_tokens, self._tags(run))
-        if usage.completion_tokens:
-            self._completion_tokens.inc(usage.completion_tokens, self._tags(run))
-
-    def gauges(self, run: str, in_flight: int, queued: int, slots: int) -> None:
-        tags = self._tags(run)
-        self._in_flight.set(in_flight, tags)
-        self._queued.set(queued, tags)
-        self._slots.set(slots, tags)

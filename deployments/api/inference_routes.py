@@ -1,0 +1,187 @@
+"""OpenAI's inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+
+They speak what TRL's AsyncGRPOTrainer (`trl.experimental.async_grpo`) and the `openai` client send:
+token-id or text prompts, `return_token_ids` and `logprobs`. Open to anyone unless `protect_inference` puts
+them behind the token; a run's token reaches the base model and its own adapters only (`Caller`). Each
+generation waits for a place in the fleet (`deployments.control.fair_share`), then goes to the backend;
+tokenizing and decoding run in worker threads (`offload`), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from contracts.control import ListAdapters
+from contracts.serving import Generated, GenerateRequest
+from deployments.api.bodies import ChatCompletionBody, CompletionBody
+from deployments.api.callers import Caller, Callers
+from deployments.api.intake import read_json
+from deployments.api.prompts import Prompts
+from deployments.api.replies import (
+    FiniteJSONResponse,
+    TokenText,
+    cached_token_text,
+    chat_choice,
+    completion_choice,
+    replica_header,
+    token_id_placeholder,
+    usage,
+)
+from deployments.api.routing import Routes, route
+from deployments.api.settings import ApiSettings
+from deployments.control.backend import Backend
+from deployments.control.broadcast import everywhere
+from deployments.control.errors import as_api_error
+from deployments.control.fair_share import FairShare
+from deployments.control.offload import offload
+
+log = logging.getLogger("ray.serve")
+
+
+class InferenceRoutes(Routes):
+    def __init__(
+        self,
+        settings: ApiSettings,
+        callers: Callers,
+        backend: Backend,
+        gate: FairShare,
+        scrub: Callable[[str], str],
+    ):
+        self.settings, self.callers, self.backend, self.gate, self.scrub = settings, callers, backend, gate, scrub
+        self.prompts = Prompts(settings)
+        self._token_text = cached_token_text(settings.decode)
+
+    async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
+        """One generation, once the caller's run has a place in the fleet (`deployments.control.fair_share`)."""
+        try:
+            async with self.gate.slot(caller.tenant) as used:
+                result = await self.backend.generate(request)
+                used.prompt_tokens = len(request.prompt_ids)
+                used.completion_tokens = sum(len(c.token_ids) for c in result.choices)
+                return result
+        except Exception as e:  # a ReplicaError keeps its status (404 unknown model, 400, 503); others are 500
+            api_error = as_api_error(e, "generation failed")
+            if api_error.status >= 500:
+                log.error("fleet ingress: generation failed: %s", self.scrub(repr(e))[:2000])
+            raise api_error from None
+
+    def token_text(self, asked: bool, as_ids: bool | None) -> TokenText | None:
+        """How log-prob listings name tokens: not at all unless `asked`; by id alone if the client said so."""
+        if not asked:
+            return None
+        return token_id_placeholder if as_ids else self._token_text
+
+    @route("POST", "/v1/completions")
+    async def completions(self, request: Request) -> JSONResponse:
+        caller = self.callers.authorize(request)
+        body = await read_json(request, CompletionBody, self.settings.limits)
+        caller.check_use(self.prompts.resolve_model(body.model), self.settings.base_model)
+        prompts = body.prompts()
+        limits = self.settings.limits
+        limits.check_fanout(len(prompts), body.n)
+        limits.check_text(p for p in prompts if isinstance(p, str))
+        jobs = await offload(self.prompts.completion_jobs, body, prompts)
+        id_lists = [job.prompt_ids for job in jobs]
+        results = await asyncio.gather(*(self.generate(job, caller) for job in jobs))
+        choices = await offload(self.completion_choices, body, id_lists, results)
+        reply = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": usage(sum(len(ids) for ids in id_lists), [c for r in results for c in r.choices]),
+        }
+        return FiniteJSONResponse(reply, headers=replica_header(results))
+
+    def completion_choices(
+        self, body: CompletionBody, id_lists: list[list[int]], results: list[Generated]
+    ) -> list[dict[str, Any]]:
+        """The choices of every prompt, decoded (in a worker thread: `offload`)."""
+        token_text = self.token_text(body.logprobs is not None, body.return_tokens_as_token_ids)
+        return [
+            completion_choice(
+                p * body.n + c.index,
+                c,
+                self.settings.decode(c.token_ids),
+                token_text,
+                ids if body.return_token_ids else None,
+            )
+            for p, (ids, result) in enumerate(zip(id_lists, results, strict=True))
+            for c in result.choices
+        ]
+
+    @route("POST", "/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> JSONResponse:
+        caller = self.callers.authorize(request)
+        body = await read_json(request, ChatCompletionBody, self.settings.limits)
+        caller.check_use(self.prompts.resolve_model(body.model), self.settings.base_model)
+        messages = body.conversation()
+        self.settings.limits.check_fanout(1, body.n)
+        self.settings.limits.check_text(body.texts(messages))
+        job = await offload(self.prompts.chat_job, body, messages)
+        ids = job.prompt_ids
+        result = await self.generate(job, caller)
+        token_text = self.token_text(body.logprobs, body.return_tokens_as_token_ids)
+
+        def choices() -> list[dict[str, Any]]:
+            return [
+                chat_choice(c, self.settings.decode(c.token_ids), token_text, body.return_token_ids)
+                for c in result.choices
+            ]
+
+        reply = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": await offload(choices),
+            "usage": usage(len(ids), result.choices),
+        }
+        if body.return_token_ids:
+            reply["prompt_token_ids"] = ids
+        return FiniteJSONResponse(reply, headers=replica_header([result]))
+
+    @route("GET", "/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        caller = self.callers.authorize(request)
+        listed = await everywhere(self.backend, ListAdapters())
+        now, base, max_model_len = int(time.time()), self.settings.base_model, self.settings.max_model_len
+
+        def entry(name: str, root: str, parent: str | None) -> dict[str, Any]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": now,
+                "owned_by": "spotrl",
+                "root": root,
+                "parent": parent,
+                "max_model_len": max_model_len,
+            }
+
+        adapters: dict[str, dict] = {}
+        for replica in listed:
+            for a in replica.adapters:
+                if not caller.may_use(a.name, base):  # a run sees its own adapters only
+                    continue
+                listing = adapters.setdefault(
+                    a.name, {**entry(a.name, a.source, base), "replicas": 0, "sha256": a.sha256}
+                )
+                listing["replicas"] += 1
+                if listing["sha256"] != a.sha256:  # replicas disagree (a reload under way): say so
+                    listing["sha256"] = None
+        data = [entry(base, base, None), *sorted(adapters.values(), key=lambda e: _version_key(e["id"]))]
+        return {"object": "list", "data": data}
+
+
+def _version_key(name: str) -> tuple[int, str]:
+    stem, _, number = name.rpartition("-v")
+    return (int(number), stem) if number.isdigit() else (-1, name)

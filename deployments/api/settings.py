@@ -1,0 +1,36 @@
+"""What the ingress knows about the model it fronts and the fleet it serves: one object for every layer of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.config import FleetConfig, FleetSettings
+from deployments.api.bodies import RequestLimits
+
+
+@dataclass
+class ApiSettings:
+    """What the ingress knows about the model it fronts."""
+
+    base_model: str  # the `model` name meaning "no adapter" (listed first by /v1/models)
+    base_fingerprint: str  # which model that is (`app.models.model_fingerprint`): runs check theirs against it
+    model_aliases: frozenset[str]  # other names accepted for the base model (e.g. "tiny", the folder path)
+    max_model_len: int
+    vocab_size: int
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    chat_ids: Callable[[list[dict[str, Any]], bool], list[int]]
+    admin_token: str | None = None
+    bucket_url: str = ""  # where the fleet's own lineage (policy-vN) and its runs' prefixes are, credentials redacted
+    protect_inference: bool = False
+    num_replicas: int = 1
+    limits: RequestLimits = field(default_factory=lambda: RequestLimits.of(FleetSettings()))
+    max_loras: int = 4  # LoRA slots per engine: how many runs fit (`deployments.control.runs`)
+    max_staleness: int = 2  # the window (+ 1) of a run that states none, and of the fleet's own lineage
+    max_lora_rank: int | None = None  # the largest rank a run may register with
+    run_idle_timeout_s: float = 600.0  # a run silent for this long is released
+    # Generations in flight on the fleet at once, shared by run weight (`deployments.control.fair_share`).
+    inflight_budget: int = field(default_factory=lambda: FleetConfig().inflight_limit)
+    default_run_weight: float = 1.0

@@ -1,0 +1,83 @@
+"""Runs joining and leaving a shared fleet: the registry, its records in the bucket, and the runs' adapters on
+the replicas, kept in step.
+
+The registry (`deployments.control.runs`) is the ingress's memory; the records (`app.bucket.store.RunRecords`:
+name, token sha256, weight, window and rank) are what a restarted ingress remembers it from. So a
+registration that cannot be recorded is undone (it would be forgotten by the next ingress), and a record is
+deleted before its run is forgotten (it would bring the run back). A run that leaves takes its adapters off
+every replica with it, so that its slots serve the others at once instead of waiting for their LRU eviction.
+Replicas know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
+restarts loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from contracts.adapters import run_prefix
+from contracts.auth import redact
+from deployments.control.backend import Backend
+from deployments.control.broadcast import unload_run
+from deployments.control.errors import ApiError
+from deployments.control.offload import offload
+from deployments.control.runs import Runs
+
+log = logging.getLogger("ray.serve")
+
+
+class Tenancy:
+    """Register, remove and release the runs of `runs`, with their records (`records`, None: kept nowhere)."""
+
+    def __init__(self, runs: Runs, records, backend: Backend, scrub: Callable[[str], str]):
+        self.runs, self.records, self.backend, self.scrub = runs, records, backend, scrub
+
+    async def register(self, name: str, weight: float | None, max_staleness: int | None, lora_rank: int | None) -> str:
+        """Register and record run `name`; its token (the only time anyone sees it)."""
+        token = self.runs.register(name, weight, max_staleness, lora_rank)
+        if self.records is not None:
+            try:
+                await offload(self.records.save, name, self.runs.registration(name).as_record())
+            except Exception as e:  # unrecorded, it would be forgotten by the next ingress: not registered
+                self.runs.remove(name)
+                raise ApiError(503, f"run {name!r} could not be recorded in the bucket: {e}") from None
+        log.info("fleet ingress: registered run %s (%d runs)", name, len(self.runs.names()))
+        return token
+
+    async def remove(self, name: str) -> list[str]:
+        """Forget run `name` (its token stops working at once) and unload its adapters everywhere; their names."""
+        if name not in self.runs.names():
+            raise ApiError(404, f"run {name[:64]!r} is not registered")
+        if self.records is not None:  # first: a record left behind would bring the run back after a restart
+            try:
+                await offload(self.records.delete, name)
+            except Exception as e:
+                raise ApiError(
+                    503, f"run {name!r} could not be removed from the bucket, still registered: {e}"
+                ) from None
+        self.runs.remove(name)
+        names = await unload_run(self.backend, name)
+        log.info("fleet ingress: removed run %s, unloaded %s", name, names or "nothing")
+        return names
+
+    async def release_idle(self) -> list[str]:
+        """Release the runs gone silent for `fleet.run_idle_timeout_s`, as if removed; their names.
+
+        Their tokens stop working at once. Whatever fails after that is logged, not raised: the run is gone
+        either way, and its adapters still leave the replicas by LRU."""
+        released = self.runs.take_idle()
+        for name in released:
+            log.warning("fleet ingress: run %s sent nothing for %.0fs: released", name, self.runs.idle_timeout_s)
+            try:
+                if self.records is not None:
+                    await offload(self.records.delete, name)
+                await unload_run(self.backend, name)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning(
+                    "fleet ingress: released run %s, could not unload its adapters: %s", name, self.scrub(repr(e))
+                )
+        return released
+
+    def bucket_url(self, name: str) -> str | None:
+        """Run `name`'s prefix of the fleet's bucket (credentials redacted): the only place its adapters load from."""
+        return redact(run_prefix(self.records.url, name)) if self.records is not None else None

@@ -1,0 +1,63 @@
+"""Runs joining and leaving a shared fleet (`deployments.control.tenancy`): a removed run loses its token and its
+adapters, and registrations outlive an ingress restart through the bucket, which never holds a token."""
+
+import json
+
+from fastapi.testclient import TestClient
+
+from deployments.api import make_app
+from tests.unit.fake_fleet import ADMIN, FakeBackend, api_settings, bearer, load, register, sample
+
+
+def test_a_removed_run_loses_its_token_and_its_adapters(fleet):
+    backend, client = fleet
+    alice = register(client, "alice")
+    register(client, "bob")
+    backend.adapters = {0: {"alice/policy-v1", "alice/policy-v2", "bob/policy-v1"}, 1: {"alice/policy-v2"}}
+    r = client.delete("/v1/runs/alice", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["unloaded"] == ["alice/policy-v1", "alice/policy-v2"]
+    assert backend.adapters == {0: {"bob/policy-v1"}, 1: set()}
+    assert load(client, "alice/policy-v3", bearer(alice)).status_code == 401
+    assert sample(client, "alice/policy-v1", bearer(alice)).status_code == 403  # anonymous now
+    assert register(client, "alice") != alice  # registering again mints a new token
+
+
+def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never_holds_a_token(tmp_path):
+    """A fresh ingress (its node lost, the app redeployed) restores the runs from the bucket, tokens and all."""
+    from app.bucket.records import RunRecords
+    from contracts.retry import Backoff
+    from deployments.control.runs import Registration, Runs
+
+    def ingress():
+        records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
+        runs = Runs(max_loras=7, max_staleness=1)
+        runs.restore({name: Registration.from_record(r) for name, r in records.load().items()})
+        return TestClient(make_app(FakeBackend(), api_settings(max_loras=7, max_staleness=1), runs, records))
+
+    first = ingress()
+    alice = register(first, "alice")
+    r = first.post("/v1/runs", json={"name": "bob", "weight": 3}, headers=ADMIN)
+    bob = r.json()["token"]
+    records = sorted((tmp_path / "bucket").rglob("RUN.json"))
+    stored = "".join(p.read_text() for p in records)
+    assert alice not in stored and bob not in stored and "alice" in stored
+    # Outside every run's prefix (`<bucket>/runs/<name>`, which the run itself may write): a run cannot rewrite its
+    # weight there, nor register a run by planting a record.
+    assert [p.relative_to(tmp_path / "bucket").as_posix() for p in records] == [
+        "fleet/runs/alice/RUN.json",
+        "fleet/runs/bob/RUN.json",
+    ]
+    planted = tmp_path / "bucket" / "runs" / "bob" / "RUN.json"  # bob's own prefix: what he may write
+    planted.parent.mkdir(parents=True)
+    planted.write_text(json.dumps({"name": "bob", "token_sha256": "0" * 64, "weight": 1000.0}))
+
+    restarted = ingress()
+    assert restarted.get("/v1/runs", headers=ADMIN).json() == {"runs": ["alice", "bob"]}
+    weights = {n: restarted.get(f"/v1/runs/{n}", headers=ADMIN).json()["weight"] for n in ("alice", "bob")}
+    assert weights == {"alice": 1.0, "bob": 3.0}  # registered with, the default for none; not what bob planted
+    assert sample(restarted, "alice/policy-v1", bearer(alice)).status_code == 200  # her token still works
+    assert restarted.post("/v1/runs", json={"name": "carol"}, headers=ADMIN).status_code == 409  # still full
+    assert restarted.delete("/v1/runs/alice", headers=ADMIN).status_code == 200
+    again = ingress()
+    assert again.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob"]}
+    assert sample(again, "alice/policy-v1", bearer(alice)).status_code == 403  # anonymous now
