@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -152,26 +153,41 @@ def hold(folder: Path) -> int | None:
     return None
 
 
-def remove_unheld(folder: Path) -> bool:
-    """Delete a cached folder unless some process holds it (`hold`); whether it is gone."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return True
+@contextlib.contextmanager
+def _alone(folder: Path) -> Iterator[int | None]:
+    """An exclusive lock on `folder` unless some process holds it (`hold`): its descriptor, or None when held.
+    FileNotFoundError when the folder is gone."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False  # in use
-        trash = folder.with_name(f".{folder.name}.trash-{uuid.uuid4().hex[:8]}")
-        try:
-            if os.stat(folder).st_ino != os.fstat(fd).st_ino:
-                return False  # fetched anew since it was opened: another round will see
-            folder.rename(trash)
-        except FileNotFoundError:
-            return True
+            yield None
+            return
+        yield fd
     finally:
-        os.close(fd)
+        os.close(fd)  # and with it the lock
+
+
+def is_held(folder: Path) -> bool:
+    """Whether some process holds the folder (`hold`) right now."""
+    try:
+        with _alone(folder) as fd:
+            return fd is None
+    except FileNotFoundError:
+        return False
+
+
+def remove_unheld(folder: Path) -> bool:
+    """Delete a cached folder unless some process holds it (`hold`); whether it is gone."""
+    trash = folder.with_name(f".{folder.name}.trash-{uuid.uuid4().hex[:8]}")
+    try:
+        with _alone(folder) as fd:
+            if fd is None or os.stat(folder).st_ino != os.fstat(fd).st_ino:
+                return False  # in use, or fetched anew since it was opened: another round will see
+            folder.rename(trash)
+    except FileNotFoundError:
+        return True
     shutil.rmtree(trash, ignore_errors=True)
     return True
 
@@ -186,21 +202,6 @@ def cached_versions(store: CommittedStore) -> dict[int, list[Path]]:
         if number is not None and COMMIT.fullmatch(commit):
             entries.setdefault(number, []).append(path)
     return entries
-
-
-def is_held(folder: Path) -> bool:
-    """Whether some process holds the folder (`hold`) right now."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # and with it the lock, if it was taken
-    return False
 
 
 def prune_cached(store: CommittedStore, keep: int) -> list[Path]:
