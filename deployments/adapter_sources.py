@@ -38,6 +38,8 @@ log = logging.getLogger("ray.serve")
 
 # How often a replica may list the bucket for versions newer than the newest it knows.
 LISTING_INTERVAL_S = 5.0
+# How soon a replica tries again to delete the cached folders of a run gone that another replica of the node held.
+LEAVING_RETRY_S = 5.0
 # Versions fetched since the last listing that a replica remembers, the newest; an older one asked for again is found
 # by a listing (at once: forgetting one makes the next listing due).
 FETCHED_REMEMBERED = 16
@@ -134,6 +136,7 @@ class AdapterSources:
         self._leaving: dict[str, AdapterStore] = {}  # runs gone, whose cached folders are still to delete
         self._tidying: asyncio.Task | None = None
         self._tidy_again = False
+        self._retry: asyncio.TimerHandle | None = None  # the next try at the cached folders of runs gone
         self.store = self._prefix(None)[0]  # the fleet's own versions
 
     def _prefix(self, run: str | None) -> tuple[AdapterStore, CommittedVersions]:
@@ -187,6 +190,14 @@ class AdapterSources:
             for run in gone:
                 if self._leaving.get(run) is leaving[run]:  # not back meanwhile
                     del self._leaving[run]
+        if self._leaving and self._retry is None:
+            # A run gone whose folders a replica of the node still holds (requests draining, or the news not there
+            # yet): tried again in a while, not only at this replica's next load.
+            self._retry = asyncio.get_running_loop().call_later(LEAVING_RETRY_S, self._retry_leaving)
+
+    def _retry_leaving(self) -> None:
+        self._retry = None
+        self.tidy_soon()
 
     async def to_serve(self) -> list[int]:
         """The fleet's own versions a replica serves from its start (listed afresh), oldest first."""

@@ -248,3 +248,32 @@ def test_a_stale_trl_version_unloaded_is_not_remembered(tmp_path):
 
     asyncio.run(scenario())
     assert slots.sizes()["unloaded"] == 1
+
+
+def test_a_run_gone_whose_folder_another_replica_of_the_node_holds_is_deleted_once_that_one_lets_go(
+    tmp_path, monkeypatch
+):
+    """The replicas of a node share the cache: one forgets a run while another still serves a request from its folder.
+    The folder goes once the other lets go, without waiting for this replica's next load."""
+    import deployments.adapter_sources as sources_module
+    from app.bucket.store import AdapterStore
+    from contracts.adapters import run_prefix
+
+    monkeypatch.setattr(sources_module, "LEAVING_RETRY_S", 0.05)
+    slots = adapter_slots(tmp_path)
+    store = AdapterStore(run_prefix(f"file://{tmp_path}/bucket", "alice"), cache_dir=tmp_path / "cache")
+    store.publish(adapter_folder(tmp_path / "v1", b"alice's"), 1)
+
+    async def scenario():
+        await slots.load("alice/policy-v1", "policy-v1")
+        other_replica = store.fetch_held(1)  # the same folder, held by another replica of the node
+        await slots.forget_run("alice")
+        assert slots.sizes()["leaving_runs"] == 1 and other_replica.path.is_dir()
+        other_replica.release()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not slots.sizes()["leaving_runs"]:
+                break
+        assert slots.sizes()["leaving_runs"] == 0 and not other_replica.path.exists()
+
+    asyncio.run(scenario())
