@@ -184,8 +184,8 @@ class AdapterSources:
             kept, leaving = [store for store, _ in self._prefixes.values()], dict(self._leaving)
             try:
                 gone = await asyncio.to_thread(_tidy, kept, leaving, self.cache_keep)
-            except OSError as e:  # a disk that refuses: what is left is tried again next time
-                log.warning("the adapter cache could not be pruned: %s", e)
+            except Exception as e:  # noqa: BLE001 - a disk that refuses: what is left is tried again next time
+                log.warning("the adapter cache could not be pruned: %r", e)
                 continue
             for run in gone:
                 if self._leaving.get(run) is leaving[run]:  # not back meanwhile
