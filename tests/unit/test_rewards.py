@@ -77,16 +77,16 @@ def test_rewards_that_hung_cost_no_later_call_its_thread_and_a_timeout_counts_on
             time.sleep(0.1)
         return [1.0] * len(completions)
 
-    scorer = RewardScorer([flaky], timeout_s=0.6)
+    scorer = RewardScorer([flaky], timeout_s=1.0)
     try:
         for _ in range(3):  # more hangs than the scorer has threads
             assert scorer.score(["hang"], ["p"], [[1]], answer=["1"]).errors == {"flaky": 1}
         assert scorer.score(["ok"], ["p"], [[1]], answer=["1"]).rewards == [1.0]
-        # 16 quick calls at once on its two threads: the last starts 0.7 s after it was asked for, beyond the timeout,
+        # 26 quick calls at once on its two threads: the last starts 1.2 s after it was asked for, beyond the timeout,
         # and runs 0.1 s, far within it.
-        with ThreadPoolExecutor(16) as burst:
-            scored = list(burst.map(lambda _: scorer.score(["ok"], ["p"], [[1]], answer=["1"]), range(16)))
-        assert [s.rewards for s in scored] == [[1.0]] * 16
+        with ThreadPoolExecutor(26) as burst:
+            scored = list(burst.map(lambda _: scorer.score(["ok"], ["p"], [[1]], answer=["1"]), range(26)))
+        assert [s.rewards for s in scored] == [[1.0]] * 26
     finally:
         stuck.set()
         scorer.close()
