@@ -62,6 +62,19 @@ def disk(cache: Path) -> tuple[list[str], int]:
     return [str(p.relative_to(cache)) for p in paths], sum(p.stat().st_size for p in paths if p.is_file())
 
 
+def series(fleet) -> dict[str, int]:
+    """Series in the fleet's metrics export: vLLM's adapter info (labelled by adapter names, which must not grow with
+    the runs) and the fair share's per-run metrics (a series per run tag: Ray keeps them, at 0, README)."""
+    import httpx
+
+    lines = httpx.get(f"http://127.0.0.1:{fleet.metrics_port}/metrics", timeout=30).text.splitlines()
+    samples = [line for line in lines if line and not line.startswith("#")]
+    return {
+        "vllm_lora_info": sum("lora_requests_info" in line for line in samples),
+        "spotrl_fleet_run": sum("spotrl_fleet_run_" in line for line in samples),
+    }
+
+
 def snapshot(fleet) -> dict:
     engines = {e["replica"]: e for e in fleet.client.engine_stats()}
     ingress = fleet.client.server_info()["spotrl"]["ingress"]
@@ -81,6 +94,7 @@ def snapshot(fleet) -> dict:
         "router_table_entries": router["table_entries"],  # an LRU bounded by fleet.router.max_table_entries
         "cache_paths": paths,
         "cache_bytes": cache_bytes,
+        "series": series(fleet),
         "rss_mib": {
             **{f"replica {rid[:8]}": rss_mib(e["pid"]) for rid, e in engines.items()},
             "ingress": rss_mib(ingress["pid"]),
@@ -140,13 +154,15 @@ def test_forty_runs_come_and_go_and_the_fleet_keeps_nothing_of_them(fleet, tmp_p
     for i in range(2):  # the first runs warm up code paths (loads, LoRA kernels, routes): memory is measured after
         one_run(fleet, i, folders, goodbye=True)
     warm = settled(fleet, initial, 30)
-    started = time.monotonic()
+    started, trend = time.monotonic(), []
     for i in range(2, 42):
         one_run(fleet, i, folders, goodbye=i % 20 != 10)  # soak10 and soak30 are killed without a goodbye
+        if i % 10 == 1:
+            trend.append(snapshot(fleet)["rss_mib"])
     soaked_s = time.monotonic() - started
     end = settled(fleet, initial, RUN_IDLE_S + 40)
 
-    print(f"\n40 runs in {soaked_s:.0f} s")
+    print(f"\n40 runs in {soaked_s:.0f} s; RSS MiB after each 10: " + "; ".join(fmt(rss) for rss in trend))
     for label, snap in (("initial", initial), ("after 2 warm-up runs", warm), ("after 40 runs", end)):
         print(f"{label}:")
         for rid, tables in snap["replica_tables"].items():
@@ -154,11 +170,13 @@ def test_forty_runs_come_and_go_and_the_fleet_keeps_nothing_of_them(fleet, tmp_p
         print(f"  ingress tables: {fmt(snap['ingress_tables'])}")
         print(f"  /router/stats rows: {fmt(snap['router_rows'])}; router LRU entries {snap['router_table_entries']}")
         print(f"  disk cache: {len(snap['cache_paths'])} paths, {snap['cache_bytes']} bytes")
+        print(f"  metrics series: {fmt(snap['series'])}")
         print(f"  RSS MiB: {fmt(snap['rss_mib'])}")
 
     assert fleet.client.list_runs() == []
     for key in ("replica_tables", "ingress_tables", "router_rows", "cache_paths", "cache_bytes"):
         assert end[key] == initial[key], (key, initial[key], end[key])
+    assert end["series"]["vllm_lora_info"] == initial["series"]["vllm_lora_info"], (initial["series"], end["series"])
     for process, mib in end["rss_mib"].items():  # allocator noise, not a run's worth each
         assert mib <= warm["rss_mib"][process] + 32, (process, warm["rss_mib"][process], mib)
 
