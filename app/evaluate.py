@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 
@@ -54,21 +55,28 @@ async def evaluate_async(
 
 
 def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None = None) -> dict:
-    """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split."""
+    """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split; its client and sampler are
+    closed when done (the driver evaluates twice a run, a long-lived caller many times)."""
     from app.models import load_tokenizer
     from app.tasks.problems import load_task
 
     problems = load_task(cfg.task).heldout
     tokenizer = load_tokenizer(model_path)
-    sampler = sampler_for(cfg, tokenizer, FleetClient(base_url, token).acompletions)
-    try:
-        return asyncio.run(
-            evaluate_async(
-                sampler, tokenizer, problems, model, cfg.grpo.max_completion_length, cfg.task.eval_concurrency
-            )
-        )
-    finally:
-        sampler.close()
+    with contextlib.closing(FleetClient(base_url, token)) as client:
+        sampler = sampler_for(cfg, tokenizer, client.acompletions)
+
+        async def run() -> dict:
+            try:
+                return await evaluate_async(
+                    sampler, tokenizer, problems, model, cfg.grpo.max_completion_length, cfg.task.eval_concurrency
+                )
+            finally:
+                await client.aclose()  # on the loop its connections belong to
+
+        try:
+            return asyncio.run(run())
+        finally:
+            sampler.close()
 
 
 def base_model_name(fleet: FleetClient) -> str:
@@ -96,7 +104,11 @@ def main(argv: list[str] | None = None) -> None:
 
     url = args.url or f"http://{cfg.fleet.host}:{cfg.fleet.port}"
     token = inference_token(cfg)
-    model = args.adapter or default_model(cfg, FleetClient(url, token))
+    if args.adapter:
+        model = args.adapter
+    else:
+        with contextlib.closing(FleetClient(url, token)) as fleet:
+            model = default_model(cfg, fleet)
     print(json.dumps(evaluate(cfg, url, resolve_model_path(cfg.model, cfg.task), model, token)))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from contracts.rollouts import BatchStats
+from contracts.rollouts import BatchStats, ConsumedGroups
 
 
 @dataclass
@@ -31,7 +31,12 @@ class ResumePoint:
     step: int = 0
     policy_version: int = 0
     data_cursor: int | None = None
+    # Groups trained (`contracts.rollouts.ConsumedGroups`): every id below the frontier, and those listed above it.
     consumed_group_ids: tuple[int, ...] = ()
+    consumed_frontier: int = 0
+
+    def consumed(self) -> ConsumedGroups:
+        return ConsumedGroups.of(self.consumed_group_ids, self.consumed_frontier)
 
 
 @dataclass(frozen=True)

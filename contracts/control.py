@@ -10,7 +10,7 @@ Nothing here imports Ray or vLLM; Ray pickles these classes by reference on both
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # The VLLMReplica method every Command goes through (`VLLMReplica.control`).
@@ -69,6 +69,15 @@ class Unloaded:
 
 
 @dataclass(frozen=True)
+class RunForgotten:
+    """The answer to `ForgetRun`: the run's adapters this replica unloaded, and those still draining requests."""
+
+    replica: str
+    unloaded: tuple[str, ...]
+    draining: int = 0
+
+
+@dataclass(frozen=True)
 class PauseState:
     """The answer to `Pause` and `Resume`: whether the replica's engine is paused, and for how long at most."""
 
@@ -84,8 +93,23 @@ class CacheReset:
 
 
 @dataclass(frozen=True)
+class ReplicaTables:
+    """What a replica keeps per adapter name, per run and on disk, counted: on a fleet that runs for weeks while runs
+    come and go, each comes back down when they leave (`tests/integration/test_fleet_soak.py`)."""
+
+    name_locks: int  # loads in flight, by name
+    unloaded: int  # bucket versions explicitly unloaded, not loaded again on demand (the newest few hundred)
+    evicted: int  # names evicted for a slot, remembered for a clear 404 (the newest few hundred)
+    run_prefixes: int  # bucket prefixes the replica reads from: the fleet's own and its runs'
+    known_versions: int  # committed versions listed or fetched, over every prefix
+    leaving_runs: int  # runs gone whose cached folders still hold adapters draining their requests
+    cached_versions: int  # adapter folders in the replica's disk cache (its prefixes')
+    cache_bytes: int
+
+
+@dataclass(frozen=True)
 class EngineReport:
-    """A replica's engine numbers (vLLM's own counters) and adapter bookkeeping."""
+    """A replica's engine numbers (vLLM's own counters), adapter bookkeeping and the sizes of its tables."""
 
     replica: str
     pid: int  # the replica's process; its engines run in child processes
@@ -94,6 +118,7 @@ class EngineReport:
     adapters: tuple[str, ...]  # served now
     engine_adapters: int  # vLLM's own count: adapters + draining, unless vLLM dropped one by itself
     draining: int
+    tables: ReplicaTables
 
     def as_json(self) -> dict[str, Any]:
         """The shape `GET /engine/stats` answers per replica: the counters beside the other fields."""
@@ -105,6 +130,7 @@ class EngineReport:
             "adapters": list(self.adapters),
             "engine_adapters": self.engine_adapters,
             "draining": self.draining,
+            "tables": asdict(self.tables),
         }
 
 
@@ -145,6 +171,15 @@ class UnloadAdapter(Command):
     """Stop serving `name` (requests in flight finish on it first); answer `Unloaded`."""
 
     name: str
+
+
+@dataclass(frozen=True)
+class ForgetRun(Command):
+    """Run `run` left the fleet (removed, or released for its silence): unload its adapters (requests in flight finish
+    first) and forget what this replica keeps of it, its bucket prefix, committed versions, names and cached folders;
+    answer `RunForgotten`. A replica that starts later never knew the run."""
+
+    run: str
 
 
 @dataclass(frozen=True)

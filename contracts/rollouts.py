@@ -2,7 +2,7 @@
 
 A group is the G completions of one prompt, sampled under one policy version (`policy-v{N}`); its
 integer id is its index in the run's data order, unique per run, so a restarted learner can refuse
-a group it already trained on. The rollout hands the learner a `RolloutBatch` (scored groups plus the
+a group it already trained on (`ConsumedGroups`). The rollout hands the learner a `RolloutBatch` (scored groups plus the
 data cursor to resume from) as an ObjectRef the driver never opens; `BatchStats` is what the driver
 logs of it. `Generate` is how a sampler asks the fleet for completions (`app.fleet_client` speaks it
 over HTTP; tests speak it with a fake), and `Choice` what it gets back.
@@ -114,6 +114,53 @@ class Group:
 
     def num_tokens(self) -> int:
         return sum(len(self.prompt_ids) + len(s.completion_ids) for s in self.samples)
+
+
+@dataclass
+class ConsumedGroups:
+    """The group ids a run has trained on, kept as the data frontier and the few ids above it, however long it trains.
+
+    Every id below `frontier` is settled: trained, or lost (dropped stale or failed) and never generated again, since
+    a resumed rollout starts at the data frontier (`RolloutBatch.data_cursor`). Above it are the ids trained ahead of
+    a group still in flight (`above`: as many as groups are in flight, not as many as were ever trained). A restarted
+    rollout that goes on from an older checkpoint may generate ids below the frontier again: they count as consumed,
+    trained or not, so no group is ever trained twice (one lost before is not given a second chance).
+    """
+
+    frontier: int = 0
+    above: set[int] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, ids: Iterable[Any], frontier: int = 0) -> ConsumedGroups:
+        """From a checkpoint's ids (ints, or the "g<index>" strings of old checkpoints; old ones list every id ever
+        trained, those below `frontier` are dropped) and its frontier."""
+        consumed = cls(frontier, {gid for gid in parse_group_ids(ids) if gid >= frontier})
+        consumed._fold()
+        return consumed
+
+    def __contains__(self, group_id: object) -> bool:
+        return isinstance(group_id, int) and (group_id < self.frontier or group_id in self.above)
+
+    def add(self, group_id: int) -> None:
+        if group_id >= self.frontier:
+            self.above.add(group_id)
+            self._fold()
+
+    def advance(self, frontier: int | None) -> None:
+        """Every id below `frontier` is settled now (the data frontier after a take; None: nothing known)."""
+        if isinstance(frontier, int) and frontier > self.frontier:
+            self.frontier = frontier
+            self.above = {gid for gid in self.above if gid >= frontier}
+        self._fold()
+
+    def ids(self) -> list[int]:
+        """The ids above the frontier, sorted (what a checkpoint stores beside the frontier)."""
+        return sorted(self.above)
+
+    def _fold(self) -> None:
+        while self.frontier in self.above:  # trained in order: nothing to remember beyond the frontier
+            self.above.remove(self.frontier)
+            self.frontier += 1
 
 
 def parse_group_ids(ids: Iterable[Any]) -> list[int]:

@@ -13,6 +13,11 @@ comes back from the bucket when it is next asked for, so eviction costs a reload
 The eviction policy (`pinned`, `eviction_order`) is pure: `AdapterSlots` feeds it what it holds, unit
 tests feed it numbers. A name loaded again is compared by the sha256 of its files: the same files are
 a no-op, other files a reload (requests in flight finish on the weights they started on).
+
+Nothing here grows with the versions and runs a fleet serves over weeks: a name's lock lives while a load of it
+runs, the names unloaded or evicted are remembered only for the newest `REMEMBERED_NAMES` of each, and a run that
+leaves (`forget_run`) takes its names, its prefix of the bucket and its cached folders along. An adapter holds its
+cached folder while the engine holds it (`app.bucket.fetching.hold`), so no prune deletes it under a request.
 """
 
 from __future__ import annotations
@@ -25,15 +30,19 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
+from app.bucket.fetching import HeldFolder
 from app.bucket.manifest import folder_digest
-from contracts.adapters import AdapterRef, family_of, is_adapter_name
+from contracts.adapters import AdapterRef, family_of, is_adapter_name, split_run
 from contracts.auth import redact
-from contracts.control import AdapterInfo, AdapterListing, Loaded, Unloaded
+from contracts.control import AdapterInfo, AdapterListing, Loaded, RunForgotten, Unloaded
 from contracts.serving import BadRequest, ModelNotFound, ReplicaError
 from deployments.adapter_sources import AdapterSources
 from deployments.engine import Engine, lora_request
 
 log = logging.getLogger("ray.serve")
+
+# Names unloaded (not to be loaded again on demand) and evicted (for a clear 404) a replica remembers, the newest.
+REMEMBERED_NAMES = 1024
 
 
 # ---- the eviction policy ----------------------------------------------------------------------------
@@ -70,6 +79,38 @@ def eviction_order(held: Iterable[Held], window: int) -> list[str]:
 # ---- the slots ---------------------------------------------------------------------------------------
 
 
+class RecentNames:
+    """A set of adapter names that forgets its oldest beyond `limit`, and a run's names when the run leaves."""
+
+    def __init__(self, limit: int = REMEMBERED_NAMES):
+        self.limit = limit
+        self._names: dict[str, None] = {}  # insertion order: oldest first
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def add(self, name: str) -> None:
+        self._names.pop(name, None)
+        self._names[name] = None
+        while len(self._names) > self.limit:
+            del self._names[next(iter(self._names))]
+
+    def discard(self, name: str) -> None:
+        self._names.pop(name, None)
+
+    def drop_run(self, run: str) -> None:
+        self._names = {name: None for name in self._names if split_run(name)[0] != run}
+
+
+@dataclass
+class _NameLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # loads of the name running or waiting
+
+
 @dataclass
 class _Adapter:
     name: str
@@ -77,6 +118,7 @@ class _Adapter:
     path: str
     source: str  # bucket URL of the version, or the trusted local folder
     digest: str  # `folder_digest` of the files loaded: what "already loaded" is checked against
+    folder: HeldFolder  # held while the engine holds the adapter: no prune deletes it
     load_id: str | None = None  # the broadcast that loaded it, so a failed broadcast undoes only its own loads
     inflight: int = 0
     draining: bool = False
@@ -108,9 +150,9 @@ class AdapterSlots:
         self.max_loras, self.window, self.slot_wait_s = max_loras, window, slot_wait_s
         self._adapters: dict[str, _Adapter] = {}  # served now, by name
         self._draining: dict[int, _Adapter] = {}  # no longer served, still in the engine for requests in flight
-        self._unloaded: set[str] = set()  # explicitly unloaded: never resurrected from the bucket on demand
-        self._evicted: set[str] = set()  # dropped for a slot: a bucket version comes back on demand
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._unloaded = RecentNames()  # bucket versions explicitly unloaded: never resurrected on demand
+        self._evicted = RecentNames()  # dropped for a slot: a bucket version comes back on demand
+        self._locks: dict[str, _NameLock] = {}  # one load of a name at a time
         self._slot_lock = asyncio.Lock()  # one load at a time picks a slot and fills it
         self._slot_freed = asyncio.Event()
         self._ids = itertools.count(1)
@@ -124,6 +166,11 @@ class AdapterSlots:
     def draining(self) -> int:
         """Adapters no longer served that stay in the engine until their requests in flight finish."""
         return len(self._draining)
+
+    def sizes(self) -> dict[str, int]:
+        """What it keeps per name and per run, counted (`contracts.control.ReplicaTables`, but the disk cache's)."""
+        names = {"name_locks": len(self._locks), "unloaded": len(self._unloaded), "evicted": len(self._evicted)}
+        return {**names, **self.sources.sizes()}
 
     def listing(self) -> AdapterListing:
         return AdapterListing(
@@ -184,17 +231,22 @@ class AdapterSlots:
             raise BadRequest(
                 f"lora_name {str(name)[:170]!r}: expected letters, digits, '.', '_' or '-', after '<run>/' for a run's"
             )
-        async with self._locks.setdefault(name, asyncio.Lock()):
-            source, path = await self.sources.fetch(name, ref)
-            digest = await asyncio.to_thread(folder_digest, path)
-            existing = self._adapters.get(name)
-            if existing is not None and existing.digest == digest:
-                return Loaded(self.replica, loaded=False)
-            adapter = _Adapter(name, next(self._ids), str(path), source, digest, load_id)
-            async with self._slot_lock:
-                await self._make_room()
-                await self.engine.add_lora(name, adapter.lora_request())
-                self._adapters[name] = adapter
+        async with self._name_lock(name):
+            source, folder = await self.sources.fetch(name, ref)
+            try:
+                digest = await asyncio.to_thread(folder_digest, folder.path)
+                existing = self._adapters.get(name)
+                if existing is not None and existing.digest == digest:
+                    return Loaded(self.replica, loaded=False)
+                adapter = _Adapter(name, next(self._ids), str(folder.path), source, digest, folder, load_id)
+                async with self._slot_lock:
+                    await self._make_room()
+                    await self.engine.add_lora(name, adapter.lora_request())
+                    self._adapters[name] = adapter
+                folder = None  # the adapter holds it now, until it leaves the engine
+            finally:
+                if folder is not None:
+                    folder.release()
             self._unloaded.discard(name)
             self._evicted.discard(name)
             if existing is not None:
@@ -207,7 +259,21 @@ class AdapterSlots:
                 redact(source),
                 digest[:12],
             )
+        self.sources.tidy_soon()  # one more version in the cache
         return Loaded(self.replica, loaded=True, replaced=existing is not None)
+
+    @contextlib.asynccontextmanager
+    async def _name_lock(self, name: str) -> AsyncIterator[None]:
+        """One load of `name` at a time; the lock is kept only while a load of the name runs or waits."""
+        entry = self._locks.setdefault(name, _NameLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if not entry.users and self._locks.get(name) is entry:
+                del self._locks[name]
 
     async def _make_room(self) -> None:
         """Free a LoRA slot for one more adapter, evicting as `eviction_order` orders (never one with requests
@@ -257,7 +323,8 @@ class AdapterSlots:
 
     async def unload(self, name: str) -> Unloaded:
         """Stop accepting requests for `name`; the engine drops it once its in-flight requests finish."""
-        self._unloaded.add(name)
+        if AdapterRef.parse(name) is not None:  # other names are never loaded on demand anyway
+            self._unloaded.add(name)
         adapter = self._adapters.pop(name, None)
         if adapter is None:
             return Unloaded(self.replica, unloaded=False)
@@ -276,6 +343,26 @@ class AdapterSlots:
 
     async def _remove(self, adapter: _Adapter) -> None:
         self._draining.pop(adapter.int_id, None)
-        await self.engine.remove_lora(adapter.int_id)
+        try:
+            await self.engine.remove_lora(adapter.int_id)
+        finally:
+            adapter.folder.release()
         self._slot_freed.set()
+        self.sources.tidy_soon()  # its folder may go now
         log.info("replica %s removed %s", self.replica, adapter.name)
+
+    async def forget_run(self, run: str) -> RunForgotten:
+        """Run `run` left the fleet: unload its adapters (requests in flight finish on them first) and forget its
+        names, its prefix of the bucket and its cached folders (those of adapters still draining once they leave)."""
+        names = sorted(name for name in self._adapters if split_run(name)[0] == run)
+        draining = 0
+        for name in names:
+            adapter = self._adapters.pop(name)
+            draining += adapter.inflight > 0
+            await self._drain(adapter)
+        self._unloaded.drop_run(run)
+        self._evicted.drop_run(run)
+        self.sources.forget(run)
+        await self.sources.tidy()
+        log.info("replica %s forgot run %s (unloaded %s)", self.replica, run, ", ".join(names) or "nothing")
+        return RunForgotten(self.replica, tuple(names), draining)

@@ -8,16 +8,25 @@ starting, a missed broadcast, or evicted from its LoRA slot: a committed version
 replica does not know must not become a bucket listing each (fees, throttling that would hit the
 learner's publishes too). What a fetch fails with is what the ingress answers: a reference outside the
 bucket is a 400, a version never committed a 404, a corrupted one a 502, a bucket out of reach a 503.
+
+A fleet stays up for weeks while runs come and go, so nothing here grows with them: what a replica knows of a
+prefix's versions is the bucket's last listing (bounded by the learner's gc) and the few fetched since; a run that
+left (`forget`) takes its prefix along; the disk cache (`tidy`) keeps per prefix the versions in use (held by the
+engine or being loaded: `app.bucket.fetching.hold`, which also protects them from the other replicas of the
+machine) and the newest `cache_keep` others, and a run that left is deleted from it whole once nothing of it is
+in use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from app.bucket.fetching import HeldFolder
 from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionNotFound
 from app.bucket.store import AdapterStore
 from app.config import BucketConfig
@@ -25,8 +34,15 @@ from contracts.adapters import AdapterRef, adapter_name, run_prefix, split_run
 from contracts.auth import redact
 from contracts.serving import BadRequest, ModelNotFound, ReplicaError
 
+log = logging.getLogger("ray.serve")
+
 # How often a replica may list the bucket for versions newer than the newest it knows.
 LISTING_INTERVAL_S = 5.0
+# How soon a replica tries again to delete the cached folders of a run gone that another replica of the node held.
+LEAVING_RETRY_S = 5.0
+# Versions fetched since the last listing that a replica remembers, the newest; an older one asked for again is found
+# by a listing (at once: forgetting one makes the next listing due).
+FETCHED_REMEMBERED = 16
 
 
 def newest(versions: Iterable[int], window: int) -> list[int]:
@@ -43,7 +59,8 @@ class CommittedVersions:
     and requests that arrive while a listing runs wait for it and share it. Within the interval a
     version still unknown is refused (404): a flood of requests for versions nobody published
     must neither list the bucket nor wait, and a missed version a client asks for again is found
-    by the next listing.
+    by the next listing. Of the versions fetched since the last listing it remembers the newest
+    `FETCHED_REMEMBERED`: a lineage that trains for weeks is fetched version by version, never listed.
     """
 
     def __init__(
@@ -77,6 +94,14 @@ class CommittedVersions:
     def remember(self, version: int) -> None:
         """`version` was fetched from the bucket (by broadcast, after the last listing): it is committed."""
         self._fetched.add(version)
+        if len(self._fetched) > FETCHED_REMEMBERED:
+            self._fetched.remove(min(self._fetched))
+            self._listed_at = float("-inf")  # the one forgotten is found by the next listing, due at once
+
+    @property
+    def known(self) -> int:
+        """How many versions it knows to be committed: listed, or fetched since."""
+        return len(self._listed) + len(self._fetched)
 
     @property
     def _newest_listed(self) -> int:
@@ -85,6 +110,7 @@ class CommittedVersions:
     async def _list(self) -> None:
         self._listed_at = self._clock()  # a failing listing is not retried by every request either
         self._listed = await asyncio.to_thread(self.store.versions)
+        self._fetched = {v for v in self._fetched if v > self._newest_listed}  # the listing has the others
 
 
 class AdapterSources:
@@ -101,18 +127,77 @@ class AdapterSources:
         window: int,
         listing_interval_s: float = LISTING_INTERVAL_S,
         trusted_dirs: Iterable[str | Path] = (),
+        cache_keep: int = 2,
     ):
         self.url, self.bucket, self.window, self.listing_interval_s = url, bucket, window, listing_interval_s
         self.trusted_dirs = [Path(d).expanduser().resolve() for d in trusted_dirs]
+        self.cache_keep = cache_keep
         self._prefixes: dict[str | None, tuple[AdapterStore, CommittedVersions]] = {}
+        self._leaving: dict[str, AdapterStore] = {}  # runs gone, whose cached folders are still to delete
+        self._tidying: asyncio.Task | None = None
+        self._tidy_again = False
+        self._retry: asyncio.TimerHandle | None = None  # the next try at the cached folders of runs gone
         self.store = self._prefix(None)[0]  # the fleet's own versions
 
     def _prefix(self, run: str | None) -> tuple[AdapterStore, CommittedVersions]:
         """The store of the fleet's own versions (`run` None), or of a run's, under its prefix of the bucket."""
         if run not in self._prefixes:
-            store = AdapterStore.at(run_prefix(self.url, run), self.bucket)
+            store = self._leaving.pop(run, None) or AdapterStore.at(run_prefix(self.url, run), self.bucket)
             self._prefixes[run] = (store, CommittedVersions(store, self.window, self.listing_interval_s))
         return self._prefixes[run]
+
+    def forget(self, run: str) -> None:
+        """Run `run` left the fleet: forget its prefix and what is committed there; its cached folders go with the
+        next `tidy` that finds none of them in use."""
+        entry = self._prefixes.pop(run, None)
+        if entry is not None:
+            self._leaving[run] = entry[0]
+
+    def sizes(self) -> dict[str, int]:
+        """Prefixes known, versions known over all of them, runs gone whose cached folders are still in use."""
+        return {
+            "run_prefixes": len(self._prefixes),
+            "known_versions": sum(versions.known for _, versions in self._prefixes.values()),
+            "leaving_runs": len(self._leaving),
+        }
+
+    async def cache_usage(self) -> tuple[int, int]:
+        """(folders, bytes) in the disk cache of every prefix known and every run gone."""
+        stores = [*(store for store, _ in self._prefixes.values()), *self._leaving.values()]
+        usages = await asyncio.to_thread(lambda: [store.cache_usage() for store in stores])
+        return sum(n for n, _ in usages), sum(b for _, b in usages)
+
+    def tidy_soon(self) -> asyncio.Task:
+        """Prune the disk cache in a worker thread (once more if asked again while it runs); the task doing it."""
+        self._tidy_again = True
+        if self._tidying is None or self._tidying.done():
+            self._tidying = asyncio.get_running_loop().create_task(self._tidy_while_asked())
+        return self._tidying
+
+    async def tidy(self) -> None:
+        """Prune the disk cache now, and wait for it."""
+        await asyncio.shield(self.tidy_soon())
+
+    async def _tidy_while_asked(self) -> None:
+        while self._tidy_again:
+            self._tidy_again = False
+            kept, leaving = [store for store, _ in self._prefixes.values()], dict(self._leaving)
+            try:
+                gone = await asyncio.to_thread(_tidy, kept, leaving, self.cache_keep)
+            except Exception as e:  # noqa: BLE001 - a disk that refuses: what is left is tried again next time
+                log.warning("the adapter cache could not be pruned: %r", e)
+                continue
+            for run in gone:
+                if self._leaving.get(run) is leaving[run]:  # not back meanwhile
+                    del self._leaving[run]
+        if self._leaving and self._retry is None:
+            # A run gone whose folders a replica of the node still holds (requests draining, or the news not there
+            # yet): tried again in a while, not only at this replica's next load.
+            self._retry = asyncio.get_running_loop().call_later(LEAVING_RETRY_S, self._retry_leaving)
+
+    def _retry_leaving(self) -> None:
+        self._retry = None
+        self.tidy_soon()
 
     async def to_serve(self) -> list[int]:
         """The fleet's own versions a replica serves from its start (listed afresh), oldest first."""
@@ -122,8 +207,9 @@ class AdapterSources:
         """Whether the bucket version `ref` is committed in its run's prefix (or the fleet's own)."""
         return await self._prefix(ref.run)[1].is_committed(ref.version)
 
-    async def fetch(self, name: str, ref: str) -> tuple[str, Path]:
+    async def fetch(self, name: str, ref: str) -> tuple[str, HeldFolder]:
         """(source, verified local folder) of adapter `name` at `ref`: a bucket version, or a trusted local folder.
+        A bucket version's folder is held in the cache until released (`HeldFolder.release`).
 
         A run's adapter (`alice/policy-v3`) comes only from the run's own prefix of the bucket: its
         `lora_path` is resolved there (`adapters/policy-v3`, or that prefix's URL of it), never elsewhere."""
@@ -140,7 +226,7 @@ class AdapterSources:
         if local != adapter_name(version):
             raise BadRequest(f"lora_name {name!r} does not name the bucket version {adapter_name(version)}")
         try:
-            folder = await asyncio.to_thread(store.fetch, version)
+            folder = await asyncio.to_thread(store.fetch_held, version)
             versions.remember(version)
             return store.url_of(version), folder
         except VersionNotFound:
@@ -150,7 +236,7 @@ class AdapterSources:
         except BucketError as e:
             raise ReplicaError(f"bucket unavailable: {e}", 503) from None
 
-    def _trusted_folder(self, name: str, ref: str) -> tuple[str, Path]:
+    def _trusted_folder(self, name: str, ref: str) -> tuple[str, HeldFolder]:
         """A PEFT folder under one of the trusted folders, for a name that is no bucket version's."""
         refused = BadRequest(f"lora_path {redact(str(ref))[:300]!r} is outside the bucket {redact(self.store.url)}")
         if not self.trusted_dirs or AdapterRef.parse(name) or not isinstance(ref, str):
@@ -163,4 +249,12 @@ class AdapterSources:
             raise refused
         if not (folder / "adapter_config.json").is_file():
             raise ModelNotFound(f"no PEFT adapter at {folder}")
-        return str(folder), folder
+        return str(folder), HeldFolder(folder)  # not the cache's: never pruned, nothing to hold
+
+
+def _tidy(kept: list[AdapterStore], leaving: dict[str, AdapterStore], keep: int) -> list[str]:
+    """Prune the cache of each prefix in `kept` to the versions held plus the newest `keep`, delete what is not held
+    of each run in `leaving`; the runs of which nothing is left (blocking: a worker thread)."""
+    for store in kept:
+        store.prune_cache(keep)
+    return [run for run, store in leaving.items() if store.drop_cache()]

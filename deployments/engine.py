@@ -14,8 +14,8 @@ says so (`EngineDied`), apart from a replica that cannot serve at all (`ReplicaU
 request may be what killed it, and the ingress must not send it round the fleet (`deployments.poison`).
 
 vLLM's engine metrics reach Ray's metrics export through vLLM's own `RayPrometheusStatLogger`
-(tagged with the Serve replica id); `EngineCounters` keeps the same numbers in-process for
-`GET /engine/stats` and the benchmark.
+(tagged with the Serve replica id), but for one (`ray_stat_logger`); `EngineCounters` keeps the same numbers
+in-process for `GET /engine/stats` and the benchmark.
 """
 
 from __future__ import annotations
@@ -203,6 +203,21 @@ class EngineCounters:
         return {k: v for k, v in self.__dict__.items() if k != "steps"}
 
 
+def ray_stat_logger():
+    """vLLM's `RayPrometheusStatLogger` without its `vllm:lora_requests_info` gauge, whose labels are the names of the
+    adapters running and waiting at each step: a new series for every set of names ever seen together, kept by the
+    replica's metrics for good, so on a fleet whose runs (and their versions) come and go for weeks its memory, and
+    Prometheus's, would grow without end. `/engine/stats` and `/v1/models` name the adapters instead."""
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    class RayStatLoggerOfBoundedSeries(RayPrometheusStatLogger):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.gauge_lora_info = None  # vLLM sets it only when not None
+
+    return RayStatLoggerOfBoundedSeries
+
+
 def stat_logger(counters: EngineCounters):
     """A vLLM per-engine stat-logger factory that hands every engine's records to `counters`."""
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -243,7 +258,6 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         fleet = cfg.fleet
         on_cpu = current_platform.is_cpu()
@@ -253,7 +267,7 @@ class Engine:
         block_size = engine_block_size(fleet.router.block_size, on_cpu)
         args = AsyncEngineArgs(**engine_args(cfg, model_path, on_cpu, block_size))
         counters = EngineCounters()
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[RayPrometheusStatLogger, stat_logger(counters)])
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[ray_stat_logger(), stat_logger(counters)])
         # If this worker dies hard, nothing else ends vLLM's engine processes (they would keep their memory).
         engine = cls(llm, replica, counters, start_watchdog(engine_processes()))
         if engine.block_size != block_size:  # the router's hashes would not be the engine's cache keys

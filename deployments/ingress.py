@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bucket.records import RunRecords
+from app.bucket.store import AdapterStore
 from app.config import FleetConfig
 from app.models import model_fingerprint
 from contracts.auth import Secret, check_exposure, redact
@@ -143,6 +144,9 @@ class ServeBackend:
 
         return router_stats()
 
+    def sizes(self) -> dict[str, int]:
+        return {"poison_entries": len(self._poison)}
+
 
 def tokenizer_functions(model_path: str):
     """(encode, decode, chat_ids, vocab_size) with the round-trip-checked tokenizer of the model folder."""
@@ -216,8 +220,12 @@ class Ingress:
         runs = Runs.of(settings)
         if records is not None:
             runs.restore({name: Registration.from_record(r) for name, r in records.load().items()})
-        gate = FairShare(settings.inflight_budget, runs.weight, RunMetrics(cfg.fleet.app_name))
-        self._app = make_app(self._backend, settings, runs, records, gate)
+        gate = FairShare(
+            settings.inflight_budget, runs.weight, RunMetrics(cfg.fleet.app_name), is_run=runs.__contains__
+        )
+        own = AdapterStore.at(bucket_url, cfg.bucket) if bucket_url else None  # the fleet's own policy-vN
+        own_lineage = (lambda: own.latest() is not None) if own is not None else None
+        self._app = make_app(self._backend, settings, runs, records, gate, own_lineage)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",
             base_model,

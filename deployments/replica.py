@@ -31,12 +31,14 @@ from contracts.control import (
     Command,
     DescribeEngine,
     EngineReport,
+    ForgetRun,
     ListAdapters,
     LoadAdapter,
     Pause,
     PauseState,
     Ping,
     Pong,
+    ReplicaTables,
     ReportEngine,
     ResetPrefixCache,
     Resume,
@@ -85,6 +87,8 @@ class Replica:
                 return await self.slots.undo_load(name, load_id)
             case UnloadAdapter(name=name):
                 return await self.slots.unload(name)
+            case ForgetRun(run=run):
+                return await self.slots.forget_run(run)
             case Pause(mode=mode):
                 return await self.pause(mode)
             case Resume():
@@ -134,6 +138,7 @@ class Replica:
         return PauseState(self.replica_id, paused=False)
 
     async def _report(self) -> EngineReport:
+        cached_versions, cache_bytes = await self.slots.sources.cache_usage()
         return EngineReport(
             replica=self.replica_id,
             pid=os.getpid(),  # the replica's process; its engines run in child processes
@@ -143,6 +148,7 @@ class Replica:
             # vLLM's own count: equal to ours (adapters + draining) unless vLLM dropped one by itself.
             engine_adapters=len(await self.engine.lora_ids()),
             draining=self.slots.draining,
+            tables=ReplicaTables(**self.slots.sizes(), cached_versions=cached_versions, cache_bytes=cache_bytes),
         )
 
 
@@ -166,6 +172,7 @@ class VLLMReplica(Replica):
             window=cfg.window,
             listing_interval_s=fleet.version_listing_interval_s,
             trusted_dirs=fleet.extra_adapter_dirs,
+            cache_keep=fleet.adapter_cache_keep,
         )
         slots = AdapterSlots(
             replica_id,
@@ -181,6 +188,7 @@ class VLLMReplica(Replica):
         loaded = [adapter_name(version) for version in await sources.to_serve()]
         for name in loaded:
             await slots.load(name, name)
+        await sources.tidy()  # what an earlier replica of this node left of the fleet's own versions
         log.info(
             "VLLMReplica %s ready in %.1fs (block %d, max_loras %d, CPU bind %s), adapters %s",
             replica_id,

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from app.bucket.fetching import fetch_verified, prune_cached
+from app.bucket.fetching import cache_usage, drop_cached, fetch_verified, prune_cached
 from app.bucket.filesystem import (
     BucketError,
     IntegrityError,
@@ -314,6 +314,14 @@ class CommittedStore(abc.ABC):
 
     def _prune_cache(self, keep: int) -> list[Path]:
         return prune_cached(self, keep)
+
+    def drop_cache(self) -> bool:
+        """Delete every cached folder of this prefix that no process of the machine holds; whether none is left."""
+        return drop_cached(self)
+
+    def cache_usage(self) -> tuple[int, int]:
+        """(folders, bytes) of this prefix's cached versions on this machine."""
+        return cache_usage(self)
 
     def _gc(self, op: str, keep: int) -> list[int]:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:

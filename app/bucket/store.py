@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from app.bucket.committed import CommittedStore
+from app.bucket.fetching import HeldFolder, hold
 from app.bucket.filesystem import BucketError, InvalidName
 from app.bucket.manifest import ADAPTER_WEIGHTS, files_of_dir
 from contracts.adapters import AdapterRef
@@ -66,12 +67,23 @@ class AdapterStore(CommittedStore):
         Raises VersionNotFound when not committed, IntegrityError on a size or sha256 mismatch."""
         return self._download("fetch", version, dest)
 
+    def fetch_held(self, version: int, attempts: int = 3) -> HeldFolder:
+        """`fetch` into the cache, the folder held in use until released (`app.bucket.fetching.hold`): what a replica
+        serves from, and no prune of this machine deletes meanwhile. Fetched again if pruned before it was held."""
+        for _ in range(attempts):
+            path = self.fetch(version)
+            fd = hold(path)
+            if fd is not None:
+                return HeldFolder(path, fd)
+        raise BucketError(f"fetch {redact(self.url_of(version))}: pruned from the cache {attempts} times as it arrived")
+
     def gc(self, keep: int) -> list[int]:
         """Remove committed versions older than the newest `keep` (manifest first); returns them, newest first."""
         return self._gc("gc", keep)
 
     def prune_cache(self, keep: int) -> list[Path]:
-        """Remove this bucket's cached folders of all but the newest `keep` versions (a replica's disk)."""
+        """Remove this bucket's cached folders (a replica's disk) but those a process of the machine holds
+        (`fetch_held`) and the newest `keep` others; the folders removed."""
         return self._prune_cache(keep)
 
     def url_of(self, version: int) -> str:

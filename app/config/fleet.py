@@ -118,10 +118,19 @@ class FleetSettings(Section):
         description="A run silent this long (no generation, load or heartbeat) is released: token, adapters.",
     )
     inflight_budget: int | None = Field(
-        None, ge=1, description="Generations in flight at once on the fleet, shared by weight; None: replicas x seqs."
+        None,
+        ge=1,
+        description="Sequences in flight at once on the fleet (a request of n holds n), shared by weight; "
+        "None: replicas x max_num_seqs.",
     )
     default_run_weight: float = Field(
-        1.0, gt=0, le=1e6, description="A run's weight (share of in-flight generations) when it registers without one."
+        1.0, gt=0, le=1e6, description="A run's weight (share of in-flight sequences) when it registers without one."
+    )
+    adapter_cache_keep: int = Field(
+        2,
+        ge=0,
+        description="Versions per lineage a replica keeps in its disk cache beyond those in use (the newest); "
+        "the others are deleted.",
     )
     extra_adapter_dirs: list[str] = Field(
         default_factory=list,
@@ -191,7 +200,8 @@ class FleetConfig(Section):
 
     @property
     def inflight_limit(self) -> int:
-        """`inflight_budget`, or what the engines batch at once: beyond that vLLM queues first come first served."""
+        """`inflight_budget`, or the sequences the engines batch at once: beyond that vLLM queues first come first
+        served. The fair share counts in sequences too (a request of `n` completions holds `n` places)."""
         return self.fleet.inflight_budget or self.fleet.num_replicas * self.fleet.max_num_seqs
 
     @property

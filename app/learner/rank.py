@@ -62,7 +62,7 @@ from app.learner.state import (
 from app.messages import ResumePoint, StepResult
 from app.objectives import LossStats, Objectives
 from app.weight_sync import AdapterPublisher
-from contracts.rollouts import Group, RolloutBatch
+from contracts.rollouts import ConsumedGroups, Group, RolloutBatch
 
 if TYPE_CHECKING:
     from app.config import RunConfig
@@ -91,7 +91,7 @@ class LearnerRank:
         self.fleet_url, self.fleet_token = fleet_url, fleet_token
         self.objectives = Objectives.from_config(cfg)
         self.state = LearnerState()
-        self._consumed: set[int] = set()
+        self._consumed = ConsumedGroups()
         self.model = self.optimizer = self.scheduler = None
         self.publisher: AdapterPublisher | None = None
         self._started = False
@@ -139,7 +139,7 @@ class LearnerRank:
         if step is not None:
             folder = self.checkpoints.load(step, self._tmp / f"ckpt-{step}-{time.monotonic_ns()}")
             self.state = read_state(folder)
-            self._consumed = set(self.state.consumed_group_ids)
+            self._consumed = self.state.consumed()
             load_adapter_weights(self.model, folder / ADAPTER_DIR)
         self.prepare_training()
         if folder is not None:
@@ -244,13 +244,13 @@ class LearnerRank:
         metrics = self.forward_backward(fresh)
         metrics["batch/skipped_groups"] = float(len(batch.groups) - len(fresh))
         if metrics["batch/trained_tokens"] == 0:  # all trained on before (or no completion tokens): no step
-            self._mark_consumed(fresh)
+            self._mark_consumed(fresh, batch.data_cursor)
             metrics.update({"learner/skipped_step": 1.0, "perf/step_s": time.perf_counter() - t_step})
             return self._result(batch, fresh, metrics)
 
         metrics.update(self.optimizer_step())
         self.state.step += 1
-        self._mark_consumed(fresh)
+        self._mark_consumed(fresh, batch.data_cursor)
         if self.state.step % g.weight_sync_steps == 0:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
             if self.fleet_url:
@@ -288,11 +288,13 @@ class LearnerRank:
             batch=batch.stats(),
         )
 
-    def _mark_consumed(self, groups: list[Group]) -> None:
+    def _mark_consumed(self, groups: list[Group], data_frontier: int | None) -> None:
+        """The groups are trained, and every id below the batch's data frontier is settled: kept as that frontier and
+        the few ids above it, not as every id ever trained (`ConsumedGroups`)."""
         for grp in groups:
-            if grp.group_id not in self._consumed:
-                self._consumed.add(grp.group_id)
-                self.state.consumed_group_ids.append(grp.group_id)
+            self._consumed.add(grp.group_id)
+        self._consumed.advance(data_frontier)
+        self.state.set_consumed(self._consumed)
 
     def _reduce(self, stats: LossStats, loss_sum: float) -> tuple[LossStats, float]:
         """Sum token statistics over ranks (min/max for extremes): one small all-reduce each."""

@@ -10,12 +10,14 @@ Layout of one checkpoint folder (what `CheckpointStore.save` uploads):
     training_state.safetensors  every tensor of the optimizer (full AdamW state, keyed by parameter
                                 name) and of the RNGs (torch, cuda) of every rank
     training_state.json         the rest as JSON: optimizer param groups, scheduler, python and numpy RNGs
-    learner_state.json          step, policy version, data cursor, consumed group ids, world size
+    learner_state.json          step, policy version, data cursor, consumed groups (frontier + the few ids
+                                above it: `contracts.rollouts.ConsumedGroups`), world size
 
 No pickle anywhere: anyone who can write the bucket could otherwise run code on the learner through
 `torch.load`. A checkpoint of the older pickled layout (`optimizer.pt`) is refused with a clear message.
 
-Consumed group ids are ints; checkpoints written when they were "g{index}" strings are converted on read.
+Consumed group ids are ints; checkpoints written when they were "g{index}" strings are converted on read, and so are
+those that listed every id ever trained (before the frontier was kept): their data cursor is the frontier.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from app.messages import ResumePoint
-from contracts.rollouts import parse_group_ids
+from contracts.rollouts import ConsumedGroups
 
 ADAPTER_DIR = "adapter"
 STATE_FILE = "learner_state.json"
@@ -53,7 +55,14 @@ class LearnerState:
     step: int = 0
     policy_version: int | None = None
     data_cursor: int | None = None
-    consumed_group_ids: list[int] = field(default_factory=list)
+    consumed_group_ids: list[int] = field(default_factory=list)  # trained ids at or above the frontier (a few)
+    consumed_frontier: int = 0  # every group id below it is settled (`contracts.rollouts.ConsumedGroups`)
+
+    def consumed(self) -> ConsumedGroups:
+        return ConsumedGroups.of(self.consumed_group_ids, self.consumed_frontier)
+
+    def set_consumed(self, consumed: ConsumedGroups) -> None:
+        self.consumed_frontier, self.consumed_group_ids = consumed.frontier, consumed.ids()
 
     def resume_point(self) -> ResumePoint:
         """The counters as the message the driver and the rollout receive (after `start`, a version exists)."""
@@ -62,6 +71,7 @@ class LearnerState:
             policy_version=self.policy_version if self.policy_version is not None else 0,
             data_cursor=self.data_cursor,
             consumed_group_ids=tuple(self.consumed_group_ids),
+            consumed_frontier=self.consumed_frontier,
         )
 
 
@@ -192,8 +202,13 @@ def write_checkpoint(
     )
     save_file(tensors, dest / TENSORS_FILE)
     (dest / TRAINING_FILE).write_text(json.dumps(rest))
-    (dest / STATE_FILE).write_text(json.dumps({**asdict(state), "world_size": world_size}))
+    write_state(dest, state, world_size)
     return dest
+
+
+def write_state(folder: Path, state: LearnerState, world_size: int) -> None:
+    """The counters of a checkpoint (`STATE_FILE`), as `read_state` reads them back."""
+    (Path(folder) / STATE_FILE).write_text(json.dumps({**asdict(state), "world_size": world_size}))
 
 
 def read_training_state(folder: Path) -> dict:
@@ -215,8 +230,12 @@ def read_training_state(folder: Path) -> dict:
 def read_state(folder: Path) -> LearnerState:
     data = json.loads((Path(folder) / STATE_FILE).read_text())
     data.pop("world_size", None)
-    data["consumed_group_ids"] = parse_group_ids(data.get("consumed_group_ids", ()))
-    return LearnerState(**data)
+    # A checkpoint from before the frontier was kept lists every id trained; its data cursor is the frontier.
+    frontier = data.pop("consumed_frontier", None)
+    frontier = frontier if frontier is not None else data.get("data_cursor") or 0
+    state = LearnerState(**{**data, "consumed_group_ids": []})
+    state.set_consumed(ConsumedGroups.of(data.get("consumed_group_ids", ()), frontier))
+    return state
 
 
 def restore_training_state(folder: Path, *, model, optimizer, scheduler, rank: int) -> None:

@@ -12,9 +12,10 @@ that the episodes diverge, and each later turn is one request holding every epis
 one prompt each (so one HTTP round trip per turn, not per episode; the ingress routes each prompt
 on its own, to the replica that holds its trajectory). An episode ends when the environment says
 done; one cut by `env.max_turns` or by its token budget (`env.max_episode_tokens`) is marked
-truncated. The environment's `reset` and `step` run in worker threads under `env.timeout_s`: one
-that raises or hangs ends its own episode with reward None (NaN) and `env_error`, never the group
-or the run. A generation request that still fails after the fleet client's retries costs the
+truncated. The environment's `reset` and `step` run in worker threads under `env.timeout_s` (counted from when
+the call starts, not while it waits for a thread): one that raises or hangs ends its own episode with reward None
+(NaN) and `env_error`, never the group or the run, and a hung one leaves its thread behind
+(`app.tasks.timed_calls`) rather than taking one of the runner's for ever. A generation request that still fails after the fleet client's retries costs the
 group, as in single-turn sampling. A group outlives its policy version only so long: once the
 learner is more than `max_staleness` versions ahead it could never be trained, so the runner
 stops it before the next turn (`GroupStale`) instead of sampling for nothing.
@@ -26,7 +27,6 @@ of episodes as scored samples from it. No Ray here; tests drive it with a fake `
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import logging
 import math
 from collections.abc import Callable
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
 from app.tasks.environments import Environment, EnvStep
 from app.tasks.problems import Problem
+from app.tasks.timed_calls import TimedCalls
 from contracts.rollouts import Choice, Generate, Sample
 
 log = logging.getLogger(__name__)
@@ -114,8 +115,8 @@ class EpisodeRunner(Sampler):
         super().__init__()
         self.env_factory, self.encode, self.generate = env_factory, encode, generate
         self.max_turns, self.max_episode_tokens, self.timeout_s = max_turns, max_episode_tokens, timeout_s
-        # Its own threads: a hung environment holds one of these until it returns, never the reward scorer's.
-        self._threads = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="env")
+        # Its own threads, never the reward scorer's; a call that hangs past the timeout is given up on.
+        self._calls = TimedCalls(max_threads, timeout_s, "env")
         self._env_errors = 0
 
     @classmethod
@@ -147,11 +148,10 @@ class EpisodeRunner(Sampler):
 
     async def _env_call(self, fn: Callable, *args):
         """`fn(*args)` in a worker thread under the timeout; any failure becomes EnvFailed."""
-        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self._threads, fn, *args), self.timeout_s)
-        except TimeoutError:
-            raise EnvFailed(f"{getattr(fn, '__qualname__', fn)} timed out after {self.timeout_s:.1f}s") from None
+            return await self._calls.acall(fn, *args)
+        except TimeoutError as e:
+            raise EnvFailed(str(e)) from None
         except Exception as e:
             raise EnvFailed(f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}: {e}") from None
 
@@ -271,4 +271,4 @@ class EpisodeRunner(Sampler):
         return False
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._calls.close()

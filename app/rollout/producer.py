@@ -55,7 +55,7 @@ class GroupProducer:
         self.cursor = resume.data_cursor or 0
         self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
         self.learner_version = resume.policy_version  # version the learner trains now; staleness is measured to it
-        self.consumed = set(resume.consumed_group_ids)
+        self.consumed = resume.consumed()  # trained before a restart: never produced again
         self.queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=cfg.rollout.queue_maxsize)
         self._slots = asyncio.Semaphore(cfg.rollout.max_inflight_tasks)
         self._tasks: set[asyncio.Task] = set()
@@ -86,7 +86,9 @@ class GroupProducer:
         await self._slots.acquire()
         index = self.cursor
         self.cursor += 1
-        if index in self.consumed:  # trained before a restart: never feed it twice
+        skip = index in self.consumed  # trained before a restart: never feed it twice
+        self.consumed.advance(self.cursor)  # nothing below the cursor is asked about again
+        if skip:
             self._slots.release()
             return
         self._pending.add(index)
@@ -173,7 +175,6 @@ class GroupProducer:
                 continue
             groups.append(group)
         self.counters["groups_taken"] += len(groups)
-        self.consumed.update(g.group_id for g in groups)
         return RolloutBatch(groups, data_cursor=self.frontier, learner_version=self.learner_version)
 
     def _too_stale(self, policy_version: int) -> bool:

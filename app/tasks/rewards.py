@@ -3,7 +3,9 @@
 Reward functions take TRL's signature `f(completions, prompts, completion_ids, **columns)` and
 return one float (or None) per sample, so a TRL user's function drops in unchanged. The scorer
 sums them like TRL (a None contributes nothing); a function that raises or runs past its timeout
-gives None for its samples and is counted in `reward/errors/<name>` instead of killing the run.
+(counted from when it starts) gives None for its samples and is counted in `reward/errors/<name>` instead of
+killing the run; a call that hangs leaves its thread behind (`app.tasks.timed_calls`), never takes one of the
+scorer's for good.
 
 The MATH reward checks the last `\\boxed{}` with math-verify, whose own timeouts rely on signals,
 so it runs in a process pool (signals only work in a process's main thread) with an outer timeout.
@@ -12,6 +14,7 @@ so it runs in a process pool (signals only work in a process's main thread) with
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import multiprocessing
 from collections import Counter
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.tasks.registry import resolve_named
+from app.tasks.timed_calls import TimedCalls
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +149,7 @@ class RewardScorer:
         if not funcs:
             raise ValueError("at least one reward function is needed")
         self.funcs, self.timeout_s = funcs, timeout_s
-        self._threads = cf.ThreadPoolExecutor(max_workers=max(2, len(funcs)), thread_name_prefix="reward")
+        self._calls = TimedCalls(max(2, len(funcs)), timeout_s, "reward")
         self.errors_total: Counter = Counter()
 
     @classmethod
@@ -155,9 +159,9 @@ class RewardScorer:
     def _call(self, func: RewardFunc, n: int, args: tuple, columns: dict) -> list[float | None] | None:
         name = _name(func)
         try:
-            out = self._threads.submit(func, *args, **columns).result(timeout=self.timeout_s)
-        except cf.TimeoutError:
-            log.warning("reward %s timed out after %.1fs; its %d samples get None", name, self.timeout_s, n)
+            out = self._calls.call(functools.partial(func, *args, **columns))
+        except TimeoutError as e:
+            log.warning("reward %s: %s; its %d samples get None", name, e, n)
             return None
         except Exception as e:
             log.warning("reward %s raised %s: %s; its %d samples get None", name, type(e).__name__, e, n)
@@ -190,5 +194,5 @@ class RewardScorer:
         return {f"reward/errors/{name}": float(c) for name, c in self.errors_total.items()}
 
     def close(self) -> None:
-        """Let go of the worker threads (one hung in a reward function is abandoned, never waited for)."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        """Take no more calls (one hung in a reward function is abandoned, never waited for)."""
+        self._calls.close()

@@ -42,15 +42,21 @@ WWW_AUTHENTICATE = {"WWW-Authenticate": 'Bearer realm="spotrl", Basic realm="spo
 
 
 def make_app(
-    backend: Backend, settings: ApiSettings, runs: Runs | None = None, records=None, gate: FairShare | None = None
+    backend: Backend,
+    settings: ApiSettings,
+    runs: Runs | None = None,
+    records=None,
+    gate: FairShare | None = None,
+    own_lineage: Callable[[], bool] | None = None,
 ) -> FastAPI:
     """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants, `records` (an
-    `app.bucket.store.RunRecords`) where registrations are kept across restarts of the ingress, `gate` the fair
-    share of in-flight generations between them. `app.state.upkeep` is its background upkeep."""
+    `app.bucket.records.RunRecords`) where registrations are kept across restarts of the ingress, `gate` the fair
+    share of in-flight sequences between them, `own_lineage` whether the fleet's own lineage has a committed version
+    (`deployments.control.tenancy`). `app.state.upkeep` is its background upkeep."""
     scrub = Scrub(settings.admin_token)
     runs = runs if runs is not None else Runs.of(settings)
-    gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight)
-    tenancy = Tenancy(runs, records, backend, scrub)
+    gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight, is_run=runs.__contains__)
+    tenancy = Tenancy(runs, records, backend, scrub, gate, own_lineage)
     upkeep = Upkeep(tenancy, backend, gate)
     app = FastAPI(
         title="spotrl fleet",
@@ -68,7 +74,7 @@ def make_app(
     membership = Membership(backend, settings.num_replicas)
     for routes in (
         InferenceRoutes(settings, callers, backend, gate, scrub),
-        StatusRoutes(settings, callers, backend, membership, gate),
+        StatusRoutes(settings, callers, backend, membership, gate, runs),
         AdminRoutes(callers, backend, settings.limits),
         RunRoutes(callers, tenancy, settings.limits),
     ):

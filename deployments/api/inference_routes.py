@@ -3,7 +3,8 @@
 They speak what TRL's AsyncGRPOTrainer (`trl.experimental.async_grpo`) and the `openai` client send:
 token-id or text prompts, `return_token_ids` and `logprobs`. Open to anyone unless `protect_inference` puts
 them behind the token; a run's token reaches the base model and its own adapters only (`Caller`). Each
-generation waits for a place in the fleet (`deployments.control.fair_share`), then goes to the backend;
+generation waits for places in the fleet, one per sequence (`deployments.control.fair_share`; a batch of prompts is
+one generation per prompt, prompts x n places in all), then goes to the backend;
 tokenizing and decoding run in worker threads (`offload`), never on the event loop.
 """
 
@@ -60,9 +61,10 @@ class InferenceRoutes(Routes):
         self._token_text = cached_token_text(settings.decode)
 
     async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
-        """One generation, once the caller's run has a place in the fleet (`deployments.control.fair_share`)."""
+        """One generation, once the caller's run has places in the fleet for its `n` sequences
+        (`deployments.control.fair_share`)."""
         try:
-            async with self.gate.slot(caller.tenant) as used:
+            async with self.gate.slot(caller.tenant, request.sampling.n) as used:
                 result = await self.backend.generate(request)
                 used.prompt_tokens = len(request.prompt_ids)
                 used.completion_tokens = sum(len(c.token_ids) for c in result.choices)

@@ -2,11 +2,14 @@
 
 Reading changes nothing: no handler here stores what it found or counts as a run's sign of life (the slots
 gauges are refreshed by `deployments.control.upkeep`). A run's token sees its own adapters and counters only.
+`/server_info` also counts what the ingress keeps per run and per request (`spotrl.ingress`), `/engine/stats` what
+each replica keeps (`tables`): on a fleet up for weeks, neither grows with the runs that came and went.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request
@@ -20,14 +23,22 @@ from deployments.control.broadcast import everywhere, slots_held
 from deployments.control.errors import ApiError
 from deployments.control.fair_share import FairShare
 from deployments.control.membership import Membership
+from deployments.control.runs import Runs
+from deployments.control.tables import ingress_tables
 
 
 class StatusRoutes(Routes):
     def __init__(
-        self, settings: ApiSettings, callers: Callers, backend: Backend, membership: Membership, gate: FairShare
+        self,
+        settings: ApiSettings,
+        callers: Callers,
+        backend: Backend,
+        membership: Membership,
+        gate: FairShare,
+        runs: Runs,
     ):
         self.settings, self.callers, self.backend = settings, callers, backend
-        self.membership, self.gate = membership, gate
+        self.membership, self.gate, self.runs = membership, gate, runs
 
     @route("GET", "/health")
     async def health(self) -> dict[str, Any]:
@@ -47,6 +58,8 @@ class StatusRoutes(Routes):
                 "base_model": self.settings.base_model,
                 "base_fingerprint": self.settings.base_fingerprint,
                 "bucket_url": self.settings.bucket_url,
+                # What the ingress keeps per run and per request, counted (`deployments.control.tables`).
+                "ingress": asdict(ingress_tables(self.runs, self.gate, self.backend)),
             },
         }
 

@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from contracts.adapters import split_run
-from contracts.control import Command, ListAdapters, LoadAdapter, Pause, Resume, UndoLoad, UnloadAdapter
+from contracts.control import Command, ForgetRun, ListAdapters, LoadAdapter, Pause, Resume, UndoLoad
 from deployments.control.backend import Backend
 from deployments.control.errors import ApiError, as_api_error
 from deployments.control.fair_share import FLEET_TENANT
@@ -77,13 +77,11 @@ async def pause_everywhere(backend: Backend, mode: str) -> list[Any]:
     return results
 
 
-async def unload_run(backend: Backend, run: str) -> list[str]:
-    """Unload every adapter of `run` (`<run>/...`) from every live replica; returns their names."""
-    listed = await everywhere(backend, ListAdapters())
-    names = sorted({a.name for r in listed for a in r.adapters if split_run(a.name)[0] == run})
-    for adapter in names:
-        await everywhere(backend, UnloadAdapter(adapter))
-    return names
+async def forget_run(backend: Backend, run: str) -> list[str]:
+    """Run `run` left: every live replica unloads its adapters (`<run>/...`) and forgets what it kept of it
+    (`ForgetRun`); the names unloaded."""
+    replies = await everywhere(backend, ForgetRun(run))
+    return sorted({name for reply in replies for name in reply.unloaded})
 
 
 async def slots_held(backend: Backend) -> dict[str, int]:

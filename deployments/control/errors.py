@@ -17,6 +17,7 @@ ERROR_KINDS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    409: "conflict",  # a run that does not fit the slots, a name already registered
     413: "invalid_request_error",
     415: "invalid_request_error",
 }

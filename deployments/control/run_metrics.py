@@ -2,7 +2,12 @@
 
 The gate (`deployments.control.fair_share`) tells them as they change: requests, tokens, queue waits,
 places in flight and waiting; the LoRA slots a run holds come from the ingress's upkeep
-(`deployments.control.upkeep`), which lists the replicas' adapters every few seconds.
+(`deployments.control.upkeep`), which lists the replicas' adapters every few seconds. Places are counted in
+sequences (a generation of `n` completions holds `n`).
+
+Nothing is kept here per run: the tags are made on each call. Ray's metrics agent keeps a series per run tag
+value, and Ray has no call to drop one: a run that leaves has its gauges set to 0 (`forget`), so that no chart
+shows places or slots of a run long gone.
 """
 
 from __future__ import annotations
@@ -35,10 +40,10 @@ class RunMetrics:
             tag_keys=tags,
         )
         self._in_flight = metrics.Gauge(
-            "spotrl_fleet_run_in_flight", description="The run's generations in flight.", tag_keys=tags
+            "spotrl_fleet_run_in_flight", description="The run's sequences in flight.", tag_keys=tags
         )
         self._queued = metrics.Gauge(
-            "spotrl_fleet_run_queued", description="The run's generations waiting for a place.", tag_keys=tags
+            "spotrl_fleet_run_queued", description="The run's sequences waiting for places.", tag_keys=tags
         )
         self._slots = metrics.Gauge(
             "spotrl_fleet_run_slots_held",
@@ -66,3 +71,8 @@ class RunMetrics:
 
     def slots(self, run: str, held: int) -> None:
         self._slots.set(held, self._tags(run))
+
+    def forget(self, run: str) -> None:
+        """Run `run` left the fleet: its gauges go to 0 (Ray keeps the series, with that last value)."""
+        self.places(run, 0, 0)
+        self.slots(run, 0)

@@ -17,9 +17,10 @@ life: resolving a token (`run_of`) changes nothing, and the routes say when a ru
 A run states its LoRA rank and its staleness window when it registers (`POST /v1/runs {"name",
 "lora_rank", "max_staleness"}`; the fleet's `max_staleness` when it says none): a rank above the fleet's
 `max_lora_rank` is refused (400), and so is a run whose window would no longer fit: the windows of every
-run, plus the fleet's own `policy-vN` lineage's, plus one slot to load into, must fit `max_loras`
-(`app.config.slots_needed`; 409 with the arithmetic). Better a clear refusal than runs that evict each
-other's live versions on every request.
+run, plus the fleet's own `policy-vN` lineage's if it has a committed version (a fleet that nobody trains under
+itself pins nothing for it), plus one slot to load into, must fit `max_loras` (`app.config.slots_needed`; 409 of
+type `conflict`, with the arithmetic). Better a clear refusal than runs that evict each other's live versions on
+every request.
 
 Each run has a weight (`POST /v1/runs {"name", "weight"}`, `fleet.default_run_weight` when not given): its
 share of the fleet's in-flight generations under contention (`deployments.control.fair_share`).
@@ -90,6 +91,13 @@ class Runs:
     def names(self) -> list[str]:
         return sorted(self._runs)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._runs
+
+    def sizes(self) -> dict[str, int]:
+        """How many runs the registry keeps, and idle clocks (`/server_info`'s tables)."""
+        return {"runs": len(self._runs), "idle_clocks": len(self._seen)}
+
     def window(self, name: str) -> int:
         """The versions of run `name`'s lineage that samples may still use, and its slots pin: max_staleness + 1."""
         staleness = self._runs[name].max_staleness
@@ -101,8 +109,10 @@ class Runs:
         weight: float | None = None,
         max_staleness: int | None = None,
         lora_rank: int | None = None,
+        own_lineage: bool = True,
     ) -> str:
-        """Register run `name` and return its token (the only time anyone sees it)."""
+        """Register run `name` and return its token (the only time anyone sees it). `own_lineage`: whether the
+        fleet's own `policy-vN` lineage has a committed version, and so pins its window too."""
         if not RUN_NAME.fullmatch(name):
             raise ApiError(
                 400, f"name {name[:64]!r}: expected 1-32 of a-z, 0-9, '_', '-', starting with a letter or digit"
@@ -118,26 +128,26 @@ class Runs:
                 "buffers are sized for it); train a smaller rank or redeploy the fleet with a larger fleet.max_lora_rank",
             )
         registration = Registration("", weight, max_staleness, lora_rank)
-        self._check_fits(name, registration)
+        self._check_fits(name, registration, own_lineage)
         token = mint_run_token()
         self._runs[name] = Registration(token_digest(token), weight, max_staleness, lora_rank)
         self._seen[name] = self._clock()
         return token
 
-    def _check_fits(self, name: str, registration: Registration) -> None:
-        """409 with the arithmetic when one more run of this window would overflow the slots."""
+    def _check_fits(self, name: str, registration: Registration, own_lineage: bool) -> None:
+        """409 (conflict) with the arithmetic when one more run of this window would overflow the slots."""
         staleness = self.max_staleness if registration.max_staleness is None else registration.max_staleness
         windows = {**{run: self.window(run) for run in self._runs}, name: staleness + 1}
-        own = self.max_staleness + 1  # the fleet's own learner (`policy-vN` at the bucket's root)
+        own = self.max_staleness + 1 if own_lineage else 0  # the fleet's own learner (`policy-vN` at the bucket's root)
         needed = slots_needed([*windows.values(), own])
         if needed > self.max_loras:
             pins = ", ".join(f"{run} {w}" for run, w in sorted(windows.items()))
+            lineage = f"the fleet's own lineage {own}" if own else "the fleet's own lineage none (nothing committed)"
             raise ApiError(
                 409,
-                f"run {name!r} would not fit: runs pin their windows (max_staleness + 1: {pins}) and the fleet's own "
-                f"lineage {own}, {needed} LoRA slots per engine with one to load into, more than "
-                f"fleet.max_loras={self.max_loras}; remove a run, register with a smaller max_staleness, or redeploy "
-                "with more slots",
+                f"run {name!r} would not fit: runs pin their windows (max_staleness + 1: {pins}) and {lineage}, "
+                f"{needed} LoRA slots per engine with one to load into, more than fleet.max_loras={self.max_loras}; "
+                "remove a run, register with a smaller max_staleness, or redeploy with more slots",
             )
 
     def remove(self, name: str) -> None:

@@ -5,9 +5,14 @@ The registry (`deployments.control.runs`) is the ingress's memory; the records (
 name, token sha256, weight, window and rank) are what a restarted ingress remembers it from. So a
 registration that cannot be recorded is undone (it would be forgotten by the next ingress), and a record is
 deleted before its run is forgotten (it would bring the run back). A run that leaves takes its adapters off
-every replica with it, so that its slots serve the others at once instead of waiting for their LRU eviction.
-Replicas know nothing of runs: a run's adapters come back from the bucket on demand, so a replica that
-restarts loses nothing.
+every replica with it, so that its slots serve the others at once instead of waiting for their LRU eviction, and
+everything the fleet kept of it: the replicas forget its prefix of the bucket, its names and its cached folders
+(`contracts.control.ForgetRun`), the fair share its counters once its last generation is done. A fleet that stays
+up for weeks while runs come and go keeps nothing of the runs gone. Replicas need not know of runs: a run's
+adapters come back from the bucket on demand, so a replica that restarts loses nothing.
+
+Whether the fleet's own `policy-vN` lineage pins slots at registration is the bucket's to say (`own_lineage`):
+only once a version of it is committed.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from collections.abc import Callable
 from contracts.adapters import run_prefix
 from contracts.auth import redact
 from deployments.control.backend import Backend
-from deployments.control.broadcast import unload_run
+from deployments.control.broadcast import forget_run
 from deployments.control.errors import ApiError
+from deployments.control.fair_share import FairShare
 from deployments.control.offload import offload
 from deployments.control.runs import Runs
 
@@ -27,14 +33,31 @@ log = logging.getLogger("ray.serve")
 
 
 class Tenancy:
-    """Register, remove and release the runs of `runs`, with their records (`records`, None: kept nowhere)."""
+    """Register, remove and release the runs of `runs`, with their records (`records`, None: kept nowhere) and their
+    share of the fleet (`gate`). `own_lineage` says whether the fleet's own lineage has a committed version (a bucket
+    listing, in a worker thread); None: it is counted as if it had."""
 
-    def __init__(self, runs: Runs, records, backend: Backend, scrub: Callable[[str], str]):
+    def __init__(
+        self,
+        runs: Runs,
+        records,
+        backend: Backend,
+        scrub: Callable[[str], str],
+        gate: FairShare,
+        own_lineage: Callable[[], bool] | None = None,
+    ):
         self.runs, self.records, self.backend, self.scrub = runs, records, backend, scrub
+        self.gate, self.own_lineage = gate, own_lineage
 
     async def register(self, name: str, weight: float | None, max_staleness: int | None, lora_rank: int | None) -> str:
         """Register and record run `name`; its token (the only time anyone sees it)."""
-        token = self.runs.register(name, weight, max_staleness, lora_rank)
+        own = True
+        if self.own_lineage is not None:
+            try:
+                own = await offload(self.own_lineage)
+            except Exception as e:  # the records could not be written either: say so now
+                raise ApiError(503, f"the fleet's bucket could not be listed: {e}") from None
+        token = self.runs.register(name, weight, max_staleness, lora_rank, own)
         if self.records is not None:
             try:
                 await offload(self.records.save, name, self.runs.registration(name).as_record())
@@ -56,7 +79,8 @@ class Tenancy:
                     503, f"run {name!r} could not be removed from the bucket, still registered: {e}"
                 ) from None
         self.runs.remove(name)
-        names = await unload_run(self.backend, name)
+        self.gate.forget(name)
+        names = await forget_run(self.backend, name)
         log.info("fleet ingress: removed run %s, unloaded %s", name, names or "nothing")
         return names
 
@@ -64,14 +88,16 @@ class Tenancy:
         """Release the runs gone silent for `fleet.run_idle_timeout_s`, as if removed; their names.
 
         Their tokens stop working at once. Whatever fails after that is logged, not raised: the run is gone
-        either way, and its adapters still leave the replicas by LRU."""
+        either way, and its adapters still leave the replicas by LRU (what a replica keeps of it is then forgotten
+        only with the next removal of that name)."""
         released = self.runs.take_idle()
         for name in released:
             log.warning("fleet ingress: run %s sent nothing for %.0fs: released", name, self.runs.idle_timeout_s)
+            self.gate.forget(name)
             try:
                 if self.records is not None:
                     await offload(self.records.delete, name)
-                await unload_run(self.backend, name)
+                await forget_run(self.backend, name)
             except Exception as e:  # noqa: BLE001 - see above
                 log.warning(
                     "fleet ingress: released run %s, could not unload its adapters: %s", name, self.scrub(repr(e))

@@ -117,8 +117,11 @@ def test_killed_worker_resumes_from_checkpoint_and_matches_uninterrupted_run(ray
 
         # The ObjectRef of a batch, as the driver passes the rollout's: retried after the death, it is sent again.
         result = group.train_step(ray_local.put(batch(2, data_cursor=3)))
-        consumed = tuple(g.group_id for g in STEP_GROUPS[0] + STEP_GROUPS[1])
-        assert group.last_resume == ResumePoint(step=2, policy_version=2, data_cursor=2, consumed_group_ids=consumed)
+        # Step 0's groups (ids 0-2) are the frontier now; step 1's (100-102) lie above it, ahead of ids never trained.
+        consumed = tuple(g.group_id for g in STEP_GROUPS[1])
+        assert group.last_resume == ResumePoint(
+            step=2, policy_version=2, data_cursor=2, consumed_group_ids=consumed, consumed_frontier=3
+        )
         assert result.metrics["learner/restarts"] == 1 and result.metrics["learner/resumed_step"] == 2
         assert result.step == 3 and result.policy_version == ref_results[2].policy_version == 3
         assert result.trained_group_ids == [g.group_id for g in STEP_GROUPS[2]]

@@ -6,6 +6,7 @@ from contracts.control import (
     AdapterInfo,
     AdapterListing,
     CacheReset,
+    ForgetRun,
     ListAdapters,
     LoadAdapter,
     Loaded,
@@ -15,6 +16,7 @@ from contracts.control import (
     Pong,
     ResetPrefixCache,
     Resume,
+    RunForgotten,
     UndoLoad,
     UnloadAdapter,
     Unloaded,
@@ -73,6 +75,10 @@ class FakeBackend:
                 case UnloadAdapter(name=name):
                     out.append(Unloaded(rid, unloaded=name in self.adapters[replica]))
                     self.adapters[replica].discard(name)
+                case ForgetRun(run=run):
+                    gone = tuple(sorted(a for a in self.adapters[replica] if a.startswith(f"{run}/")))
+                    self.adapters[replica] -= set(gone)
+                    out.append(RunForgotten(rid, gone))
                 case ListAdapters():
                     infos = tuple(AdapterInfo(a, "file:///b", "sha", 0) for a in sorted(self.adapters[replica]))
                     out.append(AdapterListing(rid, infos))
@@ -95,6 +101,9 @@ class FakeBackend:
 
     def router_stats(self):
         return {"router": "PrefixHashRouter", "totals": {"routed": 0}}
+
+    def sizes(self):
+        return {"poison_entries": 0}
 
 
 def api_settings(**overrides):

@@ -61,13 +61,16 @@ def adapter_slots(
     window: int = 3,
     max_loras: int = 6,
     slot_wait_s: float = 30.0,
+    cache_keep: int = 2,
 ) -> AdapterSlots:
-    """The slots of replica `REPLICA` around `llm`, over the bucket `tmp_path/bucket`, trusting `tmp_path/trl`."""
+    """The slots of replica `REPLICA` around `llm`, over the bucket `tmp_path/bucket` (cache `tmp_path/cache`),
+    trusting `tmp_path/trl`."""
     sources = AdapterSources(
         f"file://{tmp_path}/bucket",
         BucketConfig(cache_dir=str(tmp_path / "cache")),
         window=window,
         trusted_dirs=[tmp_path / "trl"],
+        cache_keep=cache_keep,
     )
     return AdapterSlots(
         REPLICA,

@@ -118,3 +118,162 @@ def test_a_load_never_evicts_an_adapter_in_flight_it_waits_for_one_to_finish_or_
 
     asyncio.run(scenario())
     assert len(llm.added) - len(llm.removed) == 3
+
+
+# ---- what a replica keeps, on a fleet up for weeks ----------------------------------------------------
+
+
+def _cached(tmp_path) -> list[str]:
+    """The folders of the replica's disk cache, as `<version>` per bucket prefix (the commit dropped)."""
+    cache = tmp_path / "cache"
+    return sorted(
+        f"{p.parent.parent.name.rsplit('-', 1)[0]}:{p.name.split('.')[0]}"
+        for p in cache.glob("*/adapters/policy-v*")
+        if not p.name.startswith(".")
+    )
+
+
+def test_the_disk_cache_keeps_the_versions_in_use_and_the_newest_few_others(tmp_path):
+    """18-37 MB a version for a 1.5B model: a lineage that publishes for weeks must not fill the replica's disk."""
+    from app.bucket.store import AdapterStore
+
+    slots = adapter_slots(tmp_path, window=2, max_loras=3, cache_keep=1)
+    own = AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache")
+    for v in range(1, 9):
+        own.publish(adapter_folder(tmp_path / f"v{v}", f"weights {v}".encode()), v)
+
+    async def scenario():
+        await slots.load("policy-v1", "policy-v1")
+        finish = asyncio.Event()
+        request = asyncio.create_task(_in_flight(slots, "policy-v1", finish))  # v1 in use all along
+        await asyncio.sleep(0)
+        for v in range(2, 9):
+            await slots.load(f"policy-v{v}", f"policy-v{v}")
+        await slots.sources.tidy()
+        assert slots.names == ("policy-v1", "policy-v7", "policy-v8")
+        # Held by the engine: v1 (a request in flight), v7, v8; of the others the newest one: v6.
+        assert [c.split(":")[1] for c in _cached(tmp_path)] == ["policy-v1", "policy-v6", "policy-v7", "policy-v8"]
+        finish.set()
+        await request
+        await slots.unload("policy-v1")  # no longer in use: it goes, v6 stays the one spare
+        await slots.sources.tidy()
+        assert [c.split(":")[1] for c in _cached(tmp_path)] == ["policy-v6", "policy-v7", "policy-v8"]
+        async with slots.use("policy-v6"):  # evicted or not, a cached version serves at once
+            pass
+
+    asyncio.run(scenario())
+
+
+def test_a_run_that_leaves_takes_its_names_prefix_and_cached_folders_along_once_its_last_request_is_done(tmp_path):
+    """Runs come and go one after another (as in the soak test, without an engine): the replica's tables and disk cache
+    end where they began. A run removed with a request in flight keeps that adapter's folder until it is done."""
+    from app.bucket.store import AdapterStore
+    from contracts.adapters import run_prefix
+
+    slots = adapter_slots(tmp_path, window=2, max_loras=4, cache_keep=1)  # the fleet's own 1, a run's 2, 1 to load
+    url = f"file://{tmp_path}/bucket"
+    AdapterStore(url).publish(adapter_folder(tmp_path / "own", b"the fleet's own"), 1)
+
+    async def one_run(run: str, leave_with_a_request: bool) -> None:
+        store = AdapterStore(run_prefix(url, run))
+        for v in range(1, 6):
+            store.publish(adapter_folder(tmp_path / run / f"v{v}", f"{run} {v}".encode()), v)
+            await asyncio.gather(*(slots.load(f"{run}/policy-v{v}", f"policy-v{v}") for _ in range(2)))
+            async with slots.use(f"{run}/policy-v{v}"):
+                pass
+        await slots.unload(f"{run}/policy-v4")
+        async with slots.use(f"{run}/policy-v1"):  # evicted since: back from the bucket
+            pass
+        finish = asyncio.Event()
+        request = asyncio.create_task(_in_flight(slots, f"{run}/policy-v5", finish))
+        await asyncio.sleep(0)
+        if not leave_with_a_request:
+            finish.set()
+            await request
+        held = {name for name in slots.names if name.startswith(f"{run}/")}
+        forgotten = await slots.forget_run(run)
+        assert set(forgotten.unloaded) == held and f"{run}/policy-v5" in held
+        assert slots.names == ("policy-v1",)
+        assert forgotten.draining == int(leave_with_a_request)
+        if leave_with_a_request:
+            assert slots.sizes()["leaving_runs"] == 1
+            assert [c.split(":")[1] for c in _cached(tmp_path) if f"-runs-{run}:" in c] == ["policy-v5"]  # in use
+            finish.set()
+            await request
+            await slots.sources.tidy()
+
+    async def scenario():
+        await slots.load("policy-v1", "policy-v1")
+        await slots.sources.tidy()
+        before, cached, prefixes = slots.sizes(), _cached(tmp_path), sorted((tmp_path / "cache").iterdir())
+        for i in range(12):
+            await one_run(f"run{i}", leave_with_a_request=i % 3 == 0)
+        assert slots.sizes() == before, (slots.sizes(), before)
+        assert _cached(tmp_path) == cached and sorted((tmp_path / "cache").iterdir()) == prefixes
+        return before
+
+    before = asyncio.run(scenario())
+    assert before == {
+        "name_locks": 0,
+        "unloaded": 0,
+        "evicted": 0,
+        "run_prefixes": 1,
+        "known_versions": 1,
+        "leaving_runs": 0,
+    }
+
+
+def test_names_unloaded_or_evicted_are_remembered_for_the_newest_few_hundred_only():
+    """TRL unloads each stale `trl-policy-vN` (never loaded on demand: not worth remembering); a bucket lineage's
+    explicit unloads and every eviction are remembered, the newest `REMEMBERED_NAMES` of each."""
+    from deployments.adapter_slots import REMEMBERED_NAMES, RecentNames
+
+    names = RecentNames(limit=3)
+    for v in range(10):
+        names.add(f"alice/policy-v{v}")
+    names.add("bob/policy-v1")
+    assert len(names) == 3 and "alice/policy-v9" in names and "alice/policy-v6" not in names
+    names.drop_run("alice")
+    assert len(names) == 1 and "bob/policy-v1" in names
+    assert REMEMBERED_NAMES >= 256
+
+
+def test_a_stale_trl_version_unloaded_is_not_remembered(tmp_path):
+    slots = adapter_slots(tmp_path)
+
+    async def scenario():
+        for v in range(50):
+            await slots.unload(f"trl-policy-v{v}")
+        await slots.unload("policy-v3")
+
+    asyncio.run(scenario())
+    assert slots.sizes()["unloaded"] == 1
+
+
+def test_a_run_gone_whose_folder_another_replica_of_the_node_holds_is_deleted_once_that_one_lets_go(
+    tmp_path, monkeypatch
+):
+    """The replicas of a node share the cache: one forgets a run while another still serves a request from its folder.
+    The folder goes once the other lets go, without waiting for this replica's next load."""
+    import deployments.adapter_sources as sources_module
+    from app.bucket.store import AdapterStore
+    from contracts.adapters import run_prefix
+
+    monkeypatch.setattr(sources_module, "LEAVING_RETRY_S", 0.05)
+    slots = adapter_slots(tmp_path)
+    store = AdapterStore(run_prefix(f"file://{tmp_path}/bucket", "alice"), cache_dir=tmp_path / "cache")
+    store.publish(adapter_folder(tmp_path / "v1", b"alice's"), 1)
+
+    async def scenario():
+        await slots.load("alice/policy-v1", "policy-v1")
+        other_replica = store.fetch_held(1)  # the same folder, held by another replica of the node
+        await slots.forget_run("alice")
+        assert slots.sizes()["leaving_runs"] == 1 and other_replica.path.is_dir()
+        other_replica.release()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not slots.sizes()["leaving_runs"]:
+                break
+        assert slots.sizes()["leaving_runs"] == 0 and not other_replica.path.exists()
+
+    asyncio.run(scenario())

@@ -153,7 +153,7 @@ def test_a_runs_adapters_load_only_from_its_own_prefix_of_the_bucket(tmp_path):
             with pytest.raises(BadRequest):
                 await slots.load(name, ref)
         await slots.unload("alice/policy-v1")
-        slots._unloaded.clear()  # as if evicted: asked for again, it comes back from alice's prefix
+        slots._unloaded.discard("alice/policy-v1")  # as if evicted: asked for again, it comes back from alice's prefix
         async with slots.use("alice/policy-v1") as lora:
             assert lora.lora_name.startswith("alice/policy-v1@")
         with pytest.raises(ModelNotFound):  # committed at the root and in alice's prefix, not in carol's
@@ -164,3 +164,43 @@ def test_a_runs_adapters_load_only_from_its_own_prefix_of_the_bucket(tmp_path):
     adapters = slots.listing().adapters
     assert {a.name: a.source for a in adapters}["alice/policy-v1"] == alice.url_of(1)
     assert len({a.sha256 for a in adapters}) == len(adapters)  # alice's and bob's v1 are different files
+
+
+def test_a_lineage_that_trains_for_weeks_is_remembered_as_its_last_listing_and_the_newest_fetched_versions():
+    """Every new version arrives by broadcast (fetched, never listed): the replica remembers the newest few; an older
+    one asked for again is found by a listing at once, not refused until the next interval."""
+    from deployments.adapter_sources import FETCHED_REMEMBERED
+
+    bucket = _Bucket(1, 0)
+    versions = CommittedVersions(bucket, window=3, min_interval_s=3600.0)
+
+    async def scenario():
+        await versions.to_serve()
+        for v in range(2, 2000):
+            bucket.committed.insert(0, v)
+            versions.remember(v)
+        assert versions.known == 2 + FETCHED_REMEMBERED and bucket.listings == 1
+        assert await _ask(versions, 1999, 1990) == [True, True] and bucket.listings == 1  # remembered
+        assert await _ask(versions, 1000) == [True] and bucket.listings == 2  # forgotten: listed at once
+        assert versions.known == 2000  # as listed: what the learner's gc keeps, in a real bucket
+
+    asyncio.run(scenario())
+
+
+def test_a_run_that_left_is_forgotten_and_comes_back_fresh_if_it_registers_again(tmp_path):
+    from contracts.adapters import AdapterRef, run_prefix
+
+    slots = adapter_slots(tmp_path)
+    sources = slots.sources
+    store = AdapterStore(run_prefix(sources.url, "alice"))
+    _publish(store, tmp_path, 1)
+
+    async def scenario():
+        assert await sources.is_committed(AdapterRef(1, "alice"))
+        assert sources.sizes() == {"run_prefixes": 2, "known_versions": 1, "leaving_runs": 0}
+        sources.forget("alice")
+        await sources.tidy()
+        assert sources.sizes() == {"run_prefixes": 1, "known_versions": 0, "leaving_runs": 0}
+        assert await sources.is_committed(AdapterRef(1, "alice"))  # the same name again: asked afresh
+
+    asyncio.run(scenario())

@@ -168,3 +168,66 @@ def test_publish_refuses_a_folder_that_is_not_an_adapter(tmp_path):
     with pytest.raises(BucketError, match="adapter_model"):
         store.publish(tmp_path / "a", 1)
     assert store.versions() == []
+
+
+def _adapter(folder, weights: bytes):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 1}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
+
+
+def test_a_cached_folder_held_by_another_process_is_never_pruned_until_that_process_lets_go_or_dies(tmp_path):
+    """The replicas of one node share the cache and each prunes it: none deletes what another serves from; a replica
+    that is preempted (killed) holds nothing any more."""
+    import subprocess
+    import sys
+
+    store = AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache")
+    for v in (1, 2, 3):
+        store.publish(_adapter(tmp_path / f"v{v}", f"weights {v}".encode()), v)
+    mine = store.fetch_held(1)
+    other = store.fetch(2)
+    holder = subprocess.Popen(  # another replica of the node, serving v2
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+            "fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); sys.stdin.read()",
+            str(other),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert store.prune_cache(keep=0) == [] and mine.path.is_dir() and other.is_dir()
+        assert not store.drop_cache() and store.cache_usage()[0] == 2
+        holder.kill()  # preempted
+        holder.wait()
+        assert store.prune_cache(keep=0) == [other] and mine.path.is_dir()
+        mine.release()
+        assert store.drop_cache()  # a run that left: nothing of its prefix stays in the cache
+        assert list((tmp_path / "cache").iterdir()) == [] and store.cache_usage() == (0, 0)
+    finally:
+        holder.kill()
+
+
+def test_a_folder_pruned_between_its_fetch_and_its_hold_is_fetched_again(tmp_path, monkeypatch):
+    import app.bucket.fetching as fetching
+    import app.bucket.store as store_module
+
+    store = AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache")
+    store.publish(_adapter(tmp_path / "v1", b"weights"), 1)
+    real_hold, pruned = fetching.hold, []
+
+    def hold_after_a_prune(folder):
+        if not pruned:  # another replica prunes it just as this one fetched it
+            pruned.append(fetching.remove_unheld(folder))
+        return real_hold(folder)
+
+    monkeypatch.setattr(store_module, "hold", hold_after_a_prune)
+    held = store.fetch_held(1)
+    assert pruned == [True] and (held.path / "adapter_model.safetensors").read_bytes() == b"weights"
+    held.release()

@@ -137,6 +137,32 @@ def test_an_environment_that_raises_or_hangs_ends_only_its_episode(env):
     assert r.env_errors == 1
 
 
+def test_environments_that_hang_for_good_cost_later_episodes_nothing():
+    """Every environment call of the first groups hangs for good: more hangs than the runner has threads. Later groups,
+    whose environments answer, still play to the end instead of timing out in a queue behind the hung calls."""
+    import threading
+
+    stuck = threading.Event()
+
+    class Hanging(Environment):
+        def reset(self, problem):
+            stuck.wait()
+
+        def step(self, text, token_ids):
+            return EnvStep(0.0, done=True)
+
+    fleet = ScriptedFleet(["46", "53", "55"])
+    r = EpisodeRunner(Hanging, encode, fleet, max_turns=4, max_episode_tokens=200, timeout_s=1.0, max_threads=2)
+    try:
+        assert all(ep.env_error for ep in play(r, n=3))  # three hung resets, two threads
+        r.env_factory = ChainedArithmetic
+        (ep,) = play(r, n=1)
+        assert ep.solved and not ep.env_error and r.env_errors == 3
+    finally:
+        stuck.set()
+        r.close()
+
+
 def test_observations_given_as_token_ids_are_used_as_they_are():
     class Ids(Environment):
         def reset(self, problem):

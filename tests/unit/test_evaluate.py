@@ -72,3 +72,37 @@ def test_evaluation_scores_a_problem_as_training_does_with_every_column_it_has()
     asyncio.run(asyncio.wait_for(train_one_group(), 30))
     trained = seen[1]
     assert trained == {name: values * 2 for name, values in evaluated.items()}  # the same columns, per sample
+
+
+def test_an_evaluation_closes_its_client_its_connections_and_its_sampler(monkeypatch, tmp_path):
+    """The driver evaluates before and after every run; a caller that evaluates again and again must not leak a
+    client (its connection pool) each time."""
+    import json
+
+    import app.evaluate as evaluation
+    import app.models
+
+    made: list[FleetClient] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        choice = {"index": 0, "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}, "text": "7"}
+        return httpx.Response(200, json={"choices": [{**choice, "finish_reason": "stop"}] * body["n"]})
+
+    class Recorded(FleetClient):
+        def __init__(self, base_url, token=None):
+            super().__init__(base_url, token)
+            self.pool = self._async = httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(answer))
+            made.append(self)
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 64 for c in text]}
+
+    monkeypatch.setattr(evaluation, "FleetClient", Recorded)
+    monkeypatch.setattr(app.models, "load_tokenizer", lambda path: Tokenizer())
+    cfg = load_config(None, ["task.num_heldout=4", f"bucket.url=file://{tmp_path}/bucket"])
+    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1")
+    assert result["num_problems"] == 4
+    (client,) = made
+    assert client.pool.is_closed and client._async is None and client._client.is_closed

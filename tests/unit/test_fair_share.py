@@ -10,23 +10,26 @@ from deployments.control.fair_share import FairShare
 class Fleet:
     """A gate and generations that hold their place until `finish` ends them, oldest first per run, or any."""
 
-    def __init__(self, budget: int, weights: dict[str, float] | None = None):
+    def __init__(self, budget: int, weights: dict[str, float] | None = None, registered=lambda run: True):
         weights = weights or {}
-        self.gate = FairShare(budget, lambda run: weights.get(run, 1.0))
+        self.gate = FairShare(budget, lambda run: weights.get(run, 1.0), is_run=registered)
         self.admitted: list[str] = []  # runs, in the order their generations got a place
         self.running: list[tuple[str, asyncio.Event]] = []
+        self.sequences: dict[asyncio.Event, int] = {}  # each running generation's `n`
         self.tasks: list[asyncio.Task] = []
 
-    async def _generation(self, run: str, tokens: int) -> None:
-        async with self.gate.slot(run) as used:
+    async def _generation(self, run: str, tokens: int, n: int) -> None:
+        async with self.gate.slot(run, n) as used:
             done = asyncio.Event()
             self.admitted.append(run)
             self.running.append((run, done))
+            self.sequences[done] = n
             await done.wait()
             used.prompt_tokens, used.completion_tokens = tokens, 2 * tokens
 
-    async def submit(self, run: str, count: int, tokens: int = 1) -> list[asyncio.Task]:
-        new = [asyncio.create_task(self._generation(run, tokens)) for _ in range(count)]
+    async def submit(self, run: str, count: int, tokens: int = 1, n: int = 1) -> list[asyncio.Task]:
+        """`count` generations of `run`, each of `n` sequences (a request with `n=G`)."""
+        new = [asyncio.create_task(self._generation(run, tokens, n)) for _ in range(count)]
         self.tasks += new
         await settle()
         return new
@@ -38,7 +41,8 @@ class Fleet:
             await settle()
 
     def in_flight(self, run: str) -> int:
-        return sum(r == run for r, _ in self.running)
+        """Sequences of `run` being generated."""
+        return sum(self.sequences[done] for r, done in self.running if r == run)
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -181,3 +185,98 @@ def test_counts_per_run_requests_tokens_and_queue_waits():
 def test_a_budget_below_one_is_refused():
     with pytest.raises(ValueError):
         FairShare(0, lambda run: 1.0)
+
+
+def test_a_request_of_n_sequences_holds_n_places():
+    """spotrl's own groups ask for n=G completions in one request: G places, so the budget is what the engines batch."""
+
+    async def main():
+        fleet = Fleet(budget=8)
+        await fleet.submit("a", 5, n=4)  # 20 sequences asked for: two requests fit the 8 places, three wait
+        assert fleet.in_flight("a") == 8 and fleet.admitted == ["a", "a"]
+        stats = fleet.gate.stats()
+        assert stats["in_flight"] == 8 and stats["runs"]["a"]["queued"] == 12
+        await fleet.submit("b", 1, n=2)
+        await fleet.finish("a")  # 4 places free: b's 2 first (it holds none), a's next 4 do not fit in the 2 left
+        assert fleet.in_flight("b") == 2 and fleet.in_flight("a") == 4 and fleet.gate.stats()["in_flight"] == 6
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("group_size, budget", [(2, 8), (4, 16), (8, 32)])
+def test_weights_one_and_three_hold_places_one_to_three_in_sequences_with_requests_of_n(group_size, budget):
+    """Two runs sending spotrl's own n=G requests under contention, at weights 1 and 3: 1:3 of the sequences, exactly
+    once the first run's idle-fleet start has drained, whichever generation finishes next."""
+
+    async def main():
+        fleet = Fleet(budget=budget, weights={"a": 1.0, "b": 3.0})
+        await fleet.submit("a", 300, n=group_size)  # the fleet was idle: a's burst takes every place
+        await fleet.submit("b", 300, n=group_size)
+        held = []
+        for i in range(150):
+            await fleet.finish(run="b" if i % 3 == 0 and fleet.in_flight("b") else None)  # mixed orders of finishing
+            held.append((fleet.in_flight("a"), fleet.in_flight("b")))
+        assert set(held[20:]) == {(budget // 4, 3 * budget // 4)}, held
+        assert {run: s["share"] for run, s in fleet.gate.stats()["runs"].items()} == {
+            "a": budget / 4,
+            "b": 3 * budget / 4,
+        }
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_a_large_generation_is_not_starved_by_smaller_ones():
+    """Places are kept for the next waiter whose generation does not fit yet, rather than given to small ones behind it."""
+
+    async def main():
+        fleet = Fleet(budget=4)
+        await fleet.submit("a", 4)
+        await fleet.submit("b", 1, n=4)  # needs the whole fleet
+        await fleet.submit("a", 10)
+        await fleet.finish("a", 3)  # three free places are kept for b, not given to a's waiting ones
+        assert fleet.gate.stats()["in_flight"] == 1 and fleet.in_flight("b") == 0
+        await fleet.finish("a")
+        assert fleet.in_flight("b") == 4 and fleet.admitted[-1] == "b"
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_a_generation_asking_more_sequences_than_the_budget_holds_the_whole_budget():
+    async def main():
+        fleet = Fleet(budget=4)
+        (big,) = await fleet.submit("a", 1, n=64)
+        assert fleet.gate.stats()["in_flight"] == 4 and not big.done()
+        await fleet.finish("a")
+        assert fleet.gate.stats()["in_flight"] == 0
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_a_run_that_left_is_forgotten_once_its_last_generation_is_done_never_while_it_waits():
+    async def main():
+        registered = {"a", "b"}
+        fleet = Fleet(budget=1, registered=registered.__contains__)
+        await fleet.submit("a", 1)
+        await fleet.submit("b", 2)
+        fleet.gate.report_slots({"a": 2, "b": 1})
+        registered.discard("b")  # removed while one of its generations waits, another behind it
+        fleet.gate.forget("b")
+        assert "b" in fleet.gate.stats()["runs"]  # a waiter is never dropped
+        await fleet.finish("a")
+        assert fleet.admitted == ["a", "b"]
+        await fleet.finish("b")
+        await fleet.finish("b")
+        assert set(fleet.gate.stats()["runs"]) == {"a"}
+        fleet.gate.report_slots({"a": 2})
+        assert fleet.gate.sizes() == {"fair_share_tenants": 1, "slots_gauges": 1}
+        registered.discard("a")  # idle when removed: forgotten at once
+        fleet.gate.forget("a")
+        fleet.gate.report_slots({})
+        assert fleet.gate.sizes() == {"fair_share_tenants": 0, "slots_gauges": 0}
+        await fleet.close()
+
+    asyncio.run(main())

@@ -5,7 +5,7 @@ import json
 
 from fastapi.testclient import TestClient
 
-from contracts.control import EngineReport, ReportEngine
+from contracts.control import EngineReport, ReplicaTables, ReportEngine
 from deployments.api import make_app
 from tests.unit.fake_fleet import BASE, FakeBackend, api_settings
 
@@ -75,7 +75,7 @@ class NonFiniteBackend(FakeBackend):
     async def broadcast(self, command):
         if isinstance(command, ReportEngine):
             counters = {"prefix_cache_hit_rate": float("nan"), "tokens": float("inf")}
-            return [EngineReport("r0", 1, False, counters, (), 0, 0)]
+            return [EngineReport("r0", 1, False, counters, (), 0, 0, ReplicaTables(0, 0, 0, 1, 0, 0, 0, 0))]
         return await super().broadcast(command)
 
 

@@ -59,3 +59,34 @@ def test_resolve_reward():
         resolve_reward("nope")
     with pytest.raises(ValueError, match="cannot be imported"):
         resolve_reward("app.tasks.rewards:nope")
+
+
+def test_rewards_that_hung_cost_no_later_call_its_thread_and_a_timeout_counts_only_the_run():
+    """A reward function that hangs for good on some inputs: the scorer's two threads used to be lost to the first
+    two, and every later call timed out, also those that would have returned at once; and a timeout counted the
+    time a call waited for a thread, so a burst of quick calls timed out in the queue."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    stuck = threading.Event()  # never set while the test needs it: a hang for good
+
+    def flaky(completions, prompts, completion_ids, **_):
+        if completions[0] == "hang":
+            stuck.wait()
+        else:
+            time.sleep(0.1)
+        return [1.0] * len(completions)
+
+    scorer = RewardScorer([flaky], timeout_s=1.0)
+    try:
+        for _ in range(3):  # more hangs than the scorer has threads
+            assert scorer.score(["hang"], ["p"], [[1]], answer=["1"]).errors == {"flaky": 1}
+        assert scorer.score(["ok"], ["p"], [[1]], answer=["1"]).rewards == [1.0]
+        # 26 quick calls at once on its two threads: the last starts 1.2 s after it was asked for, beyond the timeout,
+        # and runs 0.1 s, far within it.
+        with ThreadPoolExecutor(26) as burst:
+            scored = list(burst.map(lambda _: scorer.score(["ok"], ["p"], [[1]], answer=["1"]), range(26)))
+        assert [s.rewards for s in scored] == [[1.0]] * 26
+    finally:
+        stuck.set()
+        scorer.close()

@@ -43,3 +43,41 @@ def test_a_run_registers_with_its_own_window_and_rank_and_the_fleet_checks_both(
     r = client.post("/v1/runs", json={"name": "bob"}, headers=ADMIN)  # the fleet's max_staleness: window 2
     assert r.status_code == 200 and r.json()["max_staleness"] == 1
     assert client.get("/v1/runs/bob", headers=ADMIN).json()["max_staleness"] == 1
+
+
+def test_the_shipped_fleet_hosts_two_runs_as_shipped_and_refuses_a_third_as_a_conflict_with_the_arithmetic(tmp_path):
+    """`make serve` (serve_config.yaml's fleet) then the README's `POST /v1/runs {"name": ...}` twice: both fit, since
+    the fleet's own `policy-vN` lineage pins no slot while nothing of it is committed. Once a version of it is, it
+    pins its window like any lineage."""
+    from pathlib import Path
+
+    import yaml
+
+    from app.bucket.store import AdapterStore
+    from app.config import load_fleet_config
+
+    repo = Path(__file__).resolve().parents[2]
+    (app,) = yaml.safe_load((repo / "serve_config.yaml").read_text())["applications"]
+    url = f"file://{tmp_path}/bucket"
+    cfg = load_fleet_config(repo / app["args"]["config"], [*app["args"]["overrides"], f"bucket.url={url}"])
+    own = AdapterStore.at(cfg.bucket_url, cfg.bucket)
+    settings = api_settings(max_loras=cfg.max_loras, max_staleness=cfg.max_staleness, max_lora_rank=cfg.max_lora_rank)
+    client = TestClient(make_app(FakeBackend(), settings, own_lineage=lambda: own.latest() is not None))
+
+    register(client, "alice")
+    register(client, "bob")  # 3 + 3 + 1 to load into = 7 of 8 slots
+    r = client.post("/v1/runs", json={"name": "carol"}, headers=ADMIN)
+    assert r.status_code == 409 and r.json()["error"]["type"] == "conflict"
+    message = r.json()["error"]["message"]
+    assert "alice 3, bob 3, carol 3" in message and "own lineage none" in message, message
+    assert "10 LoRA slots" in message and "fleet.max_loras=8" in message, message
+
+    adapter = tmp_path / "adapter"  # the fleet's own learner publishes policy-v0: its lineage pins 3 from now on
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 1}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    own.publish(adapter, 0)
+    assert client.delete("/v1/runs/bob", headers=ADMIN).status_code == 200
+    r = client.post("/v1/runs", json={"name": "bob"}, headers=ADMIN)
+    assert r.status_code == 409 and "own lineage 3" in r.json()["error"]["message"], r.json()
+    assert client.post("/v1/runs", json={"name": "bob", "max_staleness": 0}, headers=ADMIN).status_code == 200

@@ -61,3 +61,41 @@ def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never
     again = ingress()
     assert again.get("/v1/runs", headers=ADMIN).json() == {"runs": ["bob"]}
     assert sample(again, "alice/policy-v1", bearer(alice)).status_code == 403  # anonymous now
+
+
+def test_a_run_that_leaves_leaves_nothing_behind_in_the_ingress():
+    """Removed or released for its silence: the registry, its idle clocks and the fair share's tenants and slots
+    gauges are back where they were before it came (`/server_info`'s `spotrl.ingress`), and the replicas were told to
+    forget it."""
+    import asyncio
+
+    from deployments.control.runs import Runs
+
+    now = [0.0]
+    backend = FakeBackend()
+    runs = Runs(max_loras=7, max_staleness=1, idle_timeout_s=60.0, clock=lambda: now[0])
+    client = TestClient(make_app(backend, api_settings(max_loras=7, max_staleness=1), runs))
+
+    def tables() -> dict:
+        tables = client.get("/server_info", headers=ADMIN).json()["spotrl"]["ingress"]
+        return {k: v for k, v in tables.items() if k != "pid"}
+
+    def upkeep_round() -> None:
+        asyncio.run(client.app.state.upkeep.once())
+
+    assert sample(client, "policy-v1", ADMIN).status_code == 200  # the fleet's own pseudo-run is always kept
+    before = tables()
+    for name in ("alice", "bob"):
+        token = register(client, name)
+        backend.adapters[0].add(f"{name}/policy-v1")
+        assert sample(client, f"{name}/policy-v1", bearer(token)).status_code == 200
+    upkeep_round()  # the slots gauges of both
+    assert tables() == {**before, "runs": 2, "idle_clocks": 2, "fair_share_tenants": 3, "slots_gauges": 2}
+
+    assert client.delete("/v1/runs/alice", headers=ADMIN).status_code == 200
+    now[0] = 61.0  # bob goes silent: released by the upkeep
+    upkeep_round()
+    upkeep_round()  # his slots gauge back to 0, and no longer kept up
+    assert tables() == before
+    assert set(client.get("/router/stats", headers=ADMIN).json()["runs"]["runs"]) == {"_fleet"}
+    assert [c.run for kind, c in backend.calls if kind == "ForgetRun"] == ["alice", "bob"]

@@ -8,7 +8,7 @@ import time
 import httpx
 from fastapi.testclient import TestClient
 
-from contracts.control import ListAdapters, UnloadAdapter
+from contracts.control import ForgetRun, ListAdapters
 from contracts.serving import ReplicaError
 from deployments.api import make_app
 from deployments.control.fair_share import FairShare
@@ -73,14 +73,14 @@ def test_a_release_that_cannot_unload_still_releases_the_run_and_fails_no_reques
 
 
 class SlowToUnload(FakeBackend):
-    """Replicas whose unload broadcast takes until the test lets it finish."""
+    """Replicas that take until the test lets them finish to forget a run (unload its adapters)."""
 
     def __init__(self):
         super().__init__()
         self.unloading, self.finish = asyncio.Event(), asyncio.Event()
 
     async def broadcast(self, command):
-        if isinstance(command, UnloadAdapter):
+        if isinstance(command, ForgetRun):
             self.unloading.set()
             await self.finish.wait()
         return await super().broadcast(command)
