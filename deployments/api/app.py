@@ -51,7 +51,8 @@ def make_app(
     runs = runs if runs is not None else Runs.of(settings)
     gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight)
     tenancy = Tenancy(runs, records, backend, scrub)
-    upkeep = Upkeep(tenancy, backend, gate)
+    membership = Membership(backend, settings.autoscaling)
+    upkeep = Upkeep(tenancy, backend, gate, membership, settings.inflight_per_replica)
     app = FastAPI(
         title="spotrl fleet",
         docs_url=None,
@@ -65,7 +66,6 @@ def make_app(
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
     callers = Callers(settings.admin_token, runs, settings.protect_inference)
-    membership = Membership(backend, settings.num_replicas)
     for routes in (
         InferenceRoutes(settings, callers, backend, gate, scrub),
         StatusRoutes(settings, callers, backend, membership, gate),
