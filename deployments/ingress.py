@@ -115,10 +115,14 @@ class ServeBackend:
         self._handle = handle
         self._server_info: dict[str, Any] | None = None
         self._poison = PoisonTable() if poison is None else poison
+        # Generations a draining replica handed back (continued elsewhere), new ones it refused (sent elsewhere), and
+        # attempts lost with a replica that died (sent again from their start).
+        self.spot = {"handed_back": 0, "refused_draining": 0, "replica_failures": 0}
 
     async def generate(self, request: GenerateRequest) -> Generated:
         result = await self._generate(request)
         if result.handed_back:  # its replica's node is going: continued elsewhere, stitched into one answer
+            self.spot["handed_back"] += 1
             mark_draining(result.replica)
             result = await continue_handed_back(self.generate, request, result)
         return result
@@ -137,8 +141,10 @@ class ServeBackend:
                 return await self._handle.options(method_name=GENERATE_METHOD).remote(request)
             except Exception as exc:
                 engine_deaths += engine_died(exc)
+                self.spot["replica_failures"] += replica_failed(exc) and not _raised(exc, ReplicaDraining)
                 draining = exc if isinstance(exc, ReplicaDraining) else getattr(exc, "cause", None)
                 if isinstance(draining, ReplicaDraining):  # sent again below, to a replica that stays
+                    self.spot["refused_draining"] += 1
                     mark_draining(draining.replica)
                 raise
 
@@ -168,7 +174,7 @@ class ServeBackend:
     def router_stats(self) -> dict[str, Any]:
         from deployments.router import router_stats
 
-        return router_stats()
+        return {**router_stats(), "spot": dict(self.spot)}
 
 
 def tokenizer_functions(model_path: str):

@@ -386,29 +386,11 @@ class LearnerRank:
 
     # ---- inspection (tests, evaluation) ------------------------------------------------------------
 
-    @torch.no_grad()
     def score(self, groups: list[Group]) -> list[list[list[float]]]:
-        """The learner's log-prob of every trained token (every completion token of a single-turn sample, every
-        model token of an episode), at the sampling temperature, per group and sample.
+        """The learner's log-prob of every trained token, per group and sample (`app.learner.scoring`)."""
+        from app.learner.scoring import score_groups
 
-        Goes through the training path (same batching, same forward) without gradients. Each rank
-        forwards everything, so under FSDP every rank must call it, and each returns the full answer.
-        """
-        samples = samples_from_groups(groups)
-        batches, _ = self._batches(samples)
-        out: list[list[list[float]]] = [[[] for _ in grp.samples] for grp in groups]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for mb in batches:
-                logp, _ = self._forward(mb.to(self.device))
-                # Targets of one sample are laid out in order, so appending keeps each sample's tokens in order.
-                for index, value in zip(mb.target_sample.tolist(), logp.cpu().tolist(), strict=True):
-                    gi, si = samples[index].origin
-                    out[gi][si].append(value)
-        finally:
-            self.model.train(was_training)
-        return out
+        return score_groups(self, groups)
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole adapter (a collective under FSDP)."""
