@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.common import print_table, write_result
 from tests.spot_cluster import spot_cluster
-from tests.spot_legs import learner_leg, replica_leg
+from tests.spot_legs import LONG_TOKENS, learner_leg, replica_leg
 
 EXTRA = (
     "spot.poll_interval_s=1",
@@ -57,7 +57,7 @@ def replica_legs(spot) -> dict[str, dict]:
     for name, notice_in_s in {"replica, no notice": None, "replica, AWS notice (120 s)": 120.0}.items():
         t0 = time.time()
         figures = replica_leg(spot, notice_in_s)
-        figures["long_tokens_ok"] = all(len(c["token_ids"]) == 160 for c in figures.pop("long_choices"))
+        figures["long_tokens_ok"] = all(len(c["token_ids"]) == LONG_TOKENS for c in figures.pop("long_choices"))
         out[name] = figures
         print(f"{name}: {figures} ({time.time() - t0:.0f} s)", flush=True)
     return out

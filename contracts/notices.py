@@ -66,13 +66,31 @@ class Notice:
         return f"{self.source} notice{when}{f' ({self.detail})' if self.detail else ''}"
 
 
-def drain_this_node(notice: Notice) -> bool:
-    """Tell Ray that the node this process runs on is going (reason preemption, with the notice's deadline): nothing
-    new is scheduled on it, and Serve starts replacements for its replicas elsewhere. False when Ray is not running
-    here or refused (it says why in the log); Ray's own SIGTERM handler makes the same call."""
+def on_head_node() -> bool:
+    """Whether this process runs on its Ray cluster's head node (False without Ray). The head is the cluster itself
+    (its GCS, Serve's controller and proxy, the driver): on the embedded default everything runs there, and the
+    driver answers a notice for that machine (`app.spot`); the roles on other nodes answer their own."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return False
     import ray
 
     if not ray.is_initialized():
+        return False
+    node_id = ray.get_runtime_context().get_node_id()
+    return any(n["NodeID"] == node_id and "node:__internal_head__" in n.get("Resources", {}) for n in ray.nodes())
+
+
+def drain_this_node(notice: Notice) -> bool:
+    """Tell Ray that the node this process runs on is going (reason preemption, with the notice's deadline): nothing
+    new is scheduled on it, and Serve starts replacements for its replicas elsewhere. False when Ray is not running
+    here, on the head node (draining the cluster's own head would only stop the replicas there, with nowhere to
+    start others, before the driver has checkpointed), or when Ray refused (it says why in the log); Ray's own
+    SIGTERM handler makes the same call."""
+    import ray
+
+    if not ray.is_initialized() or on_head_node():
         return False
     from ray._private.worker import global_worker
     from ray.core.generated import autoscaler_pb2

@@ -11,8 +11,9 @@ router, told of the death by Serve, picks a live replica; a generation during wh
 sent once more at most, then refused as poison (`deployments.poison`). A replica whose node is going (a
 spot notice) refuses new generations, which go elsewhere, and hands its unfinished ones back: they are
 continued on another replica and stitched, token-exact (`deployments.handback`); its routers route nothing
-more to it (`replica_draining`). Admin calls are broadcast to every live replica. Serve runs the app's lifespan in this replica, so the control layer's upkeep
-(`deployments.control.upkeep`: idle runs released, slots gauges) runs here, beside the requests.
+more to it (`replica_draining`). Admin calls are broadcast to every live replica. Serve runs the app's
+lifespan in this replica, so the control layer's upkeep (`deployments.control.upkeep`: idle runs released,
+slots gauges, the fair share's budget) runs here, beside the requests.
 
 Callers inside the Ray cluster (the learner, on another node) reach the fleet through a handle to
 this deployment instead of HTTP: the HTTP proxy listens on the head, at an address that may mean
@@ -141,11 +142,11 @@ class ServeBackend:
                 return await self._handle.options(method_name=GENERATE_METHOD).remote(request)
             except Exception as exc:
                 engine_deaths += engine_died(exc)
-                self.spot["replica_failures"] += replica_failed(exc) and not _raised(exc, ReplicaDraining)
-                draining = exc if isinstance(exc, ReplicaDraining) else getattr(exc, "cause", None)
-                if isinstance(draining, ReplicaDraining):  # sent again below, to a replica that stays
+                if _raised(exc, ReplicaDraining):  # sent again below, to a replica that stays
                     self.spot["refused_draining"] += 1
-                    mark_draining(draining.replica)
+                    mark_draining(getattr(exc, "cause", exc).replica)
+                elif replica_failed(exc):
+                    self.spot["replica_failures"] += 1
                 raise
 
         def retryable(exc: BaseException) -> bool:

@@ -2,7 +2,8 @@
 
 On an interruption notice for its node (`contracts.notices`: the cloud's metadata, a scheduler's file, or Ray
 draining the node, whoever drained it: Ray's own SIGTERM handler on `ray start`, another role's watcher on the
-node, an operator), a replica
+node, an operator), a replica on any node but the head (where the driver answers a notice for its own machine:
+on the embedded default every replica runs there, and the driver's last step needs them)
 - drains the node in Ray (`spot.drain_node`), so that Serve starts its replacement elsewhere first: Ray 2.60's
   controller moves the replicas of a draining node to PENDING_MIGRATION, starts as many new ones, and stops the
   old ones once those run, or when the deadline nears (`graceful_shutdown_timeout_s` before it). The replacement
@@ -21,7 +22,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from contracts.notices import Notice, NoticeWatcher, RayDrain, cloud_sources, drain_this_node
+from contracts.notices import Notice, NoticeWatcher, RayDrain, cloud_sources, drain_this_node, on_head_node
 from contracts.serving import ReplicaDraining
 from deployments.inflight import InFlight
 
@@ -51,7 +52,7 @@ class ReplicaNotices:
     def watch(self) -> ReplicaNotices:
         """Watch this replica's node from a thread; the draining runs on the calling (the replica's) event loop."""
         spot = self.spot
-        if not spot.watch:
+        if not spot.watch or on_head_node():
             return self
         self._loop = asyncio.get_running_loop()
         sources = [*cloud_sources(spot.probe_timeout_s), RayDrain(spot.sigterm_grace_s)]

@@ -21,7 +21,10 @@ import httpx
 
 from tests.spot_cluster import LEARNER_NODE, ROLLOUT_NODE, SpotCluster, retrained
 
-LONG_TOKENS = 160  # a generation in flight for several seconds on a loaded CPU (model.max_model_len >= 168)
+LONG_TURN = 77  # what the long generations tell the router (`turn`), so its stats count their routing apart
+LONG_TOKENS = (
+    150  # in flight for several seconds on a loaded CPU; prompts of up to 33 tokens: model.max_model_len >= 183
+)
 
 
 def lost_learner_seconds(metrics: list[dict], after_step: int) -> float:
@@ -115,6 +118,7 @@ async def long_generations(url: str, prompts: list[list[int]], model: str, token
                 "ignore_eos": True,
                 "logprobs": 0,
                 "return_token_ids": True,
+                "turn": LONG_TURN,
             }
             for prompt in prompts
         ]
@@ -165,12 +169,21 @@ class ReplicaWatch:
         self._thread.join(10)
 
 
+def routed_long(url: str) -> int:
+    """Long generations the router has sent to a replica so far (they say their `turn`)."""
+    turns = httpx.get(f"{url}/router/stats", timeout=60, trust_env=False).json()["turns"]
+    return turns.get(str(LONG_TURN), {}).get("routed", 0)
+
+
 def wait_for_replacement(url: str, before: set[str], spot: SpotCluster, timeout_s: float = 600) -> float:
     """When a replica not among `before` serves, holding the newest committed version (loaded before traffic)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         newest = spot.newest_version()  # the learner may publish more meanwhile: at least that one
-        stats = httpx.get(f"{url}/engine/stats", timeout=30, trust_env=False).json()["replicas"]
+        try:
+            stats = httpx.get(f"{url}/engine/stats", timeout=60, trust_env=False).json()["replicas"]
+        except httpx.HTTPError:  # a replica starting or stopping holds the broadcast up on a busy machine
+            continue
         new = [r for r in stats if r["replica"] not in before]
         if new and all(max(_versions(r["adapters"]), default=-1) >= newest for r in new):
             return time.time()
@@ -196,9 +209,11 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     prompts = [[*prefix, i] for i in range(4)] + [[3 + i, 5, 7, 11, 13, 17, 19, 23] for i in range(4)]
     watch = ReplicaWatch(url, lost)
     figures: dict = {"start": start, "replicas_on_node": len(lost)}
+    routed_before = routed_long(url)
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(asyncio.run, long_generations(url, prompts, model))
-        time.sleep(2.0)  # in flight on both replicas
+        while routed_long(url) < routed_before + len(prompts):  # all on their replicas (a busy ingress is slow)
+            time.sleep(0.2)
         t0 = time.time()
         if notice_in_s is not None:
             spare = spot.add_node(ROLLOUT_NODE)  # where Ray's autoscaler brings the replacement's node

@@ -12,7 +12,9 @@ the node) and, on an interruption notice, drains the node in Ray (`spot.drain_no
   then be trained again. Notice-to-checkpoint-committed seconds go into the step's metrics (`spot/*`).
 
 The ranks share one node (STRICT_PACK), so rank 0's watcher speaks for all of them: what it decides reaches the
-others through the step's collectives (`LearnerRank`). A first SIGTERM to any rank is a notice, not an exit;
+others through the step's collectives (`LearnerRank`). A learner on the head node (the embedded default, where
+everything shares one machine) leaves its notices to the driver, which checkpoints after the step under way and
+stops (`app.spot`). A first SIGTERM to any rank is a notice, not an exit;
 the second one, or the grace period's SIGKILL, ends the process.
 
 Nothing here imports Ray or the notice sources at import time (`bench.learner_gpu` drives a rank without either).
@@ -57,10 +59,10 @@ class LearnerNotices:
         """Watch this rank's node (rank 0), or take a first SIGTERM as a notice rank 0 acts on (the others).
         `on_notice` runs in the watcher's thread once a notice has been handled (the rank checkpoints an idle
         learner there)."""
-        from contracts.notices import NoticeWatcher, RayDrain, cloud_sources
+        from contracts.notices import NoticeWatcher, RayDrain, cloud_sources, on_head_node
 
         spot = self.spot
-        if spot is None or not spot.watch:
+        if spot is None or not spot.watch or on_head_node():  # the head's notices are the driver's (`app.spot`)
             return self
         self._on_notice = on_notice
         sources = [*cloud_sources(spot.probe_timeout_s), RayDrain(spot.sigterm_grace_s)] if rank == 0 else []

@@ -8,6 +8,7 @@ import pytest
 from contracts.retry import Backoff
 from contracts.serving import ABORTED, Generated, GenerateRequest, ReplicaDraining, SampledChoice, Sampling
 from deployments.handback import continuation, continue_handed_back, stitch
+from tests.unit.test_ingress import _GenerateHandle
 
 
 def _choice(index, tokens, reason, top=False):
@@ -72,25 +73,6 @@ def test_every_cut_choice_of_an_n_request_is_continued_and_a_continuation_cut_ag
     ).choices  # resent whole
 
 
-class _Handle:
-    def __init__(self, *outcomes):
-        self.outcomes, self.sent = list(outcomes), []
-
-    def options(self, method_name):
-        return self
-
-    def remote(self, request):
-        self.sent.append(request)
-        outcome = self.outcomes.pop(0)
-
-        async def reply():
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return outcome
-
-        return reply()
-
-
 @pytest.fixture
 def marked(monkeypatch):
     import deployments.ingress as ingress
@@ -105,7 +87,7 @@ def test_the_ingress_routes_around_a_draining_replica_and_continues_what_it_hand
     from deployments.ingress import ServeBackend
 
     request = GenerateRequest([1, 2], "policy-v1", Sampling(n=1, max_tokens=4))
-    handle = _Handle(
+    handle = _GenerateHandle(
         ReplicaDraining("its node is going", "a"),
         Generated("b", [_choice(0, [5], ABORTED)], handed_back=True),
         Generated("c", [_choice(0, [6, 7, 8], "length")]),
