@@ -22,6 +22,10 @@ class StepResult:
     trained_group_ids: list[int]  # the audit trail of exactly-once training (skipped groups excluded)
     metrics: dict[str, float]
     batch: BatchStats | None = None  # the step's groups, as the rollout handed them
+    # A spot notice's deadline left no time for the step: nothing trained, the state committed; the group trains the
+    # same batch again on the node's replacement (`app.learner.notices`). `node_deadline`: when the node goes (unix).
+    abandoned: bool = False
+    node_deadline: float | None = None
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,14 @@ class PauseState:
 
 
 @dataclass(frozen=True)
+class HandedBack:
+    """The answer to `HandBack`: how many generations this replica cut short and handed back."""
+
+    replica: str
+    requests: int
+
+
+@dataclass(frozen=True)
 class CacheReset:
     replica: str
     success: bool
@@ -192,6 +200,16 @@ class Pause(Command):
 @dataclass(frozen=True)
 class Resume(Command):
     """Schedule again; answer `PauseState`."""
+
+
+@dataclass(frozen=True)
+class HandBack(Command):
+    """Cut the generations in flight short (all, or those under adapter `model`) and hand them back: each one's
+    caller gets its tokens so far (`contracts.serving.Generated.handed_back`) to continue elsewhere from there.
+    A draining replica does this before its node goes; partial rollouts, to continue a sample under a newer
+    version. Answer `HandedBack`."""
+
+    model: str | None = None
 
 
 @dataclass(frozen=True)

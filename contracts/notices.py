@@ -66,13 +66,31 @@ class Notice:
         return f"{self.source} notice{when}{f' ({self.detail})' if self.detail else ''}"
 
 
-def drain_this_node(notice: Notice) -> bool:
-    """Tell Ray that the node this process runs on is going (reason preemption, with the notice's deadline): nothing
-    new is scheduled on it, and Serve starts replacements for its replicas elsewhere. False when Ray is not running
-    here or refused (it says why in the log); Ray's own SIGTERM handler makes the same call."""
+def on_head_node() -> bool:
+    """Whether this process runs on its Ray cluster's head node (False without Ray). The head is the cluster itself
+    (its GCS, Serve's controller and proxy, the driver): on the embedded default everything runs there, and the
+    driver answers a notice for that machine (`app.spot`); the roles on other nodes answer their own."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return False
     import ray
 
     if not ray.is_initialized():
+        return False
+    node_id = ray.get_runtime_context().get_node_id()
+    return any(n["NodeID"] == node_id and "node:__internal_head__" in n.get("Resources", {}) for n in ray.nodes())
+
+
+def drain_this_node(notice: Notice) -> bool:
+    """Tell Ray that the node this process runs on is going (reason preemption, with the notice's deadline): nothing
+    new is scheduled on it, and Serve starts replacements for its replicas elsewhere. False when Ray is not running
+    here, on the head node (draining the cluster's own head would only stop the replicas there, with nowhere to
+    start others, before the driver has checkpointed), or when Ray refused (it says why in the log); Ray's own
+    SIGTERM handler makes the same call."""
+    import ray
+
+    if not ray.is_initialized() or on_head_node():
         return False
     from ray._private.worker import global_worker
     from ray.core.generated import autoscaler_pb2
@@ -212,6 +230,40 @@ class NoticeFile:
         pass
 
 
+class RayDrain:
+    """Ray's own word that this process's node is draining: whoever drained it (Ray's SIGTERM handler on `ray start`,
+    a watcher of another process on the node, an operator's `ray drain-node`), the roles on it act as on a notice.
+    Asked only inside a Ray worker or driver (`probe`); a drain without a deadline is given `default_grace_s`."""
+
+    name = "ray-drain"
+
+    def __init__(self, default_grace_s: float = GCP_NOTICE_S):
+        self.default_grace_s = default_grace_s
+
+    def probe(self) -> bool:
+        import sys
+
+        if "ray" not in sys.modules:  # a process without Ray has no Ray node to drain
+            return False
+        import ray
+
+        return ray.is_initialized()
+
+    def poll(self) -> Notice | None:
+        import ray
+        from ray._private.worker import global_worker
+
+        node_id = ray.get_runtime_context().get_node_id()
+        deadline_ms = global_worker.gcs_client.get_draining_nodes().get(node_id)
+        if deadline_ms is None:
+            return None
+        deadline = deadline_ms / 1000 if deadline_ms else time.time() + self.default_grace_s
+        return Notice(self.name, deadline, "the node is draining in Ray")
+
+    def close(self) -> None:
+        pass
+
+
 def cloud_sources(timeout_s: float) -> list:
     """The metadata services to ask: AWS's unless disabled, GCP's."""
     sources = [] if os.environ.get(AWS_DISABLED_ENV, "").lower() == "true" else [AwsMetadata(timeout_s=timeout_s)]
@@ -225,7 +277,8 @@ class NoticeWatcher:
     more (the machine is going); a recommendation (AWS rebalance) is reported once, and the watcher goes on
     watching for the interruption itself. `sigterm_grace_s` makes a SIGTERM to this process a notice with
     that deadline (installed only from the main thread; the previous handler still runs after ours, so what
-    SIGTERM did before, it still does)."""
+    SIGTERM did before, it still does; with `chain_sigterm` False only on a second SIGTERM, so that a process that
+    must checkpoint first, the learner, lives on until the grace period ends)."""
 
     def __init__(
         self,
@@ -236,6 +289,7 @@ class NoticeWatcher:
         notice_file: str | None = None,
         sources: list | None = None,
         sigterm_grace_s: float | None = None,
+        chain_sigterm: bool = True,
     ):
         self.handlers = list(handlers)
         self.interval_s = interval_s
@@ -247,7 +301,7 @@ class NoticeWatcher:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="spot-notices", daemon=True)
         if sigterm_grace_s is not None:
-            self._install_sigterm(sigterm_grace_s)
+            self._install_sigterm(sigterm_grace_s, chain_sigterm)
 
     def start(self) -> NoticeWatcher:
         self._thread.start()
@@ -261,13 +315,21 @@ class NoticeWatcher:
         """The interruption notice, once one came."""
         return next((n for n in self.notices if n.binding), None)
 
-    def _install_sigterm(self, grace_s: float) -> None:
+    def _install_sigterm(self, grace_s: float, chain: bool) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum, frame):
-            self.report(Notice("sigterm", time.time() + grace_s, f"SIGTERM, {grace_s:.0f} s grace"))
+            notice = Notice("sigterm", time.time() + grace_s, f"SIGTERM, {grace_s:.0f} s grace")
+            if not chain:
+                # The process lives on to act on it (its handlers make RPCs: not from inside a signal handler); a
+                # second SIGTERM, or the grace period's SIGKILL, ends it.
+                if self.binding is not None and callable(previous):
+                    previous(signum, frame)
+                threading.Thread(target=self.report, args=(notice,), name="spot-sigterm", daemon=True).start()
+                return
+            self.report(notice)
             if callable(previous):
                 previous(signum, frame)
 

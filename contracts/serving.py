@@ -79,12 +79,21 @@ class SampledChoice:
     stop_reason: int | str | None
 
 
+# The finish reason of a choice cut short by its replica (vLLM's own for an aborted request): its tokens so far.
+ABORTED = "abort"
+
+
 @dataclass
 class Generated:
-    """A replica's answer to a GenerateRequest: who served it (for `x-spotrl-replica`) and the choices."""
+    """A replica's answer to a GenerateRequest: who served it (for `x-spotrl-replica`) and the choices.
+
+    `handed_back`: the replica cut the generation short and handed it back (its node is going, `contracts.control.
+    HandBack`): the choices whose `finish_reason` is `ABORTED` hold the tokens generated so far, to be continued
+    elsewhere from prompt + those tokens (`deployments.handback`)."""
 
     replica: str
     choices: list[SampledChoice]
+    handed_back: bool = False
 
 
 class ReplicaError(Exception):
@@ -114,6 +123,18 @@ class ReplicaUnavailable(ReplicaError):
     """This replica cannot serve (engine dead, shutting down): the ingress retries on another one."""
 
     status = 503
+
+
+class ReplicaDraining(ReplicaUnavailable):
+    """This replica's node is going (a spot notice): it takes no new request, the ingress sends it elsewhere and its
+    router routes nothing more to `replica` (the Serve replica id)."""
+
+    def __init__(self, message: str, replica: str = "", status: int | None = None):
+        super().__init__(message, status)
+        self.replica = replica
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.replica, self.status))
 
 
 class EngineDied(ReplicaError):

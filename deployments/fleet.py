@@ -39,6 +39,12 @@ INGRESS_DEPLOYMENT = "Ingress"
 # One access-log line per request drowns the replicas' own messages (and a joined driver's terminal) at
 # hundreds of requests a second; request counts and latencies are in Serve's metrics.
 QUIET = {"enable_access_log": False}
+ROUTING_STATS_PERIOD_S = 2.0
+
+
+def most_replicas(fleet) -> int:
+    """The most replicas the fleet may have: `num_replicas`, or the autoscaling's `max_replicas`."""
+    return fleet.autoscaling.max_replicas if fleet.autoscaling else fleet.num_replicas
 
 
 def absolute_bucket_url(url: str) -> str:
@@ -52,11 +58,12 @@ def absolute_bucket_url(url: str) -> str:
 
 
 def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = PREFIX_ROUTER):
-    """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas)."""
+    """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas, or autoscaled)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from contracts.auth import Secret, admin_token, check_exposure
+    from deployments.autoscaling import autoscaling_config
     from deployments.ingress import Ingress
     from deployments.replica import VLLMReplica
 
@@ -73,7 +80,9 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     replica = serve.deployment(
         VLLMReplica,
         name=REPLICA_DEPLOYMENT,
-        num_replicas=fleet.num_replicas,
+        # Elastic (`deployments.autoscaling`): Serve sizes it from num_replicas on, within the configured bounds.
+        num_replicas=None if fleet.autoscaling else fleet.num_replicas,
+        autoscaling_config=autoscaling_config(fleet),
         # An engine batches hundreds of sequences; Serve's default of 5 would starve it.
         max_ongoing_requests=fleet.max_ongoing_requests,
         # On a CPU box the engines pin cores themselves (VLLM_CPU_OMP_THREADS_BIND per replica); reserving
@@ -83,7 +92,10 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
             **({"num_gpus": fleet.num_gpus_per_replica} if on_gpu else {}),
             **({"resources": dict(fleet.replica_resources)} if fleet.replica_resources else {}),
         },
-        request_router_config=RequestRouterConfig(request_router_class=request_router_class),
+        # Routing stats say whether a replica drains (a spot notice): read every few seconds.
+        request_router_config=RequestRouterConfig(
+            request_router_class=request_router_class, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
+        ),
         logging_config=QUIET,
         health_check_period_s=10,
         health_check_timeout_s=60,
@@ -93,7 +105,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
-        max_ongoing_requests=max(1000, fleet.max_ongoing_requests * fleet.num_replicas),
+        max_ongoing_requests=max(1000, fleet.max_ongoing_requests * most_replicas(fleet)),
         # On the head node, beside the only HTTP proxy: losing a spot node never takes the front door with it.
         ray_actor_options={"num_cpus": 0, "resources": dict(HEAD_NODE)},
         logging_config=QUIET,

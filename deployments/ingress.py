@@ -8,9 +8,12 @@ counters directly. Generations go through the handle as one `GenerateRequest` ea
 The ingress is where failures are hidden from clients: a generation whose replica died (spot
 preemption, OOM) is sent again (`contracts.retry.aretry`, whose docstring says who retries what), and the
 router, told of the death by Serve, picks a live replica; a generation during which an engine died is
-sent once more at most, then refused as poison (`deployments.poison`). Admin calls are broadcast to
-every live replica. Serve runs the app's lifespan in this replica, so the control layer's upkeep
-(`deployments.control.upkeep`: idle runs released, slots gauges) runs here, beside the requests.
+sent once more at most, then refused as poison (`deployments.poison`). A replica whose node is going (a
+spot notice) refuses new generations, which go elsewhere, and hands its unfinished ones back: they are
+continued on another replica and stitched, token-exact (`deployments.handback`); its routers route nothing
+more to it (`replica_draining`). Admin calls are broadcast to every live replica. Serve runs the app's
+lifespan in this replica, so the control layer's upkeep (`deployments.control.upkeep`: idle runs released,
+slots gauges, the fair share's budget) runs here, beside the requests.
 
 Callers inside the Ray cluster (the learner, on another node) reach the fleet through a handle to
 this deployment instead of HTTP: the HTTP proxy listens on the head, at an address that may mean
@@ -33,7 +36,14 @@ from contracts.auth import Secret, check_exposure, redact
 from contracts.auth import admin_token as resolve_admin_token
 from contracts.control import CONTROL_METHOD, Command, DescribeEngine
 from contracts.retry import Backoff, aretry
-from contracts.serving import GENERATE_METHOD, EngineDied, Generated, GenerateRequest, ReplicaUnavailable
+from contracts.serving import (
+    GENERATE_METHOD,
+    EngineDied,
+    Generated,
+    GenerateRequest,
+    ReplicaDraining,
+    ReplicaUnavailable,
+)
 from deployments.api import ApiSettings, make_app
 from deployments.api.bodies import RequestLimits
 from deployments.control.broadcast import load_everywhere
@@ -41,6 +51,7 @@ from deployments.control.errors import ApiError
 from deployments.control.fair_share import FairShare
 from deployments.control.run_metrics import RunMetrics
 from deployments.control.runs import Registration, Runs
+from deployments.handback import continue_handed_back
 from deployments.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
 
 log = logging.getLogger("ray.serve")
@@ -87,6 +98,13 @@ def own_internal_request_id() -> None:
     _serve_request_context.set(dataclasses.replace(context, _internal_request_id=generate_request_id()))
 
 
+def mark_draining(replica_id: str) -> None:
+    """The routers of this process (the ingress's) route nothing more to replica `replica_id`: its node is going."""
+    from deployments.router import mark_draining as mark
+
+    mark(replica_id)
+
+
 def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
     what = "its engine died while serving it" if engine_died(exc) else "it hit a dead replica"
     log.warning("generation failed, %s (%s); retry %d in %.1fs", what, type(exc).__name__, attempt, pause_s)
@@ -99,8 +117,19 @@ class ServeBackend:
         self._handle = handle
         self._server_info: dict[str, Any] | None = None
         self._poison = PoisonTable() if poison is None else poison
+        # Generations a draining replica handed back (continued elsewhere), new ones it refused (sent elsewhere), and
+        # attempts lost with a replica that died (sent again from their start).
+        self.spot = {"handed_back": 0, "refused_draining": 0, "replica_failures": 0}
 
     async def generate(self, request: GenerateRequest) -> Generated:
+        result = await self._generate(request)
+        if result.handed_back:  # its replica's node is going: continued elsewhere, stitched into one answer
+            self.spot["handed_back"] += 1
+            mark_draining(result.replica)
+            result = await continue_handed_back(self.generate, request, result)
+        return result
+
+    async def _generate(self, request: GenerateRequest) -> Generated:
         key = fingerprint(request)
         self._poison.check(key)  # it killed two engines lately: not a third
         engine_deaths = 0
@@ -114,6 +143,11 @@ class ServeBackend:
                 return await self._handle.options(method_name=GENERATE_METHOD).remote(request)
             except Exception as exc:
                 engine_deaths += engine_died(exc)
+                if _raised(exc, ReplicaDraining):  # sent again below, to a replica that stays
+                    self.spot["refused_draining"] += 1
+                    mark_draining(getattr(exc, "cause", exc).replica)
+                elif replica_failed(exc):
+                    self.spot["replica_failures"] += 1
                 raise
 
         def retryable(exc: BaseException) -> bool:
@@ -142,7 +176,7 @@ class ServeBackend:
     def router_stats(self) -> dict[str, Any]:
         from deployments.router import router_stats
 
-        return router_stats()
+        return {**router_stats(), "spot": dict(self.spot)}
 
     def sizes(self) -> dict[str, int]:
         return {"poison_entries": len(self._poison)}
@@ -205,13 +239,14 @@ class Ingress:
             chat_ids=chat_ids,
             admin_token=token or None,
             protect_inference=cfg.fleet.protect_inference,
-            num_replicas=cfg.fleet.num_replicas,
+            autoscaling=(scaling.min_replicas, scaling.max_replicas) if (scaling := cfg.fleet.autoscaling) else None,
             limits=RequestLimits.of(cfg.fleet),
             max_loras=cfg.max_loras,
             max_staleness=cfg.max_staleness,
             max_lora_rank=cfg.max_lora_rank,
             run_idle_timeout_s=cfg.fleet.run_idle_timeout_s,
             inflight_budget=cfg.inflight_limit,
+            inflight_per_replica=None if cfg.fleet.inflight_budget else cfg.fleet.max_num_seqs,
             default_run_weight=cfg.fleet.default_run_weight,
         )
         self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
@@ -235,6 +270,10 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         return self._app
+
+    def replica_draining(self, replica_id: str) -> None:
+        """A replica's node is going (it says so itself, `deployments.replica_notices`): route nothing more to it."""
+        mark_draining(replica_id)
 
     async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
         """`POST /v1/load_lora_adapter` for a DeploymentHandle caller: on every live replica or none."""

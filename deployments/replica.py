@@ -9,7 +9,9 @@ healthy, and a request for a committed version it somehow missed (published whil
 loads it on the spot: nobody has to remember to tell a new replica anything.
 
 Generations arrive as `contracts.serving.GenerateRequest`s and admin calls as `contracts.control`
-commands; failures leave as `ReplicaError`s, whose HTTP status the ingress answers with. Two classes, as
+commands; failures leave as `ReplicaError`s, whose HTTP status the ingress answers with. A replica's node
+may be going (a spot notice): it then takes no new work and hands its unfinished generations back
+(`deployments.replica_notices`, `deployments.inflight`). Two classes, as
 vLLM splits its `EngineCore` from the process that hosts it: `Replica` is the request path and the
 control calls over its parts (the engine, `deployments.engine`; the LoRA slots,
 `deployments.adapter_slots`), built from them and unit-tested with a stand-in engine; `VLLMReplica` is
@@ -25,13 +27,14 @@ import time
 from typing import Any
 
 from app.config import FleetConfig
-from contracts.adapters import adapter_name
 from contracts.control import (
     CacheReset,
     Command,
     DescribeEngine,
     EngineReport,
     ForgetRun,
+    HandBack,
+    HandedBack,
     ListAdapters,
     LoadAdapter,
     Pause,
@@ -49,6 +52,9 @@ from contracts.serving import PAUSE_MODES, BadRequest, Generated, GenerateReques
 from deployments.adapter_slots import AdapterSlots
 from deployments.adapter_sources import AdapterSources
 from deployments.engine import Engine, sampling_params
+from deployments.inflight import InFlight
+from deployments.replica_notices import ReplicaNotices
+from deployments.warm_start import adapters_to_serve
 
 log = logging.getLogger("ray.serve")
 
@@ -61,17 +67,23 @@ class Replica:
     def __init__(self, replica_id: str, engine: Engine, slots: AdapterSlots, pause_lease_s: float):
         self.replica_id, self.engine, self.slots, self.pause_lease_s = replica_id, engine, slots, pause_lease_s
         self._pause_lease: asyncio.Task | None = None
+        self.inflight = InFlight(engine)
+        self.notices: ReplicaNotices | None = None  # watching its node: `VLLMReplica`
 
     async def generate(self, request: GenerateRequest) -> Generated:
         """Sample completions of a token-id prompt under `request.model`, the base model's name or an adapter's."""
         self._check_engine()
+        if self.notices is not None:
+            self.notices.check_accepting()
         params = sampling_params(request.sampling)  # first: a request vLLM refuses loads no adapter
-        async with self.slots.use(request.model) as lora:
-            choices = await self.engine.sample(request.prompt_ids, params, lora)
+        with self.inflight.track(request.model, request.sampling.n) as request_id:
+            async with self.slots.use(request.model) as lora:
+                choices = await self.engine.sample(request.prompt_ids, params, lora, request_id)
+            handed_back = self.inflight.was_handed_back(request_id)
         if choices is None:  # aborted before any output, e.g. by /pause?mode=abort
             # 503 but not ReplicaUnavailable: the abort was asked for, so the ingress must not send it elsewhere.
             raise ReplicaError(f"replica {self.replica_id}: the request was aborted", 503)
-        return Generated(self.replica_id, choices)
+        return Generated(self.replica_id, choices, handed_back)
 
     async def control(self, command: Command) -> Any:
         """Every admin call of the ingress (`contracts.control`): the command's typed reply."""
@@ -93,6 +105,8 @@ class Replica:
                 return await self.pause(mode)
             case Resume():
                 return await self.resume()
+            case HandBack(model=model):
+                return HandedBack(self.replica_id, await self.inflight.hand_back(model))
             case ResetPrefixCache():
                 return CacheReset(self.replica_id, await self.engine.reset_prefix_cache())
             case ReportEngine():
@@ -184,11 +198,12 @@ class VLLMReplica(Replica):
             slot_wait_s=fleet.lora_slot_wait_s,
         )
         super().__init__(replica_id, engine, slots, fleet.pause_lease_s)
-        # The versions the fleet serves (`app.weight_sync` decides which), oldest first.
-        loaded = [adapter_name(version) for version in await sources.to_serve()]
-        for name in loaded:
-            await slots.load(name, name)
-        await sources.tidy()  # what an earlier replica of this node left of the fleet's own versions
+        # Before it takes traffic: the fleet's own versions and every registered run's, each lineage's window.
+        loaded = await adapters_to_serve(cfg, sources, bucket_url)
+        for name, ref in loaded:
+            await slots.load(name, ref)
+        await sources.tidy()  # what an earlier replica of this node left that nothing loaded now holds
+        self.notices = ReplicaNotices(replica_id, self.inflight, cfg.spot, self._tell_ingress).watch()
         log.info(
             "VLLMReplica %s ready in %.1fs (block %d, max_loras %d, CPU bind %s), adapters %s",
             replica_id,
@@ -196,8 +211,17 @@ class VLLMReplica(Replica):
             engine.block_size,
             cfg.max_loras,
             os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-"),
-            loaded,
+            [name for name, _ in loaded],
         )
+
+    async def _tell_ingress(self) -> None:
+        """This replica drains: the ingress's routers route nothing more to it (`deployments.replica_notices`)."""
+        from ray import serve
+
+        from deployments.fleet import INGRESS_DEPLOYMENT
+
+        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, self.cfg.fleet.app_name)
+        await handle.replica_draining.remote(self.replica_id)
 
     # ---- Serve hooks ------------------------------------------------------------------------------------
 
@@ -212,11 +236,22 @@ class VLLMReplica(Replica):
             }
         }
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Read by the router every `request_routing_stats_period_s`: a draining replica is routed nothing."""
+        return {"draining": self.notices is not None and self.notices.draining}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the fleet autoscales on (`deployments.autoscaling`): sequences in flight, running or waiting."""
+        return {"sequences": float(self.inflight.sequences)}
+
     async def check_health(self) -> None:
         if self.engine.errored:
             raise RuntimeError(f"vLLM engine of replica {self.replica_id} is dead: {self.engine.dead_error}")
 
     def __del__(self):
+        notices = getattr(self, "notices", None)
+        if notices is not None:
+            notices.stop()
         engine = getattr(self, "engine", None)  # None when the engine failed to start
         if engine is not None:
             engine.shutdown()

@@ -16,6 +16,10 @@ Counters (routed / affinity / spilled / unmatched, per replica) are Ray metrics 
 `GET /router/stats`, a snapshot that the ingress reads in-process: the router lives inside the
 ingress replica, as part of its handle to the vLLM deployment. A replica that leaves takes its row
 with it (its counts join one `retired` sum), so the snapshot's size follows the live fleet.
+
+A replica whose node is going (a spot notice) is routed nothing more while another one is live: the
+ingress marks it the moment the replica says so (`mark_draining`, `deployments.replica_notices`), and the
+replica's routing stats say so too. Serve keeps it among the candidates until its replacement runs.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class PrefixHashRouter(RequestRouter):
         self._table = PrefixTable(self._settings["max_table_entries"])
         self._rng = random.Random(seed)
         self._inflight: dict[str, int] = {}
+        self._draining: set[str] = set()  # replicas whose node is going: routed nothing while another is live
         self._lock = threading.Lock()  # counters are read by the ingress's loop, written by the router's
         self._counts: dict[str, dict[str, int]] = {}
         # What replicas that left (died, drained, scaled down) had counted: kept as one sum, so that the totals and
@@ -94,6 +99,8 @@ class PrefixHashRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        staying = [r for r in candidate_replicas if not self._is_draining(r)]
+        candidate_replicas = staying or candidate_replicas
         by_id = {_rid(r): r for r in candidate_replicas}
         loads = {rid: self._inflight.get(rid, 0) for rid in by_id}
         request = _generate_request(pending_request)
@@ -130,6 +137,16 @@ class PrefixHashRouter(RequestRouter):
         self._metrics.record(decision, len(self._table))
         return decision
 
+    def _is_draining(self, replica: RunningReplica) -> bool:
+        stats = getattr(replica, "routing_stats", None) or {}
+        return _rid(replica) in self._draining or bool(stats.get("draining"))
+
+    def mark_draining(self, replica_id: str) -> None:
+        """The replica's node is going: route nothing more to it while another replica is live."""
+        if replica_id not in self._draining:
+            self._draining.add(replica_id)
+            log.warning("PrefixHashRouter: replica %s drains (its node is going); routing around it", replica_id)
+
     # ---- load bookkeeping: requests this router has in flight on each replica ----------------------
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
@@ -160,6 +177,7 @@ class PrefixHashRouter(RequestRouter):
         if not gone:
             return
         self._table.forget(gone)
+        self._draining -= gone
         with self._lock:
             for rid in gone:
                 self._inflight.pop(rid, None)
@@ -188,7 +206,12 @@ class PrefixHashRouter(RequestRouter):
         live = {_rid(r) for r in self._replica_id_set}
         with self._lock:
             replicas = {
-                rid: {**counts, "inflight": self._inflight.get(rid, 0), "live": rid in live}
+                rid: {
+                    **counts,
+                    "inflight": self._inflight.get(rid, 0),
+                    "live": rid in live,
+                    "draining": rid in self._draining,
+                }
                 for rid, counts in self._counts.items()
             }
             turns = {k: dict(v) for k, v in self._turns.items()}
@@ -198,6 +221,7 @@ class PrefixHashRouter(RequestRouter):
                 **dict.fromkeys(("routed", *OUTCOMES), 0),
                 "inflight": self._inflight.get(rid, 0),
                 "live": True,
+                "draining": rid in self._draining,
             }
         return {
             "settings": dict(self._settings),
@@ -246,6 +270,12 @@ class _RouterMetrics:
         self._entries.set(table_entries, {"application": self._application})
 
 
+def mark_draining(replica_id: str) -> None:
+    """Tell every PrefixHashRouter in this process (the ingress's) that replica `replica_id` drains."""
+    for router in list(_ROUTERS):
+        router.mark_draining(replica_id)
+
+
 def router_stats() -> dict[str, Any]:
     """Counters of every PrefixHashRouter in this process (the ingress has one per vLLM handle)."""
     merged: dict[str, Any] = {"router": "PrefixHashRouter", "settings": None, "table_entries": 0, "replicas": {}}
@@ -263,11 +293,12 @@ def router_stats() -> dict[str, Any]:
                 into[key] += counts[key]
         for rid, counts in snap["replicas"].items():
             into = merged["replicas"].setdefault(
-                rid, {**dict.fromkeys(("routed", *OUTCOMES, "inflight"), 0), "live": False}
+                rid, {**dict.fromkeys(("routed", *OUTCOMES, "inflight"), 0), "live": False, "draining": False}
             )
             for key in ("routed", *OUTCOMES, "inflight"):
                 into[key] += counts[key]
             into["live"] = into["live"] or counts["live"]
+            into["draining"] = into["draining"] or counts["draining"]
     merged["retired"] = retired  # the counts of replicas no longer in the fleet, summed
     totals = dict(retired)
     for counts in merged["replicas"].values():

@@ -16,6 +16,16 @@ os.environ.setdefault("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _figures_past_capture(request):
+    """Fault tests print their recovery figures into `make test`'s output (`tests.spot_cluster.report`)."""
+    from tests import spot_cluster
+
+    spot_cluster.PYTEST["config"] = request.config
+    yield
+    spot_cluster.PYTEST.clear()
+
+
 @pytest.fixture(scope="session")
 def default_config():
     from app.config import load_config

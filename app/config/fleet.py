@@ -33,6 +33,32 @@ def slots_needed(windows: list[int]) -> int:
     return sum(windows) + 1
 
 
+class AutoscalingSettings(Section):
+    """Ray Serve sizes the replica deployment on the sequences in flight per replica (`deployments.autoscaling`); Ray's
+    autoscaler brings the nodes for it (cluster.yaml's rollout groups, min_workers to max_workers)."""
+
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas the fleet shrinks to.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas the fleet grows to.")
+    target_sequences: float = Field(
+        128.0,
+        gt=0,
+        description="Sequences in flight per replica (running or waiting in its engine) the fleet is sized for.",
+    )
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="How long the load must call for more replicas before one is added."
+    )
+    downscale_delay_s: float = Field(
+        300.0, ge=0, description="How long the load must call for fewer replicas before one is removed."
+    )
+    look_back_period_s: float = Field(30.0, gt=0, description="Window the sequences in flight are averaged over.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingSettings:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("fleet.autoscaling.max_replicas must be >= fleet.autoscaling.min_replicas")
+        return self
+
+
 class FleetSettings(Section):
     """How a fleet runs: its replicas and engines, its slots, its front door, its limits and its tenants.
 
@@ -44,7 +70,12 @@ class FleetSettings(Section):
     # Assignment errors (cfg.fleet.admin_token = ...) would otherwise quote the rejected token.
     model_config = ConfigDict(hide_input_in_errors=True)
 
-    num_replicas: int = Field(2, ge=1, description="vLLM replicas (one engine each).")
+    num_replicas: int = Field(
+        2, ge=1, description="vLLM replicas (one engine each); with autoscaling, how many the fleet starts with."
+    )
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="Grow and shrink the fleet with its load (None: num_replicas, always)."
+    )
     router: RouterConfig = Field(default_factory=RouterConfig, description="Prefix-hash router settings.")
     max_loras: int | None = Field(
         None,
@@ -214,6 +245,12 @@ def check_fleet(model: ModelConfig, fleet: FleetSettings, max_loras: int, max_st
     fleet section are both checked against."""
     if fleet.max_num_batched_tokens < model.max_model_len:
         raise ValueError("fleet.max_num_batched_tokens must be >= model.max_model_len (one prompt per engine step)")
+    scaling = fleet.autoscaling
+    if scaling is not None and not scaling.min_replicas <= fleet.num_replicas <= scaling.max_replicas:
+        raise ValueError(
+            "fleet.num_replicas (the replicas the fleet starts with) must lie within fleet.autoscaling.min_replicas "
+            f"and max_replicas ({scaling.min_replicas}..{scaling.max_replicas})"
+        )
     if max_loras < slots_needed([max_staleness + 1]):
         raise ValueError(
             f"fleet.max_loras must be >= max_staleness + 2 = {max_staleness + 2} "

@@ -145,3 +145,13 @@ class SpotConfig(Section):
         30.0, gt=0, description="A SIGTERM is a notice of this many seconds (Kubernetes' default grace period)."
     )
     drain_node: bool = Field(True, description="Drain a noticed node in Ray (reason preemption, with the deadline).")
+    deadline_margin_s: float = Field(
+        5.0,
+        ge=0,
+        description="The learner starts or finishes a step only if it and a checkpoint end this long before the deadline.",
+    )
+    handback_margin_s: float = Field(
+        10.0,
+        ge=0,
+        description="A noticed replica hands its unfinished generations back to the ingress this long before the deadline.",
+    )

@@ -16,18 +16,24 @@ worker that died between steps is noticed at the next one: restarted, it answers
 `learner/restarts` in the metrics counts these recoveries, and `step` tells how far the learner
 fell back (to its last checkpoint). An error raised by the training code itself is not retried (it
 would fail again) but the group is still reset so that it can be used afterwards.
+
+A spot notice warns first (`app.learner.notices`): rank 0 watches its node, every step from then on is
+committed, and a step the deadline leaves no time for is abandoned; the group then waits for the node to go
+and trains the same batch on the restarted ranks, which resume exactly where the abandoned step began.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from app.config import RunConfig
+from app.learner.notices import OUTLIVED_S
 from app.learner.rank import LearnerRank, NotStarted
 from app.messages import ResumePoint, StepResult
 from contracts.rollouts import RolloutBatch
@@ -35,6 +41,7 @@ from contracts.rollouts import RolloutBatch
 log = logging.getLogger(__name__)
 
 RESTART_TIMEOUT_S = 600.0
+MAX_RETRIES = 2  # of one step: a worker's death, or an abandoned step and the node's loss after it
 PLACEMENT_TIMEOUT_S = 900.0
 _DEAD = RayActorError  # ActorDiedError, ActorUnavailableError and their kin
 
@@ -56,9 +63,33 @@ class LearnerRankActor(LearnerRank):
         # Ray reserves CPUs per actor but does not stop torch from starting a thread per core.
         torch.set_num_threads(max(1, int(cfg.learner.num_cpus_per_worker)))
         super().__init__(cfg, model_path, rank, world_size, fleet_url, fleet_token)
+        # The notice watcher's thread commits an idle learner at once: a step and a checkpoint hold this lock.
+        self._busy = threading.RLock()
+        self.notices.watch(rank, on_notice=self._commit_if_idle)
+
+    def train_step(self, batch):
+        with self._busy:
+            return super().train_step(batch)
+
+    def save_checkpoint(self) -> float:
+        with self._busy:
+            return super().save_checkpoint()
+
+    def _commit_if_idle(self) -> None:
+        """A notice came between steps: commit now (one rank alone; several ranks commit together, collectively,
+        before their next step)."""
+        if self.world_size == 1 and self.is_started() and self._busy.acquire(blocking=False):
+            try:
+                self.save_checkpoint()
+            finally:
+                self._busy.release()
 
     def ping(self) -> int:
         return self.rank
+
+    def is_started(self) -> bool:
+        """False for a worker Ray restarted (its node went) that the group has not resumed yet."""
+        return self._started
 
     def rendezvous_address(self) -> tuple[str, int]:
         """An address of this node and a free port on it, for torch.distributed's TCP rendezvous."""
@@ -77,6 +108,7 @@ class LearnerGroup:
 
         self.cfg = cfg
         self.restarts = 0
+        self.abandoned = 0  # steps a spot notice left no time for, trained again on the node's replacement
         self.last_resume: ResumePoint | None = None  # what the ranks resumed from at the last recovery
         lcfg = cfg.learner
         n = lcfg.num_workers
@@ -156,6 +188,9 @@ class LearnerGroup:
         self.restarts += 1
         self._setup()
         self.last_resume = self.start()
+        log.warning(
+            "learner resumed at step %s, policy version %s", self.last_resume.step, self.last_resume.policy_version
+        )
         return self.last_resume
 
     def _dead_ranks(self, refs_by_rank: list) -> set[int]:
@@ -184,29 +219,53 @@ class LearnerGroup:
         `learner/restarts` and `learner/resumed_step`."""
         # One copy in the object store, however many ranks read it.
         batch_ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        resumed_step = None
-        for attempt in range(2):
+        resumed, retries = None, 0
+        while True:
             refs = [w.train_step.remote(batch_ref) for w in self.workers]
             try:
                 self._wait_all(refs)
             except (_DEAD, NotStarted) as exc:  # died during the step, or between steps (Ray restarted it)
-                if attempt == 1:
+                if retries == MAX_RETRIES:
                     raise
+                retries += 1
                 log.warning("a learner worker died (%s); restarting the group from the bucket", type(exc).__name__)
                 resumed = self._reset(self._dead_ranks(refs))
-                resumed_step = resumed.step
-                log.warning("learner resumed at step %s, policy version %s", resumed_step, resumed.policy_version)
                 continue
             except RayTaskError:
                 if len(self.workers) > 1:  # peers of the failed rank are stuck in a collective
                     self._reset(self._dead_ranks(refs))
                 raise
             result = ray.get(refs[0])
-            result.metrics["learner/restarts"] = float(self.restarts)
-            if resumed_step is not None:
-                result.metrics["learner/resumed_step"] = float(resumed_step)
+            if result.abandoned and retries < MAX_RETRIES:
+                retries += 1
+                self.abandoned += 1
+                resumed = self._outlive(result.node_deadline) or resumed
+                continue
+            result.metrics.update(
+                {"learner/restarts": float(self.restarts), "learner/abandoned": float(self.abandoned)}
+            )
+            if resumed is not None:
+                result.metrics["learner/resumed_step"] = float(resumed.step)
             return result
-        raise AssertionError("unreachable")
+
+    def _outlive(self, deadline: float | None) -> ResumePoint | None:
+        """After an abandoned step: wait for the noticed node to go (a worker dead, or restarted by Ray and not yet
+        resumed), then restart the group from the bucket; None when every worker outlived the deadline (the node
+        stayed after all: they train on)."""
+        until = (deadline or time.time()) + OUTLIVED_S + 5.0
+        log.warning("learner: waiting for the noticed node to go, to train the abandoned step on its replacement")
+        while time.time() < until:
+            gone = set()
+            for i, w in enumerate(self.workers):
+                try:
+                    if not ray.get(w.is_started.remote(), timeout=10):
+                        gone.add(i)
+                except (_DEAD, GetTimeoutError):
+                    gone.add(i)
+            if gone:
+                return self._reset(gone)
+            time.sleep(1.0)
+        return None
 
     def checkpoint(self) -> float:
         """Commit the learner's whole state to the bucket now (a collective: every rank takes part); seconds taken."""

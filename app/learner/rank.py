@@ -30,6 +30,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ from app.learner.model import (
     mixed_precision_policy,
     uses_fsdp,
 )
+from app.learner.notices import LearnerNotices, StepAbandoned
 from app.learner.packing import MicroBatch, TrainSample, batch_metrics, pack, pad, samples_from_groups, shard
 from app.learner.perf import Stopwatch, device_name, peak_flops, step_perf_metrics
 from app.learner.state import (
@@ -97,6 +99,8 @@ class LearnerRank:
         self._started = False
         self._fsdp = uses_fsdp(world_size, cfg.learner.device)
         self._tmp = Path(tempfile.mkdtemp(prefix=f"spotrl-learner-r{rank}-"))
+        self.notices = LearnerNotices(getattr(cfg, "spot", None))  # watching starts in Ray (`app.learner.group`)
+        self._checkpointed_step: int | None = None
 
     # ---- set-up -----------------------------------------------------------------------------------
 
@@ -140,6 +144,7 @@ class LearnerRank:
             folder = self.checkpoints.load(step, self._tmp / f"ckpt-{step}-{time.monotonic_ns()}")
             self.state = read_state(folder)
             self._consumed = self.state.consumed()
+            self._checkpointed_step = step
             load_adapter_weights(self.model, folder / ADAPTER_DIR)
         self.prepare_training()
         if folder is not None:
@@ -200,10 +205,11 @@ class LearnerRank:
         logp, entropy = out.logits  # [2, targets]: what LogProbHead returns in place of the logits
         return logp, entropy.detach()
 
-    def forward_backward(self, groups: list[Group]) -> dict:
+    def forward_backward(self, groups: list[Group], stop: Callable[[], bool] | None = None) -> dict:
         """Accumulate the gradient of the objectives' loss over these groups into `.grad` (no optimizer step).
 
         Returns the batch, loss and timing metrics of the pass, reduced over ranks (every rank must call).
+        `stop`, asked before each micro-batch (every rank alike), abandons the pass (`StepAbandoned`).
         """
         batches, metrics = self.plan(groups)
         if not batches:
@@ -216,6 +222,8 @@ class LearnerRank:
         self.model.train()
         with watch("fwd_bwd"):
             for mb in shard(batches, self.rank, self.world_size, self.pad_id):
+                if stop is not None and stop():
+                    raise StepAbandoned
                 mb = mb.to(self.device)
                 logp, entropy = self._forward(mb)
                 loss, mb_stats = self.objectives.loss(logp, entropy, mb.streams, normalizers)
@@ -232,16 +240,28 @@ class LearnerRank:
         return metrics
 
     def train_step(self, batch: RolloutBatch) -> StepResult:
-        """One optimizer step on the batch's groups not yet trained on; publish and checkpoint on schedule."""
+        """One optimizer step on the batch's groups not yet trained on; publish and checkpoint on schedule (after
+        every step once the node got a spot notice; a step the notice leaves no time for is abandoned)."""
         if not self._started:
             raise NotStarted("call start() before train_step()")
         t_step = time.perf_counter()
         g, lcfg = self.cfg.grpo, self.cfg.learner
+        noticed, fits = self._rank0_decides((self.notices.noticed, self.notices.step_fits()))
+        if noticed:
+            self.save_checkpoint()  # at once, unless this step is committed already
+            if not fits:
+                return self._abandon(batch)
         fresh = [grp for grp in batch.groups if grp.group_id not in self._consumed]
         if batch.data_cursor is not None:
             json.dumps(batch.data_cursor)  # it goes into the checkpoint's JSON: fail here, not at save time
             self.state.data_cursor = batch.data_cursor
-        metrics = self.forward_backward(fresh)
+        # Each micro-batch asks whether the step can still end in time (rank 0 knows the deadline); several ranks
+        # ask only once noticed (it is a collective), so they act on a notice heard mid-step at the step's end.
+        late = lambda: self._rank0_decides(not self.notices.step_fits(time.perf_counter() - t_step))  # noqa: E731
+        try:
+            metrics = self.forward_backward(fresh, stop=late if noticed or self.world_size == 1 else None)
+        except StepAbandoned:
+            return self._abandon(batch)
         metrics["batch/skipped_groups"] = float(len(batch.groups) - len(fresh))
         if metrics["batch/trained_tokens"] == 0:  # all trained on before (or no completion tokens): no step
             self._mark_consumed(fresh, batch.data_cursor)
@@ -255,10 +275,21 @@ class LearnerRank:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
             if self.fleet_url:
                 metrics["weight_sync/fleet_load_failures"] = float(self.publisher.fleet_load_failures)
-        if self.state.step % lcfg.save_steps == 0:
-            metrics["perf/checkpoint_s"] = self.save_checkpoint()
-        metrics.update(self.perf_metrics(metrics, time.perf_counter() - t_step))
+        if self.state.step % lcfg.save_steps == 0 or self._rank0_decides(self.notices.noticed):
+            self.save_checkpoint()
+        self.notices.step_s = time.perf_counter() - t_step
+        metrics.update({**self.perf_metrics(metrics, self.notices.step_s), **self.notices.take_metrics()})
         return self._result(batch, fresh, metrics)
+
+    def _abandon(self, batch: RolloutBatch) -> StepResult:
+        """Drop the step under way (nothing of it trained), commit the state the last step left, and tell the group
+        the node's deadline: it trains the batch again on the replacement."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.save_checkpoint()
+        log.warning("spot: step %d abandoned: the node goes before it could end, committed", self.state.step + 1)
+        result = self._result(batch, [], {"spot/abandoned_step": 1.0, **self.notices.take_metrics()})
+        result.abandoned, result.node_deadline = True, self._rank0_decides(self.notices.deadline())
+        return result
 
     def optimizer_step(self) -> dict:
         """Clip the accumulated gradient, step AdamW and the schedule, clear the gradient; its metrics."""
@@ -325,7 +356,15 @@ class LearnerRank:
         return time.perf_counter() - t0
 
     def save_checkpoint(self) -> float:
-        """Commit the whole learner state to the bucket as `step-{step}`; returns seconds taken."""
+        """Commit the whole learner state to the bucket as `step-{step}` (unless it is there already); seconds taken."""
+        if self._checkpointed_step == self.state.step or self.state.step == 0:
+            return 0.0
+        seconds = self._write_checkpoint()
+        self._checkpointed_step = self.state.step
+        self.notices.checkpointed(seconds)
+        return seconds
+
+    def _write_checkpoint(self) -> float:
         t0 = time.perf_counter()
         adapter = full_adapter_state(self.model)
         optim = full_optimizer_state(self.model, self.optimizer)
@@ -349,29 +388,11 @@ class LearnerRank:
 
     # ---- inspection (tests, evaluation) ------------------------------------------------------------
 
-    @torch.no_grad()
     def score(self, groups: list[Group]) -> list[list[list[float]]]:
-        """The learner's log-prob of every trained token (every completion token of a single-turn sample, every
-        model token of an episode), at the sampling temperature, per group and sample.
+        """The learner's log-prob of every trained token, per group and sample (`app.learner.scoring`)."""
+        from app.learner.scoring import score_groups
 
-        Goes through the training path (same batching, same forward) without gradients. Each rank
-        forwards everything, so under FSDP every rank must call it, and each returns the full answer.
-        """
-        samples = samples_from_groups(groups)
-        batches, _ = self._batches(samples)
-        out: list[list[list[float]]] = [[[] for _ in grp.samples] for grp in groups]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for mb in batches:
-                logp, _ = self._forward(mb.to(self.device))
-                # Targets of one sample are laid out in order, so appending keeps each sample's tokens in order.
-                for index, value in zip(mb.target_sample.tolist(), logp.cpu().tolist(), strict=True):
-                    gi, si = samples[index].origin
-                    out[gi][si].append(value)
-        finally:
-            self.model.train(was_training)
-        return out
+        return score_groups(self, groups)
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole adapter (a collective under FSDP)."""
@@ -385,6 +406,7 @@ class LearnerRank:
         return self.state.resume_point()
 
     def close(self) -> None:
+        self.notices.stop()
         if self.publisher is not None:
             self.publisher.close()
         if self._fsdp and dist.is_initialized():

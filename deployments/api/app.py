@@ -57,7 +57,8 @@ def make_app(
     runs = runs if runs is not None else Runs.of(settings)
     gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight, is_run=runs.__contains__)
     tenancy = Tenancy(runs, records, backend, scrub, gate, own_lineage)
-    upkeep = Upkeep(tenancy, backend, gate)
+    membership = Membership(backend, settings.autoscaling)
+    upkeep = Upkeep(tenancy, backend, gate, membership, settings.inflight_per_replica)
     app = FastAPI(
         title="spotrl fleet",
         docs_url=None,
@@ -71,7 +72,6 @@ def make_app(
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
     callers = Callers(settings.admin_token, runs, settings.protect_inference)
-    membership = Membership(backend, settings.num_replicas)
     for routes in (
         InferenceRoutes(settings, callers, backend, gate, scrub),
         StatusRoutes(settings, callers, backend, membership, gate, runs),

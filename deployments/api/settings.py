@@ -25,7 +25,7 @@ class ApiSettings:
     admin_token: str | None = None
     bucket_url: str = ""  # where the fleet's own lineage (policy-vN) and its runs' prefixes are, credentials redacted
     protect_inference: bool = False
-    num_replicas: int = 1
+    autoscaling: tuple[int, int] | None = None  # (min_replicas, max_replicas) of an elastic fleet
     limits: RequestLimits = field(default_factory=lambda: RequestLimits.of(FleetSettings()))
     max_loras: int = 4  # LoRA slots per engine: how many runs fit (`deployments.control.runs`)
     max_staleness: int = 2  # the window (+ 1) of a run that states none, and of the fleet's own lineage
@@ -33,4 +33,6 @@ class ApiSettings:
     run_idle_timeout_s: float = 600.0  # a run silent for this long is released
     # Generations in flight on the fleet at once, shared by run weight (`deployments.control.fair_share`).
     inflight_budget: int = field(default_factory=lambda: FleetConfig().inflight_limit)
+    # Places per live replica (its engine's max_num_seqs) when no fixed budget is set: the budget follows the fleet.
+    inflight_per_replica: int | None = None
     default_run_weight: float = 1.0

@@ -54,7 +54,8 @@ class StatusRoutes(Routes):
         return {
             "vllm_config": info if config_format == "json" else json.dumps(info),
             "spotrl": {
-                "num_replicas": self.membership.configured,
+                "num_replicas": await self.membership.live(),
+                "autoscaling": self.membership.autoscaling(),
                 "base_model": self.settings.base_model,
                 "base_fingerprint": self.settings.base_fingerprint,
                 "bucket_url": self.settings.bucket_url,

@@ -220,6 +220,13 @@ class FairShare:
         if self._metrics is not None:
             self._metrics.forget(tenant)
 
+    def resize(self, budget: int) -> None:
+        """The fleet grew or shrank: `budget` places from now on (places beyond it are given back as they end)."""
+        if budget < 1:
+            raise ValueError(f"budget: {budget}, expected at least 1")
+        self.budget = budget
+        self._dispatch()
+
     def report_slots(self, held: Mapping[str, int]) -> None:
         """Set each run's slots gauge to the LoRA slots its adapters hold on the fullest engine (`held`, from a
         listing of the replicas just made); a run that held some at the last report and holds none now reports 0."""

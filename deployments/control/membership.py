@@ -1,8 +1,10 @@
-"""Replica membership: how many replicas the fleet is meant to have, and how many answer now.
+"""Replica membership: how many replicas answer now, and within which bounds the fleet may grow and shrink.
 
-Serve keeps the fleet at its configured size, bringing back a replica that died (a preempted node); the
-live count is what answers a ping right now. `/server_info` reports the configured size (what the fleet
-is), `/health` the live count (what it can do now), which `deployments.fleet.wait_healthy` waits on.
+The fleet's size is not a constant: Serve brings back a replica that died (a preempted node), starts a
+replacement before a noticed node goes, and with `fleet.autoscaling` grows and shrinks the fleet with its
+load. What counts is what answers a ping right now: `/health` and `/server_info` report it, and the fair
+share's budget follows it (`deployments.control.upkeep`); nothing reads the configured `num_replicas` once
+the fleet runs. `deployments.fleet.wait_healthy` waits on `/health`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from deployments.control.errors import ApiError
 @dataclass(frozen=True)
 class Membership:
     backend: Backend
-    configured: int  # `fleet.num_replicas`
+    bounds: tuple[int, int] | None = None  # (min_replicas, max_replicas) when the fleet autoscales
 
     async def live(self) -> int:
         """The replicas whose engine answers a ping; a 503 when none does."""
@@ -25,3 +27,7 @@ class Membership:
         if not live:
             raise ApiError(503, "no live replica")
         return len(live)
+
+    def autoscaling(self) -> dict[str, int] | None:
+        """`/server_info`'s bounds of an elastic fleet; None for a fleet of a fixed size."""
+        return None if self.bounds is None else {"min_replicas": self.bounds[0], "max_replicas": self.bounds[1]}

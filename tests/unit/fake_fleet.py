@@ -119,7 +119,6 @@ def api_settings(**overrides):
         decode=lambda ids: "".join(inverse.get(i, "?") for i in ids),
         chat_ids=lambda messages, add: [vocab[c] for m in messages for c in m["content"]] + ([26] if add else []),
         admin_token=TOKEN,
-        num_replicas=2,
     )
     settings.update(overrides)
     return ApiSettings(**settings)

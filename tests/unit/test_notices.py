@@ -126,6 +126,25 @@ def test_sigterm_is_a_notice_with_its_grace_and_the_previous_handler_still_runs(
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_process_that_must_checkpoint_first_lives_on_after_its_first_sigterm():
+    """The learner's (`chain_sigterm=False`): the first SIGTERM is a notice only, the second does what SIGTERM did."""
+    earlier: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: earlier.append(signum))
+    try:
+        seen: list[Notice] = []
+        NoticeWatcher([seen.append], sources=[], sigterm_grace_s=30.0, chain_sigterm=False)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [n.source for n in seen] == ["sigterm"] and earlier == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert earlier == [signal.SIGTERM] and len(seen) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_drivers_first_sigterm_is_a_notice_and_a_second_stops_at_once(monkeypatch):
     from app.config import SpotConfig
     from app.spot import DriverNotices

@@ -193,3 +193,31 @@ def test_router_stats_stay_the_size_of_the_live_fleet_through_churn(patched_repl
     assert list(stats["replicas"]) == ["r50"] and stats["retired"]["routed"] == 50
     merged = router_stats()
     assert merged["totals"]["routed"] >= 50 and "r0" not in merged["replicas"]
+
+
+def test_a_draining_replica_is_routed_nothing_while_another_is_live(patched_replicas):
+    asyncio.run(_draining_replica())
+
+
+async def _draining_replica():
+    from deployments.router import mark_draining
+
+    router = _router()
+    a, b, c = (_FakeReplica(n, {"router": {"block_size": 16}}) for n in "abc")
+    router.update_replicas([a, b, c])
+    prompt = list(range(64))
+    first = (await router.choose_replicas([a, b, c], _pending(prompt)))[0][0]
+    mark_draining(first.replica_id.unique_id)  # the ingress heard from the replica (or from its refusal)
+    other = next(r for r in (a, b, c) if r is not first)
+    other.routing_stats = {"draining": True}  # a replica's own routing stats say so too
+    (staying,) = [r for r in (a, b, c) if r is not first and r is not other]
+    for _ in range(4):  # the group's affinity would keep it on `first`
+        ranks = await router.choose_replicas([a, b, c], _pending(prompt))
+        assert [[r.replica_id for r in rank] for rank in ranks] == [[staying.replica_id]]
+    stats = router.stats()["replicas"]
+    assert stats[first.replica_id.unique_id]["draining"]
+    alone = await router.choose_replicas([first], _pending(prompt))  # nothing else live: better it than nothing
+    assert alone == [[first]]
+    router.update_replicas([a, b, c])
+    router.update_replicas([r for r in (a, b, c) if r is not first])  # it left: forgotten
+    assert first.replica_id.unique_id not in router._draining

@@ -1,0 +1,69 @@
+"""A replica's generations in flight: how many sequences they hold, and cutting them short with what they have so far.
+
+Two jobs need the same bookkeeping. The fleet autoscales on sequences in flight per replica (each request counts
+its `n`: `deployments.autoscaling`), and a replica whose node is going hands its unfinished generations back to
+the ingress before the node goes (`deployments.replica_notices`), which continues each one elsewhere from its
+tokens so far (`deployments.handback`). Handing back is vLLM's abort, which keeps a request's partial output
+(token ids and their log-probs, every choice of an n > 1 request): the generation's caller gets those choices,
+finish reason `contracts.serving.ABORTED`, marked handed back. Partial rollouts reuse it: `hand_back(model)` cuts
+only the generations under one adapter version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from deployments.engine import Engine
+
+
+@dataclass
+class _Generation:
+    model: str
+    sequences: int
+
+
+class InFlight:
+    """The generations `engine` serves now, by request id."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._generations: dict[str, _Generation] = {}
+        self._handed_back: set[str] = set()
+
+    @contextlib.contextmanager
+    def track(self, model: str, sequences: int) -> Iterator[str]:
+        """A generation of `sequences` sequences under `model`, in flight until the block ends; yields the request id
+        to hand the engine (`Engine.sample`)."""
+        request_id = uuid.uuid4().hex
+        self._generations[request_id] = _Generation(model, sequences)
+        try:
+            yield request_id
+        finally:
+            del self._generations[request_id]
+
+    def was_handed_back(self, request_id: str) -> bool:
+        """Whether `hand_back` cut this generation short (asked once, as it ends)."""
+        if request_id in self._handed_back:
+            self._handed_back.discard(request_id)
+            return True
+        return False
+
+    @property
+    def requests(self) -> int:
+        return len(self._generations)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences in flight (a request of n samples counts n), running or waiting in the engine."""
+        return sum(g.sequences for g in self._generations.values())
+
+    async def hand_back(self, model: str | None = None) -> int:
+        """Cut short the generations in flight (all, or those under `model`): each answers its tokens so far,
+        marked handed back. Returns how many were cut."""
+        ids = [rid for rid, g in self._generations.items() if model is None or g.model == model]
+        self._handed_back.update(ids)
+        await self.engine.abort(ids)
+        return len(ids)

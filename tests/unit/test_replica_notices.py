@@ -1,0 +1,161 @@
+"""A replica whose node is going (`deployments.replica_notices`, `deployments.inflight`) without an engine: the
+generations in flight cut short with their tokens so far (`HandBack`, also the partial-rollouts machinery), new
+ones refused as draining, the ingress told, and what still runs at the deadline handed back, not before."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from app.config import SpotConfig
+from contracts.control import HandBack, HandedBack
+from contracts.notices import Notice
+from contracts.serving import ABORTED, GenerateRequest, ReplicaDraining, ReplicaUnavailable, Sampling
+from deployments.replica import Replica
+from deployments.replica_notices import ReplicaNotices
+from tests.unit.replica_parts import BASE_MODEL, REPLICA, StandInLLM, adapter_slots
+
+
+class StreamingLLM(StandInLLM):
+    """Samples token 7 every `step_s` per choice, up to max_tokens; an aborted request answers what it has, as vLLM's
+    abort output does (token ids and log-probs of every choice, finish reason "abort")."""
+
+    def __init__(self, step_s: float = 0.01):
+        super().__init__()
+        self.step_s, self.aborted = step_s, set()
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        made, reason = 0, "length"
+        while made < params.max_tokens:
+            if request_id in self.aborted:
+                reason = "abort"
+                break
+            await asyncio.sleep(self.step_s)
+            made += 1
+        entry = {7: SimpleNamespace(logprob=-0.5, rank=1)}
+        outputs = [
+            SimpleNamespace(
+                index=i, token_ids=[7] * made, logprobs=[entry] * made, finish_reason=reason, stop_reason=None
+            )
+            for i in range(params.n)
+        ]
+        yield SimpleNamespace(outputs=outputs)
+
+    async def abort(self, request_ids):
+        self.aborted.update(request_ids)
+
+
+def _replica(tmp_path, llm) -> Replica:
+    slots = adapter_slots(tmp_path, llm)
+    return Replica(REPLICA, slots.engine, slots, 60.0)
+
+
+def _request(n=2, max_tokens=1000) -> GenerateRequest:
+    return GenerateRequest([1, 2, 3], BASE_MODEL, Sampling(n=n, max_tokens=max_tokens, logprobs=0))
+
+
+def test_hand_back_cuts_generations_short_with_their_tokens_and_log_probs(tmp_path):
+    async def scenario():
+        replica = _replica(tmp_path, StreamingLLM())
+        long, short = asyncio.create_task(replica.generate(_request())), replica.generate(_request(n=1, max_tokens=3))
+        finished = await short
+        await asyncio.sleep(0.1)
+        assert replica.inflight.sequences == 2 and replica.inflight.requests == 1  # n counts: what autoscaling sees
+        assert await replica.control(HandBack(model="policy-v9")) == HandedBack(REPLICA, 0)  # another version's only
+        assert await replica.control(HandBack()) == HandedBack(REPLICA, 1)
+        return finished, await long, replica
+
+    finished, cut, replica = asyncio.run(scenario())
+    assert not finished.handed_back and finished.choices[0].finish_reason == "length"
+    assert cut.handed_back and [c.finish_reason for c in cut.choices] == [ABORTED, ABORTED]
+    made = len(cut.choices[0].token_ids)
+    assert 0 < made < 1000 and cut.choices[1].logprobs == [-0.5] * made
+    assert replica.inflight.sequences == 0
+
+
+def _notices(replica: Replica, told: list, **spot) -> ReplicaNotices:
+    async def tell_ingress():
+        told.append(time.monotonic())
+
+    return ReplicaNotices(REPLICA, replica.inflight, SpotConfig(drain_node=False, **spot), tell_ingress)
+
+
+def test_a_draining_replica_refuses_new_work_tells_the_ingress_and_hands_back_at_deadline_less_margin(tmp_path):
+    async def scenario():
+        replica, told = _replica(tmp_path, StreamingLLM()), []
+        replica.notices = notices = _notices(replica, told, handback_margin_s=10.0)
+        running = asyncio.create_task(replica.generate(_request()))
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        draining = asyncio.create_task(notices.drain(Notice("gcp", time.time() + 10.5)))  # hand back 0.5 s from now
+        await asyncio.sleep(0.01)
+        with pytest.raises(ReplicaDraining) as refused:
+            await replica.generate(_request())
+        await draining
+        return start, told, await running, refused.value, notices
+
+    start, told, cut, refused, notices = asyncio.run(scenario())
+    assert isinstance(refused, ReplicaUnavailable) and refused.replica == REPLICA  # the ingress sends it elsewhere
+    assert told and told[0] - start < 0.1  # the ingress heard at once
+    assert cut.handed_back and notices.handed_back == 1
+    assert all(c.finish_reason == ABORTED for c in cut.choices)
+
+
+def test_generations_that_end_before_the_deadline_are_not_handed_back(tmp_path):
+    async def scenario():
+        replica = _replica(tmp_path, StreamingLLM())
+        notices = _notices(replica, [], handback_margin_s=1.0)
+        running = asyncio.create_task(replica.generate(_request(max_tokens=20)))
+        await asyncio.sleep(0.01)
+        await notices.drain(Notice("aws", time.time() + 120.0))  # returns as soon as nothing runs
+        return await running, notices
+
+    done, notices = asyncio.run(scenario())
+    assert not done.handed_back and done.choices[0].finish_reason == "length" and notices.handed_back == 0
+
+
+def test_draining_errors_keep_the_replica_through_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ReplicaDraining("its node is going", "r7")))
+    assert isinstance(err, ReplicaUnavailable) and err.replica == "r7" and err.status == 503
+
+
+def test_a_new_replica_loads_every_lineages_pinned_versions_before_it_takes_traffic(tmp_path):
+    """A replacement, or one the autoscaler added mid-run: the fleet's own newest versions and every registered run's
+    window (`deployments.warm_start`), read from the bucket; each loads into its LoRA slots."""
+    from app.bucket.records import RunRecords
+    from app.bucket.store import AdapterStore
+    from app.config import load_fleet_config
+    from contracts.adapters import run_prefix
+    from deployments.warm_start import adapters_to_serve
+    from tests.unit.replica_parts import adapter_folder
+
+    url = f"file://{tmp_path}/bucket"
+    cfg = load_fleet_config(None, [f"bucket.url={url}", "fleet.max_staleness=1", "fleet.max_loras=8"])
+    slots = adapter_slots(tmp_path, window=2, max_loras=8)
+    for v in (1, 2, 3):
+        slots.sources.store.publish(adapter_folder(tmp_path / f"own{v}", f"own {v}".encode()), v)
+    alice = AdapterStore(run_prefix(url, "alice"), cache_dir=tmp_path / "cache")
+    for v in (4, 5, 6):
+        alice.publish(adapter_folder(tmp_path / f"alice{v}", f"alice {v}".encode()), v)
+    records = RunRecords.from_config(cfg, url)
+    records.save("alice", {"token_sha256": "x", "max_staleness": 2})
+    records.save("bob", {"token_sha256": "y"})  # registered, nothing published yet
+
+    async def scenario():
+        wanted = await adapters_to_serve(cfg, slots.sources, url)
+        for name, ref in wanted:
+            await slots.load(name, ref)
+        return wanted
+
+    wanted = asyncio.run(scenario())
+    assert [name for name, _ in wanted] == [
+        "policy-v2",
+        "policy-v3",
+        "alice/policy-v4",
+        "alice/policy-v5",
+        "alice/policy-v6",
+    ]
+    assert slots.names == tuple(sorted(name for name, _ in wanted))
