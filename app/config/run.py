@@ -80,7 +80,12 @@ class GRPOConfig(Section):
         False, description="Truncated importance sampling against the sampler's log-probs."
     )
     vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight.")
-    max_staleness: int = Field(4, ge=0, description="Groups sampled more than this many versions ago are dropped.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Versions a group's oldest token may lag the learner: dropped beyond (drop_at_take), or the "
+        "admission bound (bound_at_admission).",
+    )
     weight_sync_steps: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
     seed: int = Field(42, description="Seed of the learner and the prompt order.")
@@ -106,6 +111,22 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one generation request.")
     max_retries: int = Field(
         5, ge=0, description="Retries of a failed generation request (backoff from 0.2 s) before its group is dropped."
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="Cut generations in flight under older versions when a newer one is served and continue them "
+        "(and later turns) under the newest, token-exact.",
+    )
+    partial_min_lag: int = Field(
+        1, ge=1, description="Cut only generations under versions at least this many versions behind the newest."
+    )
+    staleness_rule: Literal["drop_at_take", "bound_at_admission"] = Field(
+        "drop_at_take",
+        description="drop_at_take: drop groups past grpo.max_staleness when taken; bound_at_admission: start a group "
+        "only within grpo.max_staleness versions of work ahead, train what finishes up to hard_max_staleness.",
+    )
+    hard_max_staleness: int = Field(
+        6, ge=0, description="bound_at_admission: groups whose oldest token lags more versions than this are dropped."
     )
 
 
@@ -203,11 +224,27 @@ class RunConfig(Section):
             raise ValueError("task.dataset is required when task.name is math")
         if self.task.chain_min > self.task.chain_max:
             raise ValueError("task.chain_min must not exceed task.chain_max")
+        self._check_staleness_rule()
         if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > self.model.max_model_len:
             raise ValueError(
                 f"env.max_episode_tokens={self.env.max_episode_tokens} exceeds model.max_model_len={self.model.max_model_len}"
             )
         return self
+
+    def _check_staleness_rule(self) -> None:
+        rollout, hard = self.rollout, self.rollout.hard_max_staleness
+        if rollout.staleness_rule != "bound_at_admission":
+            return
+        if hard < self.grpo.max_staleness:
+            raise ValueError(
+                f"rollout.hard_max_staleness={hard} is below grpo.max_staleness={self.grpo.max_staleness}: "
+                "groups the admission bound let in would be dropped"
+            )
+        if hard >= self.bucket.keep_versions:  # a later turn may still name the version its episode started under
+            raise ValueError(
+                f"rollout.hard_max_staleness={hard} must be below bucket.keep_versions={self.bucket.keep_versions}: "
+                "a group may still sample under a version that old"
+            )
 
     @property
     def max_episode_tokens(self) -> int:

@@ -64,6 +64,7 @@ class RolloutActor:
             sampler_for(cfg, tokenizer, self.client.acompletions),
             resume=resume,
             retries_done=lambda: self.client.retries_done,
+            cut=self.client.acut,
         )
 
     async def start(self) -> None:
