@@ -159,13 +159,36 @@ class LearnerConfig(Section):
     )
 
 
+class DriftConfig(Section):
+    """Thresholds of the drift alarm (`app.diagnosis`), over the steps it judges; a healthy tiny run stays below."""
+
+    dropped_stale_share: float = Field(
+        0.05, ge=0, le=1, description="Share of groups dropped as stale (a healthy tiny run: ~1%)."
+    )
+    clip_share: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="Mean share of tokens at the clip bounds (healthy tiny run: median ~1.4%, max ~10%).",
+    )
+    ratio_std: float = Field(
+        0.5, ge=0, description="Mean per-token standard deviation of the learner/sampler ratio (ratio/std)."
+    )
+    slow_sync_share: float = Field(
+        0.5, gt=0, description="A weight sync longer than this share of the step time is named as the cause."
+    )
+
+
 class LoggingConfig(Section):
     """Where metrics go and how often the driver talks."""
 
     run_name: str = Field("tiny-cpu", description="Name of the run: runs/<run_name>/ holds its files.")
     output_dir: str = Field("runs", description="Folder of run outputs (metrics.jsonl, summary.json).")
     trackio: bool = Field(True, description="Also log to trackio (offline, SQLite).")
-    diagnose_every: int = Field(5, ge=1, description="Print the bottleneck diagnosis every this many steps.")
+    diagnose_every: int = Field(
+        5, ge=1, description="Judge the bottleneck and drift over this many steps; printed when the verdict changes."
+    )
+    drift: DriftConfig = Field(default_factory=DriftConfig, description="Thresholds of the drift alarm.")
     progress_bar: bool = Field(True, description="Show a progress bar on the terminal.")
 
 

@@ -124,11 +124,10 @@ class Continuation:
                 choices[j] = stitch(choices[j], tail)
         self.counters.choices += len(choices)
         self.counters.cut_choices += len(cut)
-        for j in cut:
-            c = choices[j]
+        for j, c in enumerate(choices):
             if c.finish_reason == CUT:  # cut with no room left: it had all it could get
                 c.finish_reason = "length"
-            if self.decode is not None:
+            if j in cut and self.decode is not None:
                 c.text = self.decode(c.token_ids)
         return choices
 
