@@ -78,6 +78,14 @@ class PauseState:
 
 
 @dataclass(frozen=True)
+class Cut:
+    """The answer to `CutGenerations`: how many generations this replica cut."""
+
+    replica: str
+    requests: int
+
+
+@dataclass(frozen=True)
 class CacheReset:
     replica: str
     success: bool
@@ -157,6 +165,15 @@ class Pause(Command):
 @dataclass(frozen=True)
 class Resume(Command):
     """Schedule again; answer `PauseState`."""
+
+
+@dataclass(frozen=True)
+class CutGenerations(Command):
+    """Cut every generation in flight under one of `models` (adapter names) now: each answers its caller at once,
+    finish reason `abort`, with the tokens it had and their log-probs, for the caller to continue (partial rollouts:
+    under a newer version). Answer `Cut`."""
+
+    models: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -273,15 +273,18 @@ class Engine:
     def dead_error(self) -> BaseException:
         return self.llm.dead_error
 
-    async def sample(self, prompt_ids: list[int], params, lora=None) -> list[SampledChoice] | None:
+    async def sample(
+        self, prompt_ids: list[int], params, lora=None, request_id: str | None = None
+    ) -> list[SampledChoice] | None:
         """The completions of a token-id prompt under `params` (`sampling_params`) and adapter `lora` (None: the
-        base model); None if the request was aborted before any output (a /pause?mode=abort)."""
+        base model); None if the request was aborted before any output (a /pause?mode=abort). A request `abort`ed
+        meanwhile answers its tokens so far, finish reason `abort`."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         final = None
         try:
             async for output in self.llm.generate(
-                {"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex, lora_request=lora
+                {"prompt_token_ids": prompt_ids}, params, request_id=request_id or uuid.uuid4().hex, lora_request=lora
             ):
                 final = output
         except Exception as e:
@@ -296,6 +299,12 @@ class Engine:
             return None
         top = params.logprobs or 0
         return [_sampled_choice(out, top) for out in sorted(final.outputs, key=lambda o: o.index)]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (`sample`'s `request_id`s) now: each `sample` answers the tokens generated so far,
+        with their log-probs (vLLM's abort output keeps them, also for n > 1)."""
+        if request_ids:
+            await self.llm.abort(list(request_ids))
 
     async def add_lora(self, name: str, lora) -> None:
         """Add adapter `name` (vLLM's `lora`, from `lora_request`): a 400 if vLLM refuses its files."""

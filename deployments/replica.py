@@ -9,7 +9,9 @@ healthy, and a request for a committed version it somehow missed (published whil
 loads it on the spot: nobody has to remember to tell a new replica anything.
 
 Generations arrive as `contracts.serving.GenerateRequest`s and admin calls as `contracts.control`
-commands; failures leave as `ReplicaError`s, whose HTTP status the ingress answers with. Two classes, as
+commands; failures leave as `ReplicaError`s, whose HTTP status the ingress answers with. A run may cut its
+generations in flight under older versions (`CutGenerations`, partial rollouts): the replica aborts them in
+vLLM, and each answers its caller at once with the tokens it had. Two classes, as
 vLLM splits its `EngineCore` from the process that hosts it: `Replica` is the request path and the
 control calls over its parts (the engine, `deployments.engine`; the LoRA slots,
 `deployments.adapter_slots`), built from them and unit-tested with a stand-in engine; `VLLMReplica` is
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from typing import Any
 
 from app.config import FleetConfig
@@ -29,6 +32,8 @@ from contracts.adapters import adapter_name
 from contracts.control import (
     CacheReset,
     Command,
+    Cut,
+    CutGenerations,
     DescribeEngine,
     EngineReport,
     ListAdapters,
@@ -59,13 +64,19 @@ class Replica:
     def __init__(self, replica_id: str, engine: Engine, slots: AdapterSlots, pause_lease_s: float):
         self.replica_id, self.engine, self.slots, self.pause_lease_s = replica_id, engine, slots, pause_lease_s
         self._pause_lease: asyncio.Task | None = None
+        self._requests: dict[str, str] = {}  # the generations in flight: request id -> model (what a cut aborts)
 
     async def generate(self, request: GenerateRequest) -> Generated:
         """Sample completions of a token-id prompt under `request.model`, the base model's name or an adapter's."""
         self._check_engine()
         params = sampling_params(request.sampling)  # first: a request vLLM refuses loads no adapter
-        async with self.slots.use(request.model) as lora:
-            choices = await self.engine.sample(request.prompt_ids, params, lora)
+        request_id = uuid.uuid4().hex
+        self._requests[request_id] = request.model
+        try:
+            async with self.slots.use(request.model) as lora:
+                choices = await self.engine.sample(request.prompt_ids, params, lora, request_id)
+        finally:
+            del self._requests[request_id]
         if choices is None:  # aborted before any output, e.g. by /pause?mode=abort
             # 503 but not ReplicaUnavailable: the abort was asked for, so the ingress must not send it elsewhere.
             raise ReplicaError(f"replica {self.replica_id}: the request was aborted", 503)
@@ -89,6 +100,10 @@ class Replica:
                 return await self.pause(mode)
             case Resume():
                 return await self.resume()
+            case CutGenerations(models=models):
+                cut = [rid for rid, model in self._requests.items() if model in models]
+                await self.engine.abort(cut)
+                return Cut(self.replica_id, len(cut))
             case ResetPrefixCache():
                 return CacheReset(self.replica_id, await self.engine.reset_prefix_cache())
             case ReportEngine():
