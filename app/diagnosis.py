@@ -79,7 +79,7 @@ def drift_knob(window: list[dict], cfg, crossed: list[str]) -> str:
         return f"lower grpo.weight_sync_steps (now {g.weight_sync_steps}): each new version is further from the last"
     if r.partial_rollouts and r.partial_min_lag > 1:
         return f"lower rollout.partial_min_lag (now {r.partial_min_lag}): generations go on that far behind"
-    hard = f", rollout.hard_max_staleness (now {r.hard_max_staleness})" if r.staleness_rule != "drop_at_take" else ""
+    hard = f", rollout.hard_max_staleness (now {cfg.hard_max_staleness})" if r.staleness_rule != "drop_at_take" else ""
     return f"tighten the staleness bound: grpo.max_staleness (now {g.max_staleness}){hard}"
 
 

@@ -121,12 +121,15 @@ class RolloutConfig(Section):
         1, ge=1, description="Cut only generations under versions at least this many versions behind the newest."
     )
     staleness_rule: Literal["drop_at_take", "bound_at_admission"] = Field(
-        "drop_at_take",
-        description="drop_at_take: drop groups past grpo.max_staleness when taken; bound_at_admission: start a group "
-        "only within grpo.max_staleness versions of work ahead, train what finishes up to hard_max_staleness.",
+        "bound_at_admission",
+        description="bound_at_admission: start a group only within grpo.max_staleness versions of work ahead, train "
+        "what finishes up to hard_max_staleness; drop_at_take: drop groups past grpo.max_staleness when taken.",
     )
-    hard_max_staleness: int = Field(
-        6, ge=0, description="bound_at_admission: groups whose oldest token lags more versions than this are dropped."
+    hard_max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="bound_at_admission: drop groups whose oldest token lags more versions; None: twice "
+        "grpo.max_staleness, below bucket.keep_versions.",
     )
 
 
@@ -255,12 +258,12 @@ class RunConfig(Section):
         return self
 
     def _check_staleness_rule(self) -> None:
-        rollout, hard = self.rollout, self.rollout.hard_max_staleness
-        if rollout.staleness_rule != "bound_at_admission":
+        if self.rollout.staleness_rule != "bound_at_admission":
             return
-        if hard < self.grpo.max_staleness:
+        hard, staleness = self.hard_max_staleness, self.grpo.max_staleness
+        if hard < staleness:
             raise ValueError(
-                f"rollout.hard_max_staleness={hard} is below grpo.max_staleness={self.grpo.max_staleness}: "
+                f"rollout.hard_max_staleness={hard} is below grpo.max_staleness={staleness}: "
                 "groups the admission bound let in would be dropped"
             )
         if hard >= self.bucket.keep_versions:  # a later turn may still name the version its episode started under
@@ -268,6 +271,15 @@ class RunConfig(Section):
                 f"rollout.hard_max_staleness={hard} must be below bucket.keep_versions={self.bucket.keep_versions}: "
                 "a group may still sample under a version that old"
             )
+
+    @property
+    def hard_max_staleness(self) -> int:
+        """The staleness past which even finished work is dropped (bound_at_admission): as configured, else twice
+        `grpo.max_staleness` (at least its own), kept below `bucket.keep_versions`."""
+        if self.rollout.hard_max_staleness is not None:
+            return self.rollout.hard_max_staleness
+        staleness = self.grpo.max_staleness
+        return max(staleness, min(2 * staleness, self.bucket.keep_versions - 1))
 
     @property
     def max_episode_tokens(self) -> int:

@@ -45,7 +45,7 @@ class StalenessRule:
     def from_config(cls, cfg) -> StalenessRule:
         r, g = cfg.rollout, cfg.grpo
         per_version = g.weight_sync_steps * g.num_prompts_per_step
-        return cls(r.staleness_rule, g.max_staleness, r.hard_max_staleness, per_version)
+        return cls(r.staleness_rule, g.max_staleness, cfg.hard_max_staleness, per_version)
 
     def too_stale(self, learner_version: int, oldest_version: int) -> bool:
         """A group whose oldest token is this old can never be trained."""

@@ -139,7 +139,7 @@ def test_only_versions_at_least_partial_min_lag_behind_are_cut_and_none_without_
 def test_bound_at_admission_admits_only_what_the_learner_takes_within_the_bound():
     rule = load_config(None, ["rollout.staleness_rule=bound_at_admission", "grpo.max_staleness=2"])
     assert StalenessRule.from_config(rule).admission_bound == 2 * 16  # max_staleness x weight_sync_steps x prompts
-    assert StalenessRule.from_config(load_config(None, [])).admission_bound is None
+    assert StalenessRule.from_config(load_config(None, ["rollout.staleness_rule=drop_at_take"])).admission_bound is None
 
     async def main():
         fleet = CuttableFleet(tick=0.001)
@@ -296,6 +296,8 @@ def test_the_staleness_settings_are_checked_against_each_other():
         )
     with pytest.raises(ValueError, match="bucket.keep_versions=8"):
         load_config(None, ["rollout.staleness_rule=bound_at_admission", "rollout.hard_max_staleness=8"])
+    assert load_config(None, ["grpo.max_staleness=2"]).hard_max_staleness == 4  # twice max_staleness by default
+    assert load_config(None, ["grpo.max_staleness=6"]).hard_max_staleness == 7  # ... below bucket.keep_versions (8)
     with pytest.raises(ValueError, match="partial_min_lag"):
         load_config(None, ["rollout.partial_min_lag=0"])
 

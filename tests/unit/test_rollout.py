@@ -50,7 +50,12 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
         calls = []
         w = make_worker(
             echo_answer_generate(calls),
-            **{"grpo.max_staleness": 1, "rollout.queue_maxsize": 4, "rollout.max_inflight_tasks": 2},
+            **{
+                "grpo.max_staleness": 1,
+                "rollout.queue_maxsize": 4,
+                "rollout.max_inflight_tasks": 2,
+                "rollout.staleness_rule": "drop_at_take",
+            },
         )
         w.start()
         first = (await w.get_groups(2)).groups
