@@ -5,6 +5,13 @@ slow stage hides everything before it (seed 003). The verdicts mirror how the se
 dashboard: a full queue with no rollout wait means the trainer is slow; an empty queue with a
 growing wait means generation is slow; in-flight requests pinned at `max_inflight_tasks` while the
 replicas have room means the client's limit, not vLLM, is what holds generation back.
+
+Before all that, the drift alarm (the check PastAGI's article recommends: the rejection rate and the
+tokens at the clip bounds rise before any quality metric moves): a `drifting` verdict when the share of
+groups dropped as stale, the share of tokens at the clip bounds (`clip_ratio/region_mean`) or the
+per-token spread of the learner/sampler ratio (`ratio/std`) crosses its threshold (`logging.drift`), naming
+the knob to turn: the staleness bound, `weight_sync_steps`, `partial_min_lag`, or a weight sync slow
+against the step.
 """
 
 from __future__ import annotations
@@ -15,19 +22,69 @@ from statistics import mean
 
 @dataclass
 class Verdict:
-    kind: str  # trainer-bound | generation-bound | client-bound | balanced | warming-up
+    kind: str  # drifting | trainer-bound | generation-bound | client-bound | balanced | warming-up
     figures: dict[str, float]
     advice: str
 
     def __str__(self) -> str:
-        figs = ", ".join(f"{k}={v:.2f}" for k, v in self.figures.items())
-        return f"bottleneck: {self.kind} ({figs}) -> {self.advice}"
+        figs = ", ".join(f"{k}={v:.3f}" for k, v in self.figures.items())
+        what = "drift alarm" if self.kind == "drifting" else "bottleneck"
+        return f"{what}: {self.kind} ({figs}) -> {self.advice}"
 
 
 def diagnose(window: list[dict], cfg) -> Verdict:
-    """Judge the last few steps' metrics (dicts as logged to metrics.jsonl)."""
+    """Judge the last few steps' metrics (dicts as logged to metrics.jsonl): drifting first, else the bottleneck."""
     if len(window) < 2:
         return Verdict("warming-up", {}, "wait for a few steps")
+    return drift(window, cfg) or bottleneck(window, cfg)
+
+
+def _mean(window: list[dict], key: str) -> float:
+    values = [m[key] for m in window if key in m]
+    return mean(values) if values else 0.0
+
+
+def drift(window: list[dict], cfg) -> Verdict | None:
+    """`drifting` when a drift figure of the window crosses its threshold (`logging.drift`), else None."""
+    limits = cfg.logging.drift
+    dropped = window[-1].get("sample/dropped_stale_total", 0) - window[0].get("sample/dropped_stale_total", 0)
+    taken = (len(window) - 1) * cfg.grpo.num_prompts_per_step  # groups trained over the same steps
+    figures = {
+        "dropped_stale_share": dropped / (dropped + taken) if dropped + taken else 0.0,
+        "clip_share": _mean(window, "clip_ratio/region_mean"),
+        "ratio_std": _mean(window, "ratio/std"),
+    }
+    crossed = [k for k in figures if figures[k] > getattr(limits, k)]
+    if not crossed:
+        return None
+    return Verdict("drifting", figures, f"{', '.join(crossed)} above threshold: {drift_knob(window, cfg, crossed)}")
+
+
+def drift_knob(window: list[dict], cfg, crossed: list[str]) -> str:
+    """Which knob to turn: groups dropped as stale want a looser or smarter staleness bound; samples too far off
+    the learner's policy want fresher ones (a faster sync, more frequent versions, earlier cuts, a tighter bound)."""
+    g, r = cfg.grpo, cfg.rollout
+    if crossed == ["dropped_stale_share"]:
+        return (
+            f"the staleness bound drops finished work: raise grpo.max_staleness (now {g.max_staleness}), or set "
+            "rollout.staleness_rule=bound_at_admission (nothing finished is dropped) or rollout.partial_rollouts=true"
+        )
+    sync_s, step_s = _mean(window, "perf/weight_sync_s"), _mean(window, "perf/step_s") or 1e-9
+    if sync_s / step_s > cfg.logging.drift.slow_sync_share:
+        return (
+            f"weight sync is slow (perf/weight_sync_s {sync_s:.2f} s against a {step_s:.2f} s step): samples wait "
+            "under old versions; speed up the bucket and the fleet's load"
+        )
+    if g.weight_sync_steps > 1:
+        return f"lower grpo.weight_sync_steps (now {g.weight_sync_steps}): each new version is further from the last"
+    if r.partial_rollouts and r.partial_min_lag > 1:
+        return f"lower rollout.partial_min_lag (now {r.partial_min_lag}): generations go on that far behind"
+    hard = f", rollout.hard_max_staleness (now {cfg.hard_max_staleness})" if r.staleness_rule != "drop_at_take" else ""
+    return f"tighten the staleness bound: grpo.max_staleness (now {g.max_staleness}){hard}"
+
+
+def bottleneck(window: list[dict], cfg) -> Verdict:
+    """Which side of the pipeline holds the other back."""
     queue_fill = mean(m.get("sample/rollout_queue_size", 0) for m in window) / cfg.rollout.queue_maxsize
     inflight_fill = mean(m.get("rollout/inflight", 0) for m in window) / cfg.rollout.max_inflight_tasks
     step_s = mean(m.get("perf/step_s", 0) for m in window) or 1e-9

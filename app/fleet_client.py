@@ -191,6 +191,15 @@ class FleetClient:
         body = self._completion_body(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, logprobs, extra)
         return parse_choices(await self._arequest("POST", "/v1/completions", json=body))
 
+    def cut(self, models: list[str]) -> dict[str, Any]:
+        """Cut every generation in flight under these adapters (a run's token: its own only): each answers at once,
+        finish reason `abort`, with the tokens it had. `{"cut": requests cut, "replicas": ...}`."""
+        return self._request("POST", "/v1/cut", json={"models": list(models)})
+
+    async def acut(self, models: list[str]) -> dict[str, Any]:
+        """`cut` on the caller's event loop (the rollout's, beside its generations)."""
+        return await self._arequest("POST", "/v1/cut", json={"models": list(models)})
+
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/health")
 

@@ -44,6 +44,28 @@ class ResumePoint:
 
 
 @dataclass(frozen=True)
+class StalenessFigures:
+    """Staleness of a set of samples (in flight, or in the queue) against the learner's version: the version of each
+    one's oldest token, its newest, and its tokens' mean, each averaged over the samples (`app.rollout.staleness`)."""
+
+    count: int  # samples (in the queue) or groups (in flight: a group's samples start and continue together)
+    oldest: float
+    oldest_max: int
+    newest: float
+    token_mean: float | None  # None: no token has come back yet
+
+    def metrics(self, where: str) -> dict[str, float]:
+        out = {
+            f"sample/staleness_oldest/{where}": self.oldest,
+            f"sample/staleness_oldest_max/{where}": float(self.oldest_max),
+            f"sample/staleness_newest/{where}": self.newest,
+        }
+        if self.token_mean is not None:
+            out[f"sample/staleness_token_mean/{where}"] = self.token_mean
+        return out
+
+
+@dataclass(frozen=True)
 class RolloutStats:
     """The rollout's counters and gauges; `metrics()` names them as they are logged (TRL's names where they exist)."""
 
@@ -61,6 +83,11 @@ class RolloutStats:
     idle_s: float  # seconds with no generation request on the wire
     reward_metrics: dict[str, float] = field(default_factory=dict)
     env_errors_total: int = 0  # episodes an environment ended by raising or timing out
+    staleness_inflight: StalenessFigures | None = None  # the groups being sampled (by group: their samples start alike)
+    staleness_queue: StalenessFigures | None = None  # the samples waiting in the queue
+    cut_share: float = 0.0  # of the samples completed, the share cut by a weight update (and continued) at least once
+    cuts_total: int = 0
+    prefilled_again_total: int = 0  # tokens sent again as the prompt of a continuation after a cut
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -77,5 +104,10 @@ class RolloutStats:
             "rollout/data_frontier": self.data_frontier,
             "rollout/idle_s": self.idle_s,
             "env/errors_total": self.env_errors_total,
+            "rollout/cut_share": self.cut_share,
+            "rollout/cuts_total": self.cuts_total,
+            "rollout/prefilled_again_total": self.prefilled_again_total,
+            **(self.staleness_inflight.metrics("inflight") if self.staleness_inflight else {}),
+            **(self.staleness_queue.metrics("queue") if self.staleness_queue else {}),
             **self.reward_metrics,
         }

@@ -127,6 +127,11 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+def completion_text(tokenizer, token_ids: list[int]) -> str:
+    """The text of generated token ids, decoded as the fleet decodes them (special tokens skipped)."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
 def prompt_token_ids(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt: plain text as is, chat messages through the model's template."""
     if isinstance(prompt, str):

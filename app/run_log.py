@@ -28,6 +28,7 @@ class Run:
         self.history: list[dict] = []
         self.staleness: list[int] = []
         self.samples_trained = 0
+        self.partial_samples = 0  # trained samples whose tokens span more than one version
         self.t0 = time.time()
         self.loop_t0: float | None = None  # start of the training loop, after start-up and the first evaluation
         self.loop_s = 0.0
@@ -53,6 +54,7 @@ class Run:
         if result.batch:
             self.staleness.extend(result.batch.staleness)
             self.samples_trained += result.batch.num_samples
+            self.partial_samples += result.batch.num_partial
         return metrics
 
     def summary(self, before: dict | None, after: dict | None, rollout: RolloutStats, router: dict | None) -> dict:
@@ -74,6 +76,9 @@ class Run:
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness) if self.staleness else None,
             "dropped_stale_share": rollout.dropped_stale_share,
+            "partial_share": self.partial_samples / self.samples_trained if self.samples_trained else None,
+            "cut_share": rollout.cut_share,
+            "prefilled_again_total": rollout.prefilled_again_total,
             "dropped_failed_total": rollout.dropped_failed_total,
             "ratio_mean": statistics.fmean(ratios) if ratios else None,
             "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
@@ -101,6 +106,7 @@ class StepLog:
         stack.callback(self.sink.close)
         self.bar = progress_bar(cfg, initial_step)
         stack.callback(self.bar.close)
+        self.verdict: str | None = None  # the kind last printed
 
     def write(self, result: StepResult, metrics: dict) -> None:
         from app.diagnosis import diagnose
@@ -116,8 +122,11 @@ class StepLog:
             queue=int(metrics["sample/rollout_queue_size"]),
         )
         every = self.cfg.logging.diagnose_every
-        if result.step % every == 0:
-            self.bar.write(str(diagnose(self.run.history[-every:], self.cfg)))
+        if result.step % every == 0:  # judged every few steps, printed only when it changes (and at the end)
+            verdict = diagnose(self.run.history[-every:], self.cfg)
+            if verdict.kind not in (self.verdict, "warming-up"):
+                self.verdict = verdict.kind
+                self.bar.write(str(verdict))
 
 
 def router_affinity(router: dict | None) -> float | None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = RESULTS_DIR.parent.parent
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -100,3 +101,27 @@ def write_result(name: str, data: dict, results_dir: Path | None = None) -> Path
     tmp.write_text(json.dumps({"benchmark": name, "environment": environment(), **data}, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def train_run(config: str, sets: list[str], out: Path, label: str) -> dict:
+    """`python -m app.train --config CONFIG --set ...` as run `bench`, every file of it under `out` (its bucket, a fleet
+    on a free port of its own, no trackio, no progress bar): its summary.json. Its metrics are in
+    `out/bench/metrics.jsonl`."""
+    from tests.fleet_helpers import free_port
+
+    sets = [
+        *sets,
+        f"logging.output_dir={out}",
+        "logging.run_name=bench",
+        f"bucket.url=file://{out}/bucket",
+        f"bucket.cache_dir={out}/cache",
+        "logging.trackio=false",
+        "logging.progress_bar=false",
+        f"fleet.port={free_port()}",
+    ]
+    cmd = [sys.executable, "-m", "app.train", "--config", config, *(a for s in sets for a in ("--set", s))]
+    print(f"running {label}: {' '.join(cmd[3:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise SystemExit(f"{label} failed:\n{proc.stderr[-4000:]}")
+    return json.loads((out / "bench" / "summary.json").read_text())

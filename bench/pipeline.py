@@ -12,17 +12,11 @@ Writes bench/results/pipeline.json: wall-time ratio, trainer and generation idle
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import print_table, write_result
-from tests.fleet_helpers import free_port
+from bench.common import print_table, train_run, write_result
 
-REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "async (max_staleness=4)": ["rollout.mode=async", "grpo.max_staleness=4"],
     "sync (max_staleness=0)": ["rollout.mode=sync", "grpo.max_staleness=0"],
@@ -30,32 +24,9 @@ VARIANTS = {
 
 
 def run_variant(name: str, sets: list[str], steps: int, extra: list[str], workdir: Path) -> dict:
-    out = workdir / name.split()[0]
-    sets = [
-        *sets,
-        f"grpo.max_steps={steps}",
-        f"logging.output_dir={out}",
-        "logging.run_name=bench",
-        f"bucket.url=file://{out}/bucket",
-        f"bucket.cache_dir={out}/cache",
-        "logging.trackio=false",
-        "logging.progress_bar=false",
-        f"fleet.port={free_port()}",
-        *extra,
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "app.train",
-        "--config",
-        "configs/tiny-cpu.yaml",
-        *(a for s in sets for a in ("--set", s)),
-    ]
-    print(f"running {name}: {' '.join(cmd[3:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
-    return json.loads((out / "bench" / "summary.json").read_text())
+    return train_run(
+        "configs/tiny-cpu.yaml", [*sets, f"grpo.max_steps={steps}", *extra], workdir / name.split()[0], name
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

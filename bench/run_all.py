@@ -17,6 +17,7 @@ BENCHMARKS = [
     "vs_trl",
     "shared_fleet",
     "preemption",
+    "partial_rollouts",
 ]
 
 

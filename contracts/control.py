@@ -95,6 +95,14 @@ class HandedBack:
 
 
 @dataclass(frozen=True)
+class Cut:
+    """The answer to `CutGenerations`: how many generations this replica cut."""
+
+    replica: str
+    requests: int
+
+
+@dataclass(frozen=True)
 class CacheReset:
     replica: str
     success: bool
@@ -204,12 +212,18 @@ class Resume(Command):
 
 @dataclass(frozen=True)
 class HandBack(Command):
-    """Cut the generations in flight short (all, or those under adapter `model`) and hand them back: each one's
-    caller gets its tokens so far (`contracts.serving.Generated.handed_back`) to continue elsewhere from there.
-    A draining replica does this before its node goes; partial rollouts, to continue a sample under a newer
-    version. Answer `HandedBack`."""
+    """Cut every generation in flight short and hand it back: the ingress continues each on another replica from
+    its tokens so far (`contracts.serving.Generated.handed_back`) and its caller never sees the cut. A draining
+    replica does this before its node goes. Answer `HandedBack`."""
 
-    model: str | None = None
+
+@dataclass(frozen=True)
+class CutGenerations(Command):
+    """Cut every generation in flight under one of `models` (adapter names) now: each answers its caller at once,
+    finish reason `abort`, with the tokens it had and their log-probs, for the caller to continue (partial rollouts:
+    under a newer version). Answer `Cut`."""
+
+    models: tuple[str, ...]
 
 
 @dataclass(frozen=True)

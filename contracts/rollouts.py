@@ -9,7 +9,11 @@ over HTTP; tests speak it with a fake), and `Choice` what it gets back.
 
 Besides the sampling log-probs, a sample carries named per-token `streams` that the run's objectives
 (`app.objectives`) attach on the rollout side (GRPO's `advantages`, for one); the learner lays every
-stream out at the trained tokens without knowing what it means.
+stream out at the trained tokens without knowing what it means. The rollout's samplers attach one
+more, `versions`: the policy version that sampled each token. A generation cut by a weight update and
+continued under a newer version (`app.rollout.continuation`) spans several, and the learner's per-token
+ratio against `sampling_logprobs` stays exact whichever version sampled which token; the rollout judges
+a group's staleness by its oldest token.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 SAMPLING_LOGPROBS = "sampling_logprobs"  # the stream every sample carries: the sampler's log-prob of each token
+# The stream a rollout's sample carries: the policy version that sampled each token (NaN: none did, an observation).
+VERSIONS = "versions"
 
 
 @dataclass
@@ -31,7 +37,14 @@ class Choice:
     token_ids: list[int]
     logprobs: list[float]  # the sampled tokens' log-probs at the sampling temperature
     text: str
-    finish_reason: str | None
+    finish_reason: str | None  # "abort": cut (`POST /v1/cut`), with the tokens it had so far
+    versions: list[int] | None = None  # per token, the policy version that sampled it (None: not known)
+
+    def version_stream(self) -> list[float]:
+        """`versions` as a per-token stream: NaN where no policy version is known."""
+        if self.versions is None:
+            return [math.nan] * len(self.token_ids)
+        return [float(v) for v in self.versions]
 
 
 class Generate(Protocol):
@@ -90,6 +103,10 @@ class Sample:
             return list(self.completion_ids)
         return [t for t, m in zip(self.completion_ids, self.completion_mask, strict=True) if m]
 
+    def token_versions(self) -> list[int]:
+        """The policy version that sampled each of the model's tokens, in order ([] when the sample carries none)."""
+        return [int(v) for v in self.streams.get(VERSIONS, ()) if not math.isnan(v)]
+
 
 @dataclass
 class Group:
@@ -114,6 +131,11 @@ class Group:
 
     def num_tokens(self) -> int:
         return sum(len(self.prompt_ids) + len(s.completion_ids) for s in self.samples)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of its oldest token, by which its staleness is judged (`policy_version` if none is known)."""
+        return min((min(v) for s in self.samples if (v := s.token_versions())), default=self.policy_version)
 
 
 @dataclass
@@ -183,10 +205,12 @@ class BatchStats:
     num_samples: int
     reward_mean: float
     reward_std: float
-    staleness: list[int]  # per group: learner version when taken minus sampling version
+    staleness: list[int]  # per group: learner version when taken minus the version of its oldest token
     version_min: int
     version_max: int
     episodes: EpisodeStats | None = None  # the multi-turn episodes among the groups, if any
+    versions_per_sample: float = 1.0  # distinct versions among a sample's tokens, on average
+    num_partial: int = 0  # samples whose tokens span more than one version (continued across a weight update)
 
     @classmethod
     def of(cls, groups: list[Group], learner_version: int | None) -> BatchStats | None:
@@ -194,15 +218,18 @@ class BatchStats:
             return None
         rewards = [r for g in groups for r in g.rewards]
         scored = [r for r in rewards if not math.isnan(r)]  # an environment failure is no reward of 0
-        versions = [g.policy_version for g in groups]
+        oldest = [g.oldest_version for g in groups]
+        spans = [len(set(s.token_versions())) or 1 for g in groups for s in g.samples]
         return cls(
             num_samples=len(rewards),
             reward_mean=statistics.fmean(scored) if scored else math.nan,
             reward_std=statistics.pstdev(scored) if scored else math.nan,
-            staleness=[] if learner_version is None else [learner_version - v for v in versions],
-            version_min=min(versions),
-            version_max=max(versions),
+            staleness=[] if learner_version is None else [learner_version - v for v in oldest],
+            version_min=min(oldest),
+            version_max=max(max(s.token_versions(), default=g.policy_version) for g in groups for s in g.samples),
             episodes=EpisodeStats.of([s for g in groups if g.is_episodic for s in g.samples]),
+            versions_per_sample=statistics.fmean(spans),
+            num_partial=sum(n > 1 for n in spans),
         )
 
     def metrics(self) -> dict[str, float]:
@@ -211,6 +238,8 @@ class BatchStats:
             "reward_std": self.reward_std,
             "sample/version_min": self.version_min,
             "sample/version_max": self.version_max,
+            "sample/versions_per_sample": self.versions_per_sample,
+            "sample/partial_share": self.num_partial / self.num_samples,
             "samples": self.num_samples,
         }
         if self.staleness:

@@ -5,8 +5,8 @@ its `n`: `deployments.autoscaling`), and a replica whose node is going hands its
 the ingress before the node goes (`deployments.replica_notices`), which continues each one elsewhere from its
 tokens so far (`deployments.handback`). Handing back is vLLM's abort, which keeps a request's partial output
 (token ids and their log-probs, every choice of an n > 1 request): the generation's caller gets those choices,
-finish reason `contracts.serving.ABORTED`, marked handed back. Partial rollouts reuse it: `hand_back(model)` cuts
-only the generations under one adapter version.
+finish reason `contracts.serving.ABORTED`, marked handed back. Partial rollouts cut the same way (`cut`), but
+unmarked: the run continues its generations itself, under a newer adapter version.
 """
 
 from __future__ import annotations
@@ -60,10 +60,17 @@ class InFlight:
         """Sequences in flight (a request of n samples counts n), running or waiting in the engine."""
         return sum(g.sequences for g in self._generations.values())
 
-    async def hand_back(self, model: str | None = None) -> int:
-        """Cut short the generations in flight (all, or those under `model`): each answers its tokens so far,
-        marked handed back. Returns how many were cut."""
-        ids = [rid for rid, g in self._generations.items() if model is None or g.model == model]
+    async def hand_back(self) -> int:
+        """Cut short every generation in flight: each answers its tokens so far, marked handed back (the ingress
+        continues it elsewhere). Returns how many were cut."""
+        ids = list(self._generations)
         self._handed_back.update(ids)
+        await self.engine.abort(ids)
+        return len(ids)
+
+    async def cut(self, models: tuple[str, ...]) -> int:
+        """Cut short the generations under `models`: each answers its caller its tokens so far, finish reason
+        `ABORTED`, unmarked (the caller continues it). Returns how many were cut."""
+        ids = [rid for rid, g in self._generations.items() if g.model in models]
         await self.engine.abort(ids)
         return len(ids)

@@ -184,15 +184,15 @@ class ServeBackend:
 
 def tokenizer_functions(model_path: str):
     """(encode, decode, chat_ids, vocab_size) with the round-trip-checked tokenizer of the model folder."""
-    from app.models import load_tokenizer
+    from app.models import completion_text, load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(ids: list[int]) -> str:  # as the rollout decodes a choice it stitched after a cut
+        return completion_text(tokenizer, ids)
 
     def chat_ids(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)

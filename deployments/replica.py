@@ -11,7 +11,9 @@ loads it on the spot: nobody has to remember to tell a new replica anything.
 Generations arrive as `contracts.serving.GenerateRequest`s and admin calls as `contracts.control`
 commands; failures leave as `ReplicaError`s, whose HTTP status the ingress answers with. A replica's node
 may be going (a spot notice): it then takes no new work and hands its unfinished generations back
-(`deployments.replica_notices`, `deployments.inflight`). Two classes, as
+(`deployments.replica_notices`, `deployments.inflight`). A run may cut its generations in flight under older
+versions (`CutGenerations`, partial rollouts): the replica aborts them in vLLM, and each answers its caller at
+once with the tokens it had. Two classes, as
 vLLM splits its `EngineCore` from the process that hosts it: `Replica` is the request path and the
 control calls over its parts (the engine, `deployments.engine`; the LoRA slots,
 `deployments.adapter_slots`), built from them and unit-tested with a stand-in engine; `VLLMReplica` is
@@ -30,6 +32,8 @@ from app.config import FleetConfig
 from contracts.control import (
     CacheReset,
     Command,
+    Cut,
+    CutGenerations,
     DescribeEngine,
     EngineReport,
     ForgetRun,
@@ -105,8 +109,10 @@ class Replica:
                 return await self.pause(mode)
             case Resume():
                 return await self.resume()
-            case HandBack(model=model):
-                return HandedBack(self.replica_id, await self.inflight.hand_back(model))
+            case HandBack():
+                return HandedBack(self.replica_id, await self.inflight.hand_back())
+            case CutGenerations(models=models):
+                return Cut(self.replica_id, await self.inflight.cut(models))
             case ResetPrefixCache():
                 return CacheReset(self.replica_id, await self.engine.reset_prefix_cache())
             case ReportEngine():

@@ -80,7 +80,12 @@ class GRPOConfig(Section):
         False, description="Truncated importance sampling against the sampler's log-probs."
     )
     vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight.")
-    max_staleness: int = Field(4, ge=0, description="Groups sampled more than this many versions ago are dropped.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Versions a group's oldest token may lag the learner: dropped beyond (drop_at_take), or the "
+        "admission bound (bound_at_admission).",
+    )
     weight_sync_steps: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
     seed: int = Field(42, description="Seed of the learner and the prompt order.")
@@ -106,6 +111,25 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one generation request.")
     max_retries: int = Field(
         5, ge=0, description="Retries of a failed generation request (backoff from 0.2 s) before its group is dropped."
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="Cut generations in flight under older versions when a newer one is served and continue them "
+        "(and later turns) under the newest, token-exact.",
+    )
+    partial_min_lag: int = Field(
+        1, ge=1, description="Cut only generations under versions at least this many versions behind the newest."
+    )
+    staleness_rule: Literal["drop_at_take", "bound_at_admission"] = Field(
+        "bound_at_admission",
+        description="bound_at_admission: start a group only within grpo.max_staleness versions of work ahead, train "
+        "what finishes up to hard_max_staleness; drop_at_take: drop groups past grpo.max_staleness when taken.",
+    )
+    hard_max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="bound_at_admission: drop groups whose oldest token lags more versions; None: twice "
+        "grpo.max_staleness, below bucket.keep_versions.",
     )
 
 
@@ -138,13 +162,36 @@ class LearnerConfig(Section):
     )
 
 
+class DriftConfig(Section):
+    """Thresholds of the drift alarm (`app.diagnosis`), over the steps it judges; a healthy tiny run stays below."""
+
+    dropped_stale_share: float = Field(
+        0.05, ge=0, le=1, description="Share of groups dropped as stale (a healthy tiny run: ~1%)."
+    )
+    clip_share: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="Mean share of tokens at the clip bounds (healthy tiny run: median ~1.4%, max ~10%).",
+    )
+    ratio_std: float = Field(
+        0.5, ge=0, description="Mean per-token standard deviation of the learner/sampler ratio (ratio/std)."
+    )
+    slow_sync_share: float = Field(
+        0.5, gt=0, description="A weight sync longer than this share of the step time is named as the cause."
+    )
+
+
 class LoggingConfig(Section):
     """Where metrics go and how often the driver talks."""
 
     run_name: str = Field("tiny-cpu", description="Name of the run: runs/<run_name>/ holds its files.")
     output_dir: str = Field("runs", description="Folder of run outputs (metrics.jsonl, summary.json).")
     trackio: bool = Field(True, description="Also log to trackio (offline, SQLite).")
-    diagnose_every: int = Field(5, ge=1, description="Print the bottleneck diagnosis every this many steps.")
+    diagnose_every: int = Field(
+        5, ge=1, description="Judge the bottleneck and drift over this many steps; printed when the verdict changes."
+    )
+    drift: DriftConfig = Field(default_factory=DriftConfig, description="Thresholds of the drift alarm.")
     progress_bar: bool = Field(True, description="Show a progress bar on the terminal.")
 
 
@@ -203,11 +250,36 @@ class RunConfig(Section):
             raise ValueError("task.dataset is required when task.name is math")
         if self.task.chain_min > self.task.chain_max:
             raise ValueError("task.chain_min must not exceed task.chain_max")
+        self._check_staleness_rule()
         if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > self.model.max_model_len:
             raise ValueError(
                 f"env.max_episode_tokens={self.env.max_episode_tokens} exceeds model.max_model_len={self.model.max_model_len}"
             )
         return self
+
+    def _check_staleness_rule(self) -> None:
+        if self.rollout.staleness_rule != "bound_at_admission":
+            return
+        hard, staleness = self.hard_max_staleness, self.grpo.max_staleness
+        if hard < staleness:
+            raise ValueError(
+                f"rollout.hard_max_staleness={hard} is below grpo.max_staleness={staleness}: "
+                "groups the admission bound let in would be dropped"
+            )
+        if hard >= self.bucket.keep_versions:  # a later turn may still name the version its episode started under
+            raise ValueError(
+                f"rollout.hard_max_staleness={hard} must be below bucket.keep_versions={self.bucket.keep_versions}: "
+                "a group may still sample under a version that old"
+            )
+
+    @property
+    def hard_max_staleness(self) -> int:
+        """The staleness past which even finished work is dropped (bound_at_admission): as configured, else twice
+        `grpo.max_staleness` (at least its own), kept below `bucket.keep_versions`."""
+        if self.rollout.hard_max_staleness is not None:
+            return self.rollout.hard_max_staleness
+        staleness = self.grpo.max_staleness
+        return max(staleness, min(2 * staleness, self.bucket.keep_versions - 1))
 
     @property
     def max_episode_tokens(self) -> int:

@@ -20,11 +20,14 @@ import torch
 
 from contracts.rollouts import SAMPLING_LOGPROBS, Group
 
+SQUARES = "/sq_mean"  # a sum named `<m>/sq_mean`, of the squares of what `<m>` sums, also yields `<m>/std`
+
 
 @dataclass
 class LossStats:
     """Per-token statistics of a loss over micro-batches and ranks: sums with the tokens they were summed over
-    (reported as means), and extremes. Each name is an objective's own metric name."""
+    (reported as means), and extremes. Each name is an objective's own metric name; a mean of squares beside its
+    mean (`<m>/sq_mean` beside `<m>`) also gives the per-token standard deviation `<m>/std`."""
 
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
@@ -73,6 +76,9 @@ class LossStats:
     def metrics(self) -> dict[str, float]:
         """Means over tokens, and the extremes that some token reached."""
         out = {k: v / max(self.counts[k], 1.0) for k, v in self.sums.items()}
+        for name in [k.removesuffix(SQUARES) for k in out if k.endswith(SQUARES)]:
+            if name in out and self.counts[name]:
+                out[f"{name}/std"] = math.sqrt(max(0.0, out[name + SQUARES] - out[name] ** 2))
         out.update({k: v for k, v in self.mins.items() if v != math.inf})
         out.update({k: v for k, v in self.maxs.items() if v != -math.inf})
         return out

@@ -23,7 +23,8 @@ per batch: the proximal ("old") policy is the learner's own current log-prob, de
 ratio is exactly 1 (the clip never bites) and the off-policy correction is carried by the
 truncated weight `min(exp(logp.detach() - sampling_logp), cap)` that multiplies each token's loss.
 The `ratio` metric always reports `exp(logp - sampling_logp)`, the learner/sampler agreement that
-should sit at 1.000 right after a weight sync.
+should sit at 1.000 right after a weight sync, and `ratio/std` its per-token spread: stale or drifting
+samples widen it before any quality metric moves (`app.diagnosis`'s `drifting` verdict reads it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ MEAN_METRICS = (
     "clip_ratio/low_mean",
     "clip_ratio/high_mean",
     "clip_ratio/region_mean",
+    "ratio/sq_mean",  # with `ratio`, the per-token spread of the ratio (`ratio/std`), which drift widens
 )
 
 
@@ -112,12 +114,13 @@ def _stats(logp, log_ratio_sampler, coef_1, advantages, epsilon, epsilon_high, i
         is_low.sum(),
         is_high.sum(),
         (is_low | is_high).sum(),
+        sampler_ratio.to(torch.float64).square().sum(),  # float64: a far-off token must not overflow it
     ]
     names = list(MEAN_METRICS)
     if is_weight is not None:
         terms.append(is_weight.sum())
         names.append(f"{IS_RATIO}/mean")
-    values = torch.stack([t.to(torch.float64) for t in terms])  # one device-to-host copy, not seven
+    values = torch.stack([t.to(torch.float64) for t in terms])  # one device-to-host copy, not eight
     stats = LossStats.over_tokens(dict(zip(names, values.tolist(), strict=True)), float(logp.numel()))
     if is_weight is not None and is_weight.numel():
         stats.mins[f"{IS_RATIO}/min"], stats.maxs[f"{IS_RATIO}/max"] = is_weight.min().item(), is_weight.max().item()

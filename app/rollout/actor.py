@@ -18,7 +18,7 @@ from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
 from app.rollout.producer import GroupProducer
 from app.rollout.sampling import sampler_for
-from contracts.auth import Secret, inference_token
+from contracts.auth import Secret, admin_token
 from contracts.retry import Backoff
 from contracts.rollouts import RolloutBatch
 
@@ -28,10 +28,11 @@ log = logging.getLogger(__name__)
 def sampling_client(cfg, fleet_url: str, run_token: Secret | None = None) -> FleetClient:
     """The rollout's fleet client: `rollout.max_retries` retries of what is worth retrying, then the group is lost.
 
-    It carries the run's token on a shared fleet (`app.fleet_run`), else the admin token when inference is protected."""
+    It carries the run's token on a shared fleet (`app.fleet_run`), else the admin token when there is one: a fleet
+    of the run's own needs it for the cuts of partial rollouts (`POST /v1/cut`), and for inference if protected."""
     return FleetClient(
         fleet_url,
-        run_token.value if run_token is not None else inference_token(cfg),
+        run_token.value if run_token is not None else admin_token(cfg),
         backoff=Backoff(attempts=cfg.rollout.max_retries + 1, first_s=0.2, max_s=5.0),
         timeout_s=cfg.rollout.request_timeout_s,
     )
@@ -64,6 +65,7 @@ class RolloutActor:
             sampler_for(cfg, tokenizer, self.client.acompletions),
             resume=resume,
             retries_done=lambda: self.client.retries_done,
+            cut=self.client.acut,
         )
 
     async def start(self) -> None:

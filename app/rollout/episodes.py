@@ -15,10 +15,14 @@ done; one cut by `env.max_turns` or by its token budget (`env.max_episode_tokens
 truncated. The environment's `reset` and `step` run in worker threads under `env.timeout_s` (counted from when
 the call starts, not while it waits for a thread): one that raises or hangs ends its own episode with reward None
 (NaN) and `env_error`, never the group or the run, and a hung one leaves its thread behind
-(`app.tasks.timed_calls`) rather than taking one of the runner's for ever. A generation request that still fails after the fleet client's retries costs the
-group, as in single-turn sampling. A group outlives its policy version only so long: once the
-learner is more than `max_staleness` versions ahead it could never be trained, so the runner
-stops it before the next turn (`GroupStale`) instead of sampling for nothing.
+(`app.tasks.timed_calls`) rather than taking one of the runner's for ever. A generation request that still fails
+after the fleet client's retries costs the group, as in single-turn sampling. Each later turn names the model its
+group's `Flight` names now:
+the version the episode started under, or, with partial rollouts on, the newest one served (a turn
+cut by a weight update is continued there too, `app.rollout.continuation`), so every model token
+carries the version that sampled it. A group outlives its oldest token only so long: once it could
+never be trained (`app.rollout.staleness`), the runner stops it before the next turn (`GroupStale`)
+instead of sampling for nothing.
 
 The runner is a `Sampler` (`app.rollout.sampling`): the rollout and the evaluation both take a group
 of episodes as scored samples from it. No Ray here; tests drive it with a fake `generate`.
@@ -32,11 +36,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.rollout.continuation import Flight
 from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
 from app.tasks.environments import Environment, EnvStep
 from app.tasks.problems import Problem
 from app.tasks.timed_calls import TimedCalls
-from contracts.rollouts import Choice, Generate, Sample
+from contracts.rollouts import VERSIONS, Choice, Generate, Sample
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ class Episode:
     completion_ids: list[int] = field(default_factory=list)
     completion_mask: list[int] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
+    versions: list[float] = field(default_factory=list)  # per token, the version that sampled it (NaN: observation)
     turn_rewards: list[float] = field(default_factory=list)
     text: str = ""
     truncated: bool = False
@@ -69,11 +75,10 @@ class Episode:
         return self.sample().succeeded
 
     def add_model_turn(self, choice: Choice) -> None:
-        if len(choice.logprobs) != len(choice.token_ids):
-            raise ValueError(f"the fleet returned {len(choice.token_ids)} tokens but {len(choice.logprobs)} log-probs")
         self.completion_ids += choice.token_ids
         self.completion_mask += [1] * len(choice.token_ids)
         self.sampling_logprobs += choice.logprobs
+        self.versions += choice.version_stream()
         self.text += choice.text
         self.turns += 1
 
@@ -81,6 +86,7 @@ class Episode:
         self.completion_ids += ids
         self.completion_mask += [0] * len(ids)
         self.sampling_logprobs += [math.nan] * len(ids)  # not the model's: never scored
+        self.versions += [math.nan] * len(ids)
         self.text += text
 
     def sample(self) -> Sample:
@@ -95,6 +101,7 @@ class Episode:
             env_error=self.env_error,
             num_turns=self.turns,
             solved=self.solved,
+            streams={VERSIONS: list(self.versions)},
         )
 
 
@@ -111,16 +118,17 @@ class EpisodeRunner(Sampler):
         max_episode_tokens: int,
         timeout_s: float,
         max_threads: int = 32,
+        decode: Callable[[list[int]], str] | None = None,
     ):
-        super().__init__()
-        self.env_factory, self.encode, self.generate = env_factory, encode, generate
+        super().__init__(generate, decode)
+        self.env_factory, self.encode = env_factory, encode
         self.max_turns, self.max_episode_tokens, self.timeout_s = max_turns, max_episode_tokens, timeout_s
         # Its own threads, never the reward scorer's; a call that hangs past the timeout is given up on.
         self._calls = TimedCalls(max_threads, timeout_s, "env")
         self._env_errors = 0
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, generate: Generate) -> EpisodeRunner:
+    def from_config(cls, cfg, tokenizer, generate: Generate, decode=None) -> EpisodeRunner:
         """The runner of the config's environment, observations tokenised as prompts are."""
         from app.models import prompt_token_ids
         from app.tasks.environments import resolve_environment
@@ -133,15 +141,16 @@ class EpisodeRunner(Sampler):
             max_turns=cfg.env.max_turns,
             max_episode_tokens=cfg.max_episode_tokens,
             timeout_s=cfg.env.timeout_s,
+            decode=decode,
         )
 
     @property
     def env_errors(self) -> int:
         return self._env_errors
 
-    async def sample(self, problem, prompt_ids, model, n, sampling, is_fresh=lambda: True) -> Sampled:
+    async def sample(self, problem, prompt_ids, model, n, sampling, flight=None) -> Sampled:
         with self.meter.on_the_wire():
-            episodes = await self.run_group(problem, prompt_ids, model, n, sampling, is_fresh)
+            episodes = await self.run_group(problem, prompt_ids, model, n, sampling, flight)
         samples = [e.sample() for e in episodes]
         self.meter.generated(sum(sum(s.completion_mask) for s in samples))
         return Sampled(samples)
@@ -178,18 +187,20 @@ class EpisodeRunner(Sampler):
         model: str,
         n: int,
         sampling: SamplingArgs,
-        is_fresh: Callable[[], bool] = lambda: True,
+        flight: Flight | None = None,
     ) -> list[Episode]:
-        """`n` episodes of `problem` under `model`, turn by turn: one request (`n` samples) for every first turn,
-        then, per turn, one request holding every episode still going (each prompt routed on its own).
+        """`n` episodes of `problem`, turn by turn: one request (`n` samples) for every first turn, under `model`,
+        then, per turn, one request holding every episode still going (each prompt routed on its own), under what
+        `flight` names now (`model` without a flight).
 
-        `is_fresh` is asked before every later turn: once the group is too stale to train, GroupStale ends it
-        (the fleet retires old versions, and their requests would fail anyway)."""
+        `flight.may_go_on` is asked before every later turn: once the group could never be trained, GroupStale
+        ends it (the fleet retires old versions, and their requests would fail anyway)."""
+        flight = flight or Flight.pinned(model)
         envs = [self.env_factory() for _ in range(n)]
         resets = await asyncio.gather(*(self._env_call(env.reset, problem) for env in envs), return_exceptions=True)
         episodes = [Episode() for _ in range(n)]
         failures = [r if isinstance(r, BaseException) else None for r in resets]
-        choices = await self._sample([prompt_ids], model, n, sampling, turn=1)
+        choices = await self._sample([prompt_ids], n, sampling, 1, flight)
         going = list(range(n))
         while True:
             went_on = await asyncio.gather(
@@ -201,44 +212,22 @@ class EpisodeRunner(Sampler):
             going = [i for i, more in zip(going, went_on, strict=True) if more]
             if not going:
                 return episodes
-            if not is_fresh():
-                raise GroupStale(f"{model} is too old to train by now")
+            if not flight.may_go_on():
+                raise GroupStale(f"the group started under {model} is too old to train by now")
             turn = episodes[going[0]].turns + 1  # in lockstep: every episode still going has played as many turns
             choices = await self._sample(
-                [prompt_ids + episodes[i].completion_ids for i in going], model, 1, sampling, turn
+                [prompt_ids + episodes[i].completion_ids for i in going], 1, sampling, turn, flight
             )
 
     async def _sample(
-        self, prompts: list[list[int]], model: str, n: int, sampling: SamplingArgs, turn: int
+        self, prompts: list[list[int]], n: int, sampling: SamplingArgs, turn: int, flight: Flight
     ) -> list[Choice]:
-        """`n` choices per prompt, prompt by prompt, each allowed what the episode budget leaves it; one request
-        per distinct allowance (as a rule one in all: the allowance is `max_completion_length` until the end)."""
+        """`n` choices per prompt, prompt by prompt, each allowed what the episode budget leaves it (one request per
+        distinct allowance: as a rule one in all, the allowance being `max_completion_length` until the end)."""
         rooms = [min(sampling.max_completion_length, self.max_episode_tokens - len(p)) for p in prompts]
         if min(rooms) < 1:  # only a first turn can get here: later turns are never asked for without room
             raise ValueError(f"a prompt of {len(prompts[0])} tokens leaves no room in {self.max_episode_tokens}")
-        batches = {room: [k for k, r in enumerate(rooms) if r == room] for room in set(rooms)}
-        answers = await asyncio.gather(
-            *(
-                self.generate(
-                    [prompts[k] for k in ks] if len(prompts) > 1 else prompts[0],
-                    model,
-                    n,
-                    room,
-                    sampling.temperature,
-                    sampling.top_p,
-                    sampling.top_k,
-                    turn=turn,
-                )
-                for room, ks in batches.items()
-            )
-        )
-        out: list[Choice | None] = [None] * (len(prompts) * n)
-        for (_, ks), choices in zip(batches.items(), answers, strict=True):
-            if len(choices) != len(ks) * n:
-                raise ValueError(f"the fleet answered {len(choices)} choices for {len(ks)} prompts x {n}")
-            for j, k in enumerate(ks):
-                out[k * n : (k + 1) * n] = choices[j * n : (j + 1) * n]
-        return out
+        return await self.continuation.complete(prompts, n, rooms, sampling, flight, turn)
 
     async def _take_turn(
         self, env: Environment, episode: Episode, choice: Choice, prompt_len: int, failure: BaseException | None

@@ -2,13 +2,18 @@
 
 It keeps up to `max_inflight_tasks` groups in flight, has its sampler (`app.rollout.sampling`: G single
 completions in one request, scored off the event loop, or G multi-turn episodes) sample and score the
-G samples of a prompt, tags the group with the policy version it was sampled under, has the run's
-objectives annotate it (`app.objectives`: GRPO's advantages, for one) and puts it on a bounded queue.
-A slot is held until its group is on the queue, so a slow learner stops new requests instead of
-growing memory (backpressure). Groups more than `max_staleness` versions behind the learner are
-dropped and counted when taken, never trained (a multi-turn group as soon as it is found stale,
-between turns). A request that still fails after the fleet client's retries costs its group,
-counted, never the producer.
+G samples of a prompt, tags the group with the policy version it started under (and every token with
+the version that sampled it), has the run's objectives annotate it (`app.objectives`: GRPO's
+advantages, for one) and puts it on a bounded queue. A slot is held until its group is on the queue,
+so a slow learner stops new requests instead of growing memory (backpressure). How stale a group may
+get is the staleness rule's (`app.rollout.staleness`): drop at take time, or bound at admission with a
+hard limit; a group that could never be trained is dropped and counted when taken (a multi-turn group
+as soon as it is found so, between turns). A request that still fails after the fleet client's
+retries costs its group, counted, never the producer.
+
+With partial rollouts on, a newer version cuts the run's generations in flight under versions at least
+`partial_min_lag` behind (one `cut` call naming their adapters), and each group's sampler continues
+them, and samples its later turns, under the newest version (`app.rollout.continuation`).
 
 No Ray here, so that tests drive it with a fake `generate` behind its sampler; `app.rollout.actor` hosts
 it in Ray.
@@ -20,11 +25,14 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from app.messages import ResumePoint, RolloutStats
 from app.objectives import Objectives
+from app.rollout.continuation import Flight, version_of
 from app.rollout.sampling import GroupStale, Sampler, SamplingArgs
+from app.rollout.staleness import StalenessRule, figures
 from app.tasks.problems import Problem
 from contracts.adapters import adapter_name
 from contracts.rollouts import Group, RolloutBatch
@@ -44,13 +52,15 @@ class GroupProducer:
         *,
         resume: ResumePoint | None = None,  # where to go on; None: a fresh run
         retries_done: Callable[[], int] = lambda: 0,  # the fleet client's retries so far, for the metrics
+        cut: Callable[[list[str]], Awaitable[Any]] | None = None,  # cut the generations under these adapters
     ):
         self.cfg = cfg
         self.problems, self.prompt_ids, self.sampler = problems, prompt_ids, sampler
         self.objectives = Objectives.from_config(cfg)
         g = cfg.grpo
         self.sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
-        self.retries_done = retries_done
+        self.retries_done, self.cut = retries_done, cut
+        self.staleness = StalenessRule.from_config(cfg)
         resume = resume or ResumePoint()
         self.cursor = resume.data_cursor or 0
         self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
@@ -58,11 +68,23 @@ class GroupProducer:
         self.consumed = resume.consumed()  # trained before a restart: never produced again
         self.queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=cfg.rollout.queue_maxsize)
         self._slots = asyncio.Semaphore(cfg.rollout.max_inflight_tasks)
+        bound = self.staleness.admission_bound
+        # Admitted and not yet taken, lost or dropped: a group starts only within the bound (none in sync mode).
+        self._admission = asyncio.Semaphore(bound) if bound and cfg.rollout.mode == "async" else None
+        self._flights: dict[int, Flight] = {}  # the groups being sampled, by index
+        self._cuts: set[asyncio.Task] = set()
         self._tasks: set[asyncio.Task] = set()
         self._producer: asyncio.Task | None = None
         self._pending: set[int] = set()  # indices issued but not yet taken or lost: the resume frontier
         self.queue_size_at_take = 0
-        self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "groups_taken": 0}
+        self.counters = {
+            "groups_produced": 0,
+            "dropped_stale": 0,
+            "dropped_failed": 0,
+            "groups_taken": 0,
+            "cut_calls": 0,
+            "cut_failures": 0,
+        }
 
     # -- data order ------------------------------------------------------------------------
     def _problem_at(self, index: int) -> Problem:
@@ -84,12 +106,15 @@ class GroupProducer:
 
     async def _spawn_next(self) -> None:
         await self._slots.acquire()
+        if self._admission is not None:
+            await self._admission.acquire()
         index = self.cursor
         self.cursor += 1
         skip = index in self.consumed  # trained before a restart: never feed it twice
         self.consumed.advance(self.cursor)  # nothing below the cursor is asked about again
         if skip:
             self._slots.release()
+            self._leave_admission()
             return
         self._pending.add(index)
         task = asyncio.create_task(self._produce_group(index, self._problem_at(index)))
@@ -100,7 +125,7 @@ class GroupProducer:
         try:
             group = await self._sample_and_score(index, problem)
             if group is None:
-                self._pending.discard(index)
+                self._settle(index)
             else:
                 await self.queue.put(group)  # blocks while the queue is full: backpressure
                 self.counters["groups_produced"] += 1
@@ -109,22 +134,35 @@ class GroupProducer:
         except Exception:  # a bug in scoring must not kill the producer; count the group as lost
             log.exception("group %d failed", index)
             self.counters["dropped_failed"] += 1
-            self._pending.discard(index)
+            self._settle(index)
         finally:
             self._slots.release()
+
+    def _settle(self, index: int) -> None:
+        """Group `index` left the pipeline (taken, dropped or lost): off the resume frontier, out of admission."""
+        if index in self._pending:
+            self._pending.discard(index)
+            self._leave_admission()
+
+    def _leave_admission(self) -> None:
+        if self._admission is not None:
+            self._admission.release()
 
     async def _sample_and_score(self, group_id: int, problem: Problem) -> Group | None:
         version = self.sampling_version
         prompt_ids = self.prompt_ids(problem)
+        model = adapter_name(version, self.cfg.fleet_run)
+        partial = self.cfg.rollout.partial_rollouts
+        flight = Flight(
+            version,
+            self._newest_model if partial else lambda: model,
+            may_go_on=lambda: not self._too_stale(version),  # its oldest token is its first, sampled under `version`
+        )
+        self._flights[group_id] = flight
         try:
             # The fleet client retries what is worth retrying (`app.retry`): what still fails here is final.
             sampled = await self.sampler.sample(
-                problem,
-                prompt_ids,
-                adapter_name(version, self.cfg.fleet_run),
-                self.cfg.grpo.num_generations,
-                self.sampling,
-                is_fresh=lambda: not self._too_stale(version),
+                problem, prompt_ids, model, self.cfg.grpo.num_generations, self.sampling, flight
             )
         except asyncio.CancelledError:
             raise
@@ -136,14 +174,47 @@ class GroupProducer:
                 log.warning("generation for group %d failed, dropping it: %s", group_id, e)
                 self.counters["dropped_failed"] += 1
             return None
+        finally:
+            del self._flights[group_id]
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
         return self.objectives.annotate(group)
 
+    def _newest_model(self) -> str:
+        return adapter_name(self.sampling_version, self.cfg.fleet_run)
+
     # -- consuming -------------------------------------------------------------------------
     def set_policy_version(self, policy_version: int) -> None:
-        """The learner published (and the fleet loaded) `policy_version`: sample with it, measure staleness to it."""
+        """The learner published (and the fleet loaded) `policy_version`: sample with it, measure staleness to it,
+        and, with partial rollouts on, cut what is in flight under versions `partial_min_lag` behind it."""
         self.sampling_version = max(self.sampling_version, policy_version)
         self.learner_version = max(self.learner_version, policy_version)
+        if self.cfg.rollout.partial_rollouts and self.cut is not None:
+            self._cut_behind(self.sampling_version)
+
+    def _cut_behind(self, newest: int) -> None:
+        """One cut call naming every adapter at least `partial_min_lag` versions behind `newest` that a request of
+        this run is on the wire under; sent in the background, so that whoever told us the version never waits."""
+        lag = self.cfg.rollout.partial_min_lag
+        models = sorted(
+            {
+                model
+                for flight in self._flights.values()
+                for model in flight.on_wire
+                if (v := version_of(model)) is not None and newest - v >= lag
+            }
+        )
+        if models:
+            task = asyncio.get_running_loop().create_task(self._send_cut(models))
+            self._cuts.add(task)
+            task.add_done_callback(self._cuts.discard)
+
+    async def _send_cut(self, models: list[str]) -> None:
+        self.counters["cut_calls"] += 1
+        try:
+            await self.cut(models)
+        except Exception as e:  # a cut that failed costs only time: those generations finish on their version
+            self.counters["cut_failures"] += 1
+            log.warning("cutting %s failed: %s", ", ".join(models), e)
 
     async def get_groups(self, n: int, timeout_s: float | None = None) -> RolloutBatch:
         """Take `n` fresh groups (waiting for them), dropping and counting those too stale to train.
@@ -169,17 +240,17 @@ class GroupProducer:
                 if deadline is None or time.monotonic() < deadline:
                     continue
                 break
-            self._pending.discard(group.group_id)
-            if self._too_stale(group.policy_version):
+            self._settle(group.group_id)
+            if self._too_stale(group.oldest_version):
                 self.counters["dropped_stale"] += 1
                 continue
             groups.append(group)
         self.counters["groups_taken"] += len(groups)
         return RolloutBatch(groups, data_cursor=self.frontier, learner_version=self.learner_version)
 
-    def _too_stale(self, policy_version: int) -> bool:
-        """Sampled more than `max_staleness` versions behind the learner: never to be trained."""
-        return self.learner_version - policy_version > self.cfg.grpo.max_staleness
+    def _too_stale(self, oldest_version: int) -> bool:
+        """A group whose oldest token was sampled under `oldest_version` can never be trained (the staleness rule)."""
+        return self.staleness.too_stale(self.learner_version, oldest_version)
 
     def _raise_if_producer_died(self) -> None:
         """The producer only ends by a bug; waiting for groups it will never make would hang the run."""
@@ -192,7 +263,7 @@ class GroupProducer:
         return min(self._pending, default=self.cursor)
 
     def stats(self) -> RolloutStats:
-        c = self.counters
+        c, cuts = self.counters, self.sampler.continuation.counters
         seen = c["groups_taken"] + c["dropped_stale"]
         return RolloutStats(
             queue_size_at_take=self.queue_size_at_take,
@@ -209,12 +280,34 @@ class GroupProducer:
             idle_s=self.sampler.meter.idle_s(),
             reward_metrics=self.sampler.reward_metrics(),
             env_errors_total=self.sampler.env_errors,
+            staleness_inflight=figures(self.learner_version, map(_flight_span, list(self._flights.values()))),
+            staleness_queue=figures(
+                self.learner_version, (_sample_span(g, s) for g in self._queued() for s in g.samples)
+            ),
+            cut_share=cuts.cut_choices / cuts.choices if cuts.choices else 0.0,
+            cuts_total=cuts.cuts,
+            prefilled_again_total=cuts.prefilled_again,
         )
 
+    def _queued(self) -> list[Group]:
+        return list(self.queue._queue)  # a look, not a take: asyncio.Queue keeps its items in a deque
+
     async def stop(self) -> None:
-        tasks = [t for t in (self._producer, *self._tasks) if t is not None]
+        tasks = [t for t in (self._producer, *self._tasks, *self._cuts) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._producer = None
         self.sampler.close()
+
+
+def _flight_span(flight: Flight) -> tuple[int, int, float | None]:
+    """(oldest, newest, token mean) versions of a group in flight: its first request's, its latest's, what came back."""
+    got = sum(flight.got.values())
+    mean = sum(v * k for v, k in flight.got.items()) / got if got else None
+    return flight.started, flight.newest if flight.newest is not None else flight.started, mean
+
+
+def _sample_span(group: Group, sample) -> tuple[int, int, float]:
+    versions = sample.token_versions() or [group.policy_version]
+    return min(versions), max(versions), sum(versions) / len(versions)

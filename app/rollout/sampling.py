@@ -7,6 +7,10 @@ with every column the problem has; `app.rollout.episodes.EpisodeRunner` plays `n
 episodes that the environment rewards. The rollout trains on what a sampler answers, the evaluation
 counts it, so both score a problem the same way.
 
+A sampler asks the fleet through a `Continuation` (`app.rollout.continuation`): a choice cut by a weight
+update comes back continued under the model its group's `Flight` names now, token-exact, with the version
+that sampled each token, which the sampler keeps as the sample's `versions` stream.
+
 A sampler also meters its requests (`RequestMeter`): how many are on the wire, how long none was, the
 tokens that came back; the rollout reports them.
 """
@@ -14,6 +18,7 @@ tokens that came back; the rollout reports them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -21,9 +26,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from app.rollout.continuation import Continuation, Flight
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer
-from contracts.rollouts import Generate, Sample
+from contracts.rollouts import VERSIONS, Generate, Sample
 
 
 class GroupStale(Exception):
@@ -85,9 +91,12 @@ class RequestMeter:
 
 
 class Sampler(ABC):
-    """Samples and scores the `n` samples of one problem under a model."""
+    """Samples and scores the `n` samples of one problem under a model, through the fleet's `generate`; `decode`
+    (the rollout's tokenizer's) gives a choice continued after a cut its text."""
 
-    def __init__(self):
+    def __init__(self, generate: Generate, decode: Callable[[list[int]], str] | None = None):
+        self.generate = generate
+        self.continuation = Continuation(generate, decode)
         self.meter = RequestMeter()
 
     @abstractmethod
@@ -98,10 +107,12 @@ class Sampler(ABC):
         model: str,
         n: int,
         sampling: SamplingArgs,
-        is_fresh: Callable[[], bool] = lambda: True,
+        flight: Flight | None = None,
     ) -> Sampled:
-        """`n` scored samples of `problem` under `model`. A sampler that takes turns asks `is_fresh` before each
-        later one and raises GroupStale when it says no. What still fails after the fleet client's retries raises."""
+        """`n` scored samples of `problem`, first under `model`, then (a cut choice continued, a later turn) under
+        what `flight` names now; without a flight, `model` throughout. A sampler that takes turns asks
+        `flight.may_go_on` before each later one and raises GroupStale when it says no. What still fails after the
+        fleet client's retries raises."""
 
     def reward_metrics(self) -> dict[str, float]:
         """The reward functions' failures so far, as `reward/errors/<name>` (none where the environment rewards)."""
@@ -120,20 +131,15 @@ class Sampler(ABC):
 class CompletionSampler(Sampler):
     """Single-turn: `n` completions in one request, scored by the task's reward functions."""
 
-    def __init__(self, generate: Generate, scorer: RewardScorer):
-        super().__init__()
-        self.generate, self.scorer = generate, scorer
+    def __init__(self, generate: Generate, scorer: RewardScorer, decode: Callable[[list[int]], str] | None = None):
+        super().__init__(generate, decode)
+        self.scorer = scorer
 
-    async def sample(self, problem, prompt_ids, model, n, sampling, is_fresh=lambda: True) -> Sampled:
+    async def sample(self, problem, prompt_ids, model, n, sampling, flight=None) -> Sampled:
+        flight = flight or Flight.pinned(model)
         with self.meter.on_the_wire():
-            completions = await self.generate(
-                prompt_ids,
-                model,
-                n,
-                sampling.max_completion_length,
-                sampling.temperature,
-                sampling.top_p,
-                sampling.top_k,
+            completions = await self.continuation.complete(
+                [prompt_ids], n, [sampling.max_completion_length], sampling, flight
             )
         self.meter.generated(sum(len(c.token_ids) for c in completions))
         texts = [c.text for c in completions]
@@ -147,7 +153,7 @@ class CompletionSampler(Sampler):
             self.scorer.score, texts, [problem.prompt] * len(texts), [c.token_ids for c in completions], **columns
         )
         samples = [
-            Sample(c.token_ids, c.logprobs, r, t, c.text)
+            Sample(c.token_ids, c.logprobs, r, t, c.text, streams={VERSIONS: c.version_stream()})
             for c, r, t in zip(completions, scores.rewards, truncated, strict=True)
         ]
         return Sampled(samples, dict(scores.errors))
@@ -161,8 +167,12 @@ class CompletionSampler(Sampler):
 
 def sampler_for(cfg, tokenizer, generate: Generate) -> Sampler:
     """The run's sampler: episodes of its environment (`env.name`), else completions scored by its rewards."""
+    from app.models import completion_text
+
+    decode = functools.partial(completion_text, tokenizer)
     if cfg.env.name is None:
-        return CompletionSampler(generate, RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s))
+        scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
+        return CompletionSampler(generate, scorer, decode)
     from app.rollout.episodes import EpisodeRunner  # which imports this module
 
-    return EpisodeRunner.from_config(cfg, tokenizer, generate)
+    return EpisodeRunner.from_config(cfg, tokenizer, generate, decode)

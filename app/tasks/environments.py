@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+import time
 from dataclasses import dataclass
 
 from app.tasks.problems import Problem
@@ -65,9 +66,16 @@ class ChainedArithmetic(Environment):
     """`Compute 12+34. Answer: 46`, then `Add 7. Answer: 53`, ...: each correct answer reveals the next operand.
 
     The problem's `chain` column holds the operands still to add. A wrong answer ends the episode; each
-    correct turn earns 1 / (turns in the chain), so the episode's reward is the share of its chain answered."""
+    correct turn earns 1 / (turns in the chain), so the episode's reward is the share of its chain answered.
+    `latency_s` makes every answer take that long, as a slow tool or sandbox does (`env.kwargs`), so that on
+    the tiny model an episode spans several policy versions."""
 
     OBSERVATION = " Add {operand}. Answer: "
+
+    def __init__(self, latency_s: float = 0.0):
+        if latency_s < 0:
+            raise ValueError(f"latency_s={latency_s}: expected seconds >= 0")
+        self.latency_s = latency_s
 
     def reset(self, problem: Problem) -> None:
         self.total = int(problem.answer)
@@ -75,6 +83,7 @@ class ChainedArithmetic(Environment):
         self.per_turn = 1.0 / (1 + len(self.remaining))
 
     def step(self, text: str, token_ids: list[int]) -> EnvStep:
+        time.sleep(self.latency_s)  # in the rollout's worker thread, under env.timeout_s
         if text.strip() != str(self.total):
             return EnvStep(0.0, done=True, solved=False)
         if not self.remaining:

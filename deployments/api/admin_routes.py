@@ -1,8 +1,9 @@
 """vLLM's admin calls, applied to every live replica or to none: `/v1/load_lora_adapter`,
-`/v1/unload_lora_adapter`, `/pause`, `/resume`, `/reset_prefix_cache`.
+`/v1/unload_lora_adapter`, `/pause`, `/resume`, `/reset_prefix_cache`; and `/v1/cut`, which cuts the
+generations in flight under some adapters on every replica (`deployments.control.cut`).
 
 Always behind a set token, and never from a browser (`deployments.api.callers.require_json`). A run's token
-may load and unload its own adapters; pausing, resuming and resetting the prefix cache stop or change every
+may load, unload and cut its own adapters; pausing, resuming and resetting the prefix cache stop or change every
 run's work, so they need the admin's.
 """
 
@@ -14,12 +15,13 @@ from fastapi import Request
 
 from contracts.control import ResetPrefixCache, Resume, UnloadAdapter
 from contracts.serving import PAUSE_MODES
-from deployments.api.bodies import LoadAdapterBody, RequestLimits, UnloadAdapterBody
+from deployments.api.bodies import CutBody, LoadAdapterBody, RequestLimits, UnloadAdapterBody
 from deployments.api.callers import Callers
 from deployments.api.intake import read_json
 from deployments.api.routing import Routes, route
 from deployments.control.backend import Backend
 from deployments.control.broadcast import everywhere, load_everywhere, pause_everywhere
+from deployments.control.cut import cut_everywhere
 from deployments.control.errors import ApiError
 
 
@@ -48,6 +50,16 @@ class AdminRoutes(Routes):
             "replicas": len(results),
             "unloaded": sum(r.unloaded for r in results),
         }
+
+    @route("POST", "/v1/cut")
+    async def cut(self, request: Request) -> dict[str, Any]:
+        """`{"models": [...]}`: cut the generations in flight under these adapters; each answers its caller at once
+        with finish reason `abort` and the tokens it had."""
+        caller = self.callers.authorize(request, admin_call=True)
+        models = (await read_json(request, CutBody, self.limits)).checked_models()
+        for model in models:
+            caller.check_owns(model)
+        return await cut_everywhere(self.backend, models)
 
     @route("POST", "/pause")
     async def pause(self, request: Request, mode: str = "keep") -> dict[str, Any]:

@@ -262,6 +262,23 @@ class UnloadAdapterBody(BaseModel):
     lora_name: str = Field(min_length=1, max_length=MAX_ADAPTER_NAME_CHARS, pattern=PRINTABLE)
 
 
+class CutBody(BaseModel):
+    """`POST /v1/cut`: the adapters whose generations in flight to cut (`deployments.control.cut`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[str] = Field(min_length=1, max_length=64)
+
+    def checked_models(self) -> list[str]:
+        """The names, each a valid adapter name, each once (a 400 naming the first that is not)."""
+        from contracts.adapters import is_adapter_name
+
+        for name in self.models:
+            if not is_adapter_name(name):
+                raise ApiError(400, f"models: {name[:170]!r} is not an adapter name")
+        return list(dict.fromkeys(self.models))
+
+
 class RunBody(BaseModel):
     """`POST /v1/runs`: the run to register (`contracts.adapters.RUN_NAME`, checked by the registry)."""
 

@@ -1,7 +1,7 @@
 """Who sent a request, and what they may do: the admin, a registered run, or anonymous.
 
 A run's token (`deployments.control.runs`) may sample the base model and its own adapters (`<run>/...`,
-`contracts.adapters`), load and unload its own versions, and sees only those in `/v1/models`; anything of
+`contracts.adapters`), load, unload and cut its own versions, and sees only those in `/v1/models`; anything of
 another run is a 403. The admin token may do everything. A fleet without an admin token is open to
 everyone on its machine, runs or not: tokens mean something only beside one.
 
@@ -49,13 +49,13 @@ class Caller:
             raise ApiError(403, f"model {model!r} belongs to {whose}; this token may use only its own adapters")
 
     def check_owns(self, name: str) -> None:
-        """An adapter this caller may load or unload: any for the admin, `<run>/...` for a run."""
+        """An adapter this caller may load, unload or cut: any for the admin, `<run>/...` for a run."""
         if self.admin:
             return
         owner, _ = split_run(name)
         if self.run is None or owner != self.run:
             mine = f"{self.run}/<name>" if self.run else "none"
-            raise ApiError(403, f"lora_name {name!r}: this token may load and unload only its own adapters ({mine})")
+            raise ApiError(403, f"adapter {name!r}: this token may load, unload and cut only its own adapters ({mine})")
 
     def check_admin(self, what: str) -> None:
         if not self.admin:

@@ -561,3 +561,94 @@ def test_a_batch_of_prompts_in_one_request_is_answered_prompt_by_prompt(fleet):
         assert [c["index"] for c in choices] == list(range(8))
         assert [c["prompt_token_ids"] for c in choices] == [p for p in prompts for _ in range(2)]
     assert fleet.client.router_stats()["totals"]["routed"] - before == 20  # each prompt routed on its own
+
+
+def test_a_generation_cut_by_a_new_version_is_continued_token_exact_and_each_segment_scored_as_its_version(
+    fleet, tmp_path
+):
+    """Partial rollouts on the real fleet: a long generation under policy-v6 is cut when v7 is served and continued
+    under v7 from the prompt plus its tokens so far. The sample is exactly segment one then segment two, its
+    per-token versions switch at the cut, and the learner, under each segment's adapter, scores that segment's
+    tokens as vLLM did."""
+    import functools
+
+    import torch
+
+    from app.config import RunConfig
+    from app.learner.rank import LearnerRank
+    from app.learner.state import load_adapter_weights
+    from app.models import completion_text, load_tokenizer
+    from app.rollout.continuation import Flight
+    from app.rollout.sampling import CompletionSampler, SamplingArgs
+    from app.tasks.problems import Problem
+    from app.tasks.rewards import RewardScorer, exact_answer
+    from contracts.rollouts import Group
+
+    old, new, length = 6, 7, 80
+    publish_random_adapters(fleet.store, fleet.model_path, [old, new], fleet.work)
+    for version in (old, new):  # as the learner has the fleet load each version it publishes
+        fleet.client.load_adapter(f"policy-v{version}", fleet.store.url_of(version))
+    client = FleetClient(fleet.url, token=TOKEN)
+    requests = []
+
+    async def held_long(prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1):
+        # ignore_eos holds the generation to max_tokens; unlike min_tokens it leaves the log-probs as they are.
+        choices = await client.acompletions(
+            prompt_ids, model, n, max_tokens, temperature, top_p, top_k, ignore_eos=True
+        )
+        requests.append((list(prompt_ids), model, max_tokens, choices[0].token_ids, choices[0].finish_reason))
+        return choices
+
+    tokenizer = load_tokenizer(fleet.model_path)
+    sampler = CompletionSampler(
+        held_long, RewardScorer([exact_answer], timeout_s=5.0), functools.partial(completion_text, tokenizer)
+    )
+    served = [f"policy-v{old}"]  # what the rollout names now: the newest version served
+    prompt = _prompt(700, 40)
+
+    def generated() -> int:
+        return sum(s["generation_tokens"] for s in engines(fleet.client).values())
+
+    async def cut_midway():
+        flight = Flight(old, lambda: served[0])
+        before = await asyncio.to_thread(generated)
+        sampling = sampler.sample(Problem("p", "x", "0"), prompt, served[0], 1, SamplingArgs(length), flight)
+        task = asyncio.create_task(sampling)
+        while await asyncio.to_thread(generated) - before < 8:  # a few tokens under v6, far from all 80
+            assert not task.done(), "the generation ended before it could be cut"
+            await asyncio.sleep(0.1)
+        served[0] = f"policy-v{new}"
+        reply = await client.acut([f"policy-v{old}"])
+        assert reply["cut"] == 1 and reply["replicas"] == 2, reply
+        return await task
+
+    (sample,) = asyncio.run(asyncio.wait_for(cut_midway(), 300)).samples
+    sampler.close()
+    (p1, model1, max1, segment1, finish1), (p2, model2, max2, segment2, _) = requests
+    assert (p1, model1, max1, finish1) == (prompt, f"policy-v{old}", length, "abort")
+    assert 0 < len(segment1) < length
+    assert (p2, model2, max2) == (prompt + segment1, f"policy-v{new}", length - len(segment1))
+    assert sample.completion_ids == segment1 + segment2 and len(sample.completion_ids) == length
+    assert sample.token_versions() == [old] * len(segment1) + [new] * len(segment2)  # they switch at the cut
+    assert sample.text == completion_text(tokenizer, segment1 + segment2)
+
+    cfg = RunConfig()  # LoRA r8/alpha 16 on all linear layers: the shape of the published random adapters
+    cfg.bucket.url, cfg.bucket.cache_dir = f"file://{tmp_path}/bucket", str(tmp_path / "cache")
+    torch.set_num_threads(1)
+    learner = LearnerRank(cfg, fleet.model_path)
+    learner.setup(master_port=free_port())
+    learner.start()
+    scored = {}
+    for version in (old, new):
+        load_adapter_weights(learner.model, fleet.store.fetch(version))
+        (scored[version],) = learner.score([Group(0, "p", prompt, old, [sample])])[0]
+    learner.close()
+    cut = len(segment1)
+    recorded = sample.sampling_logprobs
+    err = [
+        max(abs(a - b) for a, b in zip(recorded[s], scored[v][s], strict=True))
+        for v, s in ((old, slice(0, cut)), (new, slice(cut, None)))
+    ]
+    assert max(err) < 1e-4, err
+    # The adapters differ where it matters: segment two scored under v6 is not what v7 sampled.
+    assert max(abs(a - b) for a, b in zip(recorded[cut:], scored[old][cut:], strict=True)) > 1e-3

@@ -267,6 +267,65 @@ def test_two_runs_bursts_both_progress_each_within_its_share_and_are_counted_per
             admin.remove_run(run)
 
 
+def test_a_runs_cut_cuts_its_own_generations_and_leaves_another_runs_untouched(fleet):
+    """Partial rollouts on a shared fleet: ann's new version cuts ann's generations in flight (each answers at once,
+    `abort`, with its tokens so far); ben's, in flight at the same time, run to their end; ann may not cut his."""
+    import asyncio
+
+    from app.bucket.store import AdapterStore
+    from app.fleet_client import FleetClient
+    from contracts.adapters import run_prefix
+
+    admin = fleet.client
+    for run in admin.list_runs():
+        admin.remove_run(run)
+    runs = ("ann", "ben")
+    clients = {run: FleetClient(fleet.url, token=admin.register_run(run)["token"]) for run in runs}
+    length = 80  # with the 40-token prompt, near max_model_len: long enough to be cut on a busy machine
+    for seed, run in enumerate(runs, start=401):
+        store = AdapterStore(run_prefix(fleet.store.url, run), cache_dir=fleet.work / "cache")
+        store.publish(random_adapter(fleet.model_path, fleet.work / f"{run}-v1", seed=seed), 1)
+        clients[run].load_adapter(f"{run}/policy-v1", "adapters/policy-v1")
+
+    def generated() -> int:
+        return sum(stats["generation_tokens"] for stats in admin.engine_stats())
+
+    async def cut_ann_midway():
+        before = await asyncio.to_thread(generated)
+        tasks = {
+            run: asyncio.create_task(
+                clients[run].acompletions(PROMPTS[k], f"{run}/policy-v1", n=2, max_tokens=length, ignore_eos=True)
+            )
+            for k, run in enumerate(runs)
+        }
+        while await asyncio.to_thread(generated) - before < 8:  # under way, far from their end
+            for run, task in tasks.items():
+                assert not task.done(), f"{run}'s generation ended before the cut: {task.result()}"
+            await asyncio.sleep(0.1)
+        try:
+            await clients["ann"].acut(["ben/policy-v1"])
+        except FleetError as denied:
+            assert denied.status == 403
+        else:
+            pytest.fail("ann cut ben's generations")
+        reply = await clients["ann"].acut(["ann/policy-v1"])
+        answers = {run: await task for run, task in tasks.items()}
+        for client in clients.values():
+            await client.aclose()
+        return reply, answers
+
+    try:
+        reply, answers = asyncio.run(asyncio.wait_for(cut_ann_midway(), 300))
+        assert reply["cut"] == 1 and reply["models"] == ["ann/policy-v1"]
+        assert [c.finish_reason for c in answers["ann"]] == ["abort", "abort"]
+        assert all(0 < len(c.token_ids) == len(c.logprobs) < length for c in answers["ann"])
+        assert [(c.finish_reason, len(c.token_ids)) for c in answers["ben"]] == [("length", length)] * 2
+    finally:
+        for run, client in clients.items():
+            client.close()
+            admin.remove_run(run)
+
+
 def test_registered_runs_survive_a_restart_of_the_ingress(fleet):
     """The registry lives in the ingress; its records in the bucket bring the runs back when Serve restarts it."""
     import ray

@@ -64,8 +64,11 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
     assert summary["samples_trained"] == steps * 16 * 8
     assert summary["policy_version"] >= 2
     assert max(m["sample/version_max"] for m in metrics) >= 2  # groups sampled under newer versions were trained
-    assert summary["staleness_max"] <= 2  # the config's grpo.max_staleness
-    assert all(m["sample/staleness_max"] <= 2 for m in metrics)
+    # The admission bound keeps groups within grpo.max_staleness (2) as a rule; finished work is trained up to the hard
+    # limit (twice that), never beyond.
+    assert summary["staleness_max"] <= 4
+    assert all(m["sample/staleness_max"] <= 4 for m in metrics)
+    assert summary["dropped_stale_share"] == 0.0 and "partial_share" in summary
     assert 0.99 <= summary["ratio_mean"] <= 1.01
     for key in (
         "reward",
@@ -90,7 +93,7 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
     ):
         assert summary[key] is not None, key
 
-    assert "bottleneck:" in output
+    assert "bottleneck:" in output or "drift alarm:" in output  # the verdict, printed when it changes and at the end
 
     from app.bucket.store import AdapterStore
 

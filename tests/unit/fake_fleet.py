@@ -6,6 +6,8 @@ from contracts.control import (
     AdapterInfo,
     AdapterListing,
     CacheReset,
+    Cut,
+    CutGenerations,
     ForgetRun,
     ListAdapters,
     LoadAdapter,
@@ -36,6 +38,7 @@ class FakeBackend:
     def __init__(self):
         self.calls: list[tuple] = []
         self.fail_load_on: set[int] = set()
+        self.fail_cut_on: set[int] = set()
         self.adapters = {0: set(), 1: set()}
 
     async def generate(self, request: GenerateRequest) -> Generated:
@@ -90,6 +93,9 @@ class FakeBackend:
                     out.append(Pong(rid))
                 case ResetPrefixCache():
                     out.append(CacheReset(rid, True))
+                case CutGenerations(models=models):
+                    failed = replica in self.fail_cut_on
+                    out.append(RuntimeError("engine busy") if failed else Cut(rid, len(models)))
         return out
 
     async def server_info(self):

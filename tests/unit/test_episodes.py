@@ -307,7 +307,8 @@ def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_
     from app.tasks.problems import make_chained_arithmetic
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(2, 2), operand_max=9).train
-    cfg = load_config(None, ["env.name=chained_arithmetic", "grpo.max_staleness=1", "rollout.max_inflight_tasks=1"])
+    sets = ["env.name=chained_arithmetic", "grpo.max_staleness=1", "rollout.max_inflight_tasks=1"]
+    cfg = load_config(None, [*sets, "rollout.staleness_rule=drop_at_take"])  # bound_at_admission: see its own test
     turns_asked = []
 
     async def learner_moves_on_during_turn_one(

@@ -84,6 +84,7 @@ def test_loss_and_gradient_match_hand_reference_without_clipping():
     assert loss == pytest.approx(ref_loss, rel=1e-12)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-14)
     assert metrics["ratio"] == pytest.approx(ratio.mean())
+    assert metrics["ratio/std"] == pytest.approx(ratio.std())  # the per-token spread, population std
     assert metrics["entropy"] == pytest.approx(entropy)
     assert metrics["clip_ratio/region_mean"] == 0.0
     assert not any(k.startswith("sampling/importance_sampling_ratio") for k in metrics)  # no TIS, no weights
@@ -102,6 +103,22 @@ def test_clipping_zeroes_gradient_only_where_the_clipped_term_is_the_minimum():
     assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)
     assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 5)
     assert metrics["clip_ratio/region_mean"] == pytest.approx(2 / 5)
+
+
+def test_the_ratio_spread_adds_up_over_micro_batches_and_is_zero_on_policy():
+    from app.objectives.base import LossStats
+
+    offsets = [0.3, -0.2, 0.0, 0.1, -0.4, 0.25]
+    case = _case(offsets, [1.0] * 6)
+    halves = LossStats()
+    for part in (slice(0, 2), slice(2, 6)):  # two micro-batches, reduced as the learner reduces them
+        logits, targets, sampling, adv, temperature = case
+        logp, entropy = token_logprobs(torch.tensor(logits[part]), torch.tensor(targets[part]), temperature)
+        streams = {SAMPLING_LOGPROBS: torch.tensor(sampling[part]), ADVANTAGES: torch.tensor(adv[part])}
+        halves.add(GRPO(epsilon=EPS_LOW, epsilon_high=EPS_HIGH).loss(logp, entropy, streams, 6.0)[1])
+    assert halves.metrics()["ratio/std"] == pytest.approx(np.exp(offsets).std())
+    _, _, on_policy = _torch_loss(*_case([0.0] * 4, [1.0, -1.0, 0.5, 0.2]), normalizer=4.0)
+    assert on_policy["ratio/std"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_truncated_importance_sampling_matches_hand_reference():

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.config import SpotConfig
-from contracts.control import HandBack, HandedBack
+from contracts.control import Cut, CutGenerations, HandBack, HandedBack
 from contracts.notices import Notice
 from contracts.serving import ABORTED, GenerateRequest, ReplicaDraining, ReplicaUnavailable, Sampling
 from deployments.replica import Replica
@@ -62,7 +62,7 @@ def test_hand_back_cuts_generations_short_with_their_tokens_and_log_probs(tmp_pa
         finished = await short
         await asyncio.sleep(0.1)
         assert replica.inflight.sequences == 2 and replica.inflight.requests == 1  # n counts: what autoscaling sees
-        assert await replica.control(HandBack(model="policy-v9")) == HandedBack(REPLICA, 0)  # another version's only
+        assert await replica.control(CutGenerations(("policy-v9",))) == Cut(REPLICA, 0)  # another version's only
         assert await replica.control(HandBack()) == HandedBack(REPLICA, 1)
         return finished, await long, replica
 

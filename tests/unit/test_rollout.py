@@ -50,14 +50,19 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
         calls = []
         w = make_worker(
             echo_answer_generate(calls),
-            **{"grpo.max_staleness": 1, "rollout.queue_maxsize": 4, "rollout.max_inflight_tasks": 2},
+            **{
+                "grpo.max_staleness": 1,
+                "rollout.queue_maxsize": 4,
+                "rollout.max_inflight_tasks": 2,
+                "rollout.staleness_rule": "drop_at_take",
+            },
         )
         w.start()
         first = (await w.get_groups(2)).groups
         assert [g.policy_version for g in first] == [0, 0] and len(first[0].samples) == 8
         for group in first:  # annotated by the run's objectives before they were queued: ready to train
             for sample, advantage in zip(group.samples, group_advantages(group.rewards), strict=True):
-                assert sample.streams == {"advantages": [advantage] * len(sample.completion_ids)}
+                assert sample.streams == {"advantages": [advantage] * 2, "versions": [0.0, 0.0]}
         while w.queue.qsize() < 4:  # a full queue of v0 groups
             await asyncio.sleep(0.01)
         w.set_policy_version(2)  # learner two versions ahead: queued v0 groups are now too stale

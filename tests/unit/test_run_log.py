@@ -1,0 +1,63 @@
+"""What a run records: verdicts printed when they change, the summary's share of samples continued across versions."""
+
+from contextlib import ExitStack
+
+from app.config import load_config
+from app.messages import RolloutStats, StepResult
+from app.run_log import Run, StepLog
+from contracts.rollouts import VERSIONS, BatchStats, Group, Sample
+
+
+def rollout_stats(**figures) -> RolloutStats:
+    base = dict.fromkeys(
+        [
+            "queue_size_at_take",
+            "queue_size_now",
+            "inflight",
+            "generated_tok_s",
+            "dropped_stale_total",
+            "dropped_stale_share",
+            "dropped_failed_total",
+            "request_retries_total",
+            "groups_produced_total",
+            "data_cursor",
+            "data_frontier",
+            "idle_s",
+        ],
+        0,
+    )
+    return RolloutStats(**{**base, **figures})
+
+
+def step(number: int, clip: float, partial: bool) -> StepResult:
+    versions = [float(number - 1), float(number)] if partial else [float(number)] * 2
+    samples = [Sample([5, 6], [-1.0, -1.0], 1.0, streams={VERSIONS: versions}), Sample([5], [-1.0], 0.0)]
+    batch = BatchStats.of([Group(number, "p", [1], number, samples)], learner_version=number)
+    metrics = {"perf/step_s": 1.0, "clip_ratio/region_mean": clip, "loss": 0.0}
+    return StepResult(number, number, [number], metrics, batch)
+
+
+def test_verdicts_are_printed_when_they_change_and_the_summary_counts_partial_samples(tmp_path, capsys):
+    cfg = load_config(
+        None,
+        [
+            f"logging.output_dir={tmp_path}",
+            "logging.trackio=false",
+            "logging.diagnose_every=2",
+            "rollout.queue_maxsize=16",
+        ],
+    )
+    cfg.run_dir.mkdir(parents=True)
+    run = Run(cfg)
+    printed = []
+    with ExitStack() as stack:
+        log = StepLog(stack, run, 0)
+        log.bar.write = printed.append
+        clips = [0.01, 0.01, 0.01, 0.01, 0.4, 0.4, 0.4, 0.4]  # healthy, then tokens pile up at the clip bounds
+        for number, clip in enumerate(clips, start=1):
+            result = step(number, clip, partial=number % 2 == 0)
+            log.write(result, run.record(result, rollout_stats(queue_size_at_take=16), 0.0))
+    assert [line.split(" (")[0] for line in printed] == ["bottleneck: trainer-bound", "drift alarm: drifting"]
+    summary = run.summary(None, None, rollout_stats(cut_share=0.25, prefilled_again_total=40), None)
+    assert summary["partial_share"] == 4 / 16 and summary["cut_share"] == 0.25
+    assert summary["prefilled_again_total"] == 40
