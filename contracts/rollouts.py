@@ -102,6 +102,8 @@ class Group:
     samples: list[Sample]
     created_at: float = 0.0
     reward_errors: dict[str, int] = field(default_factory=dict)
+    # What preparing it cost beyond sampling, by metric name (a teacher's seconds and tokens): summed per step.
+    costs: dict[str, float] = field(default_factory=dict)
 
     @property
     def rewards(self) -> list[float]:
@@ -140,6 +142,7 @@ class BatchStats:
     version_min: int
     version_max: int
     episodes: EpisodeStats | None = None  # the multi-turn episodes among the groups, if any
+    costs: dict[str, float] = field(default_factory=dict)  # the groups' `costs`, summed
 
     @classmethod
     def of(cls, groups: list[Group], learner_version: int | None) -> BatchStats | None:
@@ -148,6 +151,10 @@ class BatchStats:
         rewards = [r for g in groups for r in g.rewards]
         scored = [r for r in rewards if not math.isnan(r)]  # an environment failure is no reward of 0
         versions = [g.policy_version for g in groups]
+        costs: dict[str, float] = {}
+        for g in groups:
+            for name, value in g.costs.items():
+                costs[name] = costs.get(name, 0.0) + value
         return cls(
             num_samples=len(rewards),
             reward_mean=statistics.fmean(scored) if scored else math.nan,
@@ -156,6 +163,7 @@ class BatchStats:
             version_min=min(versions),
             version_max=max(versions),
             episodes=EpisodeStats.of([s for g in groups if g.is_episodic for s in g.samples]),
+            costs=costs,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -171,6 +179,7 @@ class BatchStats:
             out["sample/staleness_max"] = max(self.staleness)
         if self.episodes:
             out.update(self.episodes.metrics())
+        out.update(self.costs)
         return out
 
 

@@ -149,8 +149,11 @@ class Replica:
 class VLLMReplica(Replica):
     """A Ray Serve deployment class: wrap with `serve.deployment` (see `deployments.fleet`)."""
 
-    async def __init__(self, model_path: str, base_model: str, config: dict, bucket_url: str):
-        """`base_model` is the `model` name that means "no adapter"; `config` a dumped `FleetConfig`."""
+    async def __init__(
+        self, model_path: str, base_model: str, config: dict, bucket_url: str, *, first_rank: int = 0, lineage=True
+    ):
+        """`base_model` is the `model` name that means "no adapter"; `config` a dumped `FleetConfig`. A teacher
+        deployment's replicas (`deployments.teacher`) pin cores from `first_rank` on and serve no `lineage`."""
         from ray import serve
 
         self.cfg = cfg = FleetConfig.model_validate(config)
@@ -159,13 +162,14 @@ class VLLMReplica(Replica):
         replica_id = context.replica_id.unique_id
         started = time.monotonic()
         # Held at once, so that `__del__` shuts the engine down if what follows fails.
-        self.engine = engine = Engine.start(cfg, model_path, replica_id, context.rank.rank)
+        self.engine = engine = Engine.start(cfg, model_path, replica_id, first_rank + context.rank.rank)
         sources = AdapterSources(
             bucket_url,
             cfg.bucket,
             window=cfg.window,
             listing_interval_s=fleet.version_listing_interval_s,
             trusted_dirs=fleet.extra_adapter_dirs,
+            other_lineages=fleet.extra_adapter_buckets,
         )
         slots = AdapterSlots(
             replica_id,
@@ -178,7 +182,7 @@ class VLLMReplica(Replica):
         )
         super().__init__(replica_id, engine, slots, fleet.pause_lease_s)
         # The versions the fleet serves (`app.weight_sync` decides which), oldest first.
-        loaded = [adapter_name(version) for version in await sources.to_serve()]
+        loaded = [adapter_name(version) for version in await sources.to_serve()] if lineage else []
         for name in loaded:
             await slots.load(name, name)
         log.info(

@@ -34,3 +34,5 @@ class ApiSettings:
     # Generations in flight on the fleet at once, shared by run weight (`deployments.control.fair_share`).
     inflight_budget: int = field(default_factory=lambda: FleetConfig().inflight_limit)
     default_run_weight: float = 1.0
+    # The teacher deployments' model names (`FleetConfig.teacher`): served by replicas of their own, open to every run.
+    teacher_models: frozenset[str] = frozenset()

@@ -25,6 +25,7 @@ from deployments.api.bodies import RequestLimits
 
 TOKEN = "s3cret-token-value"
 BASE = "/models/tiny"
+TEACHER = "teacher"  # a teacher deployment's model (`api_settings(teacher_models=...)`)
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -38,10 +39,14 @@ class FakeBackend:
 
     async def generate(self, request: GenerateRequest) -> Generated:
         self.calls.append(("generate", request))
-        if request.model not in (BASE, "policy-v1", "alice/policy-v1", "bob/policy-v1"):
+        if request.model not in (BASE, TEACHER, "policy-v1", "alice/policy-v1", "bob/policy-v1"):
             raise ModelNotFound(f"model {request.model!r} is not loaded")
         sampling = request.sampling
         top = [{5: -0.5, 9: -2.0}, {6: -1.0, 9: -2.5}, {7: -1.5, 9: -3.0}] if sampling.logprobs else None
+        scored = None  # as vLLM scores a prompt: its own token at -0.25 x position, and token 9 as an alternative
+        if sampling.prompt_logprobs is not None:
+            alternative = {9: (float("-inf"), 2)} if sampling.prompt_logprobs else {}
+            scored = [None] + [{t: (-0.25 * p, 1), **alternative} for p, t in enumerate(request.prompt_ids) if p > 0]
         choices = [
             SampledChoice(
                 index=i,
@@ -50,6 +55,7 @@ class FakeBackend:
                 top_logprobs=top[: sampling.max_tokens] if top else None,
                 finish_reason="length",
                 stop_reason=None,
+                prompt_logprobs=scored,
             )
             for i in range(sampling.n)
         ]
