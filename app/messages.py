@@ -52,6 +52,7 @@ class RolloutStats:
     idle_s: float  # seconds with no generation request on the wire
     reward_metrics: dict[str, float] = field(default_factory=dict)
     env_errors_total: int = 0  # episodes an environment ended by raising or timing out
+    teacher_failed_total: int | None = None  # groups dropped because the teacher failed to score them (distilling)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -68,5 +69,8 @@ class RolloutStats:
             "rollout/data_frontier": self.data_frontier,
             "rollout/idle_s": self.idle_s,
             "env/errors_total": self.env_errors_total,
+            **(
+                {} if self.teacher_failed_total is None else {"distill/teacher_failed_total": self.teacher_failed_total}
+            ),
             **self.reward_metrics,
         }

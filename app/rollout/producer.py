@@ -2,13 +2,14 @@
 
 It keeps up to `max_inflight_tasks` groups in flight, has its sampler (`app.rollout.sampling`: G single
 completions in one request, scored off the event loop, or G multi-turn episodes) sample and score the
-G samples of a prompt, tags the group with the policy version it was sampled under, has the run's
+G samples of a prompt, tags the group with the policy version it was sampled under, has the run's teacher
+score it when the run distils (`app.rollout.teacher`: asynchronous, so before annotating), has the run's
 objectives annotate it (`app.objectives`: GRPO's advantages, for one) and puts it on a bounded queue.
 A slot is held until its group is on the queue, so a slow learner stops new requests instead of
 growing memory (backpressure). Groups more than `max_staleness` versions behind the learner are
 dropped and counted when taken, never trained (a multi-turn group as soon as it is found stale,
 between turns). A request that still fails after the fleet client's retries costs its group,
-counted, never the producer.
+counted, never the producer; so does a teacher that fails or times out (counted apart).
 
 No Ray here, so that tests drive it with a fake `generate` behind its sampler; `app.rollout.actor` hosts
 it in Ray.
@@ -24,7 +25,9 @@ from collections.abc import Callable
 
 from app.messages import ResumePoint, RolloutStats
 from app.objectives import Objectives
+from app.objectives.distill import TEACHER_LOGPROBS
 from app.rollout.sampling import GroupStale, Sampler, SamplingArgs
+from app.rollout.teacher import TeacherScorer
 from app.tasks.problems import Problem
 from contracts.adapters import adapter_name
 from contracts.rollouts import Group, RolloutBatch
@@ -44,10 +47,13 @@ class GroupProducer:
         *,
         resume: ResumePoint | None = None,  # where to go on; None: a fresh run
         retries_done: Callable[[], int] = lambda: 0,  # the fleet client's retries so far, for the metrics
+        teacher: TeacherScorer | None = None,  # scores every group before it is annotated (a distilling run)
     ):
         self.cfg = cfg
-        self.problems, self.prompt_ids, self.sampler = problems, prompt_ids, sampler
+        self.problems, self.prompt_ids, self.sampler, self.teacher = problems, prompt_ids, sampler, teacher
         self.objectives = Objectives.from_config(cfg)
+        if any(TEACHER_LOGPROBS in o.streams for o in self.objectives.objectives) and teacher is None:
+            raise ValueError("objectives: a distill objective needs a teacher to score the groups; none was given")
         g = cfg.grpo
         self.sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         self.retries_done = retries_done
@@ -62,7 +68,13 @@ class GroupProducer:
         self._producer: asyncio.Task | None = None
         self._pending: set[int] = set()  # indices issued but not yet taken or lost: the resume frontier
         self.queue_size_at_take = 0
-        self.counters = {"groups_produced": 0, "dropped_stale": 0, "dropped_failed": 0, "groups_taken": 0}
+        self.counters = {
+            "groups_produced": 0,
+            "dropped_stale": 0,
+            "dropped_failed": 0,
+            "groups_taken": 0,
+            "teacher_failed": 0,
+        }
 
     # -- data order ------------------------------------------------------------------------
     def _problem_at(self, index: int) -> Problem:
@@ -135,6 +147,15 @@ class GroupProducer:
                 self.counters["dropped_failed"] += 1
             return None
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
+        if self.teacher is not None:
+            try:
+                await self.teacher.score(group)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the teacher's failure costs this group alone
+                log.warning("the teacher failed to score group %d, dropping it: %s", group_id, e)
+                self.counters["teacher_failed"] += 1
+                return None
         return self.objectives.annotate(group)
 
     # -- consuming -------------------------------------------------------------------------
@@ -208,6 +229,7 @@ class GroupProducer:
             idle_s=self.sampler.meter.idle_s(),
             reward_metrics=self.sampler.reward_metrics(),
             env_errors_total=self.sampler.env_errors,
+            teacher_failed_total=c["teacher_failed"] if self.teacher is not None else None,
         )
 
     async def stop(self) -> None:
@@ -217,3 +239,5 @@ class GroupProducer:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._producer = None
         self.sampler.close()
+        if self.teacher is not None:
+            await self.teacher.aclose()
