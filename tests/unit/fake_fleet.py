@@ -1,5 +1,9 @@
 """The fleet as the API's unit tests see it: a fake backend of two replicas, the settings of a tiny model, and
-the calls that tests of several modules make (register a run, sample, load); the fixtures are in `conftest`."""
+the calls that tests of several modules make (register a run, sample, load); the fixtures are in `conftest`.
+`JSONHandler` is the base of the fake HTTP servers (a flaky fleet, a teacher) that clients are tested against."""
+
+import json
+from http.server import BaseHTTPRequestHandler
 
 from app.config import FleetSettings
 from contracts.control import (
@@ -145,3 +149,18 @@ def load(client, name, headers):
     return client.post(
         "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "adapters/policy-v2"}, headers=headers
     )
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """An `http.server` handler that answers JSON and logs nothing (fake servers on loopback)."""
+
+    def answer(self, status: int, payload) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass

@@ -7,7 +7,7 @@ import json
 import math
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -18,6 +18,7 @@ from app.rollout.sampling import CompletionSampler
 from app.rollout.teacher import TEACHER_S, TEACHER_TOKENS, TeacherEndpoint, TeacherScorer, teacher_logprobs
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import BatchStats, Choice, Sample
+from tests.unit.fake_fleet import JSONHandler
 from tests.unit.test_rollout import PROBLEMS, run
 
 HANG = 99  # a completion token the fake teacher never answers for in time
@@ -28,7 +29,7 @@ def score_of(token: int, position: int) -> float:
     return -0.01 * token - 0.001 * position
 
 
-class FakeTeacher(BaseHTTPRequestHandler):
+class FakeTeacher(JSONHandler):
     """vLLM's answers: `/v1/completions` with `prompt_logprobs`, `/v1/models`, `/tokenize` (by `encode`)."""
 
     encode = None  # text -> ids, or None: no /tokenize (404)
@@ -36,14 +37,14 @@ class FakeTeacher(BaseHTTPRequestHandler):
     requests = 0
 
     def do_GET(self):  # noqa: N802 - http.server's naming
-        self._answer(200, {"data": [{"id": "the-teacher"}]})
+        self.answer(200, {"data": [{"id": "the-teacher"}]})
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/tokenize":
             if type(self).encode is None:
-                return self._answer(404, {"error": {"message": "Not Found"}})
-            return self._answer(200, {"tokens": type(self).encode(body["prompt"])})
+                return self.answer(404, {"error": {"message": "Not Found"}})
+            return self.answer(200, {"tokens": type(self).encode(body["prompt"])})
         type(self).requests += 1
         if any(HANG in seq for seq in body["prompt"]):
             time.sleep(2.0)
@@ -61,18 +62,7 @@ class FakeTeacher(BaseHTTPRequestHandler):
             }
             for i, seq in enumerate(body["prompt"])
         ]
-        self._answer(200, {"choices": choices})
-
-    def _answer(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, {"choices": choices})
 
 
 @pytest.fixture
