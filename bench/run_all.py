@@ -16,6 +16,7 @@ BENCHMARKS = [
     "pipeline",
     "vs_trl",
     "shared_fleet",
+    "distill",
 ]
 
 

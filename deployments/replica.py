@@ -150,7 +150,14 @@ class VLLMReplica(Replica):
     """A Ray Serve deployment class: wrap with `serve.deployment` (see `deployments.fleet`)."""
 
     async def __init__(
-        self, model_path: str, base_model: str, config: dict, bucket_url: str, *, first_rank: int = 0, lineage=True
+        self,
+        model_path: str,
+        base_model: str,
+        config: dict,
+        bucket_url: str,
+        *,
+        first_rank: int = 0,
+        lineage: bool = True,
     ):
         """`base_model` is the `model` name that means "no adapter"; `config` a dumped `FleetConfig`. A teacher
         deployment's replicas (`deployments.teacher`) pin cores from `first_rank` on and serve no `lineage`."""
