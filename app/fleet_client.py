@@ -200,6 +200,23 @@ class FleetClient:
         """`cut` on the caller's event loop (the rollout's, beside its generations)."""
         return await self._arequest("POST", "/v1/cut", json={"models": list(models)})
 
+    async def aprompt_logprobs(
+        self, sequences: list[list[int]], model: str, top: int = 0
+    ) -> list[list[dict[int, float] | None]]:
+        """Score token-id sequences under `model` (vLLM's `prompt_logprobs` with `max_tokens: 1`, TRL's teacher
+        request): per sequence and position, None at the first, else {token id: log-prob} for the sequence's own
+        token and the `top` most likely alternatives."""
+        body = {"model": model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": top}
+        answer = await self._arequest("POST", "/v1/completions", json=body)
+        return [
+            [None if at is None else {int(t): e["logprob"] for t, e in at.items()} for at in c["prompt_logprobs"]]
+            for c in sorted(answer["choices"], key=lambda c: c["index"])
+        ]
+
+    def tokenize(self, text: str, model: str) -> list[int]:
+        """How the server tokenizes `text` (vLLM's `/tokenize`), to compare its tokenizer with ours."""
+        return self._request("POST", "/tokenize", json={"model": model, "prompt": text})["tokens"]
+
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/health")
 

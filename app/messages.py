@@ -88,6 +88,7 @@ class RolloutStats:
     cut_share: float = 0.0  # of the samples completed, the share cut by a weight update (and continued) at least once
     cuts_total: int = 0
     prefilled_again_total: int = 0  # tokens sent again as the prompt of a continuation after a cut
+    teacher_failed_total: int | None = None  # groups dropped because the teacher failed to score them (distilling)
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -109,5 +110,8 @@ class RolloutStats:
             "rollout/prefilled_again_total": self.prefilled_again_total,
             **(self.staleness_inflight.metrics("inflight") if self.staleness_inflight else {}),
             **(self.staleness_queue.metrics("queue") if self.staleness_queue else {}),
+            **(
+                {} if self.teacher_failed_total is None else {"distill/teacher_failed_total": self.teacher_failed_total}
+            ),
             **self.reward_metrics,
         }

@@ -2,7 +2,8 @@
 
 One place resolves the model path (a local folder, a hub name, or the embedded tiny model built
 on demand) and loads the tokenizer with the round-trip check, so every part sees the same tokens;
-and fingerprints the model, so a run can tell that a fleet it joins serves the same base model.
+fingerprints the model, so a run can tell that a fleet it joins serves the same base model; and
+compares two tokenizers by the ids they give, so a teacher that would score other tokens is refused.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from app.config import ModelConfig, TaskConfig
+from app.config import ConfigError, ModelConfig, TaskConfig
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 logger = logging.getLogger("spotrl.models")
@@ -137,3 +139,40 @@ def prompt_token_ids(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
     return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+
+
+# Texts two tokenizers must split into the same ids to be one (a teacher's and its student's): digits, words,
+# spaces, punctuation, non-ASCII text and the special tokens of chat templates.
+TOKEN_PROBES = (
+    "Q: 12+345=? A: 357",
+    "0123456789 9876543210 1000000 3.14159 -42",
+    "The quick brown fox jumps over the lazy dog. What is the answer? Let us think step by step.",
+    "  two  spaces,\ttabs\nand newlines\n\n",
+    "\\boxed{\\frac{1}{2}} (x^2 + y_1) * [a, b] {c: d} #$%&@!~`|<>",
+    "naïve café über straße 東京 🙂",
+    "<|endoftext|><|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+)
+
+
+def check_same_token_ids(
+    student, teacher_ids: Callable[[str], list[int]], where: str, texts: Iterable[str] = ()
+) -> None:
+    """ConfigError unless `teacher_ids` (a teacher's tokenizer, or a server's `/tokenize`) gives the student
+    tokenizer's ids for every probe text and `texts`: the ids are compared, never the tokenizers' names. A teacher of
+    another tokenizer would score other tokens than the student sampled, and distillation would learn noise."""
+    for text in (*TOKEN_PROBES, *texts):
+        ours = student(text, add_special_tokens=False)["input_ids"]
+        theirs = list(teacher_ids(text))
+        if theirs != ours:
+            raise ConfigError(
+                f"{where}: its tokenizer is not the student's: {text[:40]!r} is {theirs[:12]} there, {ours[:12]} "
+                "here; a teacher must give the student's token ids"
+            )
+
+
+def check_same_tokenizer(student, teacher_path: str, where: str) -> None:
+    """`check_same_token_ids` for a teacher model folder, whose whole vocabulary is compared too."""
+    teacher = load_tokenizer(teacher_path)
+    if teacher.get_vocab() != student.get_vocab():
+        raise ConfigError(f"{where}: the vocabulary of {teacher_path} is not the student's (token ids differ)")
+    check_same_token_ids(student, lambda text: teacher(text, add_special_tokens=False)["input_ids"], where)

@@ -33,6 +33,7 @@ class Run:
         self.loop_t0: float | None = None  # start of the training loop, after start-up and the first evaluation
         self.loop_s = 0.0
         self.idle_at_loop_start = 0.0
+        self.teacher_heldout: dict | None = None  # a distilling run's teacher, evaluated as the student is
 
     def start_loop(self, rollout_stats: RolloutStats) -> None:
         self.loop_t0 = time.time()
@@ -73,6 +74,7 @@ class Run:
             "heldout_models": [before and before["model"], after and after["model"]],
             "affinity_share": router_affinity(router),
             **episode_summary(self.history, rollout, router),
+            **distill_summary(self.history, rollout, self.teacher_heldout),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness) if self.staleness else None,
             "dropped_stale_share": rollout.dropped_stale_share,
@@ -149,6 +151,21 @@ def episode_summary(history: list[dict], rollout: RolloutStats, router: dict | N
         "env_truncated_share": statistics.fmean(m["env/truncated_share"] for m in steps),
         "env_errors_total": rollout.env_errors_total,
         "affinity_by_turn": {k: v["affinity_share"] for k, v in (router or {}).get("turns", {}).items()},
+    }
+
+
+def distill_summary(history: list[dict], rollout: RolloutStats, teacher: dict | None) -> dict:
+    """Distilling runs: the teacher's held-out accuracy, the reverse KL to it over the first and the last 10% of
+    the steps, the groups its failures cost; {} otherwise."""
+    kl = [m["distill/reverse_kl"] for m in history if "distill/reverse_kl" in m]
+    if teacher is None and not kl:
+        return {}
+    return {
+        "teacher_heldout_accuracy": teacher and teacher["accuracy"],
+        "teacher_model": teacher and teacher["model"],
+        "reverse_kl_start": window_mean(kl, 0.1, last=False),
+        "reverse_kl_end": window_mean(kl, 0.1, last=True),
+        "teacher_failed_total": rollout.teacher_failed_total,
     }
 
 

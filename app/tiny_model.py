@@ -63,8 +63,9 @@ def _tokenizer_corpus(rng: random.Random, digits: int) -> list[str]:
     return texts
 
 
-def build_tokenizer(digits: int, seed: int):
-    """A byte-level BPE tokenizer in Qwen2's shape, trained on the task's text."""
+def build_tokenizer(digits: int, seed: int, vocab_size: int = 384):
+    """A byte-level BPE tokenizer in Qwen2's shape, trained on the task's text (another `vocab_size` merges
+    another set of pieces: a tokenizer that gives other ids, as a teacher must not)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,7 +79,7 @@ def build_tokenizer(digits: int, seed: int):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=384,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -2,7 +2,8 @@
 
 Reads top to bottom like a recipe: start or join Ray, bring the fleet up unless one runs (or, with
 `--fleet`, join a shared fleet over HTTP as a run of it, `app.fleet_run`), start
-the learner (which resumes or publishes policy-v0) and the rollout actor, evaluate the base, then
+the learner (which resumes or publishes policy-v0), a distilling run's teacher (`app.teacher_setup`) and the
+rollout actor, evaluate the base (and the teacher), then
 loop to `max_steps`: get groups, train, log; evaluate again and write the summary. The driver only
 wires: the groups go from the rollout to the learner as an ObjectRef it never opens, and the
 roles answer with typed messages (`app.messages`). What it started, it stops, on success, on
@@ -129,17 +130,37 @@ def learner_fleet_address(cfg: RunConfig) -> str:
     return address
 
 
+def start_teacher(cfg: RunConfig, run: Run, fleet, model_path: str, evaluation: Evaluation, token: str | None):
+    """A distilling run's teacher, checked (`app.teacher_setup`) and its held-out accuracy measured as the student's
+    is; None when the run does not distil."""
+    if cfg.teacher is None:
+        return None
+    from app.teacher_setup import prepare_teacher
+
+    teacher = prepare_teacher(cfg, fleet, model_path, token)
+    run.teacher_heldout = evaluation.of_teacher(teacher)
+    log.info("teacher held-out accuracy: %.3f (%s)", run.teacher_heldout["accuracy"], teacher.model)
+    return teacher
+
+
 def start_rollout(
-    stack: ExitStack, cfg: RunConfig, model_path: str, fleet_url: str, resume: ResumePoint, run_token: Secret | None
+    stack: ExitStack,
+    cfg: RunConfig,
+    model_path: str,
+    fleet_url: str,
+    resume: ResumePoint,
+    run_token: Secret | None,
+    teacher=None,
 ):
-    """The rollout actor, producing from where the learner resumed (with the run's token on a shared fleet)."""
+    """The rollout actor, producing from where the learner resumed (with the run's token on a shared fleet, and
+    the teacher that scores its groups when the run distils)."""
     import ray
 
     from app.rollout.actor import RolloutActor
 
     # Named, so that the dashboard and `ray.get_actor(name, namespace="spotrl")` find it.
     rollout = RolloutActor.options(name=f"rollout-{cfg.logging.run_name}", namespace="spotrl").remote(
-        cfg, model_path, fleet_url, resume, run_token
+        cfg, model_path, fleet_url, resume, run_token, teacher
     )
     stack.callback(stop_actor, rollout)
     ray.get(rollout.start.remote())
@@ -190,7 +211,8 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
         ensure_served(fleet, cfg, resume.policy_version)
         evaluation = Evaluation(cfg, fleet.base_url, model_path, token or inference_token(cfg))
         before = evaluation.baseline(resume)
-        rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token)
+        teacher = start_teacher(cfg, run, fleet, model_path, evaluation, token or admin_token(cfg))
+        rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token, teacher)
         steps = StepLog(stack, run, resume.step)
         version = loop(cfg, run, steps, learner, rollout, resume, notices)
         return finish(cfg, run, steps, rollout, fleet, evaluation, before, version)
@@ -265,6 +287,13 @@ class Evaluation:
         from app.evaluate import evaluate
 
         return evaluate(self.cfg, self.base_url, self.model_path, adapter_name(version, self.cfg.fleet_run), self.token)
+
+    def of_teacher(self, teacher) -> dict:
+        """The teacher's held-out accuracy, measured as the student's (where it is served, under its name)."""
+        from app.evaluate import evaluate
+
+        token = teacher.token.value if teacher.token else None
+        return evaluate(self.cfg, teacher.url, self.model_path, teacher.model, token)
 
     def baseline(self, resume: ResumePoint) -> dict:
         kept = self.cfg.run_dir / "heldout_before.json"

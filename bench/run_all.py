@@ -18,6 +18,7 @@ BENCHMARKS = [
     "shared_fleet",
     "preemption",
     "partial_rollouts",
+    "distill",
 ]
 
 

@@ -31,6 +31,8 @@ MAX_ADAPTER_NAME_CHARS = 32 + 1 + 128
 POLICY_STEM = "policy"
 # The bucket versions: `policy-v<N>` of the fleet's own learner, `<run>/policy-v<N>` of a run's.
 _BUCKET_VERSION = re.compile(r"(?:(?P<run>[a-z0-9][a-z0-9_-]{0,31})/)?policy-v(?P<version>0|[1-9][0-9]*)")
+# A committed version's URL: `<lineage's bucket.url>/adapters/policy-v<N>`.
+_VERSION_URL = re.compile(r"(?P<prefix>[a-z][a-z0-9+.-]*://.+?)/adapters/policy-v(?P<version>0|[1-9][0-9]*)/?")
 # `<family>-v<N>`, no leading zeros (v03 would alias v3).
 _VERSIONED = re.compile(r"(?P<family>.+)-v(?P<version>0|[1-9][0-9]*)")
 
@@ -87,6 +89,13 @@ def is_adapter_name(name: object) -> bool:
         return False
     run, local = split_run(name)
     return bool(ADAPTER_NAME.fullmatch(local)) and (run is None or bool(RUN_NAME.fullmatch(run)))
+
+
+def split_version_url(url: str) -> tuple[str, int] | None:
+    """(its lineage's prefix, version) of a committed version's URL (`s3://b/run/adapters/policy-v3` ->
+    ("s3://b/run", 3)), else None."""
+    match = _VERSION_URL.fullmatch(url)
+    return (match.group("prefix"), int(match.group("version"))) if match else None
 
 
 def run_prefix(bucket_url: str, run: str | None) -> str:

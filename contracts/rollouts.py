@@ -119,6 +119,8 @@ class Group:
     samples: list[Sample]
     created_at: float = 0.0
     reward_errors: dict[str, int] = field(default_factory=dict)
+    # What preparing it cost beyond sampling, by metric name (a teacher's seconds and tokens): summed per step.
+    costs: dict[str, float] = field(default_factory=dict)
 
     @property
     def rewards(self) -> list[float]:
@@ -211,6 +213,7 @@ class BatchStats:
     episodes: EpisodeStats | None = None  # the multi-turn episodes among the groups, if any
     versions_per_sample: float = 1.0  # distinct versions among a sample's tokens, on average
     num_partial: int = 0  # samples whose tokens span more than one version (continued across a weight update)
+    costs: dict[str, float] = field(default_factory=dict)  # the groups' `costs`, summed
 
     @classmethod
     def of(cls, groups: list[Group], learner_version: int | None) -> BatchStats | None:
@@ -220,6 +223,10 @@ class BatchStats:
         scored = [r for r in rewards if not math.isnan(r)]  # an environment failure is no reward of 0
         oldest = [g.oldest_version for g in groups]
         spans = [len(set(s.token_versions())) or 1 for g in groups for s in g.samples]
+        costs: dict[str, float] = {}
+        for g in groups:
+            for name, value in g.costs.items():
+                costs[name] = costs.get(name, 0.0) + value
         return cls(
             num_samples=len(rewards),
             reward_mean=statistics.fmean(scored) if scored else math.nan,
@@ -230,6 +237,7 @@ class BatchStats:
             episodes=EpisodeStats.of([s for g in groups if g.is_episodic for s in g.samples]),
             versions_per_sample=statistics.fmean(spans),
             num_partial=sum(n > 1 for n in spans),
+            costs=costs,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -247,6 +255,7 @@ class BatchStats:
             out["sample/staleness_max"] = max(self.staleness)
         if self.episodes:
             out.update(self.episodes.metrics())
+        out.update(self.costs)
         return out
 
 

@@ -50,6 +50,12 @@ class Sampling:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's log-prob and the top k alternatives
+
+
+# A scoring answer, per prompt position: None at the first (nothing before it to condition on), else
+# {token id: (log-prob, rank in the vocabulary)} for the prompt's own token and the top alternatives asked for.
+PromptLogprobs = list[dict[int, tuple[float, int | None]] | None]
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class SampledChoice:
     top_logprobs: list[dict[int, float]] | None  # per position, the top alternatives, when asked for
     finish_reason: str | None
     stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt's, when asked for (the same for every choice)
 
 
 # The finish reason of a choice cut short by its replica (vLLM's own for an aborted request): its tokens so far.

@@ -30,7 +30,7 @@ from app.bucket.fetching import HeldFolder
 from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionNotFound
 from app.bucket.store import AdapterStore
 from app.config import BucketConfig
-from contracts.adapters import AdapterRef, adapter_name, run_prefix, split_run
+from contracts.adapters import AdapterRef, adapter_name, run_prefix, split_run, split_version_url
 from contracts.auth import redact
 from contracts.serving import BadRequest, ModelNotFound, ReplicaError
 
@@ -117,7 +117,8 @@ class AdapterSources:
     """Where a replica's adapters come from, by name: a bucket version of the fleet's own lineage from the
     fleet's bucket, a run's (`alice/policy-v3`) from the run's prefix of it and nowhere else, any other name
     from a PEFT folder under one of the trusted local folders (`fleet.extra_adapter_dirs`, where TRL's own
-    trainer writes its adapters). Also what is committed in each: `CommittedVersions` per prefix."""
+    trainer writes its adapters) or a committed version of a trusted other lineage (`fleet.extra_adapter_buckets`,
+    a finished run's, say, loaded as a teacher). Also what is committed in each: `CommittedVersions` per prefix."""
 
     def __init__(
         self,
@@ -128,10 +129,12 @@ class AdapterSources:
         listing_interval_s: float = LISTING_INTERVAL_S,
         trusted_dirs: Iterable[str | Path] = (),
         cache_keep: int = 2,
+        other_lineages: Iterable[str] = (),
     ):
         self.url, self.bucket, self.window, self.listing_interval_s = url, bucket, window, listing_interval_s
         self.trusted_dirs = [Path(d).expanduser().resolve() for d in trusted_dirs]
         self.cache_keep = cache_keep
+        self.other_lineages = [prefix.rstrip("/") for prefix in other_lineages]  # `fleet.extra_adapter_buckets`
         self._prefixes: dict[str | None, tuple[AdapterStore, CommittedVersions]] = {}
         self._leaving: dict[str, AdapterStore] = {}  # runs gone, whose cached folders are still to delete
         self._tidying: asyncio.Task | None = None
@@ -222,12 +225,26 @@ class AdapterSources:
                 raise BadRequest(
                     f"lora_path {redact(str(ref))[:300]!r}: run {run!r} loads only from {redact(store.url)}"
                 ) from None
-            return self._trusted_folder(name, ref)
+            other = self._other_lineage(name, ref)
+            return await self._fetch(*other) if other else self._trusted_folder(name, ref)
         if local != adapter_name(version):
             raise BadRequest(f"lora_name {name!r} does not name the bucket version {adapter_name(version)}")
+        source, folder = await self._fetch(store, version)
+        versions.remember(version)
+        return source, folder
+
+    def _other_lineage(self, name: str, ref: str) -> tuple[AdapterStore, int] | None:
+        """(store, version) of a committed version of another lineage the fleet trusts (`other_lineages`), which a
+        name of its own that is no bucket version's (a teacher's) may load; else None."""
+        found = split_version_url(ref) if isinstance(ref, str) and not AdapterRef.parse(name) else None
+        if found is None or found[0].rstrip("/") not in self.other_lineages:
+            return None
+        return AdapterStore.at(found[0], self.bucket), found[1]
+
+    async def _fetch(self, store: AdapterStore, version: int) -> tuple[str, HeldFolder]:
+        """(URL, verified local folder) of committed `version` of `store`, its failures as the ingress answers them."""
         try:
             folder = await asyncio.to_thread(store.fetch_held, version)
-            versions.remember(version)
             return store.url_of(version), folder
         except VersionNotFound:
             raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None

@@ -30,7 +30,7 @@ from typing import Any
 
 from app.config import FleetConfig
 from contracts.auth import redact
-from contracts.serving import BadRequest, EngineDied, ReplicaError, SampledChoice, Sampling
+from contracts.serving import BadRequest, EngineDied, PromptLogprobs, ReplicaError, SampledChoice, Sampling
 from deployments.engine_watchdog import engine_processes, start_watchdog
 
 log = logging.getLogger("ray.serve")
@@ -159,13 +159,23 @@ def token_logprobs(token_ids: list[int], logprobs, top: int) -> tuple[list[float
     return chosen, alternatives
 
 
-def _sampled_choice(output, top: int) -> SampledChoice:
+def prompt_logprobs(positions) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` of a request (None at the first position, then {token: Logprob}) as plain numbers."""
+    return [
+        None if entry is None else {int(t): (float(lp.logprob), lp.rank) for t, lp in entry.items()}
+        for entry in positions
+    ]
+
+
+def _sampled_choice(output, top: int, prompt: PromptLogprobs | None) -> SampledChoice:
     """One of the engine's completion outputs, with the sampled tokens' log-probs if they were asked for."""
     token_ids = list(output.token_ids)
     logprobs, alternatives = None, None
     if output.logprobs is not None:
         logprobs, alternatives = token_logprobs(token_ids, output.logprobs, top)
-    return SampledChoice(output.index, token_ids, logprobs, alternatives, output.finish_reason, output.stop_reason)
+    return SampledChoice(
+        output.index, token_ids, logprobs, alternatives, output.finish_reason, output.stop_reason, prompt
+    )
 
 
 @dataclass
@@ -312,7 +322,9 @@ class Engine:
         if final is None:
             return None
         top = params.logprobs or 0
-        return [_sampled_choice(out, top) for out in sorted(final.outputs, key=lambda o: o.index)]
+        # A scoring request (`prompt_logprobs`): vLLM skips the prefix cache for it, so every position is computed.
+        prompt = None if final.prompt_logprobs is None else prompt_logprobs(final.prompt_logprobs)
+        return [_sampled_choice(out, top, prompt) for out in sorted(final.outputs, key=lambda o: o.index)]
 
     async def abort(self, request_ids: list[str]) -> None:
         """Stop these requests (`sample`'s `request_id`s) now: each `sample` answers the tokens generated so far,

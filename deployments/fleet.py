@@ -58,7 +58,8 @@ def absolute_bucket_url(url: str) -> str:
 
 
 def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = PREFIX_ROUTER):
-    """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas, or autoscaled)."""
+    """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas, or autoscaled), and a
+    handle to the teacher deployment's replicas when the fleet has one (`deployments.teacher`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -66,6 +67,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     from deployments.autoscaling import autoscaling_config
     from deployments.ingress import Ingress
     from deployments.replica import VLLMReplica
+    from deployments.teacher import teacher_app
 
     fleet = cfg.fleet
     token = admin_token(cfg)
@@ -77,7 +79,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     config = cfg.model_dump(mode="json")
     bucket_url = absolute_bucket_url(cfg.bucket_url)
     on_gpu = fleet.num_gpus_per_replica > 0
-    replica = serve.deployment(
+    replica_deployment = serve.deployment(
         VLLMReplica,
         name=REPLICA_DEPLOYMENT,
         # Elastic (`deployments.autoscaling`): Serve sizes it from num_replicas on, within the configured bounds.
@@ -100,7 +102,9 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
-    ).bind(model_path, model_path, config, bucket_url)
+    )
+    replica = replica_deployment.bind(model_path, model_path, config, bucket_url)
+    teacher = teacher_app(cfg, model_path, bucket_url, replica_deployment)  # None without `cfg.teacher`
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
@@ -114,7 +118,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     # whose handle then builds the new router (the benchmark swaps routers on the same replicas).
     secret = Secret(token) if token else None
     return ingress.bind(
-        replica, model_path, aliases, model_path, config, secret, request_router_class, http_host, bucket_url
+        replica, model_path, aliases, model_path, config, secret, request_router_class, http_host, bucket_url, teacher
     )
 
 

@@ -1,7 +1,8 @@
 """The fleet's front door as a Ray Serve deployment: the HTTP API over a handle to the vLLM replicas.
 
-One ingress replica holds the tokenizer and a `DeploymentHandle` to `VLLMReplica`; the handle's
-request router is the PrefixHashRouter, so it lives in this process and `/router/stats` reads its
+One ingress replica holds the tokenizer and a `DeploymentHandle` to `VLLMReplica` (and one to a teacher
+deployment's replicas, for requests that name the teacher: `deployments.teacher`); each handle's
+request router is a PrefixHashRouter, so it lives in this process and `/router/stats` reads its
 counters directly. Generations go through the handle as one `GenerateRequest` each
 (`contracts.serving`), the type the router reads and the replica samples from.
 
@@ -113,8 +114,9 @@ def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
 class ServeBackend:
     """`deployments.control.backend.Backend` over a DeploymentHandle to the VLLMReplica deployment."""
 
-    def __init__(self, handle, poison: PoisonTable | None = None):
+    def __init__(self, handle, poison: PoisonTable | None = None, teachers: dict[str, Any] | None = None):
         self._handle = handle
+        self._teachers = teachers or {}  # a teacher deployment's handle by its model name (`deployments.teacher`)
         self._server_info: dict[str, Any] | None = None
         self._poison = PoisonTable() if poison is None else poison
         # Generations a draining replica handed back (continued elsewhere), new ones it refused (sent elsewhere), and
@@ -133,6 +135,7 @@ class ServeBackend:
         key = fingerprint(request)
         self._poison.check(key)  # it killed two engines lately: not a third
         engine_deaths = 0
+        handle = self._teachers.get(request.model, self._handle)
 
         # The handle's router (PrefixHashRouter) reads `request.prompt_ids` and `request.model` to pick the replica;
         # a retry is routed afresh, away from the replica Serve now knows is dead.
@@ -140,7 +143,7 @@ class ServeBackend:
             nonlocal engine_deaths
             own_internal_request_id()
             try:
-                return await self._handle.options(method_name=GENERATE_METHOD).remote(request)
+                return await handle.options(method_name=GENERATE_METHOD).remote(request)
             except Exception as exc:
                 engine_deaths += engine_died(exc)
                 if _raised(exc, ReplicaDraining):  # sent again below, to a replica that stays
@@ -219,6 +222,7 @@ class Ingress:
         request_router: str = "",
         http_host: str = "127.0.0.1",
         bucket_url: str = "",
+        teacher_replicas=None,
     ):
         cfg = FleetConfig.model_validate(config)
         # The environment of the ingress process wins, then a token handed over by the builder, then the config
@@ -248,8 +252,11 @@ class Ingress:
             inflight_budget=cfg.inflight_limit,
             inflight_per_replica=None if cfg.fleet.inflight_budget else cfg.fleet.max_num_seqs,
             default_run_weight=cfg.fleet.default_run_weight,
+            teacher_models=frozenset([cfg.teacher.name] if cfg.teacher else []),
         )
-        self._backend = ServeBackend(replicas, PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries))
+        teachers = {cfg.teacher.name: teacher_replicas} if cfg.teacher and teacher_replicas is not None else {}
+        poison = PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries)
+        self._backend = ServeBackend(replicas, poison, teachers)
         # The runs of a shared fleet outlive this process in the bucket (`deployments.control.tenancy`).
         records = RunRecords.from_config(cfg, bucket_url) if bucket_url else None
         runs = Runs.of(settings)

@@ -175,8 +175,18 @@ class Replica:
 class VLLMReplica(Replica):
     """A Ray Serve deployment class: wrap with `serve.deployment` (see `deployments.fleet`)."""
 
-    async def __init__(self, model_path: str, base_model: str, config: dict, bucket_url: str):
-        """`base_model` is the `model` name that means "no adapter"; `config` a dumped `FleetConfig`."""
+    async def __init__(
+        self,
+        model_path: str,
+        base_model: str,
+        config: dict,
+        bucket_url: str,
+        *,
+        first_rank: int = 0,
+        lineage: bool = True,
+    ):
+        """`base_model` is the `model` name that means "no adapter"; `config` a dumped `FleetConfig`. A teacher
+        deployment's replicas (`deployments.teacher`) pin cores from `first_rank` on and serve no `lineage`."""
         from ray import serve
 
         self.cfg = cfg = FleetConfig.model_validate(config)
@@ -185,7 +195,7 @@ class VLLMReplica(Replica):
         replica_id = context.replica_id.unique_id
         started = time.monotonic()
         # Held at once, so that `__del__` shuts the engine down if what follows fails.
-        self.engine = engine = Engine.start(cfg, model_path, replica_id, context.rank.rank)
+        self.engine = engine = Engine.start(cfg, model_path, replica_id, first_rank + context.rank.rank)
         sources = AdapterSources(
             bucket_url,
             cfg.bucket,
@@ -193,6 +203,7 @@ class VLLMReplica(Replica):
             listing_interval_s=fleet.version_listing_interval_s,
             trusted_dirs=fleet.extra_adapter_dirs,
             cache_keep=fleet.adapter_cache_keep,
+            other_lineages=fleet.extra_adapter_buckets,
         )
         slots = AdapterSlots(
             replica_id,
@@ -204,8 +215,9 @@ class VLLMReplica(Replica):
             slot_wait_s=fleet.lora_slot_wait_s,
         )
         super().__init__(replica_id, engine, slots, fleet.pause_lease_s)
-        # Before it takes traffic: the fleet's own versions and every registered run's, each lineage's window.
-        loaded = await adapters_to_serve(cfg, sources, bucket_url)
+        # Before it takes traffic: the fleet's own versions and every registered run's, each lineage's window (a
+        # teacher deployment's replicas serve no lineage).
+        loaded = await adapters_to_serve(cfg, sources, bucket_url) if lineage else []
         for name, ref in loaded:
             await slots.load(name, ref)
         await sources.tidy()  # what an earlier replica of this node left that nothing loaded now holds

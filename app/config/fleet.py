@@ -13,11 +13,14 @@ the run's own (registered with it) or, for lineages no run registered, `fleet.ma
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
 from app.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig, TaskConfig
+from app.config.teacher import TeacherDeployment
+from contracts.adapters import split_version_url
 from contracts.auth import check_token
 
 # A fleet of its own (`serve run serve_config.yaml`) hosts at least two runs of the default config out of the
@@ -121,6 +124,11 @@ class FleetSettings(Section):
     max_text_chars: int = Field(
         1_000_000, ge=1, description="Characters of text (prompts, chat messages) one request may have tokenized."
     )
+    max_prompt_logprobs_per_request: int = Field(
+        500_000,
+        ge=1,
+        description="Log-probs one scoring request may ask for: prompt tokens x (prompt_logprobs + 1) x n.",
+    )
     poison_ttl_s: float = Field(
         600.0, gt=0, description="How long the ingress refuses a request during which two engines died."
     )
@@ -167,6 +175,10 @@ class FleetSettings(Section):
         default_factory=list,
         description="Local folders besides the bucket to load adapters from, e.g. TRL's .vllm_lora.",
     )
+    extra_adapter_buckets: list[str] = Field(
+        default_factory=list,
+        description="Other lineages' bucket prefixes (a finished run's bucket.url) whose versions load under any name.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -203,11 +215,27 @@ class FleetConfig(Section):
     spot: SpotConfig = Field(
         default_factory=SpotConfig, description="Spot interruption notices on the replicas' nodes."
     )
+    teacher: TeacherDeployment | None = Field(
+        None, description="A teacher model served by replicas of its own beside the base model's (distillation)."
+    )
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> FleetConfig:
         check_fleet(self.model, self.fleet, self.max_loras, self.max_staleness)
         return self
+
+    def teacher_fleet(self) -> FleetConfig:
+        """The config of the teacher deployment's replicas: this fleet's settings, the teacher's model."""
+        t = self.teacher
+        if t is None:
+            raise ValueError("this fleet has no teacher deployment")
+        return self.model_copy(
+            update={
+                "model": t.model,
+                "fleet": self.fleet.model_copy(update={"num_replicas": t.num_replicas}),
+                "teacher": None,
+            }
+        )
 
     @property
     def max_loras(self) -> int:
@@ -238,6 +266,19 @@ class FleetConfig(Section):
     @property
     def bucket_url(self) -> str:
         return self.bucket.url.format(run_name=self.fleet.app_name)
+
+
+def trusted_source(fleet: FleetSettings, adapter: str) -> dict[str, list[str]]:
+    """`fleet`'s trusted sources with the one `adapter` comes from added: a committed version's lineage prefix
+    (`extra_adapter_buckets`), or a PEFT folder's parent (`extra_adapter_dirs`); local paths made absolute."""
+    found = split_version_url(adapter)
+    if found is not None:
+        prefix = found[0]
+        if prefix.startswith("file://") and not prefix.startswith("file:///"):
+            prefix = f"file://{os.path.abspath(prefix.removeprefix('file://'))}"
+        return {"extra_adapter_buckets": [*fleet.extra_adapter_buckets, prefix]}
+    folder = os.path.abspath(os.path.expanduser(adapter.removeprefix("file://")))
+    return {"extra_adapter_dirs": [*fleet.extra_adapter_dirs, os.path.dirname(folder)]}
 
 
 def check_fleet(model: ModelConfig, fleet: FleetSettings, max_loras: int, max_staleness: int) -> None:

@@ -9,11 +9,11 @@ The fleet is a product of its own (`app.config.fleet`): a run either brings one 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from app.config.fleet import FleetConfig, FleetSettings, check_fleet, slots_needed
+from app.config.fleet import FleetConfig, FleetSettings, check_fleet, slots_needed, trusted_source
 from app.config.sections import (
     VLLM_LORA_RANKS,
     BucketConfig,
@@ -24,6 +24,7 @@ from app.config.sections import (
     TaskConfig,
     vllm_rank_for,
 )
+from app.config.teacher import TeacherConfig
 from contracts.adapters import RUN_NAME
 
 
@@ -91,13 +92,30 @@ class GRPOConfig(Section):
     seed: int = Field(42, description="Seed of the learner and the prompt order.")
 
 
-class ObjectiveConfig(Section):
-    """One term of the learner's loss (`app.objectives`): which objective, and its weight in the sum."""
+class GRPOObjectiveConfig(Section):
+    """GRPO as a term of the learner's loss (`app.objectives.grpo`): its settings are the `grpo` section's."""
 
     kind: Literal["grpo"] = Field(
         description="The objective: grpo (group-normalised advantages, TRL's clipped loss; its settings in `grpo`)."
     )
     weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
+
+
+class DistillObjectiveConfig(Section):
+    """On-policy distillation (`app.objectives.distill`): the reverse KL to a teacher at every sampled token."""
+
+    kind: Literal["distill"] = Field(
+        description="The objective: distill (a teacher scores the student's samples; per-token reverse KL)."
+    )
+    weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
+    teacher: TeacherConfig = Field(description="The teacher: base, {adapter: ...}, {model: {...}} or {url: ...}.")
+    coef: float = Field(
+        1.0, gt=0, description="Per-token advantage = -coef x (sampler's log-prob - teacher's log-prob)."
+    )
+
+
+# One term of the learner's loss (`app.objectives`), told apart by its `kind`.
+ObjectiveConfig = Annotated[GRPOObjectiveConfig | DistillObjectiveConfig, Field(discriminator="kind")]
 
 
 class RolloutConfig(Section):
@@ -212,7 +230,7 @@ class RunConfig(Section):
     env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn environment (none: single-turn).")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO algorithm.")
     objectives: list[ObjectiveConfig] = Field(
-        default_factory=lambda: [ObjectiveConfig(kind="grpo")],
+        default_factory=lambda: [GRPOObjectiveConfig(kind="grpo")],
         min_length=1,
         description="Objectives the learner sums, each divided by its own token count (default: GRPO alone).",
     )
@@ -244,6 +262,12 @@ class RunConfig(Section):
         kinds = [o.kind for o in self.objectives]
         if len(set(kinds)) < len(kinds):
             raise ValueError(f"objectives: each kind at most once (got {kinds}): their metrics would mix")
+        teacher = self.teacher
+        if teacher is not None and self.join.url and teacher.kind in ("adapter", "model"):
+            raise ValueError(
+                f"objectives: teacher.{teacher.kind} is loaded into the fleet a run brings; a run of a shared fleet "
+                "(join.url) names the fleet's base model (teacher: base) or a server (teacher: {url: ...})"
+            )
         if self.grpo.max_completion_length >= self.model.max_model_len:
             raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
         if self.task.name == "math" and not self.task.dataset:
@@ -286,18 +310,27 @@ class RunConfig(Section):
         """Tokens an episode may hold, prompt included: as configured, else the whole context."""
         return self.env.max_episode_tokens or self.model.max_model_len
 
-    def own_fleet_sizes(self) -> dict[str, int]:
+    @property
+    def teacher(self) -> TeacherConfig | None:
+        """The teacher of the run's distill objective, if it has one."""
+        return next((o.teacher for o in self.objectives if isinstance(o, DistillObjectiveConfig)), None)
+
+    def own_fleet_sizes(self) -> dict[str, Any]:
         """The slots, rank and staleness window of the fleet this run brings: as its `fleet` section says, else
-        sized for this run alone (its lineage's window and one slot to load into; its rank)."""
+        sized for this run alone (its lineage's window and one slot to load into, one more for a teacher adapter;
+        its rank); and where a teacher adapter may be loaded from."""
         staleness = self.grpo.max_staleness if self.fleet.max_staleness is None else self.fleet.max_staleness
+        teacher_adapter = self.teacher.adapter if self.teacher is not None else None
         return {
             "max_staleness": staleness,
-            "max_loras": self.fleet.max_loras or slots_needed([staleness + 1]),
+            "max_loras": self.fleet.max_loras or slots_needed([staleness + 1]) + (teacher_adapter is not None),
             "max_lora_rank": self.fleet.max_lora_rank or vllm_rank_for(self.lora.rank),
+            **(trusted_source(self.fleet, teacher_adapter) if teacher_adapter else {}),
         }
 
     def own_fleet(self) -> FleetConfig:
-        """The fleet this run brings along when it joins none: its model, its bucket, its `fleet` section."""
+        """The fleet this run brings along when it joins none: its model, its bucket, its `fleet` section, and
+        the teacher deployment of a `model` teacher."""
         bucket = self.bucket.model_copy(update={"url": self.bucket_url.replace("{", "{{").replace("}", "}}")})
         return FleetConfig(
             model=self.model,
@@ -305,6 +338,7 @@ class RunConfig(Section):
             bucket=bucket,
             fleet=self.fleet.model_copy(update=self.own_fleet_sizes()),
             spot=self.spot,
+            teacher=self.teacher.deployment() if self.teacher is not None else None,
         )
 
     @property

@@ -1,11 +1,12 @@
 """Objectives: what the learner optimises, as a layer between the rollout and the learner.
 
-An objective annotates a group on the rollout side (per-token streams: GRPO's advantages, later a
+An objective annotates a group on the rollout side (per-token streams: GRPO's advantages, a
 teacher's log-probs) and gives the learner a loss over those streams, so that packing lays out streams
 without knowing what they mean and the learner sums losses without knowing which algorithm they are.
 
 - `app.objectives.base`: the `Objective` interface and the `LossStats` every loss reports;
-- `app.objectives.grpo`: GRPO, with TRL's AsyncGRPO semantics (the run's default and, for now, only one);
+- `app.objectives.grpo`: GRPO, with TRL's AsyncGRPO semantics (the run's default);
+- `app.objectives.distill`: on-policy distillation, the reverse KL to a teacher per sampled token (Tinker's);
 - `app.objectives.combined`: `Objectives`, the run's objectives as `RunConfig.objectives` lists them.
 """
 

@@ -11,10 +11,11 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from app.objectives.base import LossStats, Objective
+from app.objectives.distill import Distill
 from app.objectives.grpo import GRPO
 from contracts.rollouts import Group
 
-KINDS: dict[str, type[Objective]] = {GRPO.kind: GRPO}  # what `objectives[].kind` may name
+KINDS: dict[str, type[Objective]] = {GRPO.kind: GRPO, Distill.kind: Distill}  # what `objectives[].kind` may name
 
 
 class Objectives:

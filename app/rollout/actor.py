@@ -2,7 +2,7 @@
 
 Kept apart from the producer so that the producer stays plain asyncio. The actor wires it to the
 fleet (one `FleetClient`, which owns the retries of generation requests), the task's problems, the
-run's sampler (`app.rollout.sampling`), and where to start: the learner's `ResumePoint` at the start
+run's sampler (`app.rollout.sampling`), a distilling run's teacher (`app.rollout.teacher`), and where to start: the learner's `ResumePoint` at the start
 of a run, or, when Ray restarts the actor, the newest checkpoint in the bucket (`resume_state`).
 """
 
@@ -18,6 +18,7 @@ from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
 from app.rollout.producer import GroupProducer
 from app.rollout.sampling import sampler_for
+from app.rollout.teacher import TeacherEndpoint, TeacherScorer
 from contracts.auth import Secret, admin_token
 from contracts.retry import Backoff
 from contracts.rollouts import RolloutBatch
@@ -44,7 +45,15 @@ def sampling_client(cfg, fleet_url: str, run_token: Secret | None = None) -> Fle
 class RolloutActor:
     """Hosts a GroupProducer in Ray: the driver starts it, takes batches and stats, and tells it new versions."""
 
-    def __init__(self, cfg, model_path: str, fleet_url: str, resume: ResumePoint, run_token: Secret | None = None):
+    def __init__(
+        self,
+        cfg,
+        model_path: str,
+        fleet_url: str,
+        resume: ResumePoint,
+        run_token: Secret | None = None,
+        teacher: TeacherEndpoint | None = None,  # where a distilling run's teacher scores (`app.teacher_setup`)
+    ):
         from app.models import load_tokenizer, prompt_token_ids
         from app.tasks.problems import load_task
 
@@ -66,6 +75,7 @@ class RolloutActor:
             resume=resume,
             retries_done=lambda: self.client.retries_done,
             cut=self.client.acut,
+            teacher=TeacherScorer.from_config(teacher, cfg.teacher) if teacher is not None else None,
         )
 
     async def start(self) -> None:

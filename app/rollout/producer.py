@@ -3,13 +3,15 @@
 It keeps up to `max_inflight_tasks` groups in flight, has its sampler (`app.rollout.sampling`: G single
 completions in one request, scored off the event loop, or G multi-turn episodes) sample and score the
 G samples of a prompt, tags the group with the policy version it started under (and every token with
-the version that sampled it), has the run's objectives annotate it (`app.objectives`: GRPO's
+the version that sampled it), has the run's teacher score it when the run distils (`app.rollout.teacher`:
+asynchronous, so before annotating), has the run's objectives annotate it (`app.objectives`: GRPO's
 advantages, for one) and puts it on a bounded queue. A slot is held until its group is on the queue,
 so a slow learner stops new requests instead of growing memory (backpressure). How stale a group may
 get is the staleness rule's (`app.rollout.staleness`): drop at take time, or bound at admission with a
 hard limit; a group that could never be trained is dropped and counted when taken (a multi-turn group
 as soon as it is found so, between turns). A request that still fails after the fleet client's
-retries costs its group, counted, never the producer.
+retries costs its group, counted, never the producer; so does a teacher that fails or times out
+(counted apart).
 
 With partial rollouts on, a newer version cuts the run's generations in flight under versions at least
 `partial_min_lag` behind (one `cut` call naming their adapters), and each group's sampler continues
@@ -30,9 +32,11 @@ from typing import Any
 
 from app.messages import ResumePoint, RolloutStats
 from app.objectives import Objectives
+from app.objectives.distill import TEACHER_LOGPROBS
 from app.rollout.continuation import Flight, version_of
 from app.rollout.sampling import GroupStale, Sampler, SamplingArgs
 from app.rollout.staleness import StalenessRule, figures
+from app.rollout.teacher import TeacherScorer
 from app.tasks.problems import Problem
 from contracts.adapters import adapter_name
 from contracts.rollouts import Group, RolloutBatch
@@ -53,10 +57,13 @@ class GroupProducer:
         resume: ResumePoint | None = None,  # where to go on; None: a fresh run
         retries_done: Callable[[], int] = lambda: 0,  # the fleet client's retries so far, for the metrics
         cut: Callable[[list[str]], Awaitable[Any]] | None = None,  # cut the generations under these adapters
+        teacher: TeacherScorer | None = None,  # scores every group before it is annotated (a distilling run)
     ):
         self.cfg = cfg
-        self.problems, self.prompt_ids, self.sampler = problems, prompt_ids, sampler
+        self.problems, self.prompt_ids, self.sampler, self.teacher = problems, prompt_ids, sampler, teacher
         self.objectives = Objectives.from_config(cfg)
+        if any(TEACHER_LOGPROBS in o.streams for o in self.objectives.objectives) and teacher is None:
+            raise ValueError("objectives: a distill objective needs a teacher to score the groups; none was given")
         g = cfg.grpo
         self.sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         self.retries_done, self.cut = retries_done, cut
@@ -84,6 +91,7 @@ class GroupProducer:
             "groups_taken": 0,
             "cut_calls": 0,
             "cut_failures": 0,
+            "teacher_failed": 0,
         }
 
     # -- data order ------------------------------------------------------------------------
@@ -177,6 +185,15 @@ class GroupProducer:
         finally:
             del self._flights[group_id]
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
+        if self.teacher is not None:
+            try:
+                await self.teacher.score(group)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the teacher's failure costs this group alone
+                log.warning("the teacher failed to score group %d, dropping it: %s", group_id, e)
+                self.counters["teacher_failed"] += 1
+                return None
         return self.objectives.annotate(group)
 
     def _newest_model(self) -> str:
@@ -287,6 +304,7 @@ class GroupProducer:
             cut_share=cuts.cut_choices / cuts.choices if cuts.choices else 0.0,
             cuts_total=cuts.cuts,
             prefilled_again_total=cuts.prefilled_again,
+            teacher_failed_total=c["teacher_failed"] if self.teacher is not None else None,
         )
 
     def _queued(self) -> list[Group]:
@@ -299,6 +317,8 @@ class GroupProducer:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._producer = None
         self.sampler.close()
+        if self.teacher is not None:
+            await self.teacher.aclose()
 
 
 def _flight_span(flight: Flight) -> tuple[int, int, float | None]:

@@ -51,6 +51,7 @@ class RequestLimits:
     max_prompts_per_request: int
     max_sequences_per_request: int
     max_text_chars: int
+    max_prompt_logprobs_per_request: int
 
     @classmethod
     def of(cls, fleet: Any) -> RequestLimits:
@@ -66,6 +67,16 @@ class RequestLimits:
                 400,
                 f"n: {prompts} prompt(s) x n={n} = {prompts * n} completions exceed the limit of "
                 f"{self.max_sequences_per_request}",
+            )
+
+    def check_prompt_logprobs(self, prompt_tokens: int, k: int | None, n: int) -> None:
+        """What a scoring request answers: an entry per prompt token and alternative (`k` + 1), in each of `n` choices."""
+        entries = 0 if k is None else prompt_tokens * (k + 1) * n
+        if entries > self.max_prompt_logprobs_per_request:
+            raise ApiError(
+                400,
+                f"prompt_logprobs: {prompt_tokens} prompt tokens x ({k} + 1) x n={n} = {entries} log-probs exceed the "
+                f"limit of {self.max_prompt_logprobs_per_request}",
             )
 
     def check_text(self, texts: Iterable[str]) -> None:
@@ -161,7 +172,7 @@ class _SamplingBody(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     stream: bool = False
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> Sampling:
+    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> Sampling:
         """The engine's sampling parameters, for a prompt that leaves room for `max_tokens`."""
         if self.stream:
             raise ApiError(400, "stream: streaming responses are not supported")
@@ -188,6 +199,7 @@ class _SamplingBody(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -195,6 +207,8 @@ class CompletionBody(_SamplingBody):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's scoring field: each prompt token's log-prob under the model, and the top k alternatives (TRL's teachers).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     # spotrl's extension: the turn of a multi-turn episode this prompt continues (the router counts affinity per turn).
@@ -208,6 +222,16 @@ class CompletionBody(_SamplingBody):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) or not prompts:
             return [prompts]
         return list(prompts)
+
+
+class TokenizeBody(BaseModel):
+    """`POST /tokenize` (vLLM's): a text's token ids as the fleet tokenizes prompts (no special tokens added), by
+    which a client compares its tokenizer with the fleet's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=4096)
+    prompt: str
 
 
 class ChatMessage(BaseModel):

@@ -1,7 +1,9 @@
-"""OpenAI's inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+"""OpenAI's inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize`.
 
 They speak what TRL's AsyncGRPOTrainer (`trl.experimental.async_grpo`) and the `openai` client send:
-token-id or text prompts, `return_token_ids` and `logprobs`. Open to anyone unless `protect_inference` puts
+token-id or text prompts, `return_token_ids` and `logprobs`; and what a teacher is asked (TRL's
+AsyncDistillationTrainer, spotrl's distill objective): `prompt_logprobs` with `max_tokens: 1` scores a
+token-id sequence, and `/tokenize` lets a client compare tokenizers. Open to anyone unless `protect_inference` puts
 them behind the token; a run's token reaches the base model and its own adapters only (`Caller`). Each
 generation waits for places in the fleet, one per sequence (`deployments.control.fair_share`; a batch of prompts is
 one generation per prompt, prompts x n places in all), then goes to the backend;
@@ -22,7 +24,7 @@ from fastapi.responses import JSONResponse
 
 from contracts.control import ListAdapters
 from contracts.serving import Generated, GenerateRequest
-from deployments.api.bodies import ChatCompletionBody, CompletionBody
+from deployments.api.bodies import ChatCompletionBody, CompletionBody, TokenizeBody
 from deployments.api.callers import Caller, Callers
 from deployments.api.intake import read_json
 from deployments.api.prompts import Prompts
@@ -75,6 +77,12 @@ class InferenceRoutes(Routes):
                 log.error("fleet ingress: generation failed: %s", self.scrub(repr(e))[:2000])
             raise api_error from None
 
+    def check_use(self, caller: Caller, model: str) -> None:
+        """The base model and the teacher deployments are everyone's; an adapter its owner's (`Caller`)."""
+        resolved = self.prompts.resolve_model(model)
+        if resolved not in self.settings.teacher_models:
+            caller.check_use(resolved, self.settings.base_model)
+
     def token_text(self, asked: bool, as_ids: bool | None) -> TokenText | None:
         """How log-prob listings name tokens: not at all unless `asked`; by id alone if the client said so."""
         if not asked:
@@ -85,13 +93,14 @@ class InferenceRoutes(Routes):
     async def completions(self, request: Request) -> JSONResponse:
         caller = self.callers.authorize(request)
         body = await read_json(request, CompletionBody, self.settings.limits)
-        caller.check_use(self.prompts.resolve_model(body.model), self.settings.base_model)
+        self.check_use(caller, body.model)
         prompts = body.prompts()
         limits = self.settings.limits
         limits.check_fanout(len(prompts), body.n)
         limits.check_text(p for p in prompts if isinstance(p, str))
         jobs = await offload(self.prompts.completion_jobs, body, prompts)
         id_lists = [job.prompt_ids for job in jobs]
+        limits.check_prompt_logprobs(sum(map(len, id_lists)), body.prompt_logprobs, body.n)
         results = await asyncio.gather(*(self.generate(job, caller) for job in jobs))
         choices = await offload(self.completion_choices, body, id_lists, results)
         reply = {
@@ -109,6 +118,7 @@ class InferenceRoutes(Routes):
     ) -> list[dict[str, Any]]:
         """The choices of every prompt, decoded (in a worker thread: `offload`)."""
         token_text = self.token_text(body.logprobs is not None, body.return_tokens_as_token_ids)
+        prompt_token_text = self.token_text(True, body.return_tokens_as_token_ids)
         return [
             completion_choice(
                 p * body.n + c.index,
@@ -116,6 +126,7 @@ class InferenceRoutes(Routes):
                 self.settings.decode(c.token_ids),
                 token_text,
                 ids if body.return_token_ids else None,
+                prompt_token_text,
             )
             for p, (ids, result) in enumerate(zip(id_lists, results, strict=True))
             for c in result.choices
@@ -125,7 +136,7 @@ class InferenceRoutes(Routes):
     async def chat_completions(self, request: Request) -> JSONResponse:
         caller = self.callers.authorize(request)
         body = await read_json(request, ChatCompletionBody, self.settings.limits)
-        caller.check_use(self.prompts.resolve_model(body.model), self.settings.base_model)
+        self.check_use(caller, body.model)
         messages = body.conversation()
         self.settings.limits.check_fanout(1, body.n)
         self.settings.limits.check_text(body.texts(messages))
@@ -151,6 +162,16 @@ class InferenceRoutes(Routes):
         if body.return_token_ids:
             reply["prompt_token_ids"] = ids
         return FiniteJSONResponse(reply, headers=replica_header([result]))
+
+    @route("POST", "/tokenize")
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's `/tokenize`: how the fleet tokenizes a text (every model it serves shares the one tokenizer)."""
+        caller = self.callers.authorize(request)
+        body = await read_json(request, TokenizeBody, self.settings.limits)
+        self.check_use(caller, body.model)
+        self.settings.limits.check_text([body.prompt])
+        ids = await offload(self.settings.encode, body.prompt)
+        return {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids, "token_strs": None}
 
     @route("GET", "/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
@@ -180,7 +201,8 @@ class InferenceRoutes(Routes):
                 listing["replicas"] += 1
                 if listing["sha256"] != a.sha256:  # replicas disagree (a reload under way): say so
                     listing["sha256"] = None
-        data = [entry(base, base, None), *sorted(adapters.values(), key=lambda e: _version_key(e["id"]))]
+        teachers = [entry(name, name, None) for name in sorted(self.settings.teacher_models)]
+        data = [entry(base, base, None), *teachers, *sorted(adapters.values(), key=lambda e: _version_key(e["id"]))]
         return {"object": "list", "data": data}
 
 

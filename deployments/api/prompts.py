@@ -54,7 +54,12 @@ class Prompts:
             raise ApiError(400, f"prompt: cannot tokenize ({type(e).__name__})") from None
         model = self.resolve_model(body.model)
         return [
-            GenerateRequest(ids, model, body.sampling(self.room(ids, body.max_tokens), body.logprobs), body.turn)
+            GenerateRequest(
+                ids,
+                model,
+                body.sampling(self.room(ids, body.max_tokens), body.logprobs, body.prompt_logprobs),
+                body.turn,
+            )
             for ids in id_lists
         ]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from contracts.serving import Generated, SampledChoice
+from contracts.serving import Generated, PromptLogprobs, SampledChoice
 
 LOGPROB_FLOOR = -9999.0  # what vLLM's server answers for a -inf log-prob (a filtered-out alternative)
 
@@ -65,9 +65,15 @@ def token_id_placeholder(token: int) -> str:
 
 
 def completion_choice(
-    index: int, choice: SampledChoice, text: str, token_text: TokenText | None, prompt_ids: list[int] | None
+    index: int,
+    choice: SampledChoice,
+    text: str,
+    token_text: TokenText | None,
+    prompt_ids: list[int] | None,
+    prompt_token_text: TokenText = token_id_placeholder,
 ) -> dict[str, Any]:
-    """A `/v1/completions` choice; log-probs when `token_text` is given, token ids when `prompt_ids` is."""
+    """A `/v1/completions` choice; log-probs when `token_text` is given, token ids when `prompt_ids` is, the
+    prompt's log-probs when the request asked for them (their tokens named by `prompt_token_text`)."""
     return {
         "index": index,
         "text": text,
@@ -76,7 +82,24 @@ def completion_choice(
         "stop_reason": choice.stop_reason,
         "token_ids": choice.token_ids if prompt_ids is not None else None,
         "prompt_token_ids": prompt_ids,
+        "prompt_logprobs": listed_prompt_logprobs(choice.prompt_logprobs, prompt_token_text),
     }
+
+
+def listed_prompt_logprobs(positions: PromptLogprobs | None, token_text: TokenText) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {"<token id>": {logprob, rank,
+    decoded_token}}, holding the prompt's own token and the top alternatives; -inf floored as vLLM floors it."""
+    if positions is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": finite_logprob(lp), "rank": rank, "decoded_token": token_text(t)}
+            for t, (lp, rank) in entry.items()
+        }
+        for entry in positions
+    ]
 
 
 def completion_logprobs(choice: SampledChoice, token_text: TokenText) -> dict[str, Any]:

@@ -36,3 +36,5 @@ class ApiSettings:
     # Places per live replica (its engine's max_num_seqs) when no fixed budget is set: the budget follows the fleet.
     inflight_per_replica: int | None = None
     default_run_weight: float = 1.0
+    # The teacher deployments' model names (`FleetConfig.teacher`): served by replicas of their own, open to every run.
+    teacher_models: frozenset[str] = frozenset()

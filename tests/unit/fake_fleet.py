@@ -1,5 +1,9 @@
 """The fleet as the API's unit tests see it: a fake backend of two replicas, the settings of a tiny model, and
-the calls that tests of several modules make (register a run, sample, load); the fixtures are in `conftest`."""
+the calls that tests of several modules make (register a run, sample, load); the fixtures are in `conftest`.
+`JSONHandler` is the base of the fake HTTP servers (a flaky fleet, a teacher) that clients are tested against."""
+
+import json
+from http.server import BaseHTTPRequestHandler
 
 from app.config import FleetSettings
 from contracts.control import (
@@ -29,6 +33,7 @@ from deployments.api.bodies import RequestLimits
 
 TOKEN = "s3cret-token-value"
 BASE = "/models/tiny"
+TEACHER = "teacher"  # a teacher deployment's model (`api_settings(teacher_models=...)`)
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -43,10 +48,14 @@ class FakeBackend:
 
     async def generate(self, request: GenerateRequest) -> Generated:
         self.calls.append(("generate", request))
-        if request.model not in (BASE, "policy-v1", "alice/policy-v1", "bob/policy-v1"):
+        if request.model not in (BASE, TEACHER, "policy-v1", "alice/policy-v1", "bob/policy-v1"):
             raise ModelNotFound(f"model {request.model!r} is not loaded")
         sampling = request.sampling
         top = [{5: -0.5, 9: -2.0}, {6: -1.0, 9: -2.5}, {7: -1.5, 9: -3.0}] if sampling.logprobs else None
+        scored = None  # as vLLM scores a prompt: its own token at -0.25 x position, and token 9 as an alternative
+        if sampling.prompt_logprobs is not None:
+            alternative = {9: (float("-inf"), 2)} if sampling.prompt_logprobs else {}
+            scored = [None] + [{t: (-0.25 * p, 1), **alternative} for p, t in enumerate(request.prompt_ids) if p > 0]
         choices = [
             SampledChoice(
                 index=i,
@@ -55,6 +64,7 @@ class FakeBackend:
                 top_logprobs=top[: sampling.max_tokens] if top else None,
                 finish_reason="length",
                 stop_reason=None,
+                prompt_logprobs=scored,
             )
             for i in range(sampling.n)
         ]
@@ -153,3 +163,18 @@ def load(client, name, headers):
     return client.post(
         "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "adapters/policy-v2"}, headers=headers
     )
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """An `http.server` handler that answers JSON and logs nothing (fake servers on loopback)."""
+
+    def answer(self, status: int, payload) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass

@@ -29,8 +29,13 @@ class StandInLLM:
             self.errored = True
         if self.error is not None:
             raise self.error
+        ids = prompt["prompt_token_ids"]
+        scored = None  # vLLM's prompt_logprobs when asked: None first, then {token: Logprob} (here -0.5 x position)
+        if params.prompt_logprobs is not None:
+            scored = [None] + [{t: SimpleNamespace(logprob=-0.5 * i, rank=1)} for i, t in enumerate(ids[1:], 1)]
         yield SimpleNamespace(
-            outputs=[SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)]
+            prompt_logprobs=scored,
+            outputs=[SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None)],
         )
 
     async def add_lora(self, request):

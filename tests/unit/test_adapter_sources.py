@@ -204,3 +204,30 @@ def test_a_run_that_left_is_forgotten_and_comes_back_fresh_if_it_registers_again
         assert await sources.is_committed(AdapterRef(1, "alice"))  # the same name again: asked afresh
 
     asyncio.run(scenario())
+
+
+def test_a_teacher_is_loaded_from_another_lineage_only_where_the_fleet_trusts_it(tmp_path):
+    """A finished run's committed version, loaded under a name of its own (a teacher's), verified like any."""
+    from app.bucket.store import AdapterStore
+    from app.config import BucketConfig
+    from deployments.adapter_sources import AdapterSources
+
+    bucket = BucketConfig(cache_dir=str(tmp_path / "cache"))
+    finished = f"file://{tmp_path}/finished"
+    _publish(AdapterStore.at(finished, bucket), tmp_path, 7)
+    url = f"{finished}/adapters/policy-v7"
+    trusting = AdapterSources(f"file://{tmp_path}/bucket", bucket, window=3, other_lineages=[finished])
+    source, folder = asyncio.run(trusting.fetch("teacher-v0", url))
+    assert source == url and (folder.path / "adapter_config.json").is_file()
+    folder.release()
+    with pytest.raises(ModelNotFound, match="policy-v8 is not committed"):
+        asyncio.run(trusting.fetch("teacher-v0", f"{finished}/adapters/policy-v8"))
+    with pytest.raises(BadRequest, match="outside the bucket"):  # the fleet's own lineage names stay its own
+        asyncio.run(trusting.fetch("policy-v7", url))
+    wary = AdapterSources(f"file://{tmp_path}/bucket", bucket, window=3)
+    with pytest.raises(BadRequest, match="outside the bucket"):
+        asyncio.run(wary.fetch("teacher-v0", url))
+    # A run that names this teacher brings a fleet that trusts its lineage (and a slot for it).
+    cfg = _config(tmp_path, f"objectives=[{{kind: distill, teacher: {{adapter: '{url}'}}}}]")
+    own = cfg.own_fleet()
+    assert own.fleet.extra_adapter_buckets == [finished] and own.max_loras == cfg.grpo.max_staleness + 3

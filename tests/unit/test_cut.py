@@ -58,7 +58,7 @@ class HeldLLM(StandInLLM):
         self.held[request_id] = asyncio.Event()
         await self.held[request_id].wait()
         outputs = [SimpleNamespace(index=0, token_ids=[7], logprobs=None, finish_reason="abort", stop_reason=None)]
-        yield SimpleNamespace(outputs=outputs)
+        yield SimpleNamespace(outputs=outputs, prompt_logprobs=None)
 
     async def abort(self, request_ids):
         for request_id in request_ids:

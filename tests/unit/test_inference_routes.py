@@ -145,3 +145,60 @@ def test_tokenizing_runs_off_the_event_loop(backend):
     slow_status, health_status, answered = asyncio.run(run())
     assert (slow_status, health_status) == (200, 200)
     assert answered < 1.0, f"/health answered after {answered:.2f}s, behind a 1.5 s tokenization"
+
+
+def test_prompt_logprobs_score_a_sequence_as_vllms_server_answers(client, backend):
+    """What TRL's AsyncDistillationTrainer sends its teacher, and the shape of vLLM's answer that it reads."""
+    body = {"model": BASE, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 1}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert backend.calls[-1][1].sampling.prompt_logprobs == 1  # reaches the engine under vLLM's name
+    (choice,) = r.json()["choices"]
+    scored = choice["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == 3  # nothing conditions the first token
+    assert scored[1] == {
+        "2": {"logprob": -0.25, "rank": 1, "decoded_token": "c"},
+        "9": {"logprob": -9999.0, "rank": 2, "decoded_token": "j"},  # -inf floored, as vLLM floors it
+    }
+    assert scored[2]["3"]["logprob"] == -0.5
+    as_ids = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+    assert as_ids["choices"][0]["prompt_logprobs"][1]["2"]["decoded_token"] == "token_id:2"
+    plain = client.post("/v1/completions", json={"model": BASE, "prompt": [1, 2], "max_tokens": 1}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+
+
+def test_a_scoring_request_is_bounded_like_every_other():
+    from fastapi.testclient import TestClient
+
+    from app.config import FleetSettings
+    from deployments.api.bodies import RequestLimits
+    from tests.unit.fake_fleet import FakeBackend
+
+    limits = RequestLimits.of(FleetSettings(max_prompt_logprobs_per_request=20))
+    client = TestClient(make_app(FakeBackend(), api_settings(limits=limits)))
+    # 2 prompts of 4 tokens x (1 + 1) log-probs x n=1 = 16: within the limit; n=2 makes 32.
+    body = {"model": BASE, "prompt": [[1, 2, 3, 4], [5, 6, 7, 8]], "max_tokens": 1, "prompt_logprobs": 1}
+    assert client.post("/v1/completions", json=body).is_success
+    r = client.post("/v1/completions", json={**body, "n": 2})
+    assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={**body, "prompt_logprobs": 21})
+    assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]  # vLLM's max_logprobs
+
+
+def test_a_teacher_deployment_is_everyones_and_tokenize_answers_the_fleets_ids():
+    from fastapi.testclient import TestClient
+
+    from tests.unit.fake_fleet import TEACHER, FakeBackend, bearer, register
+
+    backend = FakeBackend()
+    settings = api_settings(teacher_models=frozenset({TEACHER}), max_loras=7, max_staleness=1)
+    client = TestClient(make_app(backend, settings))
+    alice = bearer(register(client, "alice"))
+    body = {"model": TEACHER, "prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 0}
+    r = client.post("/v1/completions", json=body, headers=alice)
+    assert r.status_code == 200 and backend.calls[-1][1].model == TEACHER  # routed by its name to its replicas
+    assert client.post("/v1/completions", json={**body, "model": "bob/policy-v1"}, headers=alice).status_code == 403
+    listed = [m["id"] for m in client.get("/v1/models", headers=alice).json()["data"]]
+    assert listed[:2] == [BASE, TEACHER]
+    r = client.post("/tokenize", json={"model": TEACHER, "prompt": "abc"}, headers=alice)
+    assert r.json() == {"count": 3, "max_model_len": 32, "tokens": [0, 1, 2], "token_strs": None}

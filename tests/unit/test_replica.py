@@ -138,3 +138,12 @@ def test_an_evicted_committed_version_is_loaded_again_on_demand_never_a_404(tmp_
     assert {"policy-v3", "policy-v4"} <= set(slots.names)
     with pytest.raises(ModelNotFound):  # never committed: still a 404
         asyncio.run(replica.generate(GenerateRequest([1, 2], "policy-v0", Sampling())))
+
+
+def test_a_scoring_request_answers_the_prompts_logprobs_on_every_choice(tmp_path):
+    replica = _replica(tmp_path)
+    scoring = Sampling(max_tokens=1, prompt_logprobs=0)
+    (choice,) = asyncio.run(replica.generate(GenerateRequest([1, 2, 3], "base", scoring))).choices
+    assert choice.prompt_logprobs == [None, {2: (-0.5, 1)}, {3: (-1.0, 1)}]  # vLLM's, as plain numbers
+    (plain,) = asyncio.run(replica.generate(GenerateRequest([1, 2, 3], "base", Sampling(max_tokens=1)))).choices
+    assert plain.prompt_logprobs is None

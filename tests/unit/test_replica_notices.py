@@ -40,7 +40,7 @@ class StreamingLLM(StandInLLM):
             )
             for i in range(params.n)
         ]
-        yield SimpleNamespace(outputs=outputs)
+        yield SimpleNamespace(outputs=outputs, prompt_logprobs=None)
 
     async def abort(self, request_ids):
         self.aborted.update(request_ids)

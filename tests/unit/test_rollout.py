@@ -3,7 +3,7 @@
 import asyncio
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
@@ -15,6 +15,7 @@ from app.rollout.sampling import CompletionSampler
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import Choice
+from tests.unit.fake_fleet import JSONHandler
 
 PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 
@@ -108,7 +109,7 @@ def test_backpressure_bounds_what_is_buffered():
     run(main())
 
 
-class _FlakyFleet(BaseHTTPRequestHandler):
+class _FlakyFleet(JSONHandler):
     """Answers /v1/completions with 503 (no live replica) `failures` times, then with n completions."""
 
     failures = 0
@@ -121,15 +122,7 @@ class _FlakyFleet(BaseHTTPRequestHandler):
         else:
             choice = {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "stop"}
             status, payload = 200, {"choices": [{**choice, "index": i, "text": str(i)} for i in range(body["n"])]}
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.answer(status, payload)
 
 
 @pytest.fixture

@@ -1,0 +1,99 @@
+"""On-policy distillation as an objective: the reverse KL to a teacher at every token the student sampled.
+
+The student samples; a teacher scores every sampled token (the rollout asks it before the group is queued,
+`app.rollout.teacher`, and writes the `teacher_logprobs` stream); the learner pulls the student towards the
+teacher where the student sampled. As Tinker's cookbook does it (`incorporate_kl_penalty` and its
+importance-sampling loss):
+
+- per sampled token, the advantage is `-coef * (sampling_logp - teacher_logp)`: the single-sample estimate of
+  the reverse KL `KL(student || teacher)` at that token, negated. It needs nothing from the group, so
+  distillation also trains where every sample of a group has the same reward (GRPO's advantage is 0 there);
+- the loss is importance-sampled against the sampling log-probs, unclipped:
+  `-sum(exp(logp - sampling_logp) * advantage) / normalizer`, the normaliser being the step's model tokens
+  (over all micro-batches and ranks), as GRPO's is. Its gradient at the sampler's policy is the reverse KL's
+  policy gradient (with a per-token reward).
+
+With GRPO in the same run the two losses add, so the advantages add as they do in Tinker's cookbook: both
+are divided by the same token count and, where GRPO's clip does not bind, their sum is the importance-sampled
+loss of `grpo_advantage + distill_advantage`.
+
+`distill/reverse_kl` is the mean of `sampling_logp - teacher_logp` over the step's model tokens: the reverse
+KL of the sampling policy to the teacher, estimated on the student's own samples (it falls as the student
+learns). Observation tokens of multi-turn episodes are never scored nor trained (the completion mask).
+Teacher log-probs are vLLM's `prompt_logprobs`, at temperature 1 whatever the sampling temperature (vLLM
+scores prompt tokens before any sampling processor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from app.objectives.base import LossStats, Objective
+from contracts.rollouts import SAMPLING_LOGPROBS, Group
+
+TEACHER_LOGPROBS = "teacher_logprobs"  # the stream the rollout's teacher writes: its log-prob of each sampled token
+REVERSE_KL = "distill/reverse_kl"
+RATIO = "distill/ratio"
+
+
+def distill_loss(
+    logp: torch.Tensor,
+    sampling_logp: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    normalizer: float,
+    *,
+    coef: float,
+) -> tuple[torch.Tensor, LossStats]:
+    """The distillation loss over a flat set of model tokens, and its statistics.
+
+    All tensors are 1-D, one entry per model token. A token without a teacher log-prob (NaN) has advantage 0
+    and is not counted in the reverse KL; a NaN sampling log-prob counts as agreement (ratio 1), as in GRPO.
+    """
+    scored = ~torch.isnan(teacher_logp)
+    sampling_logp = torch.where(torch.isnan(sampling_logp), logp.detach(), sampling_logp.to(logp.dtype))
+    gap = torch.where(scored, sampling_logp - teacher_logp.to(logp.dtype), torch.zeros_like(logp))
+    advantages = -coef * gap
+    ratio = torch.exp(logp - sampling_logp)
+    loss = -(ratio * advantages).sum() / normalizer
+    with torch.no_grad():
+        n = float(scored.sum())
+        sums = torch.stack([gap.sum(), (ratio * scored).sum()]).to(torch.float64).tolist()
+        stats = LossStats.over_tokens(dict(zip((REVERSE_KL, RATIO), sums, strict=True)), n)
+    return loss, stats
+
+
+class Distill(Objective):
+    """Reverse KL to a teacher per sampled token: the teacher's log-probs come from the rollout (`app.rollout.teacher`)."""
+
+    kind = "distill"
+    streams = (SAMPLING_LOGPROBS, TEACHER_LOGPROBS)
+
+    def __init__(self, weight: float = 1.0, *, coef: float = 1.0):
+        super().__init__(weight)
+        self.coef = coef
+
+    @classmethod
+    def from_config(cls, spec, cfg) -> Distill:
+        return cls(spec.weight, coef=spec.coef)
+
+    def annotate(self, group: Group) -> None:
+        """The teacher scored the group already (asynchronous I/O, `app.rollout.teacher`): check that every model
+        token of every sample has its log-prob, so that a group the teacher missed never reaches the learner."""
+        for sample in group.samples:
+            scores = sample.streams.get(TEACHER_LOGPROBS)
+            if scores is None or len(scores) != len(sample.completion_ids):
+                raise ValueError(f"group {group.group_id}: a sample has no teacher log-probs (was it scored?)")
+            mask = sample.completion_mask or [1] * len(scores)
+            if any(m and not math.isfinite(s) for s, m in zip(scores, mask, strict=True)):
+                raise ValueError(f"group {group.group_id}: the teacher left a model token unscored")
+
+    def num_tokens(self, streams: Mapping[str, torch.Tensor]) -> int:
+        return int((~torch.isnan(streams[TEACHER_LOGPROBS])).sum())
+
+    def loss(
+        self, logp: torch.Tensor, entropy: torch.Tensor, streams: Mapping[str, torch.Tensor], normalizer: float
+    ) -> tuple[torch.Tensor, LossStats]:
+        return distill_loss(logp, streams[SAMPLING_LOGPROBS], streams[TEACHER_LOGPROBS], normalizer, coef=self.coef)

@@ -1,0 +1,128 @@
+"""A distilling run's teacher at start: where it is served, that it gives the student's token ids, that it scores
+the same sequence the same twice. The driver calls `prepare_teacher` once; what it answers goes to the rollout.
+
+The four kinds (`app.config.teacher`) end up as one `TeacherEndpoint`, a server and a model name:
+- `base`: the run's fleet, under the base model's name (the first model of its `/v1/models`);
+- `adapter`: the run's fleet, which loads it as `teacher-v0` now (its own fleet trusts where it comes from:
+  `RunConfig.own_fleet`);
+- `model`: the run's fleet, under the teacher deployment's name (`deployments.teacher` built it and compared
+  its tokenizer already; a fleet that was running before this run must have it too);
+- `url`: the teacher's own server, with its first model unless `served_model` says otherwise.
+
+Refused at start, with a message that says why: a teacher whose tokenizer gives other ids than the student's
+(a local folder's vocabulary and probe texts, or a server's `/tokenize`), a server with no `/tokenize` to
+compare, a teacher the fleet cannot load, and one whose two scorings of one sequence differ beyond
+`teacher.self_test_tolerance` or leave a token unscored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+
+from app.config import ConfigError
+from app.config.teacher import TEACHER_ADAPTER
+from app.evaluate import base_model_name
+from app.fleet_client import FleetClient, FleetError
+from app.models import check_same_token_ids, check_same_tokenizer, load_tokenizer, resolve_model_path
+from app.rollout.teacher import TEACHER_TOKEN_ENV, TeacherEndpoint
+from app.tasks.problems import load_task
+from contracts.auth import Secret
+
+log = logging.getLogger("spotrl.teacher")
+
+
+def refuse(why: str) -> SystemExit:
+    return SystemExit(f"objectives: distill teacher refused: {why}")
+
+
+def prepare_teacher(cfg, fleet: FleetClient, model_path: str, token: str | None) -> TeacherEndpoint:
+    """The run's teacher, resolved, loaded where it has to be, checked: or SystemExit naming why it is refused."""
+    teacher, student = cfg.teacher, load_tokenizer(model_path)
+    fleet_token = Secret(token) if token else None
+    try:
+        match teacher.kind:
+            case "base":
+                endpoint = TeacherEndpoint("base", fleet.base_url, base_model_name(fleet), fleet_token)
+            case "adapter":
+                fleet.load_adapter(TEACHER_ADAPTER, teacher.adapter)
+                endpoint = TeacherEndpoint("adapter", fleet.base_url, TEACHER_ADAPTER, fleet_token, teacher.adapter)
+            case "model":
+                endpoint = _deployed_teacher(cfg, fleet, student, fleet_token)
+            case _:
+                endpoint = _teacher_server(teacher, student)
+    except FleetError as e:
+        raise refuse(f"{teacher.kind} {teacher.adapter or teacher.url or ''}: {e}") from None
+    except ConfigError as e:
+        raise refuse(str(e)) from None
+    self_test(endpoint, probe_sequence(cfg, student), teacher.self_test_tolerance)
+    log.info("teacher: %s %s at %s, checked", endpoint.kind, endpoint.model, endpoint.url)
+    return endpoint
+
+
+def _deployed_teacher(cfg, fleet: FleetClient, student, token: Secret | None) -> TeacherEndpoint:
+    """A `model` teacher: the fleet's teacher deployment, which must be there and of the student's tokenizer."""
+    deployment = cfg.teacher.deployment()
+    check_same_tokenizer(student, resolve_model_path(deployment.model, cfg.task, log=log.info), "teacher.model")
+    if deployment.name not in {m["id"] for m in fleet.models()}:
+        raise refuse(f"the fleet at {fleet.base_url} serves no teacher {deployment.name!r} (started without it?)")
+    return TeacherEndpoint("model", fleet.base_url, deployment.name, token)
+
+
+def _teacher_server(teacher, student) -> TeacherEndpoint:
+    """A `url` teacher: its model, and its tokenizer compared through its `/tokenize` (vLLM's server has one)."""
+    token = os.environ.get(TEACHER_TOKEN_ENV) or None
+    server = FleetClient(teacher.url, token, timeout_s=teacher.request_timeout_s)
+    try:
+        model = teacher.served_model or server.models()[0]["id"]
+        try:
+            server.tokenize("probe", model)
+        except FleetError as e:
+            if e.status in (404, 405):
+                raise refuse(f"{teacher.url} has no /tokenize to compare its tokenizer with the student's") from None
+            raise
+        check_same_token_ids(student, lambda text: server.tokenize(text, model), f"teacher.url {teacher.url}")
+    finally:
+        server.close()
+    return TeacherEndpoint("url", teacher.url, model, Secret(token) if token else None)
+
+
+def probe_sequence(cfg, tokenizer) -> list[int]:
+    """A sequence a student might sample: the first held-out problem's prompt, its answer and EOS."""
+    problem = load_task(cfg.task).heldout[0]
+    text = (
+        problem.prompt
+        if isinstance(problem.prompt, str)
+        else tokenizer.apply_chat_template(problem.prompt, tokenize=False)
+    )
+    ids = tokenizer(text + str(problem.answer), add_special_tokens=False)["input_ids"]
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
+def self_test(endpoint: TeacherEndpoint, sequence: list[int], tolerance: float) -> float:
+    """Score `sequence` twice; refuse a teacher that leaves a token unscored or answers differently beyond
+    `tolerance` (a teacher that is not deterministic, or not the model it says). Returns the largest difference."""
+
+    async def twice() -> list[list[float]]:
+        client = endpoint.client(timeout_s=60.0, retries=2)
+        try:
+            answers = [await client.aprompt_logprobs([sequence], endpoint.model) for _ in range(2)]
+        finally:
+            await client.aclose()
+            client.close()
+        return [[(at or {}).get(t, math.nan) for at, t in zip(a[0][1:], sequence[1:], strict=False)] for a in answers]
+
+    try:
+        first, second = asyncio.run(twice())
+    except FleetError as e:
+        raise refuse(f"{endpoint.model} at {endpoint.url} does not score a sequence: {e}") from None
+    if len(first) != len(sequence) - 1 or not all(math.isfinite(v) for v in first + second):
+        raise refuse(f"{endpoint.model} at {endpoint.url} left tokens of a {len(sequence)}-token sequence unscored")
+    worst = max(abs(a - b) for a, b in zip(first, second, strict=True))
+    if worst > tolerance:
+        raise refuse(
+            f"{endpoint.model} scored one sequence twice {worst:.3g} apart (> teacher.self_test_tolerance {tolerance})"
+        )
+    return worst

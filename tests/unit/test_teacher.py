@@ -1,0 +1,180 @@
+"""The teacher with a fake OpenAI server on loopback: how the rollout reads its scores, what a failure costs (its
+group alone), and what the start-up checks refuse (another tokenizer, no /tokenize, two answers that differ)."""
+
+import asyncio
+import io
+import json
+import math
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+import pytest
+
+from app.config import load_config
+from app.objectives.distill import TEACHER_LOGPROBS
+from app.rollout.producer import GroupProducer
+from app.rollout.sampling import CompletionSampler
+from app.rollout.teacher import TEACHER_S, TEACHER_TOKENS, TeacherEndpoint, TeacherScorer, teacher_logprobs
+from app.tasks.rewards import RewardScorer, exact_answer
+from contracts.rollouts import BatchStats, Choice, Sample
+from tests.unit.fake_fleet import JSONHandler
+from tests.unit.test_rollout import PROBLEMS, run
+
+HANG = 99  # a completion token the fake teacher never answers for in time
+DISTILL = ["objectives=[{kind: distill, teacher: base}]"]
+
+
+def score_of(token: int, position: int) -> float:
+    return -0.01 * token - 0.001 * position
+
+
+class FakeTeacher(JSONHandler):
+    """vLLM's answers: `/v1/completions` with `prompt_logprobs`, `/v1/models`, `/tokenize` (by `encode`)."""
+
+    encode = None  # text -> ids, or None: no /tokenize (404)
+    jitter = 0.0  # added to every score, times the request's number: a teacher that answers differently each time
+    requests = 0
+
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        self.answer(200, {"data": [{"id": "the-teacher"}]})
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/tokenize":
+            if type(self).encode is None:
+                return self.answer(404, {"error": {"message": "Not Found"}})
+            return self.answer(200, {"tokens": type(self).encode(body["prompt"])})
+        type(self).requests += 1
+        if any(HANG in seq for seq in body["prompt"]):
+            time.sleep(2.0)
+        shift = type(self).jitter * type(self).requests
+        choices = [
+            {
+                "index": i,
+                "text": "",
+                "prompt_logprobs": [None]
+                + [
+                    {str(t): {"logprob": score_of(t, p) + shift, "rank": 1, "decoded_token": "x"}}
+                    for p, t in enumerate(seq)
+                    if p > 0
+                ],
+            }
+            for i, seq in enumerate(body["prompt"])
+        ]
+        self.answer(200, {"choices": choices})
+
+
+@pytest.fixture
+def teacher_url():
+    FakeTeacher.encode, FakeTeacher.jitter, FakeTeacher.requests = None, 0.0, 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeTeacher)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_the_teachers_scores_are_read_at_the_model_tokens_only():
+    prompt = [1, 2]
+    episode = Sample([5, 6, 7], [-0.1, math.nan, -0.2], 1.0, completion_mask=[1, 0, 1])
+    positions = [None, {2: -0.5}, {5: -0.1, 8: -3.0}, {6: -0.2}, {7: -0.3}]
+    scores = teacher_logprobs(positions, len(prompt), episode)
+    assert scores[0] == -0.1 and math.isnan(scores[1]) and scores[2] == -0.3
+    with pytest.raises(ValueError, match="no log-prob for completion token 2"):
+        teacher_logprobs(positions[:-1] + [{8: -1.0}], len(prompt), episode)
+    with pytest.raises(ValueError, match="scored 4 positions of 5"):
+        teacher_logprobs(positions[:-1], len(prompt), episode)
+
+
+def test_a_teacher_failure_costs_its_group_alone(teacher_url):
+    calls = {"n": 0}
+
+    async def generate(prompt_ids, model, n, max_tokens, temperature, top_p=1.0, top_k=-1):
+        calls["n"] += 1
+        first = HANG if calls["n"] == 2 else 5  # the second group's samples make the teacher time out
+        return [Choice(i, [first, 6], [-0.1, -0.2], str(i), "stop") for i in range(n)]
+
+    async def main():
+        cfg = load_config(None, [*DISTILL, "rollout.max_inflight_tasks=1"])
+        endpoint = TeacherEndpoint("url", teacher_url, "the-teacher")
+        scorer = TeacherScorer(endpoint, endpoint.client(timeout_s=0.5, retries=0))
+        sampler = CompletionSampler(generate, RewardScorer([exact_answer], timeout_s=2.0))
+        w = GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], sampler, teacher=scorer)
+        w.start()
+        groups = (await w.get_groups(3)).groups
+        alive = w._producer is not None and not w._producer.done()
+        stats = w.stats()
+        await w.stop()
+        return groups, w.counters, stats, alive
+
+    groups, counters, stats, alive = run(main())
+    assert [g.group_id for g in groups] == [0, 2, 3] and alive  # group 1 was lost, the producer went on
+    assert counters["teacher_failed"] == 1 and counters["dropped_failed"] == 0
+    assert stats.metrics()["distill/teacher_failed_total"] == 1
+    for group in groups:
+        for sample in group.samples:  # prompt [1, 2, 3]: completion tokens at positions 3 and 4
+            assert sample.streams[TEACHER_LOGPROBS] == pytest.approx([score_of(5, 3), score_of(6, 4)])
+        assert group.costs[TEACHER_TOKENS] == 8 * 5 and group.costs[TEACHER_S] > 0
+    # What scoring cost reaches the step's metrics, summed over its groups.
+    assert BatchStats.of(groups, 0).metrics()[TEACHER_TOKENS] == 3 * 8 * 5
+
+
+def test_a_distilling_producer_needs_a_teacher():
+    cfg = load_config(None, DISTILL)
+    sampler = CompletionSampler(lambda *a, **k: None, RewardScorer([exact_answer], timeout_s=2.0))
+    with pytest.raises(ValueError, match="needs a teacher"):
+        GroupProducer(cfg, PROBLEMS, lambda p: [1], sampler)
+
+
+@pytest.fixture(scope="module")
+def student_folder(tmp_path_factory):
+    from app.tiny_model import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("student")
+    build_tokenizer(2, seed=0).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teacher_url, student_folder):
+    from app.models import load_tokenizer
+    from app.teacher_setup import prepare_teacher
+    from app.tiny_model import build_tokenizer
+
+    cfg = load_config(None, [f"objectives=[{{kind: distill, teacher: {{url: '{teacher_url}'}}}}]"])
+    student = load_tokenizer(student_folder)
+    with pytest.raises(SystemExit, match="has no /tokenize"):
+        prepare_teacher(cfg, None, student_folder, None)
+
+    other = build_tokenizer(2, seed=0, vocab_size=320)  # fewer merges: other ids for the same strings
+    FakeTeacher.encode = staticmethod(lambda text: other(text, add_special_tokens=False)["input_ids"])
+    with pytest.raises(SystemExit, match="its tokenizer is not the student's"):
+        prepare_teacher(cfg, None, student_folder, None)
+
+    FakeTeacher.encode = staticmethod(lambda text: student(text, add_special_tokens=False)["input_ids"])
+    endpoint = prepare_teacher(cfg, None, student_folder, None)
+    assert (endpoint.kind, endpoint.url, endpoint.model) == ("url", teacher_url, "the-teacher")
+
+    FakeTeacher.jitter = 0.05  # its second answer 0.05 away from its first: beyond the default 0.01
+    with pytest.raises(SystemExit, match="scored one sequence twice"):
+        prepare_teacher(cfg, None, student_folder, None)
+
+
+def test_scoring_asks_what_trls_distillation_trainer_asks(teacher_url):
+    seen = []
+
+    class Spy(FakeTeacher):
+        def do_POST(self):  # noqa: N802
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(json.loads(raw))
+            self.rfile = io.BytesIO(raw)
+            super().do_POST()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Spy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = TeacherEndpoint("url", f"http://127.0.0.1:{server.server_port}", "m").client(5.0, 0)
+        asyncio.run(client.aprompt_logprobs([[1, 2, 3]], "m"))
+    finally:
+        server.shutdown()
+    (body,) = seen
+    assert body == {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
