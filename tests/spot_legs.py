@@ -53,7 +53,10 @@ def learner_leg(
         if kill_after_s is None:
             spot.wait_for_checkpoint(newer_than=first)  # it keeps committing every step
     if kill_after_s is not None:
-        time.sleep(max(0.0, noticed_at + kill_after_s - time.time()))
+        # The node goes at the notice's deadline, or sooner where the machine is fast enough that the leg would
+        # otherwise end first: a step must be left after the kill to show the replacement resume.
+        while time.time() < noticed_at + kill_after_s and spot.last_step() < start + steps - 2:
+            time.sleep(0.2)
     done_before = spot.last_step()
     killed_at = time.time()
     spot.remove_node(spot.learner_node)
