@@ -1,5 +1,5 @@
 """A replica's parts for unit tests, without an engine: a stand-in for vLLM's AsyncLLM, adapter folders, and the LoRA
-slots of a replica over a local bucket (`test_replica`, `test_adapter_slots`, `test_adapter_sources`)."""
+slots of a replica over a local bucket (`test_replica`, `test_adapter_slots`, `test_adapter_sources`, `test_weight_sync`)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ def adapter_folder(folder: Path, weights: bytes) -> Path:
     (folder / "adapter_config.json").write_text('{"r": 1, "peft_type": "LORA"}')
     (folder / "adapter_model.safetensors").write_bytes(weights)
     return folder
+
+
+def local_config(tmp_path: Path, *overrides: str):
+    """The default run config over a `file://` bucket and a cache under `tmp_path`."""
+    from app.config import load_config
+
+    return load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache", *overrides])
+
+
+def publish(store, tmp_path: Path, *versions: int) -> None:
+    """Commit `versions` of one small adapter folder to `store` (an `AdapterStore`)."""
+    adapter = adapter_folder(tmp_path / "adapter", b"weights")
+    for v in versions:
+        store.publish(adapter, v)
 
 
 def adapter_slots(

@@ -8,23 +8,9 @@ import time
 import pytest
 
 from app.bucket.store import AdapterStore
-from app.config import load_config
 from contracts.serving import BadRequest, ModelNotFound
 from deployments.adapter_sources import CommittedVersions
-from tests.unit.replica_parts import adapter_folder, adapter_slots
-
-
-def _config(tmp_path, *overrides: str):
-    return load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache", *overrides])
-
-
-def _publish(store: AdapterStore, tmp_path, *versions: int) -> None:
-    adapter = tmp_path / "adapter"
-    adapter.mkdir(exist_ok=True)
-    (adapter / "adapter_config.json").write_text('{"r": 1}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
-    for v in versions:
-        store.publish(adapter, v)
+from tests.unit.replica_parts import adapter_folder, adapter_slots, local_config, publish
 
 
 class _Bucket:
@@ -42,7 +28,7 @@ class _Bucket:
 
 
 def test_a_replica_serves_the_newest_committed_versions_oldest_first(tmp_path):
-    store = AdapterStore.from_config(_config(tmp_path))
+    store = AdapterStore.from_config(local_config(tmp_path))
 
     def versions_to_serve():
         return asyncio.run(CommittedVersions(store, window=3).to_serve())
@@ -51,7 +37,7 @@ def test_a_replica_serves_the_newest_committed_versions_oldest_first(tmp_path):
         return asyncio.run(CommittedVersions(store, window=3).is_committed(version))
 
     assert versions_to_serve() == []
-    _publish(store, tmp_path, 0, 1, 2, 3, 4)
+    publish(store, tmp_path, 0, 1, 2, 3, 4)
     assert versions_to_serve() == [2, 3, 4]
     assert is_committed(4) and is_committed(2)
     assert is_committed(1)  # too old for a sample, but committed: served on demand (an evaluation, say)
@@ -193,7 +179,7 @@ def test_a_run_that_left_is_forgotten_and_comes_back_fresh_if_it_registers_again
     slots = adapter_slots(tmp_path)
     sources = slots.sources
     store = AdapterStore(run_prefix(sources.url, "alice"))
-    _publish(store, tmp_path, 1)
+    publish(store, tmp_path, 1)
 
     async def scenario():
         assert await sources.is_committed(AdapterRef(1, "alice"))
@@ -214,7 +200,7 @@ def test_a_teacher_is_loaded_from_another_lineage_only_where_the_fleet_trusts_it
 
     bucket = BucketConfig(cache_dir=str(tmp_path / "cache"))
     finished = f"file://{tmp_path}/finished"
-    _publish(AdapterStore.at(finished, bucket), tmp_path, 7)
+    publish(AdapterStore.at(finished, bucket), tmp_path, 7)
     url = f"{finished}/adapters/policy-v7"
     trusting = AdapterSources(f"file://{tmp_path}/bucket", bucket, window=3, other_lineages=[finished])
     source, folder = asyncio.run(trusting.fetch("teacher-v0", url))
@@ -228,6 +214,6 @@ def test_a_teacher_is_loaded_from_another_lineage_only_where_the_fleet_trusts_it
     with pytest.raises(BadRequest, match="outside the bucket"):
         asyncio.run(wary.fetch("teacher-v0", url))
     # A run that names this teacher brings a fleet that trusts its lineage (and a slot for it).
-    cfg = _config(tmp_path, f"objectives=[{{kind: distill, teacher: {{adapter: '{url}'}}}}]")
+    cfg = local_config(tmp_path, f"objectives=[{{kind: distill, teacher: {{adapter: '{url}'}}}}]")
     own = cfg.own_fleet()
     assert own.fleet.extra_adapter_buckets == [finished] and own.max_loras == cfg.grpo.max_staleness + 3

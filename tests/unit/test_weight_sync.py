@@ -4,21 +4,8 @@ import threading
 import time
 
 from app.bucket.store import AdapterStore
-from app.config import load_config
 from app.weight_sync import ensure_served
-
-
-def _config(tmp_path, *overrides: str):
-    return load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache", *overrides])
-
-
-def _publish(store: AdapterStore, tmp_path, *versions: int) -> None:
-    adapter = tmp_path / "adapter"
-    adapter.mkdir(exist_ok=True)
-    (adapter / "adapter_config.json").write_text('{"r": 1}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
-    for v in versions:
-        store.publish(adapter, v)
+from tests.unit.replica_parts import local_config, publish
 
 
 class _Fleet:
@@ -33,9 +20,9 @@ class _Fleet:
 
 
 def test_the_driver_loads_the_learners_version_only_when_the_fleet_lacks_it(tmp_path):
-    cfg = _config(tmp_path)
+    cfg = local_config(tmp_path)
     store = AdapterStore.from_config(cfg)
-    _publish(store, tmp_path, 0, 1)
+    publish(store, tmp_path, 0, 1)
     fleet = _Fleet(["policy-v1"])
     ensure_served(fleet, cfg, 1)
     assert fleet.loads == []
@@ -47,8 +34,8 @@ def test_the_driver_loads_the_learners_version_only_when_the_fleet_lacks_it(tmp_
 def test_a_run_of_a_shared_fleet_names_its_versions_by_run_and_their_paths_inside_its_prefix(tmp_path):
     """Joined with `--fleet`, the run's adapters are `<run>/policy-vN`, loaded from `policy-vN`: the fleet
     resolves that in the run's prefix of its own bucket, however this process reaches the bucket."""
-    cfg = _config(tmp_path, "join.url=http://127.0.0.1:8000", "logging.run_name=alice")
-    _publish(AdapterStore.from_config(cfg), tmp_path, 0, 1)
+    cfg = local_config(tmp_path, "join.url=http://127.0.0.1:8000", "logging.run_name=alice")
+    publish(AdapterStore.from_config(cfg), tmp_path, 0, 1)
     fleet = _Fleet(["policy-v1", "bob/policy-v1"])  # somebody else's versions are not this run's
     ensure_served(fleet, cfg, 1)
     assert fleet.loads == [("alice/policy-v1", "policy-v1")]
@@ -79,8 +66,8 @@ def test_rank0_waits_for_the_fleet_no_longer_than_the_deadline_and_goes_on(tmp_p
     assert FLEET_LOAD_DEADLINE_S <= 60  # a tenth of the learner's 10 min collective timeout at most
     fleet = _HungFleet()
     monkeypatch.setattr(weight_sync, "fleet_admin_client", lambda address, token, timeout_s: fleet)
-    publisher = AdapterPublisher(_config(tmp_path), "serve://spotrl", fleet_deadline_s=0.3)
-    _publish(publisher.store, tmp_path)  # writes the adapter folder
+    publisher = AdapterPublisher(local_config(tmp_path), "serve://spotrl", fleet_deadline_s=0.3)
+    publish(publisher.store, tmp_path)  # writes the adapter folder
     adapter = tmp_path / "adapter"
     try:
         for version in (0, 1):
