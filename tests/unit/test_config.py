@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from app.config import CONFIG_DIR, ConfigError, load_config
+from app.config import CONFIG_DIR, ConfigError, load_config, slots_needed
 
 
 def test_shipped_configs_validate():
@@ -124,6 +124,11 @@ def test_a_run_and_a_fleet_are_configured_apart():
     with pytest.raises(ConfigError, match="fleet.join_url: unknown key"):  # a client's setting, no longer the server's
         load_config(None, ["fleet.join_url=http://127.0.0.1:8000"])
     assert load_config(None, ["join.url=http://127.0.0.1:8000"]).fleet_run == "tiny-cpu"
+
+    seed_fleet = load_fleet_config(CONFIG_DIR / "fleet-qwen2.5-math-1.5b.yaml")  # the cluster's shared fleet
+    seed_run = load_config(CONFIG_DIR / "qwen2.5-math-1.5b.yaml")
+    assert seed_fleet.model == seed_run.model and seed_fleet.fleet.replica_resources == {"rollout_node": 1}
+    assert seed_fleet.max_loras >= slots_needed([seed_run.grpo.max_staleness + 1] * 3)
 
     fleet = load_fleet_config()  # configs/fleet-tiny-cpu.yaml, which serve_config.yaml names
     assert "fleet-tiny-cpu.yaml" in str(DEFAULT_FLEET_CONFIG)
