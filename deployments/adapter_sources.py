@@ -55,7 +55,8 @@ class CommittedVersions:
 
     Versions are committed in increasing order, so a version older than the newest listed that the
     listing lacks is not going to appear: it is refused without asking the bucket. Only a version
-    newer than the newest listed makes the replica list again, at most once every `min_interval_s`,
+    newer than the newest listed makes the replica list again, at most once every `min_interval_s`
+    (the start-up listing does not count: a version published as the replica joined is found at once),
     and requests that arrive while a listing runs wait for it and share it. Within the interval a
     version still unknown is refused (404): a flood of requests for versions nobody published
     must neither list the bucket nor wait, and a missed version a client asks for again is found
@@ -77,9 +78,14 @@ class CommittedVersions:
         self._lock = asyncio.Lock()
 
     async def to_serve(self) -> list[int]:
-        """The versions a replica should serve now (listed afresh: at start-up), oldest first."""
+        """The versions a replica should serve now (listed afresh: at start-up), oldest first.
+
+        This listing does not start the interval: a replica that joins while a version is published may miss its
+        load broadcast (Serve's handles learn of a new replica a moment later), and the first request for that
+        version must find it by listing again at once, not be refused for `min_interval_s`."""
         async with self._lock:
             await self._list()
+            self._listed_at = float("-inf")
         return newest(self._listed, self.window)
 
     async def is_committed(self, version: int) -> bool:

@@ -58,17 +58,21 @@ def test_a_burst_of_requests_for_unknown_versions_lists_the_bucket_once_per_inte
         assert await versions.to_serve() == [1, 2, 3] and bucket.listings == 1  # start-up
         assert await _ask(versions, 3, 2, 1, 0) == [True, True, True, True]  # known: no listing
         assert bucket.listings == 1
-        assert not any(await _ask(versions, *range(4, 1004)))  # 1000 versions nobody published
-        assert bucket.listings == 1  # listed at start-up, less than the interval ago
-        now[0] = 5.0
-        assert not any(await _ask(versions, *range(4, 1004)))
-        assert bucket.listings == 2  # one listing, shared by the burst
+        # Published as the replica joined (its load broadcast missed it): the first request for it lists at once.
         bucket.committed.insert(0, 4)
-        assert await _ask(versions, 4) == [False]  # published within the interval: found by the next listing
-        now[0] = 10.0
-        assert await _ask(versions, 4, 4, 4) == [True, True, True]
-        assert await _ask(versions, 1) == [True]  # out of the window since v4, still committed
-        assert bucket.listings == 3
+        assert await _ask(versions, 4, 4) == [True, True] and bucket.listings == 2
+        now[0] = 1.0
+        assert not any(await _ask(versions, *range(5, 1005)))  # 1000 versions nobody published
+        assert bucket.listings == 2  # listed less than the interval ago
+        now[0] = 6.0
+        assert not any(await _ask(versions, *range(5, 1005)))
+        assert bucket.listings == 3  # one listing, shared by the burst
+        bucket.committed.insert(0, 5)
+        assert await _ask(versions, 5) == [False]  # published within the interval: found by the next listing
+        now[0] = 11.0
+        assert await _ask(versions, 5, 5, 5) == [True, True, True]
+        assert await _ask(versions, 1) == [True]  # out of the window since v5, still committed
+        assert bucket.listings == 4
 
     asyncio.run(scenario())
 
