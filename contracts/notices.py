@@ -57,6 +57,14 @@ class Notice:
         """An interruption, not a recommendation: AWS's rebalance recommendation promises nothing."""
         return self.source != "aws-rebalance"
 
+    @property
+    def drains_node(self) -> bool:
+        """Whether acting on it includes draining the node in Ray. Not for a SIGTERM to this process, which says the
+        process ends, not the node: Ray itself sends one to the workers of a job that ends or an actor it kills, and
+        a scheduler stopping the node signals Ray's own processes, whose handler drains it (`RayDrain` hears that).
+        Not for Ray's drain either, which is under way already."""
+        return self.binding and self.source not in ("sigterm", "ray-drain")
+
     def remaining_s(self, now: float | None = None) -> float | None:
         return None if self.deadline is None else self.deadline - (time.time() if now is None else now)
 

@@ -86,7 +86,7 @@ class ReplicaNotices:
             log.warning("replica %s: %s; serving on until an interruption notice", self.replica_id, notice.describe())
             return
         self.notice = notice
-        if self.spot.drain_node and notice.source != "ray-drain":
+        if self.spot.drain_node and notice.drains_node:
             drain_this_node(notice)
         self._draining = asyncio.run_coroutine_threadsafe(self.drain(notice), self._loop)
 

@@ -88,7 +88,7 @@ class LearnerNotices:
             log.warning("spot: %s; the learner checkpoints when the interruption itself comes", notice.describe())
             return
         self.heard(notice)
-        if self.spot.drain_node and notice.source != "ray-drain":
+        if self.spot.drain_node and notice.drains_node:
             from contracts.notices import drain_this_node
 
             drain_this_node(notice)

@@ -185,3 +185,10 @@ def test_the_driver_hears_its_machines_cloud_notice(metadata):
         notices.stop()
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_only_a_notice_for_the_node_drains_it_in_ray():
+    """A SIGTERM ends a process, not its node: Ray sends one to every worker of a job that ends, and a learner that
+    drained its node then would leave the next run nowhere to start."""
+    assert [Notice(s, None).drains_node for s in ("aws", "gcp", "gcp-maintenance", "file")] == [True] * 4
+    assert [Notice(s, None).drains_node for s in ("sigterm", "ray-drain", "aws-rebalance")] == [False] * 3
