@@ -27,8 +27,8 @@ from tests.spot_legs import LONG_TOKENS, learner_leg, replica_leg
 STEPS_PER_LEG = 8
 SPOT = (
     "spot.poll_interval_s=1",  # AWS advises 5 s; 1 s keeps the legs short
-    "spot.handback_margin_s=115",  # a replica noticed 120 s ahead hands its generations back after ~5 s
-    "model.max_model_len=192",  # room for generations long enough to be in flight when that happens
+    "spot.handback_margin_s=119",  # a replica noticed 120 s ahead hands its generations back after ~1 s
+    "model.max_model_len=256",  # room for generations long enough to be in flight when that happens
 )
 
 pytestmark = pytest.mark.slow
