@@ -30,8 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("spotrl.notices")
 
@@ -40,8 +42,18 @@ AWS_DISABLED_ENV = "AWS_EC2_METADATA_DISABLED"
 GCE_HOST_ENV = "GCE_METADATA_HOST"
 METADATA_IP = "169.254.169.254"  # both clouds' default, when their variable is not set
 AWS_TOKEN_TTL_S = 21600
+# The token answers that mean this instance offers no IMDSv2 (botocore's reading too): then IMDSv1. Any other failure
+# (throttling, a server error) is asked again at the next poll.
+IMDSV2_UNAVAILABLE = (403, 404, 405)
 GCP_NOTICE_S = 30.0  # GCP's preemption notice; its maintenance notice is 60 s
 GCP_MAINTENANCE_S = 60.0
+# A node that outlives its deadline by this much was not taken after all: the roles on it carry on (the learner trains
+# on rather than abandon every step, a replica takes work again) and watch for the next notice.
+OUTLIVED_S = 60.0
+
+
+class MetadataError(RuntimeError):
+    """A metadata service answered, but not with what was asked (a throttled or failing token request)."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +141,13 @@ class AwsMetadata:
     name = "aws"
 
     def __init__(self, endpoint: str | None = None, timeout_s: float = 1.0):
+        import httpx  # here, not at import: the learner imports this module where only its constants are needed
+
         self.endpoint = (endpoint or os.environ.get(AWS_ENDPOINT_ENV) or f"http://{METADATA_IP}").rstrip("/")
         self._client = httpx.Client(base_url=self.endpoint, timeout=timeout_s, trust_env=False)
         self._token: str | None = None
         self._token_until = 0.0
-        self._v1 = False  # the token was refused: plain GETs (IMDSv1)
+        self._v1 = False  # IMDSv2 is not offered here: plain GETs (IMDSv1)
 
     def _headers(self) -> dict[str, str]:
         if self._v1:
@@ -142,16 +156,25 @@ class AwsMetadata:
             r = self._client.put(
                 "/latest/api/token", headers={"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)}
             )
-            if r.status_code != 200:  # IMDSv2 refused (403/404/405): this instance answers IMDSv1
+            if r.status_code in IMDSV2_UNAVAILABLE:
+                log.warning(
+                    "spot: %s offers no IMDSv2 session tokens (%d): reading IMDSv1", self.endpoint, r.status_code
+                )
                 self._v1 = True
                 return {}
+            if r.status_code != 200:  # throttled (429), a server error: no token this time, asked again next time
+                raise MetadataError(f"{self.endpoint}: IMDSv2 token request answered {r.status_code}")
             self._token, self._token_until = r.text, time.monotonic() + AWS_TOKEN_TTL_S / 2
         return {"X-aws-ec2-metadata-token": self._token}
 
     def _get(self, path: str) -> httpx.Response:
         r = self._client.get(f"/latest/meta-data/{path}", headers=self._headers())
-        if r.status_code == 401 and not self._v1:  # the token expired early: one fresh one
-            self._token = None
+        if r.status_code == 401:
+            # With a token: it expired early. Without one: the instance wants IMDSv2 after all. Either way a
+            # fresh token, once.
+            if self._v1:
+                log.warning("spot: %s wants IMDSv2 session tokens after all", self.endpoint)
+            self._token, self._v1 = None, False
             r = self._client.get(f"/latest/meta-data/{path}", headers=self._headers())
         return r
 
@@ -177,7 +200,9 @@ class GcpMetadata:
 
     name = "gcp"
 
-    def __init__(self, host: str | None = None, timeout_s: float = 1.0):
+    def __init__(self, host: str | None = None, timeout_s: float = 1.0, interval_s: float = 5.0):
+        import httpx
+
         self.host = host or os.environ.get(GCE_HOST_ENV) or METADATA_IP
         self._client = httpx.Client(
             base_url=f"http://{self.host}/computeMetadata/v1",
@@ -185,6 +210,8 @@ class GcpMetadata:
             timeout=timeout_s,
             trust_env=False,
         )
+        self.interval_s = interval_s  # how often it is polled: how late a notice may be seen
+        self._clear_at: float | None = None  # when the last poll that saw no notice was sent
 
     def _get(self, path: str) -> str | None:
         r = self._client.get(f"/{path}")
@@ -195,11 +222,16 @@ class GcpMetadata:
         return self._get("instance/id") is not None
 
     def poll(self) -> Notice | None:
+        """GCP says neither when the notice came nor when the VM goes: the notice came after the last poll that saw
+        none, so its deadline is counted from that poll (from one interval ago at the first), never from now."""
+        sent = time.time()
+        since = self._clear_at if self._clear_at is not None else sent - self.interval_s
         if self._get("instance/preempted") == "TRUE":
-            return Notice("gcp", time.time() + GCP_NOTICE_S, "preempted")
+            return Notice("gcp", since + GCP_NOTICE_S, "preempted")
         event = self._get("instance/maintenance-event")
         if event and event.startswith("TERMINATE"):  # MIGRATE_ON_HOST_MAINTENANCE moves the VM live: no notice
-            return Notice("gcp-maintenance", time.time() + GCP_MAINTENANCE_S, event)
+            return Notice("gcp-maintenance", since + GCP_MAINTENANCE_S, event)
+        self._clear_at = sent
         return None
 
     def close(self) -> None:
@@ -272,18 +304,20 @@ class RayDrain:
         pass
 
 
-def cloud_sources(timeout_s: float) -> list:
-    """The metadata services to ask: AWS's unless disabled, GCP's."""
+def cloud_sources(timeout_s: float, interval_s: float = 5.0) -> list:
+    """The metadata services to ask (every `interval_s`): AWS's unless disabled, GCP's."""
     sources = [] if os.environ.get(AWS_DISABLED_ENV, "").lower() == "true" else [AwsMetadata(timeout_s=timeout_s)]
-    return [*sources, GcpMetadata(timeout_s=timeout_s)]
+    return [*sources, GcpMetadata(timeout_s=timeout_s, interval_s=interval_s)]
 
 
 class NoticeWatcher:
     """Polls the notice sources every `interval_s` in a daemon thread and calls each handler once per notice.
 
-    A binding notice (an interruption) is reported once, and the watcher keeps watching only for nothing
-    more (the machine is going); a recommendation (AWS rebalance) is reported once, and the watcher goes on
-    watching for the interruption itself. `sigterm_grace_s` makes a SIGTERM to this process a notice with
+    A binding notice (an interruption) is reported once, and the watcher then polls nothing more (the machine is
+    going) until the role says the node outlived it (`clear`); a recommendation (AWS rebalance) is reported once, and
+    the watcher goes on watching for the interruption itself. A source that fails (a metadata server that
+    errs, Ray's GCS out of reach) is logged and asked again later, backing off, never the end of watching the
+    others or itself. `sigterm_grace_s` makes a SIGTERM to this process a notice with
     that deadline (installed only from the main thread; the previous handler still runs after ours, so what
     SIGTERM did before, it still does; with `chain_sigterm` False only on a second SIGTERM, so that a process that
     must checkpoint first, the learner, lives on until the grace period ends)."""
@@ -301,11 +335,12 @@ class NoticeWatcher:
     ):
         self.handlers = list(handlers)
         self.interval_s = interval_s
-        self.sources = cloud_sources(probe_timeout_s) if sources is None else list(sources)
+        self.sources = cloud_sources(probe_timeout_s, interval_s) if sources is None else list(sources)
         if notice_file:
             self.sources.append(NoticeFile(notice_file, sigterm_grace_s or GCP_NOTICE_S))
         self.notices: list[Notice] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by `stop` and `clear`: the thread looks again at once
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="spot-notices", daemon=True)
         if sigterm_grace_s is not None:
@@ -317,11 +352,18 @@ class NoticeWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     @property
     def binding(self) -> Notice | None:
         """The interruption notice, once one came."""
         return next((n for n in self.notices if n.binding), None)
+
+    def clear(self, notice: Notice) -> None:
+        """The node outlived `notice` (the machine was not taken after all): watch for the next one."""
+        with self._lock:
+            self.notices = [n for n in self.notices if n is not notice]
+        self._wake.set()
 
     def _install_sigterm(self, grace_s: float, chain: bool) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -360,22 +402,64 @@ class NoticeWatcher:
         live = [s for s in self.sources if self._answers(s)]
         if not live:
             log.info("spot: no metadata service or notice file answers here; not watching")
-        while live and not self._stop.is_set() and self.binding is None:
-            for source in live:
-                try:
-                    notice = source.poll()
-                except (httpx.HTTPError, ValueError, KeyError) as e:
-                    log.debug("spot: %s poll failed: %s", source.name, e)
-                    continue
-                if notice is not None:
-                    self.report(notice)
-            self._stop.wait(self.interval_s)
+        failing = {source: _Failing() for source in live}
+        while live and not self._stop.is_set():
+            if self.binding is None:
+                for source in live:
+                    self._poll(source, failing[source])
+            # Nothing to poll for while the machine is going: woken by `clear` (it stayed) or `stop`.
+            self._wake.wait(self.interval_s if self.binding is None else None)
+            self._wake.clear()
         for source in self.sources:
             source.close()
+
+    def _poll(self, source, failing: _Failing) -> None:
+        if not failing.due():
+            return
+        try:
+            notice = source.poll()
+        except Exception as e:  # noqa: BLE001 - a source that errs is asked again later, never the end of watching
+            failing.failed(source.name, e, self.interval_s)
+            return
+        failing.answered(source.name)
+        if notice is not None:
+            self.report(notice)
 
     @staticmethod
     def _answers(source) -> bool:
         try:
             return source.probe()
-        except (httpx.HTTPError, ValueError):
+        except Exception:  # noqa: BLE001 - whatever a source fails with at the first probe, it is not here
             return False
+
+
+MAX_BACKOFF_S = 60.0
+
+
+class _Failing:
+    """A source's consecutive failures: asked again after the poll interval, doubled per failure (at most
+    `MAX_BACKOFF_S`); the first failure and the recovery are logged."""
+
+    def __init__(self):
+        self.failures, self.next_at = 0, 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def failed(self, name: str, error: Exception, interval_s: float) -> None:
+        self.failures += 1
+        pause = min(interval_s * 2 ** (self.failures - 1), MAX_BACKOFF_S)
+        self.next_at = time.monotonic() + pause
+        say = log.warning if self.failures == 1 else log.debug
+        say(
+            "spot: the %s notice source failed (%s: %s); asking again in %.0f s",
+            name,
+            type(error).__name__,
+            error,
+            pause,
+        )
+
+    def answered(self, name: str) -> None:
+        if self.failures:
+            log.warning("spot: the %s notice source answers again after %d failures", name, self.failures)
+        self.failures, self.next_at = 0, 0.0

@@ -23,6 +23,7 @@ class FakeMetadata:
         self.rebalance: dict | None = None
         self.preempted = False
         self.maintenance = "NONE"
+        self.token_failures: list[int] = []  # statuses the next token requests answer (a throttled or failing IMDS)
         self.requests: list[tuple[str, str, dict]] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -55,6 +56,10 @@ class FakeMetadata:
     def aws_rebalance(self) -> None:
         self.rebalance = {"noticeTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
+    def fail_tokens(self, *statuses: int) -> None:
+        """The next token requests answer these statuses, one each (429: throttled, 5xx: failing), then tokens."""
+        self.token_failures.extend(statuses)
+
     def gcp_preempt(self) -> None:
         self.preempted = True
 
@@ -73,6 +78,8 @@ class FakeMetadata:
 
     def _aws(self, method: str, path: str, headers: dict) -> tuple[int, str, dict]:
         if method == "PUT" and path == "/latest/api/token":
+            if self.token_failures:
+                return self.token_failures.pop(0), "token request failed", {}
             return (403, "tokens refused", {}) if self.refuse_tokens else (200, TOKEN, {})
         if not self.refuse_tokens and headers.get("x-aws-ec2-metadata-token") != TOKEN:
             return 401, "unauthorized", {}

@@ -27,14 +27,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from contracts.notices import OUTLIVED_S
+
 if TYPE_CHECKING:
     from contracts.notices import Notice
 
 log = logging.getLogger(__name__)
-
-# A node that outlives its deadline by this much was not taken after all: the learner trains on (checkpointing every
-# step) rather than abandon every step for ever.
-OUTLIVED_S = 60.0
 
 
 class StepAbandoned(Exception):
@@ -65,7 +63,11 @@ class LearnerNotices:
         if spot is None or not spot.watch or on_head_node():  # the head's notices are the driver's (`app.spot`)
             return self
         self._on_notice = on_notice
-        sources = [*cloud_sources(spot.probe_timeout_s), RayDrain(spot.sigterm_grace_s)] if rank == 0 else []
+        sources = (
+            [*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)]
+            if rank == 0
+            else []
+        )
         self._watcher = NoticeWatcher(
             [self._heard] if rank == 0 else [],
             interval_s=spot.poll_interval_s,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from contracts.notices import AwsMetadata, GcpMetadata, Notice, NoticeFile, NoticeWatcher
+from contracts.notices import AwsMetadata, GcpMetadata, MetadataError, Notice, NoticeFile, NoticeWatcher
 from tests.fake_metadata import TOKEN, FakeMetadata
 from tests.fleet_helpers import free_port
 
@@ -45,6 +45,77 @@ def test_aws_falls_back_to_imdsv1_where_tokens_are_refused(monkeypatch):
         notice = aws.poll()
         assert notice.source == "aws" and "stop" in notice.detail and 40 < notice.remaining_s() <= 61
         assert [r[1] for r in server.requests if r[0] == "PUT"] == ["/latest/api/token"]  # asked once, then v1
+
+
+def test_a_failed_token_request_leaves_an_imdsv2_only_instance_heard_not_switched_to_imdsv1(metadata):
+    """A throttled (429) or failing (503) token request is no sign that IMDSv2 is missing: the next poll asks for a
+    token again, and an instance that answers IMDSv1 reads with 401 still gets its notice read."""
+    aws = AwsMetadata()
+    metadata.fail_tokens(429, 503)
+    with pytest.raises(MetadataError):
+        aws.poll()
+    with pytest.raises(MetadataError):
+        aws.poll()
+    metadata.aws_notice(in_s=120)
+    notice = aws.poll()
+    assert notice is not None and notice.source == "aws"
+    assert all(r[2].get("x-aws-ec2-metadata-token") == TOKEN for r in metadata.requests if r[0] == "GET")
+
+
+def test_an_instance_that_wants_tokens_after_a_v1_fallback_is_read_with_a_token_again(metadata):
+    aws = AwsMetadata()
+    aws._v1 = True  # as after a token refusal
+    metadata.aws_notice(in_s=120)
+    assert aws.poll().source == "aws"  # its 401 to a plain GET: a token after all
+
+
+def test_gcp_counts_the_deadline_from_the_last_poll_that_saw_no_notice(metadata):
+    """The notice came somewhere between two polls: its 30 s run from the earlier one, never from when it was seen."""
+    gcp = GcpMetadata(interval_s=5.0)
+    before = time.time()
+    assert gcp.poll() is None
+    time.sleep(1.0)
+    metadata.gcp_preempt()
+    notice = gcp.poll()
+    assert notice.deadline == pytest.approx(before + 30.0, abs=0.2)
+    first = GcpMetadata(interval_s=5.0).poll()  # seen at the first poll: from one poll interval before it
+    assert first.deadline == pytest.approx(time.time() - 5.0 + 30.0, abs=0.5)
+
+
+class FlakySource:
+    """A notice source that raises what Ray's GCS client raises when the GCS is out of reach, then a notice."""
+
+    name = "flaky"
+
+    def __init__(self, failures: int):
+        self.failures, self.polls = failures, 0
+
+    def probe(self) -> bool:
+        return True
+
+    def poll(self):
+        self.polls += 1
+        if self.polls <= self.failures:
+            raise RuntimeError("failed to connect to GCS (RpcError)")
+        return Notice("ray-drain", time.time() + 30.0, "draining") if self.polls == self.failures + 1 else None
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_source_that_errs_is_asked_again_with_backoff_and_the_others_keep_being_watched(metadata):
+    flaky = FlakySource(failures=2)
+    seen: list[Notice] = []
+    heard = threading.Event()
+    watcher = NoticeWatcher([lambda n: (seen.append(n), heard.set())], interval_s=0.05, sources=[flaky, AwsMetadata()])
+    watcher.start()
+    assert heard.wait(5), "an erring source ended the watching"
+    assert [n.source for n in seen] == ["ray-drain"] and flaky.polls == 3 and watcher._thread.is_alive()
+    watcher.clear(seen[0])  # the node stayed: the watcher watches for the next notice, AWS's included
+    heard.clear()
+    metadata.aws_notice(in_s=120)
+    assert heard.wait(5) and [n.source for n in seen] == ["ray-drain", "aws"]
+    watcher.stop()
 
 
 def test_gcp_reads_preempted_and_terminating_maintenance_but_not_a_live_migration(metadata):
@@ -95,8 +166,12 @@ def test_the_watcher_reports_a_recommendation_then_the_interruption_each_once_an
     assert got_binding.wait(5)
     time.sleep(0.3)
     assert [n.source for n in seen] == ["aws-rebalance", "aws"]  # each once, though every poll still sees them
+    asked = len(metadata.requests)
+    time.sleep(0.3)
+    assert len(metadata.requests) == asked  # the machine is going: nothing more to poll for
+    watcher.stop()
     watcher._thread.join(5)
-    assert not watcher._thread.is_alive()  # the machine is going: nothing more to watch for
+    assert not watcher._thread.is_alive()
 
 
 def test_where_no_metadata_service_answers_the_watcher_gives_up_at_once(monkeypatch):
