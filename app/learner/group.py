@@ -46,6 +46,23 @@ PLACEMENT_TIMEOUT_S = 900.0
 _DEAD = RayActorError  # ActorDiedError, ActorUnavailableError and their kin
 
 
+class StepNotTrained(RuntimeError):
+    """A step could not be trained (abandoned on noticed nodes again and again): the run stops rather than drop its
+    batch, whose groups a resume from the last checkpoint produces again."""
+
+
+class _WorkersLost(Exception):
+    """Workers died during the step, or before it (Ray restarted them): `dead` are their ranks."""
+
+    def __init__(self, cause: Exception, dead: set[int]):
+        super().__init__(str(cause))
+        self.cause, self.dead = cause, dead
+
+    @property
+    def cause_name(self) -> str:
+        return type(self.cause).__name__
+
+
 class LearnerRankActor(LearnerRank):
     """One learner rank in its own Ray actor process."""
 
@@ -216,27 +233,28 @@ class LearnerGroup:
         `batch` is best an ObjectRef (of `RolloutActor.get_groups`): every rank fetches it from the object
         store, and a retried step sends the same ref again. When a worker dies during the step, the group
         restarts every rank from the newest checkpoint and retries the step once; the metrics then carry
-        `learner/restarts` and `learner/resumed_step`."""
-        # One copy in the object store, however many ranks read it.
-        batch_ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        `learner/restarts` and `learner/resumed_step`. A step abandoned on a noticed node is trained again on its
+        replacement; one that cannot be trained within `MAX_RETRIES` raises `StepNotTrained`: a step trains its
+        batch or fails, it never returns without it (the groups would be dropped)."""
+        batch_ref = self._stored(batch)
         resumed, retries = None, 0
         while True:
-            refs = [w.train_step.remote(batch_ref) for w in self.workers]
             try:
-                self._wait_all(refs)
-            except (_DEAD, NotStarted) as exc:  # died during the step, or between steps (Ray restarted it)
+                result = self._attempt(batch_ref)
+            except _WorkersLost as lost:  # died during the step, or between steps (Ray restarted them)
                 if retries == MAX_RETRIES:
-                    raise
+                    raise lost.cause from None
                 retries += 1
-                log.warning("a learner worker died (%s); restarting the group from the bucket", type(exc).__name__)
-                resumed = self._reset(self._dead_ranks(refs))
+                log.warning("a learner worker died (%s); restarting the group from the bucket", lost.cause_name)
+                resumed = self._reset(lost.dead)
                 continue
-            except RayTaskError:
-                if len(self.workers) > 1:  # peers of the failed rank are stuck in a collective
-                    self._reset(self._dead_ranks(refs))
-                raise
-            result = ray.get(refs[0])
-            if result.abandoned and retries < MAX_RETRIES:
+            if result.abandoned:
+                if retries == MAX_RETRIES:
+                    raise StepNotTrained(
+                        f"learner: step {result.step + 1} was abandoned on noticed nodes {retries + 1} times and its "
+                        f"batch ({len(result.batch.staleness) if result.batch else 0} groups) is not trained; stopping "
+                        "rather than dropping it (the same command resumes from the last checkpoint)"
+                    )
                 retries += 1
                 self.abandoned += 1
                 resumed = self._outlive(result.node_deadline) or resumed
@@ -247,6 +265,24 @@ class LearnerGroup:
             if resumed is not None:
                 result.metrics["learner/resumed_step"] = float(resumed.step)
             return result
+
+    @staticmethod
+    def _stored(batch: RolloutBatch | ray.ObjectRef) -> ray.ObjectRef:
+        """One copy in the object store, however many ranks read it and however often the step is tried."""
+        return batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+
+    def _attempt(self, batch_ref: ray.ObjectRef) -> StepResult:
+        """One try of the step on every rank: rank 0's result, `_WorkersLost` when a worker is dead."""
+        refs = [w.train_step.remote(batch_ref) for w in self.workers]
+        try:
+            self._wait_all(refs)
+        except (_DEAD, NotStarted) as exc:
+            raise _WorkersLost(exc, self._dead_ranks(refs)) from None
+        except RayTaskError:
+            if len(self.workers) > 1:  # peers of the failed rank are stuck in a collective
+                self._reset(self._dead_ranks(refs))
+            raise
+        return ray.get(refs[0])
 
     def _outlive(self, deadline: float | None) -> ResumePoint | None:
         """After an abandoned step: wait for the noticed node to go (a worker dead, or restarted by Ray and not yet

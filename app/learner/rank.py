@@ -252,9 +252,7 @@ class LearnerRank:
             if not fits:
                 return self._abandon(batch)
         fresh = [grp for grp in batch.groups if grp.group_id not in self._consumed]
-        if batch.data_cursor is not None:
-            json.dumps(batch.data_cursor)  # it goes into the checkpoint's JSON: fail here, not at save time
-            self.state.data_cursor = batch.data_cursor
+        json.dumps(batch.data_cursor)  # it goes into the checkpoint's JSON: fail here, not at save time
         # Each micro-batch asks whether the step can still end in time (rank 0 knows the deadline); several ranks
         # ask only once noticed (it is a collective), so they act on a notice heard mid-step at the step's end.
         late = lambda: self._rank0_decides(not self.notices.step_fits(time.perf_counter() - t_step))  # noqa: E731
@@ -264,13 +262,13 @@ class LearnerRank:
             return self._abandon(batch)
         metrics["batch/skipped_groups"] = float(len(batch.groups) - len(fresh))
         if metrics["batch/trained_tokens"] == 0:  # all trained on before (or no completion tokens): no step
-            self._mark_consumed(fresh, batch.data_cursor)
+            self._mark_consumed(fresh, batch)
             metrics.update({"learner/skipped_step": 1.0, "perf/step_s": time.perf_counter() - t_step})
             return self._result(batch, fresh, metrics)
 
         metrics.update(self.optimizer_step())
         self.state.step += 1
-        self._mark_consumed(fresh, batch.data_cursor)
+        self._mark_consumed(fresh, batch)
         if self.state.step % g.weight_sync_steps == 0:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
             if self.fleet_url:
@@ -319,13 +317,17 @@ class LearnerRank:
             batch=batch.stats(),
         )
 
-    def _mark_consumed(self, groups: list[Group], data_frontier: int | None) -> None:
-        """The groups are trained, and every id below the batch's data frontier is settled: kept as that frontier and
-        the few ids above it, not as every id ever trained (`ConsumedGroups`)."""
+    def _mark_consumed(self, groups: list[Group], batch: RolloutBatch) -> None:
+        """The step of `batch` is done: its groups are trained, every id below its data cursor (the data frontier) is settled (kept as
+        that frontier and the few ids above it, not as every id ever trained: `ConsumedGroups`), and its data cursor
+        is the state's. Only here: a step abandoned half-way commits none of it, so that a learner resumed from its
+        checkpoint is fed the same groups again."""
         for grp in groups:
             self._consumed.add(grp.group_id)
-        self._consumed.advance(data_frontier)
+        self._consumed.advance(batch.data_cursor)
         self.state.set_consumed(self._consumed)
+        if batch.data_cursor is not None:
+            self.state.data_cursor = batch.data_cursor
 
     def _reduce(self, stats: LossStats, loss_sum: float) -> tuple[LossStats, float]:
         """Sum token statistics over ranks (min/max for extremes): one small all-reduce each."""

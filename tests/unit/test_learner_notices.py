@@ -100,3 +100,23 @@ def test_a_pass_told_to_stop_raises_before_its_next_micro_batch(rank_factory):
     with pytest.raises(StepAbandoned):
         rank.forward_backward(random_groups(6, seed=5), stop=stop)
     assert len(asked) == 2
+
+
+def test_a_step_abandoned_half_way_commits_the_cursor_of_the_last_step_trained_not_its_own(rank_factory):
+    """A notice heard during a step that then no longer fits: the checkpoint it commits holds the data cursor of the
+    step before, so that a learner (and rollout) resumed from it are fed this step's groups again."""
+    rank = rank_factory()
+    assert rank.train_step(_batch(1)).step == 1  # cursor 1, not committed yet (save_steps 100)
+    asked = []
+
+    def fits(elapsed_s: float = 0.0, now=None) -> bool:  # the notice comes after the step began
+        asked.append(elapsed_s)
+        if len(asked) == 2:
+            rank.notices.heard(Notice("gcp", time.time() + 1.0))
+        return len(asked) < 2
+
+    rank.notices.step_fits = fits
+    abandoned = rank.train_step(_batch(2))
+    assert abandoned.abandoned and abandoned.trained_group_ids == [] and len(asked) >= 2
+    committed = rank.checkpoints.manifest(1)["meta"]
+    assert committed["data_cursor"] == 1 and rank.state.data_cursor == 1
