@@ -6,7 +6,7 @@ ingress sends every unfinished choice on as a request of its own: prompt + the t
 the tokens that are left (`max_tokens` and `min_tokens` less those), one sample (each choice of an n > 1
 request has its own prefix), under the same adapter and sampling; the router, told that the replica drains,
 picks another one. The parts are stitched in order (token ids, their log-probs, the top alternatives), with the
-last part's finish reason. The continuation conditions on exactly the tokens sampled so far, under the same
+last part's finish reason, and the prompt's log-probs when a scoring request asked for them. The continuation conditions on exactly the tokens sampled so far, under the same
 adapter version, so the caller (the learner) gets one sequence and a log-prob for each of its tokens, as if
 one replica had sampled it all.
 
@@ -42,15 +42,21 @@ def _joined(first: list | None, rest: list | None) -> list | None:
     return None if first is None and rest is None else [*(first or []), *(rest or [])]
 
 
-def stitch(first: SampledChoice, rest: SampledChoice) -> SampledChoice:
-    """`first`'s tokens followed by its continuation's, as one choice (at `first`'s index)."""
-    return SampledChoice(
-        first.index,
-        first.token_ids + rest.token_ids,
-        _joined(first.logprobs, rest.logprobs),
-        _joined(first.top_logprobs, rest.top_logprobs),
-        rest.finish_reason,
-        rest.stop_reason,
+def stitch(first: SampledChoice, rest: SampledChoice, prompt_len: int) -> SampledChoice:
+    """`first`'s tokens followed by its continuation's, as one choice (at `first`'s index), with the log-probs of the
+    `prompt_len` prompt tokens when they were asked for: `first`'s, or (cut before its prefill had them) the first
+    `prompt_len` of the continuation's, whose prompt is that prompt followed by `first`'s tokens."""
+    prompt_logprobs = first.prompt_logprobs
+    if prompt_logprobs is None and rest.prompt_logprobs is not None:
+        prompt_logprobs = rest.prompt_logprobs[:prompt_len]
+    return replace(
+        first,
+        token_ids=first.token_ids + rest.token_ids,
+        logprobs=_joined(first.logprobs, rest.logprobs),
+        top_logprobs=_joined(first.top_logprobs, rest.top_logprobs),
+        finish_reason=rest.finish_reason,
+        stop_reason=rest.stop_reason,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -74,4 +80,4 @@ async def _finish(generate: Generate, request: GenerateRequest, choice: SampledC
     if rest is None:
         return replace(choice, finish_reason="length"), ""
     answer = await generate(rest)
-    return stitch(choice, answer.choices[0]), answer.replica
+    return stitch(choice, answer.choices[0], len(request.prompt_ids)), answer.replica

@@ -6,7 +6,9 @@ the ingress before the node goes (`deployments.replica_notices`), which continue
 tokens so far (`deployments.handback`). Handing back is vLLM's abort, which keeps a request's partial output
 (token ids and their log-probs, every choice of an n > 1 request): the generation's caller gets those choices,
 finish reason `contracts.serving.ABORTED`, marked handed back. Partial rollouts cut the same way (`cut`), but
-unmarked: the run continues its generations itself, under a newer adapter version.
+unmarked: the run continues its generations itself, under a newer adapter version. A generation still waiting to
+reach the engine (its adapter loading, every LoRA slot busy) is cut as well: it never starts, and answers at once
+with no token (`start`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from deployments.engine import Engine
 class _Generation:
     model: str
     sequences: int
+    started: bool = False  # handed to the engine (before: waiting for its adapter or a LoRA slot)
+    stopped: bool = False  # cut or handed back before it started: it never reaches the engine
 
 
 class InFlight:
@@ -43,6 +47,14 @@ class InFlight:
             yield request_id
         finally:
             del self._generations[request_id]
+
+    def start(self, request_id: str) -> bool:
+        """The generation goes to the engine now, unless it was cut or handed back while it waited (for its adapter,
+        a LoRA slot): then False, and it must answer at once without sampling (an abort cannot stop what the engine
+        has not seen yet)."""
+        generation = self._generations[request_id]
+        generation.started = True
+        return not generation.stopped
 
     def was_handed_back(self, request_id: str) -> bool:
         """Whether `hand_back` cut this generation short (asked once, as it ends)."""
@@ -65,12 +77,19 @@ class InFlight:
         continues it elsewhere). Returns how many were cut."""
         ids = list(self._generations)
         self._handed_back.update(ids)
-        await self.engine.abort(ids)
+        await self._stop(ids)
         return len(ids)
 
     async def cut(self, models: tuple[str, ...]) -> int:
         """Cut short the generations under `models`: each answers its caller its tokens so far, finish reason
         `ABORTED`, unmarked (the caller continues it). Returns how many were cut."""
         ids = [rid for rid, g in self._generations.items() if g.model in models]
-        await self.engine.abort(ids)
+        await self._stop(ids)
         return len(ids)
+
+    async def _stop(self, ids: list[str]) -> None:
+        """Abort those the engine runs; mark those still waiting to start, which then never reach it."""
+        for rid in ids:
+            generation = self._generations[rid]
+            generation.stopped = not generation.started
+        await self.engine.abort([rid for rid in ids if self._generations[rid].started])

@@ -99,11 +99,12 @@ def own_internal_request_id() -> None:
     _serve_request_context.set(dataclasses.replace(context, _internal_request_id=generate_request_id()))
 
 
-def mark_draining(replica_id: str) -> None:
-    """The routers of this process (the ingress's) route nothing more to replica `replica_id`: its node is going."""
+def mark_draining(replica_id: str, draining: bool = True) -> None:
+    """The routers of this process (the ingress's) route nothing more to replica `replica_id`: its node is going (or,
+    `draining` False, route to it again: its node outlived the notice)."""
     from deployments.router import mark_draining as mark
 
-    mark(replica_id)
+    mark(replica_id, draining)
 
 
 def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
@@ -278,9 +279,10 @@ class Ingress:
     def __serve_build_asgi_app__(self):
         return self._app
 
-    def replica_draining(self, replica_id: str) -> None:
-        """A replica's node is going (it says so itself, `deployments.replica_notices`): route nothing more to it."""
-        mark_draining(replica_id)
+    def replica_draining(self, replica_id: str, draining: bool = True) -> None:
+        """A replica's node is going (it says so itself, `deployments.replica_notices`): route nothing more to it;
+        `draining` False: the node outlived the notice, route to it again."""
+        mark_draining(replica_id, draining)
 
     async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
         """`POST /v1/load_lora_adapter` for a DeploymentHandle caller: on every live replica or none."""

@@ -52,7 +52,17 @@ from contracts.control import (
     UndoLoad,
     UnloadAdapter,
 )
-from contracts.serving import PAUSE_MODES, BadRequest, Generated, GenerateRequest, ReplicaError, ReplicaUnavailable
+from contracts.serving import (
+    ABORTED,
+    PAUSE_MODES,
+    BadRequest,
+    Generated,
+    GenerateRequest,
+    ReplicaError,
+    ReplicaUnavailable,
+    SampledChoice,
+    Sampling,
+)
 from deployments.adapter_slots import AdapterSlots
 from deployments.adapter_sources import AdapterSources
 from deployments.engine import Engine, sampling_params
@@ -61,6 +71,17 @@ from deployments.replica_notices import ReplicaNotices
 from deployments.warm_start import adapters_to_serve
 
 log = logging.getLogger("ray.serve")
+
+
+def unstarted(sampling: Sampling, handed_back: bool) -> list[SampledChoice]:
+    """The answer of a generation cut before it reached the engine: handed back, no choice (the ingress sends the
+    whole request elsewhere); cut by its run (partial rollouts), each of its choices with no token, finish reason
+    `ABORTED` (the run continues each under its newest version)."""
+    if handed_back:
+        return []
+    logprobs = [] if sampling.logprobs is not None else None
+    top = [] if (sampling.logprobs or 0) > 0 else None
+    return [SampledChoice(i, [], logprobs, top, ABORTED, None) for i in range(sampling.n)]
 
 
 class Replica:
@@ -82,7 +103,11 @@ class Replica:
         params = sampling_params(request.sampling)  # first: a request vLLM refuses loads no adapter
         with self.inflight.track(request.model, request.sampling.n) as request_id:
             async with self.slots.use(request.model) as lora:
-                choices = await self.engine.sample(request.prompt_ids, params, lora, request_id)
+                if self.inflight.start(request_id):
+                    choices = await self.engine.sample(request.prompt_ids, params, lora, request_id)
+                else:  # cut or handed back while it waited for its adapter: nothing sampled
+                    choices = unstarted(request.sampling, self.inflight.was_handed_back(request_id))
+                    return Generated(self.replica_id, choices, handed_back=not choices)
             handed_back = self.inflight.was_handed_back(request_id)
         if choices is None:  # aborted before any output, e.g. by /pause?mode=abort
             # 503 but not ReplicaUnavailable: the abort was asked for, so the ingress must not send it elsewhere.
@@ -221,7 +246,9 @@ class VLLMReplica(Replica):
         for name, ref in loaded:
             await slots.load(name, ref)
         await sources.tidy()  # what an earlier replica of this node left that nothing loaded now holds
-        self.notices = ReplicaNotices(replica_id, self.inflight, cfg.spot, self._tell_ingress).watch()
+        self.notices = ReplicaNotices(
+            replica_id, self.inflight, cfg.spot, self._tell_ingress, self._serve_stops_me
+        ).watch()
         log.info(
             "VLLMReplica %s ready in %.1fs (block %d, max_loras %d, CPU bind %s), adapters %s",
             replica_id,
@@ -232,14 +259,21 @@ class VLLMReplica(Replica):
             [name for name, _ in loaded],
         )
 
-    async def _tell_ingress(self) -> None:
-        """This replica drains: the ingress's routers route nothing more to it (`deployments.replica_notices`)."""
+    async def _tell_ingress(self, draining: bool) -> None:
+        """This replica drains: the ingress's routers route nothing more to it (`deployments.replica_notices`); or,
+        `draining` False, it serves again."""
         from ray import serve
 
         from deployments.fleet import INGRESS_DEPLOYMENT
 
         handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, self.cfg.fleet.app_name)
-        await handle.replica_draining.remote(self.replica_id)
+        await handle.replica_draining.remote(self.replica_id, draining)
+
+    async def _serve_stops_me(self) -> bool:
+        """Whether Serve's controller is stopping this replica (`deployments.serve_state`)."""
+        from deployments.serve_state import serve_stops
+
+        return await serve_stops(self.replica_id)
 
     # ---- Serve hooks ------------------------------------------------------------------------------------
 

@@ -7,13 +7,18 @@ on the embedded default every replica runs there, and the driver's last step nee
 - drains the node in Ray (`spot.drain_node`), so that Serve starts its replacement elsewhere first: Ray 2.60's
   controller moves the replicas of a draining node to PENDING_MIGRATION, starts as many new ones, and stops the
   old ones once those run, or when the deadline nears (`graceful_shutdown_timeout_s` before it). The replacement
-  loads the live adapters before it takes traffic (`deployments.warm_start`);
+  loads the live adapters before it takes traffic (`deployments.warm_start`). A drain that Ray refuses, or that
+  fails, drains this replica all the same;
 - takes no new generation: it tells the ingress at once, whose routers then route nothing more to it
   (`deployments.router`), and refuses what still arrives as `ReplicaDraining`, which the ingress sends to another
   replica;
-- lets its generations in flight finish while there is time, and hands back those still running
-  `spot.handback_margin_s` before the deadline (`deployments.inflight`): the ingress continues each one on
-  another replica, token-exact (`deployments.handback`).
+- lets its generations in flight finish while there is time, and hands back those still running as soon as the
+  replica is about to go (`deployments.inflight`): `spot.handback_margin_s` before the deadline, or as Serve begins
+  to stop it (its replacement runs), whichever comes first; the ingress continues each one on another replica,
+  token-exact (`deployments.handback`);
+- serves again if its node outlives the notice by `OUTLIVED_S` (a file notice removed, a maintenance that did not
+  stop the machine, a drain Ray refused): the node was not taken after all, so the replica takes work again, tells
+  the ingress so, and watches for the next notice.
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from contracts.notices import Notice, NoticeWatcher, RayDrain, cloud_sources, drain_this_node, on_head_node
+from contracts.notices import (
+    OUTLIVED_S,
+    Notice,
+    NoticeWatcher,
+    RayDrain,
+    cloud_sources,
+    drain_this_node,
+    on_head_node,
+)
 from contracts.serving import ReplicaDraining
 from deployments.inflight import InFlight
 
@@ -33,16 +46,19 @@ POLL_S = 0.5  # how often a draining replica looks whether its generations have 
 
 class ReplicaNotices:
     """Replica `replica_id`'s notices: whether it still takes work, and its draining (`spot`: a `SpotConfig`).
-    `tell_ingress` says to the ingress that this replica is draining."""
+    `tell_ingress(draining)` tells the ingress whether this replica drains; `stopping()` whether Serve has begun to
+    stop it."""
 
     def __init__(
         self,
         replica_id: str,
         inflight: InFlight,
         spot,
-        tell_ingress: Callable[[], Awaitable[None]] | None = None,
+        tell_ingress: Callable[[bool], Awaitable[None]] | None = None,
+        stopping: Callable[[], Awaitable[bool]] | None = None,
     ):
         self.replica_id, self.inflight, self.spot, self.tell_ingress = replica_id, inflight, spot, tell_ingress
+        self.stopping = stopping
         self.notice: Notice | None = None
         self.handed_back = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -55,7 +71,7 @@ class ReplicaNotices:
         if not spot.watch or on_head_node():
             return self
         self._loop = asyncio.get_running_loop()
-        sources = [*cloud_sources(spot.probe_timeout_s), RayDrain(spot.sigterm_grace_s)]
+        sources = [*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)]
         self._watcher = NoticeWatcher(
             [self._heard],
             interval_s=spot.poll_interval_s,
@@ -87,22 +103,28 @@ class ReplicaNotices:
             return
         self.notice = notice
         if self.spot.drain_node and notice.drains_node:
-            drain_this_node(notice)
-        self._draining = asyncio.run_coroutine_threadsafe(self.drain(notice), self._loop)
+            try:
+                drain_this_node(notice)
+            except Exception:  # noqa: BLE001 - Serve may not move it first now, but the replica drains regardless
+                log.exception("replica %s: the node could not be drained in Ray; draining the replica", self.replica_id)
+        self._draining = asyncio.run_coroutine_threadsafe(self.answer(notice), self._loop)
+
+    async def answer(self, notice: Notice) -> None:
+        """Drain for `notice`, then serve again if the node outlives it (a replica that goes with its node never
+        gets that far)."""
+        await self.drain(notice)
+        await self._outlive(notice)
 
     async def drain(self, notice: Notice) -> None:
-        """Leave the router, let the generations in flight finish while there is time, hand back the rest."""
+        """Leave the router, let the generations in flight finish while there is time, hand back the rest as the
+        replica is about to go."""
         self.notice = notice
         log.warning("replica %s: %s; taking no new generation", self.replica_id, notice.describe())
-        if self.tell_ingress is not None:
-            try:
-                await self.tell_ingress()
-            except Exception as e:  # noqa: BLE001 - the ingress learns it from the refusals all the same
-                log.warning("replica %s: could not tell the ingress it drains: %r", self.replica_id, e)
+        await self._tell(draining=True)
         loop = asyncio.get_running_loop()
         left = notice.remaining_s()
         until = loop.time() + max(0.0, (left if left is not None else 0.0) - self.spot.handback_margin_s)
-        while self.inflight.requests and loop.time() < until:
+        while self.inflight.requests and loop.time() < until and not await self._serve_stops_me():
             await asyncio.sleep(min(POLL_S, max(0.0, until - loop.time())))
         if self.inflight.requests:
             self.handed_back += await self.inflight.hand_back()
@@ -112,4 +134,45 @@ class ReplicaNotices:
                 self.replica_id,
                 self.handed_back,
                 f", {remaining:.0f} s before the node goes" if remaining is not None else "",
+            )
+
+    async def _outlive(self, notice: Notice) -> None:
+        """Serve again once the node has outlived `notice` by `OUTLIVED_S`: it was not taken after all."""
+        left = notice.remaining_s()
+        await asyncio.sleep(max(0.0, (left if left is not None else 0.0) + OUTLIVED_S))
+        if self.notice is not notice:
+            return
+        log.warning(
+            "replica %s: the node outlived its %s notice by %.0f s: serving again",
+            self.replica_id,
+            notice.source,
+            OUTLIVED_S,
+        )
+        self.notice = None
+        if self._watcher is not None:
+            self._watcher.clear(notice)
+        await self._tell(draining=False)
+
+    async def _serve_stops_me(self) -> bool:
+        """Whether Serve has begun to stop this replica (its replacement runs): then it goes within Serve's
+        graceful shutdown, and waiting for the deadline would lose its generations in flight."""
+        if self.stopping is None:
+            return False
+        try:
+            return await self.stopping()
+        except Exception as e:  # noqa: BLE001 - the deadline still holds
+            log.warning("replica %s: could not ask Serve whether it stops this replica: %r", self.replica_id, e)
+            return False
+
+    async def _tell(self, draining: bool) -> None:
+        if self.tell_ingress is None:
+            return
+        try:
+            await self.tell_ingress(draining)
+        except Exception as e:  # noqa: BLE001 - the ingress learns it from the refusals (or their end) all the same
+            log.warning(
+                "replica %s: could not tell the ingress it %s: %r",
+                self.replica_id,
+                "drains" if draining else "serves again",
+                e,
             )

@@ -141,11 +141,15 @@ class PrefixHashRouter(RequestRouter):
         stats = getattr(replica, "routing_stats", None) or {}
         return _rid(replica) in self._draining or bool(stats.get("draining"))
 
-    def mark_draining(self, replica_id: str) -> None:
-        """The replica's node is going: route nothing more to it while another replica is live."""
-        if replica_id not in self._draining:
+    def mark_draining(self, replica_id: str, draining: bool = True) -> None:
+        """The replica's node is going: route nothing more to it while another replica is live (`draining` False:
+        its node outlived the notice, it serves again)."""
+        if draining and replica_id not in self._draining:
             self._draining.add(replica_id)
             log.warning("PrefixHashRouter: replica %s drains (its node is going); routing around it", replica_id)
+        elif not draining and replica_id in self._draining:
+            self._draining.discard(replica_id)
+            log.warning("PrefixHashRouter: replica %s serves again (its node outlived the notice)", replica_id)
 
     # ---- load bookkeeping: requests this router has in flight on each replica ----------------------
 
@@ -270,10 +274,11 @@ class _RouterMetrics:
         self._entries.set(table_entries, {"application": self._application})
 
 
-def mark_draining(replica_id: str) -> None:
-    """Tell every PrefixHashRouter in this process (the ingress's) that replica `replica_id` drains."""
+def mark_draining(replica_id: str, draining: bool = True) -> None:
+    """Tell every PrefixHashRouter in this process (the ingress's) that replica `replica_id` drains (or, `draining`
+    False, serves again)."""
     for router in list(_ROUTERS):
-        router.mark_draining(replica_id)
+        router.mark_draining(replica_id, draining)
 
 
 def router_stats() -> dict[str, Any]:

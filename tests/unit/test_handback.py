@@ -35,13 +35,42 @@ def test_a_continuation_asks_for_the_tokens_left_after_prompt_and_tokens_so_far(
 
 
 def test_stitching_keeps_ids_log_probs_and_alternatives_in_order():
-    whole = stitch(_choice(1, [5, 6], ABORTED, top=True), _choice(0, [7, 8, 9], "stop", top=True))
+    whole = stitch(_choice(1, [5, 6], ABORTED, top=True), _choice(0, [7, 8, 9], "stop", top=True), 2)
     assert whole == _choice(1, [5, 6, 7, 8, 9], "stop", top=True)
     assert (
         stitch(
-            SampledChoice(0, [5], None, None, ABORTED, None), SampledChoice(0, [6], None, None, "length", None)
+            SampledChoice(0, [5], None, None, ABORTED, None), SampledChoice(0, [6], None, None, "length", None), 1
         ).logprobs
         is None
+    )
+
+
+def test_a_scoring_request_handed_back_keeps_its_prompt_log_probs():
+    """A teacher's request (`prompt_logprobs`, max_tokens 1) cut before its token: the continuation, whose prompt is
+    the same, scores it; the stitched answer carries the prompt's log-probs, not None (its group would be lost)."""
+    prompt = [1, 2, 3]
+    scored = [None, {2: (-0.5, 1)}, {3: (-0.25, 1)}]
+    request = GenerateRequest(prompt, "teacher-v0", Sampling(max_tokens=1, logprobs=0, prompt_logprobs=0))
+
+    async def generate(req):
+        assert req.prompt_ids == prompt and req.sampling.prompt_logprobs == 0
+        return Generated("b", [SampledChoice(0, [7], [-1.0], None, "length", None, prompt_logprobs=scored)])
+
+    cut = Generated("a", [SampledChoice(0, [], [], None, ABORTED, None)], handed_back=True)
+    answer = asyncio.run(continue_handed_back(generate, request, cut))
+    assert answer.choices[0].prompt_logprobs == scored and answer.choices[0].token_ids == [7]
+    after_prefill = SampledChoice(0, [7], [-1.0], None, ABORTED, None, prompt_logprobs=scored)
+    longer = [*scored, {7: (-1.0, 1)}]  # a continuation's prompt holds the tokens generated before the cut too
+    assert (
+        stitch(after_prefill, SampledChoice(0, [8], [-2.0], None, "length", None, longer), 3).prompt_logprobs == scored
+    )
+    assert (
+        stitch(
+            SampledChoice(0, [7], [-1.0], None, ABORTED, None),
+            SampledChoice(0, [8], [-2.0], None, "length", None, longer),
+            3,
+        ).prompt_logprobs
+        == scored
     )
 
 

@@ -74,11 +74,15 @@ def test_hand_back_cuts_generations_short_with_their_tokens_and_log_probs(tmp_pa
     assert replica.inflight.sequences == 0
 
 
-def _notices(replica: Replica, told: list, **spot) -> ReplicaNotices:
-    async def tell_ingress():
-        told.append(time.monotonic())
+def _notices(replica: Replica, told: list, stopping=None, **spot) -> ReplicaNotices:
+    async def tell_ingress(draining: bool):
+        if draining:
+            told.append(time.monotonic())
+        else:
+            told.append("serving")
 
-    return ReplicaNotices(REPLICA, replica.inflight, SpotConfig(drain_node=False, **spot), tell_ingress)
+    spot = SpotConfig(**{"drain_node": False, **spot})
+    return ReplicaNotices(REPLICA, replica.inflight, spot, tell_ingress, stopping)
 
 
 def test_a_draining_replica_refuses_new_work_tells_the_ingress_and_hands_back_at_deadline_less_margin(tmp_path):
@@ -159,3 +163,118 @@ def test_a_new_replica_loads_every_lineages_pinned_versions_before_it_takes_traf
         "alice/policy-v6",
     ]
     assert slots.names == tuple(sorted(name for name, _ in wanted))
+
+
+def test_a_generation_still_waiting_for_a_lora_slot_is_handed_back_too_and_never_reaches_the_engine(tmp_path):
+    """Every slot holds an adapter with requests in flight, so a request for another version waits for one: handed
+    back meanwhile, it answers at once once it could start (no choice: the ingress sends it whole elsewhere), and
+    the doomed engine never samples it."""
+    from tests.unit.replica_parts import publish
+
+    class CountingLLM(StreamingLLM):
+        def __init__(self):
+            super().__init__()
+            self.started = []
+
+        async def generate(self, prompt, params, request_id, lora_request=None):
+            self.started.append(lora_request.lora_name if lora_request else None)
+            async for out in super().generate(prompt, params, request_id, lora_request):
+                yield out
+
+    async def scenario():
+        llm = CountingLLM()
+        slots = adapter_slots(tmp_path, llm, window=1, max_loras=1)
+        publish(slots.sources.store, tmp_path, 1, 2)
+        replica = Replica(REPLICA, slots.engine, slots, 60.0)
+        sampling = Sampling(n=2, max_tokens=1000, logprobs=0)
+        running = asyncio.create_task(replica.generate(GenerateRequest([1, 2], "policy-v1", sampling)))
+        await until(lambda: llm.started)  # the first LoRA request imports vLLM: seconds
+        waiting = asyncio.create_task(replica.generate(GenerateRequest([1, 2], "policy-v2", sampling)))
+        await until(lambda: replica.inflight.requests == 2)
+        await asyncio.sleep(0.2)
+        assert [name.split("@")[0] for name in llm.started] == ["policy-v1"]  # v2 waits for the only slot
+        assert await replica.control(HandBack()) == HandedBack(REPLICA, 2)
+        return await running, await waiting, llm
+
+    first, second, llm = asyncio.run(scenario())
+    assert first.handed_back and all(c.finish_reason == ABORTED for c in first.choices)
+    assert second.handed_back and second.choices == [] and len(llm.started) == 1
+
+
+async def until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_a_generation_cut_while_it_waits_for_its_adapter_answers_empty_cut_choices(tmp_path):
+    from deployments.replica import unstarted
+
+    cut = unstarted(Sampling(n=3, logprobs=2), handed_back=False)
+    assert [(c.index, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in cut] == [
+        (i, [], [], [], ABORTED) for i in range(3)
+    ]
+    assert unstarted(Sampling(n=3), handed_back=True) == []
+
+
+def test_a_replica_that_serve_begins_to_stop_hands_back_at_once_not_at_the_deadline(tmp_path):
+    """Serve stops a draining replica as soon as its replacement runs, which may be a minute before the notice's
+    deadline: the generations in flight are handed back then, not lost with it (the shipped margin, 10 s)."""
+
+    async def scenario():
+        replica = _replica(tmp_path, StreamingLLM())
+        stops = asyncio.Event()
+
+        async def stopping():
+            return stops.is_set()
+
+        notices = _notices(replica, [], stopping)
+        running = asyncio.create_task(replica.generate(_request()))
+        await asyncio.sleep(0.05)
+        draining = asyncio.create_task(notices.drain(Notice("aws", time.time() + 120.0)))
+        await asyncio.sleep(0.3)
+        assert notices.handed_back == 0  # no hurry yet: 110 s to the hand-back
+        stops.set()  # the replacement runs: Serve starts the graceful stop
+        cut = await asyncio.wait_for(running, 5)
+        draining.cancel()
+        return cut, notices
+
+    cut, notices = asyncio.run(scenario())
+    assert cut.handed_back and notices.handed_back == 1
+
+
+def test_a_node_that_outlives_its_notice_serves_again_and_is_watched_for_the_next(tmp_path, monkeypatch):
+    import deployments.replica_notices as replica_notices
+
+    monkeypatch.setattr(replica_notices, "OUTLIVED_S", 0.2)
+
+    async def scenario():
+        replica, told = _replica(tmp_path, StreamingLLM()), []
+        replica.notices = notices = _notices(replica, told)
+        await notices.answer(Notice("file", time.time() + 0.1))  # nothing in flight; returns once outlived
+        done = await replica.generate(_request(max_tokens=3))
+        return told, done, notices
+
+    told, done, notices = asyncio.run(scenario())
+    assert told[-1] == "serving" and not notices.draining and done.choices[0].finish_reason == "length"
+
+
+def test_a_drain_that_ray_refuses_with_an_error_drains_the_replica_all_the_same(tmp_path, monkeypatch):
+    import deployments.replica_notices as replica_notices
+
+    def refuses(notice):
+        raise RuntimeError("GCS unavailable")
+
+    monkeypatch.setattr(replica_notices, "drain_this_node", refuses)
+
+    async def scenario():
+        replica, told = _replica(tmp_path, StreamingLLM()), []
+        notices = _notices(replica, told, drain_node=True)
+        notices._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(notices._heard, Notice("aws", time.time() + 120.0))  # the watcher's thread
+        await asyncio.sleep(0.1)
+        return told, notices
+
+    told, notices = asyncio.run(scenario())
+    assert notices.draining and told and told[0] != "serving"
