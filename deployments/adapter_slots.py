@@ -38,6 +38,7 @@ from contracts.control import AdapterInfo, AdapterListing, Loaded, RunForgotten,
 from contracts.serving import BadRequest, ModelNotFound, ReplicaError
 from deployments.adapter_sources import AdapterSources
 from deployments.engine import Engine, lora_request
+from deployments.keyed_lock import KeyedLock
 
 log = logging.getLogger("ray.serve")
 
@@ -106,12 +107,6 @@ class RecentNames:
 
 
 @dataclass
-class _NameLock:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0  # loads of the name running or waiting
-
-
-@dataclass
 class _Adapter:
     name: str
     int_id: int
@@ -152,7 +147,7 @@ class AdapterSlots:
         self._draining: dict[int, _Adapter] = {}  # no longer served, still in the engine for requests in flight
         self._unloaded = RecentNames()  # bucket versions explicitly unloaded: never resurrected on demand
         self._evicted = RecentNames()  # dropped for a slot: a bucket version comes back on demand
-        self._locks: dict[str, _NameLock] = {}  # one load of a name at a time
+        self._locks = KeyedLock()  # one load of a name at a time
         self._slot_lock = asyncio.Lock()  # one load at a time picks a slot and fills it
         self._slot_freed = asyncio.Event()
         self._ids = itertools.count(1)
@@ -231,7 +226,7 @@ class AdapterSlots:
             raise BadRequest(
                 f"lora_name {str(name)[:170]!r}: expected letters, digits, '.', '_' or '-', after '<run>/' for a run's"
             )
-        async with self._name_lock(name):
+        async with self._locks.hold(name):
             source, folder = await self.sources.fetch(name, ref)
             try:
                 digest = await asyncio.to_thread(folder_digest, folder.path)
@@ -261,19 +256,6 @@ class AdapterSlots:
             )
         self.sources.tidy_soon()  # one more version in the cache
         return Loaded(self.replica, loaded=True, replaced=existing is not None)
-
-    @contextlib.asynccontextmanager
-    async def _name_lock(self, name: str) -> AsyncIterator[None]:
-        """One load of `name` at a time; the lock is kept only while a load of the name runs or waits."""
-        entry = self._locks.setdefault(name, _NameLock())
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if not entry.users and self._locks.get(name) is entry:
-                del self._locks[name]
 
     async def _make_room(self) -> None:
         """Free a LoRA slot for one more adapter, evicting as `eviction_order` orders (never one with requests

@@ -47,7 +47,7 @@ class _Waiter:
     order: int  # arrival order, for ties between runs and FIFO within one
     since: float
     places: int  # the generation's sequences
-    granted: asyncio.Future
+    granted: asyncio.Future  # its result: the places granted (the budget at most, whatever it is by then)
 
 
 @dataclass
@@ -105,10 +105,10 @@ class FairShare:
     async def slot(self, tenant: str, places: int = 1) -> AsyncIterator[Usage]:
         """Places for one generation of `tenant`: its `places` sequences (`n`; the whole budget at most), waited for
         in its run's queue; the caller fills in the `Usage`."""
-        places = max(1, min(places, self.budget))
+        places = max(1, places)
         state = self._tenants.setdefault(tenant, _Tenant())
         since = self._clock()
-        await self._acquire(tenant, state, places, since)
+        granted = await self._acquire(tenant, state, places, since)
         self._waited(tenant, state, self._clock() - since)
         usage = Usage()
         try:
@@ -118,22 +118,29 @@ class FairShare:
             state.completion_tokens += usage.completion_tokens
             if self._metrics is not None:
                 self._metrics.used(tenant, usage.prompt_tokens, usage.completion_tokens)
-            self._release(tenant, state, places)
+            self._release(tenant, state, granted)
 
-    async def _acquire(self, tenant: str, state: _Tenant, places: int, since: float) -> None:
-        if self._in_flight + places <= self.budget and not any(t.waiting for t in self._tenants.values()):
-            self._take(tenant, state, places)
-            return
+    def _fitted(self, places: int) -> int:
+        """The places a generation of `places` sequences takes now: the whole budget at most, whatever it is now (a
+        waiter larger than a budget since shrunk would otherwise wait for ever, and every run behind it)."""
+        return min(places, self.budget)
+
+    async def _acquire(self, tenant: str, state: _Tenant, places: int, since: float) -> int:
+        """Wait for the places of a generation of `places` sequences; the places granted."""
+        need = self._fitted(places)
+        if self._in_flight + need <= self.budget and not any(t.waiting for t in self._tenants.values()):
+            self._take(tenant, state, need)
+            return need
         waiter = _Waiter(next(self._arrivals), since, places, asyncio.get_running_loop().create_future())
         state.waiting.append(waiter)
         self._report(tenant, state)
         try:
-            await waiter.granted
+            return await waiter.granted
         except asyncio.CancelledError:
             # Cancelled while waiting (the client went away): its place in the queue is gone. Cancelled just
             # after it was granted its places: they go to the next waiters.
             if waiter.granted.done() and not waiter.granted.cancelled():
-                self._release(tenant, state, places)
+                self._release(tenant, state, waiter.granted.result())
             else:
                 if waiter in state.waiting:  # else a dispatch dropped it already, as a waiter cancelled
                     state.waiting.remove(waiter)
@@ -172,13 +179,14 @@ class FairShare:
             if self._next is None:
                 return
             name, waiter = self._next
-            if self._in_flight + waiter.places > self.budget:
+            need = self._fitted(waiter.places)
+            if self._in_flight + need > self.budget:
                 return
             self._next = None
             state = self._tenants[name]
             state.waiting.remove(waiter)
-            self._take(name, state, waiter.places)
-            waiter.granted.set_result(None)
+            self._take(name, state, need)
+            waiter.granted.set_result(need)
 
     def _choose(self) -> tuple[str, _Waiter] | None:
         """The next waiter to be granted places: the head of the run holding the fewest for its weight, once granted."""
@@ -190,7 +198,7 @@ class FairShare:
             candidates,
             key=lambda c: (
                 c[1].in_flight > 0,
-                (c[1].in_flight + c[1].waiting[0].places) / self._weight_of(c[0]),
+                (c[1].in_flight + self._fitted(c[1].waiting[0].places)) / self._weight_of(c[0]),
                 c[1].waiting[0].order,
             ),
         )
@@ -221,7 +229,8 @@ class FairShare:
             self._metrics.forget(tenant)
 
     def resize(self, budget: int) -> None:
-        """The fleet grew or shrank: `budget` places from now on (places beyond it are given back as they end)."""
+        """The fleet grew or shrank: `budget` places from now on (places beyond it are given back as they end; a
+        waiter larger than the new budget takes the whole of it)."""
         if budget < 1:
             raise ValueError(f"budget: {budget}, expected at least 1")
         self.budget = budget

@@ -2,7 +2,7 @@
 
 Every few seconds, in a task of the ingress's own event loop (started and stopped with the app, `lifespan`),
 it releases the runs gone silent (`Tenancy.release_idle`: bucket I/O and unload broadcasts, which would
-otherwise delay whichever request came next), refreshes the per-run gauge of LoRA slots held from a
+otherwise delay whichever request came next) and finishes what an earlier release could not (`finish_leaving`), refreshes the per-run gauge of LoRA slots held from a
 listing of the replicas (`FairShare.report_slots`), which reading `/router/stats` or `/v1/models` used to
 do, and sizes the fair share's budget to the replicas live now (`follow_fleet`: an elastic fleet grows and
 shrinks, a lost node takes its replicas' places with it until their replacements run). Requests, GETs above
@@ -47,7 +47,7 @@ class Upkeep:
 
     async def once(self) -> None:
         """One round of every chore; one that fails is logged and tried again next round, the others still run."""
-        for chore in (self.tenancy.release_idle, self.refresh_slots, self.follow_fleet):
+        for chore in (self.tenancy.release_idle, self.tenancy.finish_leaving, self.refresh_slots, self.follow_fleet):
             try:
                 await chore()
             except Exception as e:  # noqa: BLE001 - the loop must outlive any one round

@@ -280,3 +280,26 @@ def test_a_run_that_left_is_forgotten_once_its_last_generation_is_done_never_whi
         await fleet.close()
 
     asyncio.run(main())
+
+
+def test_a_waiter_larger_than_a_shrunk_budget_takes_the_whole_of_it_and_nobody_deadlocks():
+    """The fleet shrinks while a group of 8 waits (a node lost, autoscaling down): the waiter is clamped to the new
+    budget, takes it once free, and every run behind it follows; places go back as granted."""
+
+    async def main():
+        fleet = Fleet(budget=8)
+        await fleet.submit("a", 1, n=6)  # 6 of 8 in flight
+        await fleet.submit("b", 1, n=8)  # waits for all 8
+        await fleet.submit("c", 2, n=1)  # behind b: the free places are kept for it
+        fleet.gate.resize(4)  # half the fleet gone
+        await fleet.finish("a")
+        assert fleet.admitted == ["a", "c"]  # the smaller ask first; then b, holding no place, is next
+        await fleet.finish("c")
+        assert fleet.admitted == ["a", "c", "b"] and fleet.gate.stats()["in_flight"] == 4  # b: the whole budget
+        await fleet.finish("b")
+        assert fleet.admitted == ["a", "c", "b", "c"] and fleet.gate.stats()["in_flight"] == 1  # b's 4 came back
+        await fleet.finish("c")
+        assert fleet.gate.stats()["in_flight"] == 0
+        await fleet.close()
+
+    asyncio.run(main())

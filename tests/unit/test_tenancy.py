@@ -99,3 +99,95 @@ def test_a_run_that_leaves_leaves_nothing_behind_in_the_ingress():
     assert tables() == before
     assert set(client.get("/router/stats", headers=ADMIN).json()["runs"]["runs"]) == {"_fleet"}
     assert [c.run for kind, c in backend.calls if kind == "ForgetRun"] == ["alice", "bob"]
+
+
+class SlowRecords:
+    """Run records in memory whose deletes wait for `go` (a bucket that is slow to answer) or fail `fail` times."""
+
+    def __init__(self):
+        import threading
+
+        self.saved: dict[str, dict] = {}
+        self.go = threading.Event()
+        self.go.set()
+        self.fail = 0
+        self.url = "file:///bucket"
+
+    def save(self, name: str, record: dict) -> None:
+        self.saved[name] = record
+
+    def delete(self, name: str) -> None:
+        self.go.wait(10)
+        if self.fail:
+            self.fail -= 1
+            raise OSError("the bucket did not answer")
+        self.saved.pop(name, None)
+
+
+def _tenancy(records, clock):
+    from deployments.control.errors import Scrub
+    from deployments.control.fair_share import FairShare
+    from deployments.control.runs import Runs
+    from deployments.control.tenancy import Tenancy
+
+    runs = Runs(max_loras=7, max_staleness=1, idle_timeout_s=60.0, clock=clock)
+    backend = FakeBackend()
+    return Tenancy(runs, records, backend, Scrub(None), FairShare(8, runs.weight)), backend
+
+
+def test_a_name_registered_again_while_its_release_runs_waits_and_keeps_its_record_and_adapters():
+    """The old run's record delete and unload broadcast come first, the new registration after: never the other way
+    round (which left the new run with no record, and its adapters unloaded by the old run's ForgetRun)."""
+    import asyncio
+
+    now = [0.0]
+    records = SlowRecords()
+    tenancy, backend = _tenancy(records, lambda: now[0])
+
+    async def main():
+        await tenancy.register("alice", None, None, None)
+        now[0] = 61.0
+        records.go.clear()  # the release's record delete hangs for a while
+        releasing = asyncio.create_task(tenancy.release_idle())
+        await asyncio.sleep(0.05)
+        joining = asyncio.create_task(tenancy.register("alice", None, None, None))
+        await asyncio.sleep(0.05)
+        assert not joining.done()  # waits for the old run to be gone
+        records.go.set()
+        assert await releasing == ["alice"]
+        await joining
+        backend.adapters[0].add("alice/policy-v1")  # the new run's first version
+
+    asyncio.run(main())
+    assert "alice" in records.saved and "alice" in tenancy.runs and backend.adapters[0] == {"alice/policy-v1"}
+    assert [kind for kind, _ in backend.calls] == ["ForgetRun"]  # the old run's, before the new run loaded anything
+
+
+def test_a_release_whose_record_delete_failed_is_finished_by_the_upkeep_before_the_name_is_taken_again():
+    """A record left behind would bring the released run back with the next ingress: the upkeep retries until it is
+    gone, and a registration of the name meanwhile is refused (503) unless the leaving can be finished first."""
+    import asyncio
+
+    import pytest
+
+    from deployments.control.errors import ApiError
+
+    now = [0.0]
+    records = SlowRecords()
+    tenancy, backend = _tenancy(records, lambda: now[0])
+
+    async def main():
+        await tenancy.register("alice", None, None, None)
+        now[0] = 61.0
+        records.fail = 2
+        assert await tenancy.release_idle() == ["alice"]
+        assert tenancy.leaving == ["alice"] and "alice" in records.saved
+        with pytest.raises(ApiError, match="still leaving"):
+            await tenancy.register("alice", None, None, None)  # its second failure
+        assert await tenancy.finish_leaving() == ["alice"]
+        assert tenancy.leaving == [] and "alice" not in records.saved
+        assert [kind for kind, _ in backend.calls] == ["ForgetRun"]
+        await tenancy.register("alice", None, None, None)
+
+    asyncio.run(main())
+    assert "alice" in records.saved
