@@ -19,13 +19,14 @@ for the fleet's in-cluster address (`contracts.serving.serve_address`).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import httpx
 
 from contracts.retry import Backoff, aretry, retry
 from contracts.rollouts import Choice
-from contracts.serving import SERVE_SCHEME
+from contracts.serving import LOGPROB_FLOOR, SERVE_SCHEME
 
 log = logging.getLogger("spotrl.fleet_client")
 
@@ -46,6 +47,11 @@ class FleetError(RuntimeError):
 def worth_retrying(error: BaseException) -> bool:
     """The fleet could not be reached or had no replica to answer: the same call may succeed shortly."""
     return isinstance(error, FleetError) and (error.status is None or error.status in RETRY_STATUSES)
+
+
+def wire_logprob(value: float) -> float:
+    """A log-prob as the server sent it, -inf where it sent vLLM's floor for one (`LOGPROB_FLOOR`)."""
+    return -math.inf if value <= LOGPROB_FLOOR else float(value)
 
 
 def parse_choices(body: dict[str, Any]) -> list[Choice]:
@@ -209,7 +215,10 @@ class FleetClient:
         body = {"model": model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": top}
         answer = await self._arequest("POST", "/v1/completions", json=body)
         return [
-            [None if at is None else {int(t): e["logprob"] for t, e in at.items()} for at in c["prompt_logprobs"]]
+            [
+                None if at is None else {int(t): wire_logprob(e["logprob"]) for t, e in at.items()}
+                for at in c["prompt_logprobs"]
+            ]
             for c in sorted(answer["choices"], key=lambda c: c["index"])
         ]
 

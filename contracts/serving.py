@@ -53,6 +53,15 @@ class Sampling:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's log-prob and the top k alternatives
 
 
+# Positions every engine holds past the context the fleet serves (`model.max_model_len`): a scoring request of a
+# sample that fills the context (`prompt_logprobs`, max_tokens 1) samples its one token there, which nothing ever
+# feeds back through the model. Generations never reach it: the ingress bounds them by the context.
+SCORING_ROOM = 1
+
+# What a -inf log-prob (a token the model rules out) is on the wire, as vLLM's server answers it: JSON has no
+# infinity. A client reads it back as -inf (`app.fleet_client`): it is no log-prob of 9999 nats.
+LOGPROB_FLOOR = -9999.0
+
 # A scoring answer, per prompt position: None at the first (nothing before it to condition on), else
 # {token id: (log-prob, rank in the vocabulary)} for the prompt's own token and the top alternatives asked for.
 PromptLogprobs = list[dict[int, tuple[float, int | None]] | None]

@@ -13,8 +13,8 @@ A fleet stays up for weeks while runs come and go, so nothing here grows with th
 prefix's versions is the bucket's last listing (bounded by the learner's gc) and the few fetched since; a run that
 left (`forget`) takes its prefix along; the disk cache (`tidy`) keeps per prefix the versions in use (held by the
 engine or being loaded: `app.bucket.fetching.hold`, which also protects them from the other replicas of the
-machine) and the newest `cache_keep` others, and a run that left is deleted from it whole once nothing of it is
-in use.
+machine) and the newest `cache_keep` others (the other lineages a teacher is loaded from alike), and a run that left
+is deleted from it whole once nothing of it is in use.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class AdapterSources:
         self.cache_keep = cache_keep
         self.other_lineages = [prefix.rstrip("/") for prefix in other_lineages]  # `fleet.extra_adapter_buckets`
         self._prefixes: dict[str | None, tuple[AdapterStore, CommittedVersions]] = {}
+        self._others: dict[str, AdapterStore] = {}  # the other lineages fetched from (teachers'), pruned like the rest
         self._leaving: dict[str, AdapterStore] = {}  # runs gone, whose cached folders are still to delete
         self._tidying: asyncio.Task | None = None
         self._tidy_again = False
@@ -172,7 +173,7 @@ class AdapterSources:
 
     async def cache_usage(self) -> tuple[int, int]:
         """(folders, bytes) in the disk cache of every prefix known and every run gone."""
-        stores = [*(store for store, _ in self._prefixes.values()), *self._leaving.values()]
+        stores = [*(store for store, _ in self._prefixes.values()), *self._others.values(), *self._leaving.values()]
         usages = await asyncio.to_thread(lambda: [store.cache_usage() for store in stores])
         return sum(n for n, _ in usages), sum(b for _, b in usages)
 
@@ -190,7 +191,8 @@ class AdapterSources:
     async def _tidy_while_asked(self) -> None:
         while self._tidy_again:
             self._tidy_again = False
-            kept, leaving = [store for store, _ in self._prefixes.values()], dict(self._leaving)
+            kept = [*(store for store, _ in self._prefixes.values()), *self._others.values()]
+            leaving = dict(self._leaving)
             try:
                 gone = await asyncio.to_thread(_tidy, kept, leaving, self.cache_keep)
             except Exception as e:  # noqa: BLE001 - a disk that refuses: what is left is tried again next time
@@ -245,7 +247,10 @@ class AdapterSources:
         found = split_version_url(ref) if isinstance(ref, str) and not AdapterRef.parse(name) else None
         if found is None or found[0].rstrip("/") not in self.other_lineages:
             return None
-        return AdapterStore.at(found[0], self.bucket), found[1]
+        prefix = found[0].rstrip("/")
+        if prefix not in self._others:
+            self._others[prefix] = AdapterStore.at(prefix, self.bucket)
+        return self._others[prefix], found[1]
 
     async def _fetch(self, store: AdapterStore, version: int) -> tuple[str, HeldFolder]:
         """(URL, verified local folder) of committed `version` of `store`, its failures as the ingress answers them."""

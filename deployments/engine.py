@@ -30,7 +30,15 @@ from typing import Any
 
 from app.config import FleetConfig
 from contracts.auth import redact
-from contracts.serving import BadRequest, EngineDied, PromptLogprobs, ReplicaError, SampledChoice, Sampling
+from contracts.serving import (
+    SCORING_ROOM,
+    BadRequest,
+    EngineDied,
+    PromptLogprobs,
+    ReplicaError,
+    SampledChoice,
+    Sampling,
+)
 from deployments.engine_watchdog import engine_processes, start_watchdog
 
 log = logging.getLogger("ray.serve")
@@ -77,7 +85,7 @@ def engine_args(cfg: FleetConfig, model_path: str, on_cpu: bool, block_size: int
         revision=cfg.model.revision,
         tokenizer_revision=cfg.model.revision,
         dtype=cfg.model.dtype,
-        max_model_len=cfg.model.max_model_len,
+        max_model_len=cfg.model.max_model_len + SCORING_ROOM,
         enable_lora=True,
         max_loras=cfg.max_loras,
         max_cpu_loras=cfg.max_loras,
@@ -101,6 +109,24 @@ def engine_args(cfg: FleetConfig, model_path: str, on_cpu: bool, block_size: int
             else {"gpu_memory_utilization": fleet.gpu_memory_utilization}
         ),
     )
+
+
+def allow_scoring_room(args: dict[str, Any]) -> None:
+    """Let vLLM take the engine's `SCORING_ROOM` past the context even where the context is all the positions the model
+    has (vLLM refuses a max_model_len beyond them unless told, `VLLM_ALLOW_LONG_MAX_MODEL_LEN`): the extra position only
+    ever holds the one token a scoring request samples, which is never run through the model. The context the fleet
+    serves is checked against the model as vLLM checks it, first."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    served = {**args, "max_model_len": args["max_model_len"] - SCORING_ROOM}
+    AsyncEngineArgs(**served).create_model_config()  # vLLM's own refusal of a context the model cannot hold
+    try:
+        AsyncEngineArgs(**args).create_model_config()
+    except Exception as e:  # noqa: BLE001 - vLLM wraps it in pydantic's ValidationError
+        if "max_model_len" not in str(e):
+            raise
+        log.info("engine: the context is the model's whole length; one more position for scoring requests")
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 
 
 def sampling_params(sampling: Sampling):
@@ -275,7 +301,9 @@ class Engine:
             cores = sorted(os.sched_getaffinity(0))
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(rank, fleet.cpu_threads_per_replica, cores)
         block_size = engine_block_size(fleet.router.block_size, on_cpu)
-        args = AsyncEngineArgs(**engine_args(cfg, model_path, on_cpu, block_size))
+        kwargs = engine_args(cfg, model_path, on_cpu, block_size)
+        allow_scoring_room(kwargs)
+        args = AsyncEngineArgs(**kwargs)
         counters = EngineCounters()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[ray_stat_logger(), stat_logger(counters)])
         # If this worker dies hard, nothing else ends vLLM's engine processes (they would keep their memory).

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
 from app.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig, TaskConfig
-from app.config.teacher import TeacherDeployment
+from app.config.teacher import TeacherDeployment, size_teacher_context
 from contracts.adapters import split_version_url
 from contracts.auth import check_token
 
@@ -222,6 +222,8 @@ class FleetConfig(Section):
     @model_validator(mode="after")
     def _check_cross_field(self) -> FleetConfig:
         check_fleet(self.model, self.fleet, self.max_loras, self.max_staleness)
+        if self.teacher is not None:
+            size_teacher_context(self.model, self.teacher.model, "teacher.model")
         return self
 
     def teacher_fleet(self) -> FleetConfig:

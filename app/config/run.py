@@ -24,7 +24,7 @@ from app.config.sections import (
     TaskConfig,
     vllm_rank_for,
 )
-from app.config.teacher import TeacherConfig
+from app.config.teacher import TeacherConfig, size_teacher_context
 from contracts.adapters import RUN_NAME
 
 
@@ -111,6 +111,9 @@ class DistillObjectiveConfig(Section):
     teacher: TeacherConfig = Field(description="The teacher: base, {adapter: ...}, {model: {...}} or {url: ...}.")
     coef: float = Field(
         1.0, gt=0, description="Per-token advantage = -coef x (sampler's log-prob - teacher's log-prob)."
+    )
+    max_gap: float = Field(
+        20.0, gt=0, description="Largest per-token gap (nats) counted; a token the teacher rules out counts this much."
     )
 
 
@@ -263,6 +266,9 @@ class RunConfig(Section):
         if len(set(kinds)) < len(kinds):
             raise ValueError(f"objectives: each kind at most once (got {kinds}): their metrics would mix")
         teacher = self.teacher
+        if teacher is not None and teacher.model is not None:
+            index = next(i for i, o in enumerate(self.objectives) if getattr(o, "teacher", None) is teacher)
+            size_teacher_context(self.model, teacher.model, f"objectives[{index}].teacher.model")
         if teacher is not None and self.join.url and teacher.kind in ("adapter", "model"):
             raise ValueError(
                 f"objectives: teacher.{teacher.kind} is loaded into the fleet a run brings; a run of a shared fleet "

@@ -3,8 +3,8 @@
 A run names its teacher in its distill objective (`objectives: [{kind: distill, teacher: ...}]`), one of four kinds:
 
 - `base`: the base model its fleet serves, without adapter;
-- `{adapter: URL-or-folder}`: a LoRA of that base model (a committed version's bucket URL, or a PEFT folder),
-  which the run's fleet loads as `teacher-v0`;
+- `{adapter: URL-or-folder}`: a LoRA of that base model (a committed version's bucket URL or its folder in a
+  file:// bucket, or a PEFT folder), which the run's fleet loads as `teacher-v0`;
 - `{model: {...}}`: another model of the student's tokenizer, served by a teacher deployment of its own in the
   run's fleet (`TeacherDeployment`, which a fleet's own config can name too);
 - `{url: URL}`: an OpenAI-compatible server elsewhere that answers `prompt_logprobs` (vLLM's, another fleet).
@@ -12,15 +12,29 @@ A run names its teacher in its distill objective (`objectives: [{kind: distill, 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from app.config.sections import ModelConfig, Section
-from contracts.adapters import ADAPTER_NAME
+from contracts.adapters import ADAPTER_NAME, split_version_url
 
 TEACHER_ADAPTER = "teacher-v0"  # what an adapter teacher is loaded as: a family of its own, so its slot is pinned
 TEACHER_KINDS = ("adapter", "model", "url")  # besides `base`, which names none of them
+
+
+def size_teacher_context(student: ModelConfig, teacher: ModelConfig, field: str) -> None:
+    """A teacher model scores the student's samples whole, so it holds at least the student's context: one that
+    names no `max_model_len` gets the student's; one that names a shorter one is refused (ValueError naming `field`),
+    since every sample longer than it would be refused."""
+    if "max_model_len" not in teacher.model_fields_set:
+        teacher.max_model_len = student.max_model_len
+    elif teacher.max_model_len < student.max_model_len:
+        raise ValueError(
+            f"{field}.max_model_len={teacher.max_model_len} is shorter than the student's model.max_model_len="
+            f"{student.max_model_len}: the teacher could not score the longer samples; give it at least that"
+        )
 
 
 class TeacherDeployment(Section):
@@ -36,7 +50,7 @@ class TeacherConfig(Section):
 
     adapter: str | None = Field(
         None,
-        description="A LoRA of the base model: a committed version's bucket URL (.../adapters/policy-vN) or a folder.",
+        description="A LoRA of the base model: a committed version (.../adapters/policy-vN, URL or path) or a PEFT folder.",
     )
     model: ModelConfig | None = Field(
         None, description="Another model of the student's tokenizer, served by a teacher deployment in the run's fleet."
@@ -55,6 +69,19 @@ class TeacherConfig(Section):
         ge=0,
         description="Largest difference between two scorings of one sequence at start; a teacher beyond is refused.",
     )
+
+    @field_validator("adapter")
+    @classmethod
+    def _committed_version_by_path(cls, adapter: str | None) -> str | None:
+        """A committed version named by its folder on disk (`runs/<run>/bucket/adapters/policy-v150`, what a finished
+        run leaves in a file:// bucket) is that version, as a `file://` URL; a PEFT folder stays a folder."""
+        if adapter is None or "://" in adapter:
+            return adapter
+        folder = Path(adapter).expanduser()
+        url = f"file://{folder.resolve()}"
+        if split_version_url(url) is not None and not (folder / "adapter_config.json").is_file():
+            return url
+        return adapter
 
     @model_validator(mode="before")
     @classmethod

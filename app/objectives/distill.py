@@ -17,9 +17,12 @@ With GRPO in the same run the two losses add, so the advantages add as they do i
 are divided by the same token count and, where GRPO's clip does not bind, their sum is the importance-sampled
 loss of `grpo_advantage + distill_advantage`.
 
-`distill/reverse_kl` is the mean of `sampling_logp - teacher_logp` over the step's model tokens: the reverse
-KL of the sampling policy to the teacher, estimated on the student's own samples (it falls as the student
-learns). Observation tokens of multi-turn episodes are never scored nor trained (the completion mask).
+The per-token gap `sampling_logp - teacher_logp` is clipped at `max_gap` nats: a teacher that rules a sampled
+token out (log-prob -inf, sent as vLLM's -9999.0) would otherwise give that one token an advantage of ~1e4, and
+the step's whole update to it. `distill/clipped` is the share of tokens clipped so.
+
+`distill/reverse_kl` is the mean of the (clipped) gap over the step's model tokens: the reverse KL of the
+sampling policy to the teacher, estimated on the student's own samples (it falls as the student learns). Observation tokens of multi-turn episodes are never scored nor trained (the completion mask).
 Teacher log-probs are vLLM's `prompt_logprobs`, at temperature 1 whatever the sampling temperature (vLLM
 scores prompt tokens before any sampling processor).
 """
@@ -37,6 +40,8 @@ from contracts.rollouts import SAMPLING_LOGPROBS, Group
 TEACHER_LOGPROBS = "teacher_logprobs"  # the stream the rollout's teacher writes: its log-prob of each sampled token
 REVERSE_KL = "distill/reverse_kl"
 RATIO = "distill/ratio"
+CLIPPED = "distill/clipped"
+MAX_GAP = 20.0  # nats: a token the teacher finds e^20 times less likely than the sampler counts as that unlikely
 
 
 def distill_loss(
@@ -46,22 +51,26 @@ def distill_loss(
     normalizer: float,
     *,
     coef: float,
+    max_gap: float = MAX_GAP,
 ) -> tuple[torch.Tensor, LossStats]:
     """The distillation loss over a flat set of model tokens, and its statistics.
 
     All tensors are 1-D, one entry per model token. A token without a teacher log-prob (NaN) has advantage 0
-    and is not counted in the reverse KL; a NaN sampling log-prob counts as agreement (ratio 1), as in GRPO.
+    and is not counted in the reverse KL; a NaN sampling log-prob counts as agreement (ratio 1), as in GRPO;
+    a gap beyond `max_gap` (a teacher log-prob of -inf among them) counts as `max_gap`.
     """
     scored = ~torch.isnan(teacher_logp)
     sampling_logp = torch.where(torch.isnan(sampling_logp), logp.detach(), sampling_logp.to(logp.dtype))
-    gap = torch.where(scored, sampling_logp - teacher_logp.to(logp.dtype), torch.zeros_like(logp))
+    raw_gap = sampling_logp - teacher_logp.to(logp.dtype)
+    clipped = scored & (raw_gap > max_gap)
+    gap = torch.where(scored, raw_gap.clamp(max=max_gap), torch.zeros_like(logp))
     advantages = -coef * gap
     ratio = torch.exp(logp - sampling_logp)
     loss = -(ratio * advantages).sum() / normalizer
     with torch.no_grad():
         n = float(scored.sum())
-        sums = torch.stack([gap.sum(), (ratio * scored).sum()]).to(torch.float64).tolist()
-        stats = LossStats.over_tokens(dict(zip((REVERSE_KL, RATIO), sums, strict=True)), n)
+        sums = torch.stack([gap.sum(), (ratio * scored).sum(), clipped.sum()]).to(torch.float64).tolist()
+        stats = LossStats.over_tokens(dict(zip((REVERSE_KL, RATIO, CLIPPED), sums, strict=True)), n)
     return loss, stats
 
 
@@ -71,13 +80,13 @@ class Distill(Objective):
     kind = "distill"
     streams = (SAMPLING_LOGPROBS, TEACHER_LOGPROBS)
 
-    def __init__(self, weight: float = 1.0, *, coef: float = 1.0):
+    def __init__(self, weight: float = 1.0, *, coef: float = 1.0, max_gap: float = MAX_GAP):
         super().__init__(weight)
-        self.coef = coef
+        self.coef, self.max_gap = coef, max_gap
 
     @classmethod
     def from_config(cls, spec, cfg) -> Distill:
-        return cls(spec.weight, coef=spec.coef)
+        return cls(spec.weight, coef=spec.coef, max_gap=spec.max_gap)
 
     def annotate(self, group: Group) -> None:
         """The teacher scored the group already (asynchronous I/O, `app.rollout.teacher`): check that every model
@@ -87,7 +96,7 @@ class Distill(Objective):
             if scores is None or len(scores) != len(sample.completion_ids):
                 raise ValueError(f"group {group.group_id}: a sample has no teacher log-probs (was it scored?)")
             mask = sample.completion_mask or [1] * len(scores)
-            if any(m and not math.isfinite(s) for s, m in zip(scores, mask, strict=True)):
+            if any(m and math.isnan(s) for s, m in zip(scores, mask, strict=True)):
                 raise ValueError(f"group {group.group_id}: the teacher left a model token unscored")
 
     def num_tokens(self, streams: Mapping[str, torch.Tensor]) -> int:
@@ -96,4 +105,5 @@ class Distill(Objective):
     def loss(
         self, logp: torch.Tensor, entropy: torch.Tensor, streams: Mapping[str, torch.Tensor], normalizer: float
     ) -> tuple[torch.Tensor, LossStats]:
-        return distill_loss(logp, streams[SAMPLING_LOGPROBS], streams[TEACHER_LOGPROBS], normalizer, coef=self.coef)
+        teacher = streams[TEACHER_LOGPROBS]
+        return distill_loss(logp, streams[SAMPLING_LOGPROBS], teacher, normalizer, coef=self.coef, max_gap=self.max_gap)

@@ -61,7 +61,7 @@ def teacher_logprobs(positions: list[dict[int, float] | None], prompt_len: int, 
             out.append(math.nan)
             continue
         scored = positions[prompt_len + j] or {}
-        if token not in scored or not math.isfinite(scored[token]):
+        if token not in scored or math.isnan(scored[token]):  # -inf is a score: the teacher rules the token out
             raise ValueError(f"the teacher gave no log-prob for completion token {j} ({token})")
         out.append(float(scored[token]))
     return out

@@ -2,13 +2,14 @@
 
 Prompts are tokenized here, never by vLLM, with the tokenizer that was checked to round-trip: what the
 learner later scores is exactly what was sampled. Every token id is checked against the vocabulary (an id
-beyond the embedding table crashes an engine) and every prompt against `max_model_len`. Tokenizing is CPU
+beyond the embedding table crashes an engine) and every prompt against `max_model_len` (a scoring request may fill
+it). Tokenizing is CPU
 work: the routes call these methods in a worker thread (`deployments.control.offload`).
 """
 
 from __future__ import annotations
 
-from contracts.serving import GenerateRequest
+from contracts.serving import SCORING_ROOM, GenerateRequest
 from deployments.api.bodies import ChatCompletionBody, CompletionBody
 from deployments.api.settings import ApiSettings
 from deployments.control.errors import ApiError
@@ -32,13 +33,17 @@ class Prompts:
         if bad is not None:
             raise ApiError(400, f"{what}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
-    def room(self, ids: list[int], max_tokens: int | None) -> int:
-        """`max_tokens` for a valid prompt `ids`: the one asked for, or all the room the context leaves."""
+    def room(self, ids: list[int], max_tokens: int | None, scoring: bool = False) -> int:
+        """`max_tokens` for a valid prompt `ids`: the one asked for, or all the room the context leaves. A `scoring`
+        request (it asks for `prompt_logprobs`) of one token may fill the context: its one token is sampled in the
+        engines' room past it (`contracts.serving.SCORING_ROOM`), so a sample of the full length is scored whole."""
         limit = self.settings.max_model_len
         if not ids:
             raise ApiError(400, "prompt: empty")
         self.check_vocabulary(ids, "prompt")
         room = limit - len(ids)
+        if scoring and room == 0 and max_tokens in (None, SCORING_ROOM):
+            return SCORING_ROOM
         if room < 1:
             raise ApiError(400, f"prompt: {len(ids)} tokens leave no room within max_model_len {limit}")
         if max_tokens is not None and max_tokens > room:
@@ -57,7 +62,11 @@ class Prompts:
             GenerateRequest(
                 ids,
                 model,
-                body.sampling(self.room(ids, body.max_tokens), body.logprobs, body.prompt_logprobs),
+                body.sampling(
+                    self.room(ids, body.max_tokens, body.prompt_logprobs is not None),
+                    body.logprobs,
+                    body.prompt_logprobs,
+                ),
                 body.turn,
             )
             for ids in id_lists

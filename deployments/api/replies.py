@@ -17,9 +17,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from contracts.serving import Generated, PromptLogprobs, SampledChoice
-
-LOGPROB_FLOOR = -9999.0  # what vLLM's server answers for a -inf log-prob (a filtered-out alternative)
+from contracts.serving import LOGPROB_FLOOR, Generated, PromptLogprobs, SampledChoice
 
 
 class FiniteJSONResponse(JSONResponse):

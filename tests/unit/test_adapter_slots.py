@@ -277,3 +277,30 @@ def test_a_run_gone_whose_folder_another_replica_of_the_node_holds_is_deleted_on
         assert slots.sizes()["leaving_runs"] == 0 and not other_replica.path.exists()
 
     asyncio.run(scenario())
+
+
+def test_a_teacher_reloaded_from_newer_versions_of_another_lineage_keeps_its_disk_cache_bounded(tmp_path):
+    """A teacher that follows another run (`teacher-v0` loaded again from each of its new versions) is pruned like the
+    fleet's own lineages: the version in use and the newest `cache_keep` others stay, nothing more."""
+    from app.bucket.store import AdapterStore
+    from app.config import BucketConfig
+    from deployments.adapter_sources import AdapterSources
+
+    finished = f"file://{tmp_path}/finished"
+    bucket = BucketConfig(cache_dir=str(tmp_path / "cache"))
+    other = AdapterStore.at(finished, bucket)
+    for v in range(1, 6):
+        other.publish(adapter_folder(tmp_path / f"t{v}", f"teacher {v}".encode()), v)
+    slots = adapter_slots(tmp_path, window=2, max_loras=3, cache_keep=1)
+    slots.sources = AdapterSources(
+        f"file://{tmp_path}/bucket", bucket, window=2, cache_keep=1, other_lineages=[finished]
+    )
+
+    async def scenario():
+        for v in range(1, 6):
+            await slots.load("teacher-v0", f"{finished}/adapters/policy-v{v}")
+        await slots.sources.tidy()
+
+    asyncio.run(scenario())
+    cached = sorted(p.name.split(".")[0] for p in (tmp_path / "cache").glob("*finished*/adapters/*.*"))
+    assert cached == ["policy-v4", "policy-v5"]  # v5 in use, v4 the one spare

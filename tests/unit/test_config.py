@@ -155,3 +155,44 @@ def test_every_field_of_a_run_and_a_fleet_says_what_it_is_in_one_line():
     for schema in (RunConfig, FleetConfig):
         missing = [name for name, info in fields(schema) if not info.description or "\n" in info.description]
         assert missing == [], schema.__name__
+
+
+def test_a_model_teacher_holds_the_students_context_or_is_refused_at_start():
+    """A teacher shorter than the student would refuse to score every longer sample: refused, naming the field; one
+    that names no context gets the student's."""
+    from app.config import load_fleet_config
+
+    sized = load_config(
+        None, ["model.max_model_len=512", "objectives=[{kind: distill, teacher: {model: {name_or_path: t}}}]"]
+    )
+    assert sized.teacher.model.max_model_len == 512 and sized.own_fleet().teacher.model.max_model_len == 512
+    with pytest.raises(ConfigError, match=r"objectives\[0\].teacher.model.max_model_len=256 .*=512") as err:
+        load_config(
+            None,
+            [
+                "model.max_model_len=512",
+                "objectives=[{kind: distill, teacher: {model: {name_or_path: t, max_model_len: 256}}}]",
+            ],
+        )
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="teacher.model.max_model_len=128"):
+        load_fleet_config(None, ["model.max_model_len=256", "teacher={model: {name_or_path: t, max_model_len: 128}}"])
+    fleet = load_fleet_config(None, ["model.max_model_len=96", "teacher={model: {name_or_path: t}}"])
+    assert fleet.teacher.model.max_model_len == 96
+
+
+def test_a_teacher_adapter_may_be_named_by_the_folder_of_a_committed_version(tmp_path, monkeypatch):
+    """What a finished run leaves on disk (`runs/<run>/bucket/adapters/policy-v3`) names that committed version: its
+    URL, whose lineage the run's own fleet trusts; a PEFT folder stays a folder."""
+    from app.bucket.store import AdapterStore
+    from tests.unit.replica_parts import adapter_folder
+
+    AdapterStore(f"file://{tmp_path}/runs/old/bucket", cache_dir=tmp_path / "cache").publish(
+        adapter_folder(tmp_path / "src", b"w"), 3
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["objectives=[{kind: distill, teacher: {adapter: runs/old/bucket/adapters/policy-v3}}]"])
+    assert cfg.teacher.adapter == f"file://{tmp_path}/runs/old/bucket/adapters/policy-v3"
+    assert cfg.own_fleet().fleet.extra_adapter_buckets == [f"file://{tmp_path}/runs/old/bucket"]
+    peft = load_config(None, [f"objectives=[{{kind: distill, teacher: {{adapter: {tmp_path}/src}}}}]"])
+    assert peft.teacher.adapter == f"{tmp_path}/src" and peft.own_fleet().fleet.extra_adapter_dirs == [str(tmp_path)]

@@ -8,7 +8,7 @@ import torch
 
 from app.config import load_config
 from app.objectives import Objectives
-from app.objectives.distill import RATIO, REVERSE_KL, TEACHER_LOGPROBS, Distill, distill_loss
+from app.objectives.distill import CLIPPED, MAX_GAP, RATIO, REVERSE_KL, TEACHER_LOGPROBS, Distill, distill_loss
 from app.objectives.grpo import ADVANTAGES, GRPO
 from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
 
@@ -31,8 +31,35 @@ def test_distill_loss_and_its_gradient_match_the_hand_computed_reference():
     # d/dlogp of -ratio * A / N = -ratio * A / N
     assert grad.tolist() == pytest.approx([-r[0] * 0.3 / 4.0, 0.5 / 4.0, 0.0])
     # The reverse KL estimate is the mean gap over the scored tokens; the ratio's mean over them too.
-    assert stats.metrics() == pytest.approx({REVERSE_KL: (-0.6 + 1.0) / 2, RATIO: (r[0] + r[1]) / 2})
-    assert stats.counts == {REVERSE_KL: 2.0, RATIO: 2.0}
+    assert stats.metrics() == pytest.approx({REVERSE_KL: (-0.6 + 1.0) / 2, RATIO: (r[0] + r[1]) / 2, CLIPPED: 0.0})
+    assert stats.counts == {REVERSE_KL: 2.0, RATIO: 2.0, CLIPPED: 2.0}
+
+
+def test_a_token_the_teacher_rules_out_gets_a_bounded_advantage_not_one_of_ten_thousand():
+    """vLLM answers a -inf log-prob as -9999.0; read back as -inf (`wire_logprob`), the token's gap is clipped at
+    `max_gap` and counted as clipped."""
+    from app.fleet_client import wire_logprob
+
+    teacher_logp = wire_logprob(-9999.0)
+    assert teacher_logp == -math.inf and wire_logprob(-2.5) == -2.5
+    logp = _t([-1.0, -1.0], grad=True)
+    loss, stats = distill_loss(logp, _t([-1.0, -1.0]), _t([teacher_logp, -1.5]), normalizer=2.0, coef=1.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad.tolist() == pytest.approx([MAX_GAP / 2.0, 0.5 / 2.0])  # -ratio * advantage / N, the gap clipped
+    assert stats.metrics()[CLIPPED] == pytest.approx(0.5)
+    assert stats.metrics()[REVERSE_KL] == pytest.approx((MAX_GAP + 0.5) / 2)
+    floored = distill_loss(_t([-1.0], grad=True), _t([-1.0]), _t([-9999.0]), normalizer=1.0, coef=1.0)[0]
+    assert abs(floored.item()) <= MAX_GAP  # the floor itself, had it reached the loss, is clipped too
+
+
+def test_the_rollout_takes_a_ruled_out_token_as_a_score_and_the_objective_keeps_the_group():
+    from app.rollout.teacher import teacher_logprobs
+
+    sample = Sample(completion_ids=[5, 6], sampling_logprobs=[-0.1, -0.2], reward=0.0)
+    scores = teacher_logprobs([None, {5: -0.5}, {6: -math.inf}], 1, sample)
+    assert scores == [-0.5, -math.inf]
+    sample.streams[TEACHER_LOGPROBS] = scores
+    Distill().annotate(Group(1, "p", [1], 0, [sample]))  # a score, not a hole: kept
 
 
 def test_an_unreported_sampling_logprob_counts_as_agreement():

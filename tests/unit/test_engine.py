@@ -84,6 +84,7 @@ def test_engine_args_follow_the_run_config_and_are_vllms_own_fields():
     assert gpu["max_lora_rank"] == 1  # follows lora.rank: rank-1 adapters in rank-1 slots
     assert gpu["max_num_batched_tokens"] == seed.fleet.max_num_batched_tokens >= seed.model.max_model_len
     assert gpu["revision"] == gpu["tokenizer_revision"] == seed.model.revision
+    assert gpu["max_model_len"] == seed.model.max_model_len + 1  # room for a full-length sample's scoring token
     assert "gpu_memory_utilization" in gpu and "kv_cache_memory_bytes" not in gpu
     tiny = engine_args(load_config(None, ["model.revision=abc123"]).own_fleet(), "/m", on_cpu=True, block_size=32)
     assert tiny["enforce_eager"] and "kv_cache_memory_bytes" in tiny and tiny["revision"] == "abc123"
@@ -121,3 +122,21 @@ def test_sampling_values_vllm_refuses_are_a_400_with_vllms_message(sampling):
     with pytest.raises(BadRequest, match="invalid sampling parameters: .+") as refused:
         sampling_params(sampling)
     assert refused.value.status == 400
+
+
+def test_the_scoring_room_is_allowed_where_the_context_is_the_models_whole_length(tiny_model_path, monkeypatch):
+    """The tiny model has 256 positions: a 256-token context gets its one position past them (never run through the
+    model), a longer one is vLLM's refusal as before."""
+    import os
+
+    from deployments.engine import allow_scoring_room
+
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    base = {"model": tiny_model_path, "dtype": "float32"}
+    allow_scoring_room({**base, "max_model_len": 129})
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in os.environ
+    allow_scoring_room({**base, "max_model_len": 257})
+    assert os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] == "1"
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    with pytest.raises(Exception, match="max_model_len"):
+        allow_scoring_room({**base, "max_model_len": 258})

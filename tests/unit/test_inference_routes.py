@@ -167,6 +167,19 @@ def test_prompt_logprobs_score_a_sequence_as_vllms_server_answers(client, backen
     assert plain["choices"][0]["prompt_logprobs"] is None
 
 
+def test_a_sample_that_fills_the_context_is_scored_whole_but_never_generated_past_it(client, backend):
+    """A teacher scores a sample of exactly max_model_len tokens (a multi-turn episode cut by its token budget): its
+    one sampled token lies in the engines' room past the context. A generation may not use that room."""
+    full = [1] * 32  # the fake fleet's max_model_len
+    scoring = {"model": BASE, "prompt": full, "max_tokens": 1, "prompt_logprobs": 0}
+    r = client.post("/v1/completions", json=scoring)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["prompt_logprobs"]) == 32 and backend.calls[-1][1].sampling.max_tokens == 1
+    for refused in ({**scoring, "max_tokens": 2}, {**scoring, "prompt": [1] * 33}, {"model": BASE, "prompt": full}):
+        r = client.post("/v1/completions", json=refused)
+        assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+
+
 def test_a_scoring_request_is_bounded_like_every_other():
     from fastapi.testclient import TestClient
 
