@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from contracts.auth import Secret
 from contracts.retry import Backoff, aretry, retry
 from contracts.rollouts import Choice
 from contracts.serving import LOGPROB_FLOOR, SERVE_SCHEME
@@ -281,6 +282,11 @@ class FleetClient:
         "weight", "max_staleness", "lora_rank"}`, `bucket_url` being the run's prefix of the fleet's bucket, where it
         must publish."""
         return self._request("GET", f"/v1/runs/{name}")
+
+    def signing_key(self, run: str | None = None) -> Secret:
+        """The key this caller's lineage signs its versions with: a run's token its run's, the admin token the fleet's
+        own lineage's (or run `run`'s). The fleet loads only versions that verify under it."""
+        return Secret(self._request("GET", "/v1/signing_key", params={"run": run} if run else None)["key"])
 
     def heartbeat(self, name: str) -> dict[str, Any]:
         """Tell a shared fleet that run `name` is alive (its token or the admin's); any request of the run counts too."""

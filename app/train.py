@@ -205,7 +205,10 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
         if notices is not None:
             notices.take_sigterm()  # Ray has started: its handler replaced ours
         token = run_token.value if run_token else None
-        learner = LearnerGroup(cfg, model_path, fleet_url=learner_address, fleet_token=token)
+        # The fleet loads only versions signed with the key it gives this run's lineage (the run's token's, or the
+        # fleet's own lineage's for its admin): the learner signs each one.
+        signing_key = fleet.signing_key()
+        learner = LearnerGroup(cfg, model_path, fleet_url=learner_address, fleet_token=token, signing_key=signing_key)
         stack.callback(learner.shutdown)
         resume = learner.start()
         ensure_served(fleet, cfg, resume.policy_version)

@@ -4,7 +4,8 @@ Every route that makes a replica serve a version goes through here, so that the 
 once: a version is served only once it is committed to the bucket, and a replica serves the newest
 `max_staleness + 1` committed versions (older ones no sample may use any more).
 
-- the learner (rank 0) publishes each version with `AdapterPublisher`: commit to the bucket, drop
+- the learner (rank 0) publishes each version with `AdapterPublisher`: commit to the bucket, signed with the
+  lineage's key the fleet gave the run (`contracts.auth.lineage_key`; replicas load nothing else), drop
   versions past the retention window, ask the fleet to load it (through a Serve handle when the
   learner runs in the fleet's cluster: the learner's node cannot count on reaching the HTTP proxy;
   over HTTP with the run's token, as `<run>/policy-vN`, when the run joined a shared fleet);
@@ -20,9 +21,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from app.bucket.filesystem import BucketError, VersionExists
 from app.bucket.store import AdapterStore
 from app.fleet_client import fleet_admin_client
 from contracts.adapters import adapter_name
+from contracts.auth import Secret
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 # app/learner/model.py's COLLECTIVE_TIMEOUT), together with the bucket upload: far below that, and
 # a version the fleet did not take within it reaches replicas from the bucket anyway.
 FLEET_LOAD_DEADLINE_S = 60.0
+# Version numbers in a row that a publish skips, taken by versions not of this lineage, before it gives up.
+MAX_PLANTED = 8
 
 
 def _load_on_fleet(fleet, store: AdapterStore, version: int, run: str | None) -> None:
@@ -58,9 +63,10 @@ class AdapterPublisher:
         fleet_url: str | None = None,
         fleet_token: str | None = None,
         *,
+        signing_key: Secret | None = None,
         fleet_deadline_s: float = FLEET_LOAD_DEADLINE_S,
     ):
-        self.store = AdapterStore.from_config(cfg)
+        self.store = AdapterStore.from_config(cfg, signing_key)
         self.run = cfg.fleet_run
         self.keep_versions = cfg.bucket.keep_versions
         self.fleet_url, self._fleet_token = fleet_url, fleet_token
@@ -74,11 +80,30 @@ class AdapterPublisher:
         """The newest committed version (another learner's lineage included)."""
         return self.store.latest()
 
-    def publish(self, adapter_dir: Path, version: int) -> None:
-        self.store.publish(adapter_dir, version)
+    def publish(self, adapter_dir: Path, version: int) -> int:
+        """Commit `adapter_dir` as `version`, or as the next number free of versions planted in this lineage's
+        prefix by another writer of the bucket (not signed with our key: the fleet refuses them, and ours must not
+        be refused for a number they took); the version committed."""
+        for _ in range(MAX_PLANTED):
+            try:
+                self.store.publish(adapter_dir, version)
+                break
+            except VersionExists:
+                if self.store.signing_key is None or self.store.signed(version):
+                    raise  # our own lineage's: a second learner of this run
+                log.warning(
+                    "%s in this run's prefix is not signed with its key (written by another writer of the bucket): "
+                    "publishing as %s instead",
+                    adapter_name(version, self.run),
+                    adapter_name(version + 1, self.run),
+                )
+                version += 1
+        else:
+            raise BucketError(f"publish: {MAX_PLANTED} versions in a row in this run's prefix are not its own")
         self.store.gc(self.keep_versions)
         if self.fleet_url:
             self._tell_fleet(version)
+        return version
 
     def _tell_fleet(self, version: int) -> None:
         call = self._calls.submit(self._load, version)

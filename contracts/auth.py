@@ -12,6 +12,11 @@ protected) are decided here too, so the config, the builder and the ingress refu
 Run tokens (a shared fleet's tenants, `deployments.control.runs`) are minted here too. They carry a fixed
 prefix, so `redact` recognises one wherever it shows up, without having to know it; and the fleet
 keeps only their sha256 (`token_digest`), so nothing it holds or logs can give a run's token away.
+
+Whoever can write the bucket can write any run's prefix of it, so the fleet does not take a version's place in the
+bucket as proof of whose it is: each lineage's versions are signed (`app.bucket.manifest`) with a key only the fleet
+can derive (`lineage_key`, from its `signing_secret`), which it hands each run at its registration; replicas load
+only what verifies under the key of the lineage it claims to be of.
 """
 
 from __future__ import annotations
@@ -147,3 +152,16 @@ def redact(text: str, *hidden: str | None) -> str:
         if value and len(value) >= 8:  # shorter values would blank out innocent words of the message
             text = text.replace(value, "***")
     return text
+
+
+def signing_secret(admin_token: str | None) -> Secret:
+    """The fleet's signing secret, from its admin token: the same across redeploys with that token, known to nobody
+    without it. A fleet without an admin token protects nothing from its local callers (every one of them is its
+    admin), so its secret is a fixed one: signatures there only keep a version's lineage straight."""
+    key = (admin_token or "").encode()
+    return Secret(hmac.new(key, b"spotrl fleet signing secret v1", hashlib.sha256).hexdigest())
+
+
+def lineage_key(secret: Secret, run: str | None) -> Secret:
+    """The key that run `run`'s versions are signed with (None: the fleet's own lineage `policy-vN`)."""
+    return Secret(hmac.new(bytes.fromhex(secret.value), f"lineage:{run or ''}".encode(), hashlib.sha256).hexdigest())

@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from app.bucket.fetching import HeldFolder
-from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionNotFound
+from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, NotSigned, VersionNotFound
 from app.bucket.store import AdapterStore
 from app.config import BucketConfig
 from contracts.adapters import AdapterRef, adapter_name, run_prefix, split_run, split_version_url
-from contracts.auth import redact
+from contracts.auth import Secret, lineage_key, redact
 from contracts.serving import BadRequest, ModelNotFound, ReplicaError
 
 log = logging.getLogger("ray.serve")
@@ -131,6 +131,7 @@ class AdapterSources:
         url: str,
         bucket: BucketConfig,
         *,
+        signing_secret: Secret,
         window: int,
         listing_interval_s: float = LISTING_INTERVAL_S,
         trusted_dirs: Iterable[str | Path] = (),
@@ -138,6 +139,7 @@ class AdapterSources:
         other_lineages: Iterable[str] = (),
     ):
         self.url, self.bucket, self.window, self.listing_interval_s = url, bucket, window, listing_interval_s
+        self.signing_secret = signing_secret  # the fleet's: each lineage's versions must verify under its key
         self.trusted_dirs = [Path(d).expanduser().resolve() for d in trusted_dirs]
         self.cache_keep = cache_keep
         self.other_lineages = [prefix.rstrip("/") for prefix in other_lineages]  # `fleet.extra_adapter_buckets`
@@ -152,7 +154,9 @@ class AdapterSources:
     def _prefix(self, run: str | None) -> tuple[AdapterStore, CommittedVersions]:
         """The store of the fleet's own versions (`run` None), or of a run's, under its prefix of the bucket."""
         if run not in self._prefixes:
-            store = self._leaving.pop(run, None) or AdapterStore.at(run_prefix(self.url, run), self.bucket)
+            store = self._leaving.pop(run, None) or AdapterStore.at(
+                run_prefix(self.url, run), self.bucket, lineage_key(self.signing_secret, run)
+            )
             self._prefixes[run] = (store, CommittedVersions(store, self.window, self.listing_interval_s))
         return self._prefixes[run]
 
@@ -259,6 +263,8 @@ class AdapterSources:
             return store.url_of(version), folder
         except VersionNotFound:
             raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None
+        except NotSigned as e:  # planted in the lineage's prefix by another writer of the bucket
+            raise ReplicaError(f"{adapter_name(version)} refused: {e}", 403) from None
         except IntegrityError as e:
             raise ReplicaError(f"{adapter_name(version)} failed verification: {e}", 502) from None
         except BucketError as e:

@@ -14,7 +14,9 @@ head sees it: 127.0.0.1, or 0.0.0.0 read as 127.0.0.1, is the learner node itsel
 Paths are made absolute here, in the process that reads the config, because replicas run in other
 processes (other machines, in a cluster) whose working directory means nothing to the config file.
 
-The admin token travels to the ingress alone, as a `contracts.auth.Secret` argument: the fleet config
+The fleet's signing secret (`contracts.auth.signing_secret`, from the admin token) travels to the ingress and the
+replicas the same way, one value for all of them: the keys the ingress hands runs must be those the replicas verify
+with. The admin token travels to the ingress alone, as a `contracts.auth.Secret` argument: the fleet config
 that the replicas and the ingress get is `cfg.model_dump()`, which never holds it, and `serve run`'s
 overrides (Serve shows them as the application's config) may not set it. A fleet that others could
 reach (an HTTP host beyond loopback), or whose inference is to be protected, is refused without one
@@ -63,7 +65,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from contracts.auth import Secret, admin_token, check_exposure
+    from contracts.auth import Secret, admin_token, check_exposure, signing_secret
     from deployments.autoscaling import autoscaling_config
     from deployments.ingress import Ingress
     from deployments.replica import VLLMReplica
@@ -103,8 +105,9 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
     )
-    replica = replica_deployment.bind(model_path, model_path, config, bucket_url)
-    teacher = teacher_app(cfg, model_path, bucket_url, replica_deployment)  # None without `cfg.teacher`
+    signing = signing_secret(token)  # one secret for the ingress and every replica, however their environments differ
+    replica = replica_deployment.bind(model_path, model_path, config, bucket_url, signing)
+    teacher = teacher_app(cfg, model_path, bucket_url, replica_deployment, signing)  # None without `cfg.teacher`
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
@@ -118,7 +121,17 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     # whose handle then builds the new router (the benchmark swaps routers on the same replicas).
     secret = Secret(token) if token else None
     return ingress.bind(
-        replica, model_path, aliases, model_path, config, secret, request_router_class, http_host, bucket_url, teacher
+        replica,
+        model_path,
+        aliases,
+        model_path,
+        config,
+        secret,
+        request_router_class,
+        http_host,
+        bucket_url,
+        teacher,
+        signing,
     )
 
 

@@ -33,7 +33,7 @@ from app.bucket.records import RunRecords
 from app.bucket.store import AdapterStore
 from app.config import FleetConfig
 from app.models import model_fingerprint
-from contracts.auth import Secret, check_exposure, redact
+from contracts.auth import Secret, check_exposure, redact, signing_secret
 from contracts.auth import admin_token as resolve_admin_token
 from contracts.control import CONTROL_METHOD, Command, DescribeEngine
 from contracts.retry import Backoff, aretry
@@ -224,6 +224,7 @@ class Ingress:
         http_host: str = "127.0.0.1",
         bucket_url: str = "",
         teacher_replicas=None,
+        signing: Secret | None = None,
     ):
         cfg = FleetConfig.model_validate(config)
         # The environment of the ingress process wins, then a token handed over by the builder, then the config
@@ -254,6 +255,7 @@ class Ingress:
             inflight_per_replica=None if cfg.fleet.inflight_budget else cfg.fleet.max_num_seqs,
             default_run_weight=cfg.fleet.default_run_weight,
             teacher_models=frozenset([cfg.teacher.name] if cfg.teacher else []),
+            signing_secret=signing or signing_secret(token or None),
         )
         teachers = {cfg.teacher.name: teacher_replicas} if cfg.teacher and teacher_replicas is not None else {}
         poison = PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries)

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from app.config import FleetConfig
+from contracts.auth import Secret
 from contracts.control import (
     CacheReset,
     Command,
@@ -206,11 +207,13 @@ class VLLMReplica(Replica):
         base_model: str,
         config: dict,
         bucket_url: str,
+        signing_secret: Secret,
         *,
         first_rank: int = 0,
         lineage: bool = True,
     ):
-        """`base_model` is the `model` name that means "no adapter"; `config` a dumped `FleetConfig`. A teacher
+        """`base_model` is the `model` name that means "no adapter"; `config` a dumped `FleetConfig`;
+        `signing_secret` the fleet's, under whose lineage keys every version loaded must verify. A teacher
         deployment's replicas (`deployments.teacher`) pin cores from `first_rank` on and serve no `lineage`."""
         from ray import serve
 
@@ -224,6 +227,7 @@ class VLLMReplica(Replica):
         sources = AdapterSources(
             bucket_url,
             cfg.bucket,
+            signing_secret=signing_secret,
             window=cfg.window,
             listing_interval_s=fleet.version_listing_interval_s,
             trusted_dirs=fleet.extra_adapter_dirs,
@@ -244,7 +248,10 @@ class VLLMReplica(Replica):
         # teacher deployment's replicas serve no lineage).
         loaded = await adapters_to_serve(cfg, sources, bucket_url) if lineage else []
         for name, ref in loaded:
-            await slots.load(name, ref)
+            try:
+                await slots.load(name, ref)
+            except ReplicaError as e:  # one that does not verify (planted), or gone meanwhile: never the replica's end
+                log.warning("VLLMReplica %s: %s not loaded at start: %s", replica_id, name, e.message)
         await sources.tidy()  # what an earlier replica of this node left that nothing loaded now holds
         self.notices = ReplicaNotices(
             replica_id, self.inflight, cfg.spot, self._tell_ingress, self._serve_stops_me

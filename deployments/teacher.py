@@ -21,7 +21,7 @@ log = logging.getLogger("ray.serve")
 TEACHER_DEPLOYMENT = "TeacherReplica"
 
 
-def teacher_app(cfg: FleetConfig, model_path: str, bucket_url: str, replica_deployment):
+def teacher_app(cfg: FleetConfig, model_path: str, bucket_url: str, replica_deployment, signing_secret):
     """The teacher deployment of `cfg.teacher`, made like `replica_deployment` (the base model's), or None."""
     if cfg.teacher is None:
         return None
@@ -38,6 +38,7 @@ def teacher_app(cfg: FleetConfig, model_path: str, bucket_url: str, replica_depl
         teacher.name,
         cfg.teacher_fleet().model_dump(mode="json"),
         bucket_url,
+        signing_secret,
         first_rank=cfg.fleet.num_replicas,  # the cores after the base model's replicas' (`deployments.engine`)
         lineage=False,
     )

@@ -65,6 +65,7 @@ def running_fleet(work: Path, model_path: str, overrides: list[str], token: str,
     from app.bucket.store import AdapterStore
     from app.config import load_config
     from app.fleet_client import FleetClient
+    from contracts.auth import lineage_key, signing_secret
     from deployments.fleet import deploy_fleet, shutdown_fleet
 
     cfg = load_config(
@@ -80,7 +81,7 @@ def running_fleet(work: Path, model_path: str, overrides: list[str], token: str,
             *overrides,
         ],
     )
-    store = AdapterStore.from_config(cfg)
+    store = AdapterStore.from_config(cfg, lineage_key(signing_secret(token), None))  # as the fleet's own learner
     publish_random_adapters(store, model_path, [1], work)
     metrics_port = free_port()
     start_local_ray(num_cpus=2, metrics_export_port=metrics_port)
@@ -112,6 +113,16 @@ def running_fleet(work: Path, model_path: str, overrides: list[str], token: str,
         client.close()
         shutdown_fleet(cfg)
         ray.shutdown()
+
+
+def run_store(fleet, run: str | None):
+    """The store run `run`'s learner publishes to on `fleet` (a `running_fleet`): its prefix of the fleet's bucket,
+    signed with the key the fleet gives its lineage (None: the fleet's own lineage)."""
+    from app.bucket.store import AdapterStore
+    from contracts.adapters import run_prefix
+
+    key = fleet.client.signing_key(run)
+    return AdapterStore(run_prefix(fleet.store.url, run), cache_dir=fleet.work / "cache", signing_key=key)
 
 
 def random_adapter(model_path: str, folder: str | Path, seed: int, rank: int = 8, scale: float = 0.5) -> Path:

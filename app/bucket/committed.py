@@ -7,8 +7,8 @@ create-only write (`If-None-Match: *` on S3, a hard link on a local disk): S3 ha
 the manifest is the commit point, and readers trust nothing that it does not list and checksum.
 
 Each publish uploads its files under a fresh commit id (`policy-v3/<commit>/adapter_model...`) and
-names that id in the manifest. Two publishers of one version therefore never overwrite each other's
-bytes: the one whose manifest lands first wins, the other gets `VersionExists`, and a publisher that
+names that id in the manifest (signed, in a store with a key: `app.bucket.manifest`). Two publishers of one
+version therefore never overwrite each other's bytes: the one whose manifest lands first wins, the other gets `VersionExists`, and a publisher that
 died half-way leaves only an orphan folder that no reader looks at and `gc` sweeps away. Files are
 never overwritten once written.
 
@@ -40,6 +40,7 @@ from app.bucket.filesystem import (
     BucketError,
     IntegrityError,
     InvalidName,
+    NotSigned,
     VersionExists,
     VersionNotFound,
     describe_error,
@@ -51,8 +52,18 @@ from app.bucket.filesystem import (
     parse_url,
     s3_error_code,
 )
-from app.bucket.manifest import COMMIT, HEX64, MANIFEST, MANIFEST_FORMAT, check_relative, hash_file
-from contracts.auth import redact
+from app.bucket.manifest import (
+    COMMIT,
+    HEX64,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    SIGNATURE,
+    check_relative,
+    hash_file,
+    manifest_signature,
+    signed_by,
+)
+from contracts.auth import Secret, redact
 from contracts.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -81,6 +92,7 @@ class CommittedStore(abc.ABC):
         max_attempts: int = 6,
         backoff_s: float = 0.2,
         cache_dir: str | os.PathLike = "~/.cache/spotrl/adapters",
+        signing_key: Secret | None = None,
     ):
         if max_attempts < 1 or backoff_s < 0:
             raise ValueError("max_attempts must be >= 1 and backoff_s >= 0")
@@ -92,15 +104,17 @@ class CommittedStore(abc.ABC):
         self._scheme, self._root = parse_url(url)
         self._fs, _ = make_filesystem(url, endpoint_url=endpoint_url, region=region)
         self._local = self._scheme == "file"
+        # With a key, what it commits is signed, and what it reads must be (`contracts.auth.lineage_key`).
+        self.signing_key = signing_key
         self._sleep = time.sleep  # replaced by unit tests that count backoff instead of waiting
 
     @classmethod
-    def from_config(cls, cfg):
+    def from_config(cls, cfg, signing_key: Secret | None = None):
         """The store a run's config names (`cfg.bucket_url` with `cfg.bucket.*`)."""
-        return cls.at(cfg.bucket_url, cfg.bucket)
+        return cls.at(cfg.bucket_url, cfg.bucket, signing_key)
 
     @classmethod
-    def at(cls, url: str, bucket):
+    def at(cls, url: str, bucket, signing_key: Secret | None = None):
         """The store at `url` with the retries, endpoint and cache of a `BucketConfig`."""
         return cls(
             url,
@@ -109,6 +123,7 @@ class CommittedStore(abc.ABC):
             max_attempts=bucket.max_attempts,
             backoff_s=bucket.backoff_s,
             cache_dir=bucket.cache_dir,
+            signing_key=signing_key,
         )
 
     def __repr__(self) -> str:
@@ -244,6 +259,8 @@ class CommittedStore(abc.ABC):
                 "files": files,
                 **extra,
             }
+            if self.signing_key is not None:
+                manifest[SIGNATURE] = manifest_signature(manifest, self.signing_key.value)
             data = json.dumps(manifest, indent=2, sort_keys=True).encode()
             try:
                 self._retry(op, url, "commit manifest", self._create_only, self._path(number, MANIFEST), data)
@@ -307,6 +324,8 @@ class CommittedStore(abc.ABC):
             ok = False
         if not ok:
             raise IntegrityError(f"{op} {redact(url)}: {MANIFEST} is malformed")
+        if self.signing_key is not None and not signed_by(manifest, self.signing_key.value):
+            raise NotSigned(f"{op} {redact(url)}: not signed with this lineage's key; refused, whoever wrote it")
         return manifest, raw
 
     def _download(self, op: str, number: int, dest) -> Path:

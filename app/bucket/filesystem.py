@@ -38,6 +38,10 @@ class IntegrityError(BucketError):
     """A fetched file does not match the size or sha256 its manifest promises."""
 
 
+class NotSigned(IntegrityError):
+    """A version whose manifest is not signed by its lineage's key: not this lineage's, whoever wrote it there."""
+
+
 class InvalidName(BucketError, ValueError):
     """A version name, URL or path that is not ours: wrong spelling, outside the prefix, or traversal."""
 

@@ -1,12 +1,16 @@
 """What a committed folder's manifest is: the files it lists, their sizes and sha256, checked names.
 
 The manifest is the commit point of every folder in the bucket (`app.bucket.committed`); a reader trusts
-nothing it does not list and checksum (`app.bucket.fetching`).
+nothing it does not list and checksum (`app.bucket.fetching`). An adapter version's manifest is also signed with
+its lineage's key (`contracts.auth.lineage_key`): sizes and sha256 of every file under an HMAC, so the signature
+covers the weights.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
 import re
 from pathlib import Path
 
@@ -53,3 +57,19 @@ def folder_digest(local_dir: Path) -> str:
     for rel, path in files_of_dir(Path(local_dir)).items():
         digest.update(f"{rel}\0{hash_file(path)[1]}\0".encode())
     return digest.hexdigest()
+
+
+SIGNATURE = "signature"
+
+
+def manifest_signature(manifest: dict, key: str) -> str:
+    """HMAC-SHA256 under `key` (hex) of the manifest without its signature, as canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(bytes.fromhex(key), canonical, hashlib.sha256).hexdigest()
+
+
+def signed_by(manifest: dict, key: str) -> bool:
+    """Whether `manifest` carries a signature under `key`."""
+    signature = manifest.get(SIGNATURE)
+    return isinstance(signature, str) and hmac.compare_digest(signature, manifest_signature(manifest, key))

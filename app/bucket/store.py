@@ -14,7 +14,7 @@ from pathlib import Path
 
 from app.bucket.committed import CommittedStore
 from app.bucket.fetching import HeldFolder, hold
-from app.bucket.filesystem import BucketError, InvalidName
+from app.bucket.filesystem import BucketError, InvalidName, NotSigned
 from app.bucket.manifest import ADAPTER_WEIGHTS, files_of_dir
 from contracts.adapters import AdapterRef
 from contracts.auth import redact
@@ -54,8 +54,18 @@ class AdapterStore(CommittedStore):
         return self._commit("publish", version, files, extra)
 
     def versions(self) -> list[int]:
-        """Committed versions, newest first, listed afresh on every call."""
+        """Committed versions, newest first, listed afresh on every call (signed or not: see `signed`)."""
         return self._committed("versions")
+
+    def signed(self, version: int) -> bool:
+        """Whether committed `version` is signed with this store's key: this lineage's own, not one planted in its
+        prefix by another writer of the bucket."""
+        with self._errors("signed", self._url_of(version)):
+            try:
+                self._read_manifest("signed", self._check_number(version))
+            except NotSigned:
+                return False
+        return True
 
     def latest(self) -> int | None:
         committed = self.versions()

@@ -36,6 +36,7 @@ from app.config import RunConfig
 from app.learner.notices import OUTLIVED_S
 from app.learner.rank import LearnerRank, NotStarted
 from app.messages import ResumePoint, StepResult
+from contracts.auth import Secret
 from contracts.rollouts import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,13 @@ class LearnerRankActor(LearnerRank):
         world_size: int,
         fleet_url: str | None = None,
         fleet_token: str | None = None,
+        signing_key: Secret | None = None,
     ):
         import torch
 
         # Ray reserves CPUs per actor but does not stop torch from starting a thread per core.
         torch.set_num_threads(max(1, int(cfg.learner.num_cpus_per_worker)))
-        super().__init__(cfg, model_path, rank, world_size, fleet_url, fleet_token)
+        super().__init__(cfg, model_path, rank, world_size, fleet_url, fleet_token, signing_key)
         # The notice watcher's thread commits an idle learner at once: a step and a checkpoint hold this lock.
         self._busy = threading.RLock()
         self.notices.watch(rank, on_notice=self._commit_if_idle)
@@ -119,7 +121,16 @@ class LearnerRankActor(LearnerRank):
 class LearnerGroup:
     """1..N learner ranks behind one interface: `start`, `train_step`, `shutdown`."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, fleet_url: str | None = None, fleet_token: str | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_path: str,
+        fleet_url: str | None = None,
+        fleet_token: str | None = None,
+        signing_key: Secret | None = None,
+    ):
+        """`signing_key`: the key the fleet gave this run's lineage (`contracts.auth.lineage_key`), which rank 0
+        signs every version with."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -164,7 +175,7 @@ class LearnerGroup:
                 )
             # Only rank 0 publishes; `fleet_url` is best `deployments.fleet.cluster_address`: this node cannot
             # count on reaching the fleet's HTTP proxy, which listens on the head at an address as the head sees it.
-            fleet = (fleet_url, fleet_token) if rank == 0 else (None, None)
+            fleet = (fleet_url, fleet_token, signing_key) if rank == 0 else (None, None, None)
             self.workers.append(actor.options(**opts).remote(cfg, model_path, rank, n, *fleet))
         self._setup()
 

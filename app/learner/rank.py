@@ -64,6 +64,7 @@ from app.learner.state import (
 from app.messages import ResumePoint, StepResult
 from app.objectives import LossStats, Objectives
 from app.weight_sync import AdapterPublisher
+from contracts.auth import Secret
 from contracts.rollouts import ConsumedGroups, Group, RolloutBatch
 
 if TYPE_CHECKING:
@@ -87,10 +88,11 @@ class LearnerRank:
         world_size: int = 1,
         fleet_url: str | None = None,
         fleet_token: str | None = None,
+        signing_key: Secret | None = None,
     ):
         self.cfg, self.model_path = cfg, model_path
         self.rank, self.world_size = rank, world_size
-        self.fleet_url, self.fleet_token = fleet_url, fleet_token
+        self.fleet_url, self.fleet_token, self.signing_key = fleet_url, fleet_token, signing_key
         self.objectives = Objectives.from_config(cfg)
         self.state = LearnerState()
         self._consumed = ConsumedGroups()
@@ -136,7 +138,7 @@ class LearnerRank:
 
         if self._started:  # the model is sharded and the optimizer built: a second start has nothing to do
             return self.state.resume_point()
-        self.publisher = AdapterPublisher(self.cfg, self.fleet_url, self.fleet_token)
+        self.publisher = AdapterPublisher(self.cfg, self.fleet_url, self.fleet_token, signing_key=self.signing_key)
         self.checkpoints = CheckpointStore.from_config(self.cfg)
         step = self._rank0_decides(self.checkpoints.latest() if self.rank == 0 else None)
         folder = None
@@ -353,8 +355,8 @@ class LearnerRank:
         if self.rank == 0:
             with tempfile.TemporaryDirectory(dir=self._tmp) as d:
                 write_adapter(self.model, state, Path(d))
-                self.publisher.publish(Path(d), version)
-        self.state.policy_version = version
+                version = self.publisher.publish(Path(d), version)  # past a number planted in the run's prefix
+        self.state.policy_version = self._rank0_decides(version)
         return time.perf_counter() - t0
 
     def save_checkpoint(self) -> float:

@@ -76,7 +76,7 @@ def make_app(
         InferenceRoutes(settings, callers, backend, gate, scrub),
         StatusRoutes(settings, callers, backend, membership, gate, runs),
         AdminRoutes(callers, backend, settings.limits),
-        RunRoutes(callers, tenancy, settings.limits),
+        RunRoutes(callers, tenancy, settings.limits, settings.signing),
     ):
         routes.register(app)
     return app

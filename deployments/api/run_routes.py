@@ -1,5 +1,5 @@
 """The runs of a shared fleet over HTTP: `/v1/runs` (register, list), `/v1/runs/NAME` (what a joining run needs
-to know, remove), `/v1/runs/NAME/heartbeat`.
+to know, remove), `/v1/runs/NAME/heartbeat`, `/v1/signing_key` (the key a lineage signs its versions with).
 
 The admin registers and removes runs; a run's token sees and keeps alive only its own. Like the admin calls,
 they need a token whenever one is set, and are never for browsers (`require_json`). What registering and
@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import Request
 
+from contracts.auth import Secret, lineage_key
 from deployments.api.bodies import RequestLimits, RunBody
 from deployments.api.callers import Callers
 from deployments.api.intake import read_json
@@ -21,8 +22,8 @@ from deployments.control.tenancy import Tenancy
 
 
 class RunRoutes(Routes):
-    def __init__(self, callers: Callers, tenancy: Tenancy, limits: RequestLimits):
-        self.callers, self.tenancy, self.limits = callers, tenancy, limits
+    def __init__(self, callers: Callers, tenancy: Tenancy, limits: RequestLimits, signing: Secret):
+        self.callers, self.tenancy, self.limits, self.signing = callers, tenancy, limits, signing
         self.runs = tenancy.runs
 
     @route("POST", "/v1/runs")
@@ -67,6 +68,19 @@ class RunRoutes(Routes):
         """Forget the run (its token stops working at once) and unload its adapters everywhere."""
         self.callers.authorize(request, admin_call=True).check_admin("removing a run")
         return {"status": "removed", "name": name, "unloaded": await self.tenancy.remove(name)}
+
+    @route("GET", "/v1/signing_key")
+    async def signing_key(self, request: Request) -> dict[str, Any]:
+        """The key the caller's lineage signs its versions with (`contracts.auth.lineage_key`): a run's token gets its
+        run's, the admin the fleet's own lineage's (or, `?run=NAME`, that run's). Replicas load only versions that
+        verify under the key of the lineage they claim."""
+        caller = self.callers.authorize(request, admin_call=True)
+        run = request.query_params.get("run") or caller.run
+        if run is not None:
+            caller.check_run(run, "may have only its own run's key")
+            if run not in self.runs.names():
+                raise ApiError(404, f"run {run[:64]!r} is not registered")
+        return {"run": run, "key": lineage_key(self.signing, run).value}
 
     @route("POST", "/v1/runs/{name}/heartbeat")
     async def run_heartbeat(self, request: Request, name: str) -> dict[str, Any]:

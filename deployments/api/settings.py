@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.config import FleetConfig, FleetSettings
+from contracts.auth import Secret, signing_secret
 from deployments.api.bodies import RequestLimits
 
 
@@ -38,3 +39,9 @@ class ApiSettings:
     default_run_weight: float = 1.0
     # The teacher deployments' model names (`FleetConfig.teacher`): served by replicas of their own, open to every run.
     teacher_models: frozenset[str] = frozenset()
+    # What every lineage's signing key derives from (`contracts.auth.lineage_key`): the replicas verify with the same.
+    signing_secret: Secret | None = None
+
+    @property
+    def signing(self) -> Secret:
+        return self.signing_secret or signing_secret(self.admin_token)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.config import ConfigError, load_config
-from app.fleet_client import FleetClient
+from app.fleet_client import FleetClient, FleetError
 from app.teacher_setup import prepare_teacher
 from tests.fleet_helpers import publish_random_adapters, running_fleet
 
@@ -120,6 +120,21 @@ def test_prompt_logprobs_of_the_base_model_and_an_adapter_are_transformers_logpr
     _assert_same(_fleet_scores(fleet, ids, "policy-v1"), _reference(_hf(fleet.model_path, adapter), ids), ids)
 
 
+def test_a_sample_that_fills_the_context_is_scored_whole(fleet):
+    """A sample of exactly max_model_len tokens (a multi-turn episode cut by its token budget) is scored at every
+    position, by the base model and the teacher deployment alike, as transformers scores it; nothing longer is."""
+    from app.models import load_tokenizer
+
+    tokenizer = load_tokenizer(fleet.model_path)
+    ids = (_sequence(tokenizer, "Q: 11+22=? A: 33 ") * 20)[: fleet.cfg.model.max_model_len]
+    assert len(ids) == fleet.cfg.model.max_model_len == 128
+    _assert_same(_fleet_scores(fleet, ids, fleet.base), _reference(_hf(fleet.model_path), ids), ids)
+    _assert_same(_fleet_scores(fleet, ids, "teacher"), _reference(_hf(fleet.teacher_path), ids), ids)
+    with pytest.raises(FleetError) as too_long:
+        _fleet_scores(fleet, [*ids, ids[0]], fleet.base)
+    assert too_long.value.status == 400
+
+
 def test_a_teacher_deployment_scores_with_its_own_model(fleet):
     from app.models import load_tokenizer
 
@@ -146,6 +161,8 @@ def test_each_kind_of_teacher_is_resolved_and_checked_at_start(fleet):
     url = f"{fleet.finished}/adapters/policy-v3"
     adapter = prepared(f"{{adapter: '{url}'}}")
     assert (adapter.model, adapter.adapter) == ("teacher-v0", url)
+    by_path = prepared(f"{{adapter: '{url.removeprefix('file://')}'}}")  # the folder a finished run leaves on disk
+    assert (by_path.model, by_path.adapter) == ("teacher-v0", url)
     ids = _sequence(load_tokenizer(fleet.model_path), "Q: 5+77=? A: 82")
     folder = AdapterStore.at(fleet.finished, fleet.cfg.bucket).fetch(3)
     _assert_same(_fleet_scores(fleet, ids, "teacher-v0"), _reference(_hf(fleet.model_path, folder), ids), ids)

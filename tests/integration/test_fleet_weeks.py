@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet_helpers import random_adapter, running_fleet
+from tests.fleet_helpers import random_adapter, run_store, running_fleet
 from tests.integration.test_fleet import _prompt
 
 TOKEN = "fleet-weeks-token-7c21e9a4"
@@ -117,13 +117,11 @@ def settled(fleet, want: dict, timeout_s: float) -> dict:
 def one_run(fleet, i: int, folders: list[Path], goodbye: bool) -> None:
     """Run `soak{i}` as a trainer joining the fleet: registers, publishes and loads two versions, samples from each,
     then leaves (DELETE by the admin, as `make train` does at its end) or falls silent (killed: released later)."""
-    from app.bucket.store import AdapterStore
     from app.fleet_client import FleetClient
-    from contracts.adapters import run_prefix
 
     name = f"soak{i}"
     token = fleet.client.register_run(name, max_staleness=1, lora_rank=1)["token"]
-    store = AdapterStore(run_prefix(fleet.store.url, name))
+    store = run_store(fleet, name)
     run = FleetClient(fleet.url, token=token)
     try:
         for version, folder in enumerate(folders, start=1):

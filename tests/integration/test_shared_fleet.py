@@ -14,7 +14,7 @@ import pytest
 
 from app.bucket.manifest import folder_digest
 from app.fleet_client import FleetError
-from tests.fleet_helpers import publish_random_adapters, random_adapter, running_fleet
+from tests.fleet_helpers import publish_random_adapters, random_adapter, run_store, running_fleet
 from tests.integration.test_fleet import _prompt
 
 TOKEN = "shared-fleet-token-4b8e1d"
@@ -121,9 +121,7 @@ def test_lora_slots_are_a_cache_where_an_evicted_committed_version_comes_back_on
 
 
 def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_bucket(fleet):
-    from app.bucket.store import AdapterStore
     from app.fleet_client import FleetClient
-    from contracts.adapters import run_prefix
 
     admin = fleet.client
     tokens = {run: admin.register_run(run)["token"] for run in ("alice", "bob")}
@@ -132,7 +130,7 @@ def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_buc
     assert full.value.status == 409 and "fleet.max_loras=7" in str(full.value)
     stores = {}
     for seed, run in enumerate(("alice", "bob"), start=101):
-        stores[run] = AdapterStore(run_prefix(fleet.store.url, run), cache_dir=fleet.work / "cache")
+        stores[run] = run_store(fleet, run)
         stores[run].publish(random_adapter(fleet.model_path, fleet.work / f"{run}-v1", seed=seed), 1)
     alice, bob = (FleetClient(fleet.url, token=tokens[run]) for run in ("alice", "bob"))
     try:
@@ -173,9 +171,7 @@ def test_runs_are_tenants_each_with_its_own_token_adapters_and_prefix_of_the_buc
 
 
 def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet):
-    from app.bucket.store import AdapterStore
     from app.fleet_client import FleetClient
-    from contracts.adapters import run_prefix
 
     admin = fleet.client
     for run in admin.list_runs():  # what earlier tests left registered
@@ -183,7 +179,7 @@ def test_a_run_killed_without_a_goodbye_is_released_after_the_idle_timeout(fleet
     tokens = {run: admin.register_run(run)["token"] for run in ("dave", "erin")}
     dave, erin = (FleetClient(fleet.url, token=tokens[run]) for run in ("dave", "erin"))
     try:
-        store = AdapterStore(run_prefix(fleet.store.url, "dave"), cache_dir=fleet.work / "cache")
+        store = run_store(fleet, "dave")
         store.publish(random_adapter(fleet.model_path, fleet.work / "dave-v1", seed=301), 1)
         last_heard = time.monotonic()  # dave's last sign of life: this load
         dave.load_adapter("dave/policy-v1", "adapters/policy-v1")
@@ -272,9 +268,7 @@ def test_a_runs_cut_cuts_its_own_generations_and_leaves_another_runs_untouched(f
     `abort`, with its tokens so far); ben's, in flight at the same time, run to their end; ann may not cut his."""
     import asyncio
 
-    from app.bucket.store import AdapterStore
     from app.fleet_client import FleetClient
-    from contracts.adapters import run_prefix
 
     admin = fleet.client
     for run in admin.list_runs():
@@ -283,7 +277,7 @@ def test_a_runs_cut_cuts_its_own_generations_and_leaves_another_runs_untouched(f
     clients = {run: FleetClient(fleet.url, token=admin.register_run(run)["token"]) for run in runs}
     length = 80  # with the 40-token prompt, near max_model_len: long enough to be cut on a busy machine
     for seed, run in enumerate(runs, start=401):
-        store = AdapterStore(run_prefix(fleet.store.url, run), cache_dir=fleet.work / "cache")
+        store = run_store(fleet, run)
         store.publish(random_adapter(fleet.model_path, fleet.work / f"{run}-v1", seed=seed), 1)
         clients[run].load_adapter(f"{run}/policy-v1", "adapters/policy-v1")
 
@@ -394,3 +388,57 @@ def test_trls_async_grpo_trainer_is_served_exactly_the_adapters_it_wrote_also_wh
         served_by_run.append(checked)
     reused = set(served_by_run[0]) & set(served_by_run[1])
     assert reused and all(served_by_run[0][n] != served_by_run[1][n] for n in reused)  # new files, same names
+
+
+def test_a_version_one_run_plants_in_another_runs_prefix_is_refused_and_the_other_publishes_past_it(fleet):
+    """Any tenant can write the bucket, so gil commits `policy-v2` under hal's prefix before hal does, signed with
+    her own key (and `policy-v3` with none): the fleet serves neither as hal's, whoever asks for them, and hal's
+    learner publishes its next version past them (`policy-v4`), which the fleet serves."""
+    from app.bucket.store import AdapterStore
+    from app.config import load_config
+    from app.fleet_client import FleetClient
+    from app.weight_sync import AdapterPublisher
+
+    admin = fleet.client
+    for run in admin.list_runs():
+        admin.remove_run(run)
+    tokens = {run: admin.register_run(run)["token"] for run in ("gil", "hal")}
+    gil, hal = (FleetClient(fleet.url, token=tokens[run]) for run in ("gil", "hal"))
+    try:
+        hal_store = run_store(fleet, "hal")
+        hal_store.publish(random_adapter(fleet.model_path, fleet.work / "hal-v1", seed=501), 1)
+        hal.load_adapter("hal/policy-v1", "adapters/policy-v1")
+        planted = random_adapter(fleet.model_path, fleet.work / "gil-planted", seed=502)
+        as_gil = AdapterStore(hal_store.url, cache_dir=fleet.work / "cache", signing_key=gil.signing_key())
+        as_gil.publish(planted, 2)
+        AdapterStore(hal_store.url, cache_dir=fleet.work / "cache").publish(planted, 3)
+        for version in (2, 3):
+            for caller in (hal, admin):
+                with pytest.raises(FleetError) as refused:
+                    caller.load_adapter(f"hal/policy-v{version}", f"adapters/policy-v{version}")
+                assert refused.value.status == 403 and "not signed" in str(refused.value)
+            with pytest.raises(FleetError) as not_served:  # nor loaded on demand by a request naming it
+                hal.completions(PROMPTS[0], f"hal/policy-v{version}", max_tokens=2)
+            assert not_served.value.status == 403
+        assert "hal/policy-v2" not in [m["id"] for m in admin.models()]
+
+        cfg = load_config(
+            None,
+            [
+                f"bucket.url={hal_store.url}",
+                f"bucket.cache_dir={fleet.work}/cache",
+                f"join.url={fleet.url}",
+                "logging.run_name=hal",
+            ],
+        )
+        publisher = AdapterPublisher(cfg, fleet.url, tokens["hal"], signing_key=hal.signing_key())
+        try:
+            mine = random_adapter(fleet.model_path, fleet.work / "hal-v2", seed=503)
+            assert publisher.publish(mine, 2) == 4 and publisher.fleet_load_failures == 0
+        finally:
+            publisher.close()
+        assert "hal/policy-v4" in [m["id"] for m in hal.models()]
+        assert hal.completions(PROMPTS[0], "hal/policy-v4", max_tokens=2)
+    finally:
+        gil.close()
+        hal.close()

@@ -6,13 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from app.bucket.store import AdapterStore
 from app.config import BucketConfig
+from contracts.adapters import run_prefix
+from contracts.auth import lineage_key, signing_secret
 from deployments.adapter_slots import AdapterSlots
 from deployments.adapter_sources import AdapterSources
 from deployments.engine import Engine
 
 REPLICA = "r"
 BASE_MODEL = "base"
+SECRET = signing_secret("unit-test-admin-token")  # the fleet's, which the replicas verify every lineage's versions by
+
+
+def lineage_store(bucket_url: str, run: str | None = None, **kwargs) -> AdapterStore:
+    """The store of run `run`'s lineage (None: the fleet's own) in the fleet's bucket, signing with its key, as that
+    run's learner publishes."""
+    return AdapterStore(run_prefix(bucket_url, run), signing_key=lineage_key(SECRET, run), **kwargs)
 
 
 class StandInLLM:
@@ -87,6 +97,7 @@ def adapter_slots(
     sources = AdapterSources(
         f"file://{tmp_path}/bucket",
         BucketConfig(cache_dir=str(tmp_path / "cache")),
+        signing_secret=SECRET,
         window=window,
         trusted_dirs=[tmp_path / "trl"],
         cache_keep=cache_keep,

@@ -7,7 +7,7 @@ import pytest
 
 from contracts.serving import ReplicaError
 from deployments.adapter_slots import Held, eviction_order, pinned
-from tests.unit.replica_parts import StandInLLM, adapter_folder, adapter_slots
+from tests.unit.replica_parts import SECRET, StandInLLM, adapter_folder, adapter_slots, lineage_store
 
 
 async def _in_flight(slots, name: str, until: asyncio.Event) -> None:
@@ -135,10 +135,9 @@ def _cached(tmp_path) -> list[str]:
 
 def test_the_disk_cache_keeps_the_versions_in_use_and_the_newest_few_others(tmp_path):
     """18-37 MB a version for a 1.5B model: a lineage that publishes for weeks must not fill the replica's disk."""
-    from app.bucket.store import AdapterStore
 
     slots = adapter_slots(tmp_path, window=2, max_loras=3, cache_keep=1)
-    own = AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache")
+    own = lineage_store(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache")
     for v in range(1, 9):
         own.publish(adapter_folder(tmp_path / f"v{v}", f"weights {v}".encode()), v)
 
@@ -167,15 +166,13 @@ def test_the_disk_cache_keeps_the_versions_in_use_and_the_newest_few_others(tmp_
 def test_a_run_that_leaves_takes_its_names_prefix_and_cached_folders_along_once_its_last_request_is_done(tmp_path):
     """Runs come and go one after another (as in the soak test, without an engine): the replica's tables and disk cache
     end where they began. A run removed with a request in flight keeps that adapter's folder until it is done."""
-    from app.bucket.store import AdapterStore
-    from contracts.adapters import run_prefix
 
     slots = adapter_slots(tmp_path, window=2, max_loras=4, cache_keep=1)  # the fleet's own 1, a run's 2, 1 to load
     url = f"file://{tmp_path}/bucket"
-    AdapterStore(url).publish(adapter_folder(tmp_path / "own", b"the fleet's own"), 1)
+    lineage_store(url).publish(adapter_folder(tmp_path / "own", b"the fleet's own"), 1)
 
     async def one_run(run: str, leave_with_a_request: bool) -> None:
-        store = AdapterStore(run_prefix(url, run))
+        store = lineage_store(url, run)
         for v in range(1, 6):
             store.publish(adapter_folder(tmp_path / run / f"v{v}", f"{run} {v}".encode()), v)
             await asyncio.gather(*(slots.load(f"{run}/policy-v{v}", f"policy-v{v}") for _ in range(2)))
@@ -256,12 +253,10 @@ def test_a_run_gone_whose_folder_another_replica_of_the_node_holds_is_deleted_on
     """The replicas of a node share the cache: one forgets a run while another still serves a request from its folder.
     The folder goes once the other lets go, without waiting for this replica's next load."""
     import deployments.adapter_sources as sources_module
-    from app.bucket.store import AdapterStore
-    from contracts.adapters import run_prefix
 
     monkeypatch.setattr(sources_module, "LEAVING_RETRY_S", 0.05)
     slots = adapter_slots(tmp_path)
-    store = AdapterStore(run_prefix(f"file://{tmp_path}/bucket", "alice"), cache_dir=tmp_path / "cache")
+    store = lineage_store(f"file://{tmp_path}/bucket", "alice", cache_dir=tmp_path / "cache")
     store.publish(adapter_folder(tmp_path / "v1", b"alice's"), 1)
 
     async def scenario():
@@ -293,7 +288,7 @@ def test_a_teacher_reloaded_from_newer_versions_of_another_lineage_keeps_its_dis
         other.publish(adapter_folder(tmp_path / f"t{v}", f"teacher {v}".encode()), v)
     slots = adapter_slots(tmp_path, window=2, max_loras=3, cache_keep=1)
     slots.sources = AdapterSources(
-        f"file://{tmp_path}/bucket", bucket, window=2, cache_keep=1, other_lineages=[finished]
+        f"file://{tmp_path}/bucket", bucket, signing_secret=SECRET, window=2, cache_keep=1, other_lineages=[finished]
     )
 
     async def scenario():

@@ -10,7 +10,7 @@ import pytest
 from app.bucket.store import AdapterStore
 from contracts.serving import BadRequest, ModelNotFound
 from deployments.adapter_sources import CommittedVersions
-from tests.unit.replica_parts import adapter_folder, adapter_slots, local_config, publish
+from tests.unit.replica_parts import SECRET, adapter_folder, adapter_slots, lineage_store, local_config, publish
 
 
 class _Bucket:
@@ -119,12 +119,11 @@ def test_versions_fetched_by_broadcast_count_as_known():
 
 
 def test_a_runs_adapters_load_only_from_its_own_prefix_of_the_bucket(tmp_path):
-    from contracts.adapters import run_prefix
 
     slots = adapter_slots(tmp_path, window=2, max_loras=3)
     fleet = slots.sources.store
-    alice = AdapterStore(run_prefix(fleet.url, "alice"), cache_dir=tmp_path / "cache")
-    bob = AdapterStore(run_prefix(fleet.url, "bob"), cache_dir=tmp_path / "cache")
+    alice = lineage_store(fleet.url, "alice", cache_dir=tmp_path / "cache")
+    bob = lineage_store(fleet.url, "bob", cache_dir=tmp_path / "cache")
     fleet.publish(adapter_folder(tmp_path / "own", b"the fleet's own v1"), 1)
     alice.publish(adapter_folder(tmp_path / "alice", b"alice's v1"), 1)
     bob.publish(adapter_folder(tmp_path / "bob", b"bob's v1"), 1)
@@ -178,11 +177,11 @@ def test_a_lineage_that_trains_for_weeks_is_remembered_as_its_last_listing_and_t
 
 
 def test_a_run_that_left_is_forgotten_and_comes_back_fresh_if_it_registers_again(tmp_path):
-    from contracts.adapters import AdapterRef, run_prefix
+    from contracts.adapters import AdapterRef
 
     slots = adapter_slots(tmp_path)
     sources = slots.sources
-    store = AdapterStore(run_prefix(sources.url, "alice"))
+    store = lineage_store(sources.url, "alice")
     publish(store, tmp_path, 1)
 
     async def scenario():
@@ -206,7 +205,9 @@ def test_a_teacher_is_loaded_from_another_lineage_only_where_the_fleet_trusts_it
     finished = f"file://{tmp_path}/finished"
     publish(AdapterStore.at(finished, bucket), tmp_path, 7)
     url = f"{finished}/adapters/policy-v7"
-    trusting = AdapterSources(f"file://{tmp_path}/bucket", bucket, window=3, other_lineages=[finished])
+    trusting = AdapterSources(
+        f"file://{tmp_path}/bucket", bucket, signing_secret=SECRET, window=3, other_lineages=[finished]
+    )
     source, folder = asyncio.run(trusting.fetch("teacher-v0", url))
     assert source == url and (folder.path / "adapter_config.json").is_file()
     folder.release()
@@ -214,10 +215,37 @@ def test_a_teacher_is_loaded_from_another_lineage_only_where_the_fleet_trusts_it
         asyncio.run(trusting.fetch("teacher-v0", f"{finished}/adapters/policy-v8"))
     with pytest.raises(BadRequest, match="outside the bucket"):  # the fleet's own lineage names stay its own
         asyncio.run(trusting.fetch("policy-v7", url))
-    wary = AdapterSources(f"file://{tmp_path}/bucket", bucket, window=3)
+    wary = AdapterSources(f"file://{tmp_path}/bucket", bucket, signing_secret=SECRET, window=3)
     with pytest.raises(BadRequest, match="outside the bucket"):
         asyncio.run(wary.fetch("teacher-v0", url))
     # A run that names this teacher brings a fleet that trusts its lineage (and a slot for it).
     cfg = local_config(tmp_path, f"objectives=[{{kind: distill, teacher: {{adapter: '{url}'}}}}]")
     own = cfg.own_fleet()
     assert own.fleet.extra_adapter_buckets == [finished] and own.max_loras == cfg.grpo.max_staleness + 3
+
+
+def test_a_version_planted_in_a_runs_prefix_by_another_writer_of_the_bucket_is_refused(tmp_path):
+    """Run alice may write the bucket, so she can commit a version under bob's prefix (or the fleet's own): signed
+    with her key, or with none, it does not verify under bob's, and the replica refuses it (403) instead of serving
+    her weights as bob's next version. Bob's own versions load."""
+    from contracts.serving import ReplicaError
+
+    sources = adapter_slots(tmp_path).sources
+    bob = lineage_store(sources.url, "bob", cache_dir=tmp_path / "cache")
+    publish(bob, tmp_path, 1)
+    as_bob_by_alice = AdapterStore(
+        bob.url, cache_dir=tmp_path / "cache", signing_key=lineage_store(sources.url, "alice").signing_key
+    )
+    publish(as_bob_by_alice, tmp_path, 2)
+    publish(AdapterStore(bob.url, cache_dir=tmp_path / "cache"), tmp_path, 3)  # unsigned
+    publish(AdapterStore(sources.url, cache_dir=tmp_path / "cache"), tmp_path, 4)  # the fleet's own, unsigned
+
+    def fetch(name: str, ref: str):
+        return asyncio.run(sources.fetch(name, ref))
+
+    assert fetch("bob/policy-v1", "policy-v1")[0].endswith("runs/bob/adapters/policy-v1")
+    for name, ref in (("bob/policy-v2", "policy-v2"), ("bob/policy-v3", "policy-v3"), ("policy-v4", "policy-v4")):
+        with pytest.raises(ReplicaError, match="refused: .*not signed") as refused:
+            fetch(name, ref)
+        assert refused.value.status == 403
+    assert bob.signed(1) and not bob.signed(2) and not bob.signed(3)

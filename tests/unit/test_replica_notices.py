@@ -130,18 +130,16 @@ def test_a_new_replica_loads_every_lineages_pinned_versions_before_it_takes_traf
     """A replacement, or one the autoscaler added mid-run: the fleet's own newest versions and every registered run's
     window (`deployments.warm_start`), read from the bucket; each loads into its LoRA slots."""
     from app.bucket.records import RunRecords
-    from app.bucket.store import AdapterStore
     from app.config import load_fleet_config
-    from contracts.adapters import run_prefix
     from deployments.warm_start import adapters_to_serve
-    from tests.unit.replica_parts import adapter_folder
+    from tests.unit.replica_parts import adapter_folder, lineage_store
 
     url = f"file://{tmp_path}/bucket"
     cfg = load_fleet_config(None, [f"bucket.url={url}", "fleet.max_staleness=1", "fleet.max_loras=8"])
     slots = adapter_slots(tmp_path, window=2, max_loras=8)
     for v in (1, 2, 3):
         slots.sources.store.publish(adapter_folder(tmp_path / f"own{v}", f"own {v}".encode()), v)
-    alice = AdapterStore(run_prefix(url, "alice"), cache_dir=tmp_path / "cache")
+    alice = lineage_store(url, "alice", cache_dir=tmp_path / "cache")
     for v in (4, 5, 6):
         alice.publish(adapter_folder(tmp_path / f"alice{v}", f"alice {v}".encode()), v)
     records = RunRecords.from_config(cfg, url)

@@ -87,3 +87,24 @@ def test_a_run_registers_with_a_weight_and_a_bad_one_is_a_400(fleet):
         r = client.post("/v1/runs", json={"name": "carol", "weight": bad}, headers=ADMIN)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("weight:"), (bad, r.text)
     assert sorted(client.get("/v1/runs", headers=ADMIN).json()["runs"]) == ["alice", "bob"]
+
+
+def test_each_lineage_gets_its_own_signing_key_and_only_its_own(fleet):
+    """A run's token gets the key its versions are signed with; the admin the fleet's own lineage's, or any run's;
+    no run another's (the key is what keeps one run from publishing as another)."""
+    from contracts.auth import lineage_key, signing_secret
+    from tests.unit.fake_fleet import TOKEN
+
+    _, client = fleet
+    alice, bob = register(client, "alice"), register(client, "bob")
+    secret = signing_secret(TOKEN)
+    mine = client.get("/v1/signing_key", headers=bearer(alice)).json()
+    assert mine == {"run": "alice", "key": lineage_key(secret, "alice").value}
+    assert client.get("/v1/signing_key", headers=bearer(bob)).json()["key"] == lineage_key(secret, "bob").value
+    assert mine["key"] != lineage_key(secret, "bob").value != lineage_key(secret, None).value
+    assert client.get("/v1/signing_key", headers=ADMIN).json() == {"run": None, "key": lineage_key(secret, None).value}
+    assert client.get("/v1/signing_key", params={"run": "bob"}, headers=ADMIN).json()["run"] == "bob"
+    assert client.get("/v1/signing_key", params={"run": "bob"}, headers=bearer(alice)).status_code == 403
+    assert client.get("/v1/signing_key", params={"run": "carol"}, headers=ADMIN).status_code == 404
+    assert client.get("/v1/signing_key").status_code == 401
+    assert signing_secret(TOKEN).value != signing_secret("another-admin-token").value  # only the token's holder

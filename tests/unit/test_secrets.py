@@ -65,8 +65,11 @@ def test_the_deployments_arguments_never_carry_the_token_in_the_clear():
     assert KNOWN.encode() not in pickle.dumps(replica.init_args)
     assert KNOWN not in json.dumps(ingress.init_args[4])  # the ingress's run config (Serve keeps it)
     # The ingress gets it once, as a Secret, which shows no value in any repr or log line.
-    (secret,) = [a for a in ingress.init_args if isinstance(a, Secret)]
-    assert secret.value == KNOWN and KNOWN not in repr(ingress.init_args) and KNOWN not in str(secret)
+    (secret,) = [a for a in ingress.init_args if isinstance(a, Secret) and a.value == KNOWN]
+    assert KNOWN not in repr(ingress.init_args) and KNOWN not in str(secret)
+    # Beside it, and to every replica, the signing secret derived from it: one value, never the token's.
+    (signing,) = [a for a in ingress.init_args if isinstance(a, Secret) and a.value != KNOWN]
+    assert [a.value for a in replica.init_args if isinstance(a, Secret)] == [signing.value]
 
 
 def test_serve_run_overrides_may_not_carry_the_token():

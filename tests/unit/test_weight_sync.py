@@ -124,3 +124,27 @@ def test_inside_the_cluster_the_fleet_is_reached_by_serve_handle_elsewhere_by_ht
         (("policy-v3", "s3://b/adapters/policy-v3"), 7.0),
         (("policy-v4", "s3://b/adapters/policy-v4"), 7.0),
     ]
+
+
+def test_a_learner_publishes_past_a_version_planted_in_its_prefix_and_fails_on_its_own(tmp_path):
+    """Another writer of the bucket took this run's next version number: the learner publishes its version as the
+    next free one (the fleet refuses the planted one), and says what it published; a version of its own lineage at
+    that number is a second learner of the run, an error as before."""
+    import pytest
+
+    from app.bucket.filesystem import VersionExists
+    from app.weight_sync import AdapterPublisher
+    from contracts.auth import lineage_key, signing_secret
+    from tests.unit.replica_parts import adapter_folder
+
+    cfg = local_config(tmp_path)
+    key = lineage_key(signing_secret("token-of-this-fleet"), None)
+    publisher = AdapterPublisher(cfg, signing_key=key)
+    folder = adapter_folder(tmp_path / "mine", b"mine")
+    assert publisher.publish(folder, 1) == 1
+    publish(AdapterStore.from_config(cfg), tmp_path, 2)  # planted, unsigned
+    assert publisher.publish(folder, 2) == 3
+    assert publisher.store.signed(3) and not publisher.store.signed(2)
+    with pytest.raises(VersionExists):
+        publisher.publish(folder, 3)
+    publisher.close()
