@@ -8,7 +8,9 @@ the previous one stopped and loses one node in its middle:
 - learner node, GCP notice: the same steps in, noticed, killed 30 s later (the notice's deadline);
 - learner node, AWS notice: the same, killed once two more steps were committed (well inside the 120 s);
 - replica node, no notice: killed while long generations run on it, its replacement added at once;
-- replica node, AWS notice: noticed while they run, killed once its replacement serves.
+- replica node, AWS notice (120 s) and a notice 35 s ahead: noticed while they run, killed once its replacement
+  serves. Serve stops the noticed replica once its replacement runs or `graceful_shutdown_timeout_s` (30 s) before
+  the deadline, whichever is first, and the replica hands back what still runs then.
 
 Per leg: groups trained twice, learner-seconds lost (steps trained, then lost with the node and trained
 again), time from the kill to the next step, requests failed, and for the replica legs generations sent again
@@ -53,7 +55,8 @@ def learner_legs(spot, steps: int, kill_after: int) -> dict[str, dict]:
 
 def replica_legs(spot) -> dict[str, dict]:
     out = {}
-    for name, notice_in_s in {"replica, no notice": None, "replica, AWS notice (120 s)": 120.0}.items():
+    legs = {"replica, no notice": None, "replica, AWS notice (120 s)": 120.0, "replica, notice 35 s ahead": 35.0}
+    for name, notice_in_s in legs.items():
         t0 = time.time()
         figures = replica_leg(spot, notice_in_s)
         figures["long_tokens_ok"] = all(len(c["token_ids"]) == LONG_TOKENS for c in figures.pop("long_choices"))

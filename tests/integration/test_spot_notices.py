@@ -7,8 +7,9 @@ driver that resumes where the previous one stopped, with one node noticed in its
 - the learner's node noticed 120 s ahead (AWS), killed after two more steps;
 - the learner's node noticed 30 s ahead (GCP), killed at the deadline;
 - the learner sent SIGTERM (a scheduler's 30 s grace period), its node killed at the end of it;
-- a replica's node noticed (AWS), killed once the replacement serves: Serve stops the noticed replica as soon as its
-  replacement runs, long before the notice's deadline, and the replica hands its generations back then.
+- a replica's node noticed 35 s ahead, killed once the replacement serves: Serve begins to stop the noticed replica
+  once its replacement runs or its graceful shutdown's length (30 s) before the deadline, whichever is first, and
+  the replica hands its generations back then.
 No step may be lost (the replacement resumes at the last step logged before the kill) and no group trained
 twice; no request may fail, none be routed to the noticed replica once it drains, and its generations in
 flight finish or continue elsewhere, token-exact. `learner.save_steps` is 100: only the notice's checkpoints
@@ -26,6 +27,7 @@ from tests.spot_cluster import assert_exactly_once, assert_versions_whole, repor
 from tests.spot_legs import LONG_TOKENS, learner_leg, replica_leg
 
 STEPS_PER_LEG = 8
+NOTICE_S = 35.0  # the replica's node: Serve's graceful shutdown (30 s) begins 5 s after the notice at the latest
 SPOT = (
     "spot.poll_interval_s=1",  # AWS advises 5 s; 1 s keeps the legs short. Every other spot setting: as shipped
     "model.max_model_len=256",  # room for generations long enough to be in flight when the replica goes
@@ -81,12 +83,17 @@ def test_sigterm_to_the_learner_with_a_30_s_grace_loses_no_step(spot):
 
 
 def test_a_noticed_replica_node_fails_no_request_and_hands_its_work_back(spot):
-    f = replica_leg(spot, notice_in_s=120.0)
+    """A notice 35 s ahead: Serve begins to stop the replica 30 s before the node goes (its graceful shutdown), or
+    once the replacement runs, and the replica hands its generations back then: not `spot.handback_margin_s` before
+    the deadline, which Serve's stop would pre-empt whenever a replacement runs early."""
+    from app.config import SpotConfig
+
+    f = replica_leg(spot, notice_in_s=NOTICE_S)
     report(
         f"replica node, AWS notice: router routed around it {f['notice_to_routed_around_s']:.1f} s after the notice "
         f"({f['routed_at_drain'] - f['routed_at_notice']} routed in between; refused while draining and sent "
         f"elsewhere: {f['refused_draining']}); routed to it after that: {f['routed_after_drain']}; generations "
-        f"handed back and continued elsewhere: {f['handed_back']}; requests failed: {f['long_requests_failed']} of "
+        f"handed back and continued elsewhere: {f['handed_back']} ({f['notice_to_handed_back_s'] or float('nan'):.1f} s after the notice); requests failed: {f['long_requests_failed']} of "
         f"{f['long_requests']} long ones, {f['requests_failed']} groups of the run; replacement serving "
         f"{f['notice_to_replacement_serving_s']:.0f} s after the notice, before the node went; kill to next step "
         f"{f['kill_to_next_step_s']:.1f} s",
@@ -96,6 +103,9 @@ def test_a_noticed_replica_node_fails_no_request_and_hands_its_work_back(spot):
     assert f["long_requests_failed"] == 0 and f["requests_failed"] == 0
     assert f["routed_after_drain"] == 0, "a request was routed to the draining replica"
     assert f["handed_back"] >= 1, "nothing was in flight at the hand-back: the test proves nothing"
+    assert f["notice_to_handed_back_s"] < 30.0 - SpotConfig().handback_margin_s, (
+        "handed back at the margin, not Serve's stop"
+    )
     choices = f["long_choices"]
     assert all(len(c["token_ids"]) == LONG_TOKENS == len(c["logprobs"]["token_logprobs"]) for c in choices)
     assert all(c["finish_reason"] == "length" for c in choices)
