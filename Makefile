@@ -25,7 +25,7 @@ endif
 	touch $@
 
 train: setup
-	$(PY) -m app.train --config $(CONFIG) $(ARGS)
+	$(PY) -m launch.train --config $(CONFIG) $(ARGS)
 
 tiny-model: setup
 	$(PY) -m app.tiny_model --config $(CONFIG)
@@ -38,14 +38,14 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 serve: setup
-	bash deployments/serve_local.sh serve_config.yaml
+	bash ops/serve_local.sh serve_config.yaml
 
 bench: setup
 	$(PY) -m bench.run_all
 
 lint: setup
-	$(PY) -m ruff check app deployments tests bench
-	$(PY) -m ruff format --check app deployments tests bench
+	$(PY) -m ruff check app bench contracts core deployments launch tests
+	$(PY) -m ruff format --check app bench contracts core deployments launch tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -16,13 +16,15 @@ import contextlib
 import json
 import math
 
-from app.config import add_config_args, config_from_args
 from app.fleet_client import FleetClient
-from app.models import prompt_token_ids
-from app.rollout.sampling import Sampler, SamplingArgs, sampler_for
+from app.rollout.episodes import sampler_for
+from app.rollout.sampling import Sampler, SamplingArgs
+from app.tasks.checks import check_names
 from app.tasks.problems import Problem
 from contracts.auth import inference_token
 from contracts.rollouts import Sample
+from core.config import add_config_args, config_from_args
+from core.models import prompt_token_ids
 
 
 async def evaluate_async(
@@ -57,8 +59,8 @@ async def evaluate_async(
 def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None = None) -> dict:
     """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split; its client and sampler are
     closed when done (the driver evaluates twice a run, a long-lived caller many times)."""
-    from app.models import load_tokenizer
     from app.tasks.problems import load_task
+    from core.models import load_tokenizer
 
     problems = load_task(cfg.task).heldout
     tokenizer = load_tokenizer(model_path)
@@ -86,8 +88,8 @@ def base_model_name(fleet: FleetClient) -> str:
 
 def default_model(cfg, fleet: FleetClient) -> str:
     """What to evaluate when no adapter is named: the newest version in the bucket, else the base model."""
-    from app.bucket.store import AdapterStore
     from contracts.adapters import adapter_name
+    from core.bucket.store import AdapterStore
 
     latest = AdapterStore.from_config(cfg).latest()
     return adapter_name(latest, cfg.fleet_run) if latest is not None else base_model_name(fleet)
@@ -99,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter", default=None, help="policy-vN to evaluate (default: the newest in the bucket).")
     parser.add_argument("--url", default=None, help="Fleet URL (default: http://fleet.host:fleet.port).")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    from app.models import resolve_model_path
+    cfg = config_from_args(args, checks=(check_names,))
+    from app.tiny_model import prepare_model
 
     url = args.url or f"http://{cfg.fleet.host}:{cfg.fleet.port}"
     token = inference_token(cfg)
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with contextlib.closing(FleetClient(url, token)) as fleet:
             model = default_model(cfg, fleet)
-    print(json.dumps(evaluate(cfg, url, resolve_model_path(cfg.model, cfg.task), model, token)))
+    print(json.dumps(evaluate(cfg, url, prepare_model(cfg.model, cfg.task), model, token)))
 
 
 if __name__ == "__main__":

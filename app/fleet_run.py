@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.fleet_client import FleetClient, FleetError
-from app.models import check_same_base_model
 from contracts.auth import RUN_TOKEN_PREFIX, Secret, admin_token, redact
+from core.models import check_same_base_model
 
 log = logging.getLogger("spotrl.fleet_run")
 
@@ -105,7 +105,7 @@ def join(cfg, model_path: str) -> FleetRun:
 
 
 def check_base_model(client: FleetClient, model_path: str, revision: str | None) -> None:
-    """SystemExit unless the fleet behind `client` serves `model_path` (`app.models.check_same_base_model`)."""
+    """SystemExit unless the fleet behind `client` serves `model_path` (`core.models.check_same_base_model`)."""
     served = _call(client.server_info, f"asking {client.base_url} which base model it serves")["spotrl"]
     check_same_base_model(served.get("base_fingerprint"), model_path, revision, client.base_url)
 

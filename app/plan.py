@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give --config FILE or --model NAME")
     settings = {"targets": "all-linear", "dtype": "bfloat16", "replicas": 1, "gpus": 1.0, "rank": 8}
     if args.config:
-        from app.config import load_config
+        from core.config import load_config
 
         cfg = load_config(args.config)
         targets = cfg.lora.target_modules

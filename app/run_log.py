@@ -8,8 +8,8 @@ import statistics
 import time
 from contextlib import ExitStack
 
-from app.config import RunConfig
 from app.messages import RolloutStats, StepResult
+from core.config import RunConfig
 
 
 def window_mean(values: list[float], share: float, last: bool) -> float | None:

@@ -17,7 +17,8 @@ import signal
 import threading
 import time
 
-from contracts.notices import Notice, NoticeWatcher
+from contracts.notice_watcher import NoticeWatcher
+from contracts.notices import Notice
 
 log = logging.getLogger("spotrl.spot")
 
@@ -85,7 +86,7 @@ def resumed_line(cfg, step: int, version: int) -> str:
 def finished_line(cfg) -> str | None:
     """One line about this run if its learner already reached `grpo.max_steps` (a checkpoint in its bucket at or
     past it), else None. Reads the bucket's listing and the run's summary.json; writes nothing."""
-    from app.bucket.store import CheckpointStore
+    from core.bucket.store import CheckpointStore
 
     step = CheckpointStore.from_config(cfg).latest()
     if step is None or step < cfg.grpo.max_steps:

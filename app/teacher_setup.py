@@ -1,11 +1,11 @@
 """A distilling run's teacher at start: where it is served, that it gives the student's token ids, that it scores
 the same sequence the same twice. The driver calls `prepare_teacher` once; what it answers goes to the rollout.
 
-The four kinds (`app.config.teacher`) end up as one `TeacherEndpoint`, a server and a model name:
+The four kinds (`core.config.teacher`) end up as one `TeacherEndpoint`, a server and a model name:
 - `base`: the run's fleet, under the base model's name (the first model of its `/v1/models`);
 - `adapter`: the run's fleet, which loads it as `teacher-v0` now (its own fleet trusts where it comes from:
   `RunConfig.own_fleet`);
-- `model`: the run's fleet, under the teacher deployment's name (`deployments.teacher` built it and compared
+- `model`: the run's fleet, under the teacher deployment's name (`deployments.replica.teacher` built it and compared
   its tokenizer already; a fleet that was running before this run must have it too);
 - `url`: the teacher's own server, with its first model unless `served_model` says otherwise.
 
@@ -22,14 +22,14 @@ import logging
 import math
 import os
 
-from app.config import ConfigError
-from app.config.teacher import TEACHER_ADAPTER
 from app.evaluate import base_model_name
 from app.fleet_client import FleetClient, FleetError
-from app.models import check_same_token_ids, check_same_tokenizer, load_tokenizer, resolve_model_path
 from app.rollout.teacher import TEACHER_TOKEN_ENV, TeacherEndpoint
 from app.tasks.problems import load_task
 from contracts.auth import Secret
+from core.config import ConfigError
+from core.config.teacher import TEACHER_ADAPTER
+from core.models import check_same_token_ids, check_same_tokenizer, load_tokenizer, resolve_model_path
 
 log = logging.getLogger("spotrl.teacher")
 
@@ -65,7 +65,7 @@ def prepare_teacher(cfg, fleet: FleetClient, model_path: str, token: str | None)
 def _deployed_teacher(cfg, fleet: FleetClient, student, token: Secret | None) -> TeacherEndpoint:
     """A `model` teacher: the fleet's teacher deployment, which must be there and of the student's tokenizer."""
     deployment = cfg.teacher.deployment()
-    check_same_tokenizer(student, resolve_model_path(deployment.model, cfg.task, log=log.info), "teacher.model")
+    check_same_tokenizer(student, resolve_model_path(deployment.model, cfg.task), "teacher.model")
     if deployment.name not in {m["id"] for m in fleet.models()}:
         raise refuse(f"the fleet at {fleet.base_url} serves no teacher {deployment.name!r} (started without it?)")
     return TeacherEndpoint("model", fleet.base_url, deployment.name, token)

@@ -14,7 +14,6 @@ for each seed). The folder is cached under a key of its config, so it is built o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -26,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from app.config import ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
 from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
+from core.config import ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
+from core.models import load_tokenizer, resolve_model_path, tiny_model_folder
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
@@ -39,15 +39,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BUILD_VERSION = 1  # bump when the build recipe changes, so stale caches are not reused
-
-
-def cache_key(tiny: TinyModelConfig, task: TaskConfig) -> str:
-    """Everything the built folder depends on: its shape, its warm-up and the held-out split it avoids."""
-    spec = {"v": BUILD_VERSION, "tiny": tiny.model_dump(), "task": [task.digits, task.seed, task.num_heldout]}
-    if task.name == "chained_arithmetic":  # warmed up on episodes instead (the single-turn key stays as it was)
-        spec["episodes"] = [task.chain_min, task.chain_max, task.chain_operand_max]
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _tokenizer_corpus(rng: random.Random, digits: int) -> list[str]:
@@ -283,8 +274,8 @@ def warm_up(
 def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> tuple[Path, dict]:
     """Build the tiny model folder once per config (atomically, so concurrent callers are safe); reuse after."""
     tiny = model_cfg.tiny
-    root = Path(os.path.expanduser(model_cfg.cache_dir))
-    folder = root / f"tiny-qwen2-{cache_key(tiny, task_cfg)}"
+    folder = tiny_model_folder(model_cfg, task_cfg)
+    root = folder.parent
     info_file = folder / "spotrl_tiny.json"
     if info_file.exists():
         return folder, {**json.loads(info_file.read_text()), "cached": True}
@@ -315,7 +306,6 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "spotrl_tiny.json").write_text(json.dumps(info, indent=1))
-    from app.models import load_tokenizer  # app.models builds this module on demand: import at call time
 
     load_tokenizer(tmp)  # the saved folder, as every other process will load it, must round-trip
     try:
@@ -324,6 +314,14 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
         shutil.rmtree(tmp, ignore_errors=True)
         return folder, {**json.loads(info_file.read_text()), "cached": True}
     return folder, {**info, "cached": False}
+
+
+def prepare_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> str:
+    """The model folder (or hub name) the run or the fleet loads, the tiny model built first when it is the one: what
+    every entry point calls before anything loads the model (`core.models.resolve_model_path` only names it)."""
+    if model_cfg.name_or_path == "tiny":
+        ensure_tiny_model(model_cfg, task_cfg, log=log)
+    return resolve_model_path(model_cfg, task_cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,7 @@ once: a version is served only once it is committed to the bucket, and a replica
 - the driver makes sure the fleet serves the learner's version before sampling (`ensure_served`)
   and tells the rollout to sample with, and measure staleness to, a new version (`tell_rollout`);
 - a replica that starts loads the newest committed versions, and one asked for a committed version it
-  does not hold loads it from the bucket: that is the fleet's side (`deployments.adapter_sources`).
+  does not hold loads it from the bucket: that is the fleet's side (`deployments.replica.adapter_sources`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from app.bucket.filesystem import BucketError, VersionExists
-from app.bucket.store import AdapterStore
 from app.fleet_client import fleet_admin_client
 from contracts.adapters import adapter_name
 from contracts.auth import Secret
+from core.bucket.filesystem import BucketError, VersionExists
+from core.bucket.store import AdapterStore
 
 log = logging.getLogger(__name__)
 

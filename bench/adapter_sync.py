@@ -2,10 +2,10 @@
 
 The design rests on this: after each sync the learner publishes a rank-1 adapter of a few megabytes
 and every replica pulls it, where full fine-tuning would move every weight. This measures, on a real
-S3 server (SeaweedFS on 127.0.0.1, through s3fs and app.bucket.store's commit protocol), the
+S3 server (SeaweedFS on 127.0.0.1, through s3fs and core.bucket.store's commit protocol), the
 publish-to-fetched latency (one store publishes, a second store with its own cache fetches and
 verifies, as learner and replica do) and the payload bytes moved (up + down), for
-  (a) a rank-1 adapter of the embedded tiny model (app.config's tiny shape),
+  (a) a rank-1 adapter of the embedded tiny model (core.config's tiny shape),
   (b) a rank-1 adapter of a model with Qwen2.5-1.5B's shapes (all linear layers),
   (c) that model's full bf16 weights as safetensors shards, through the same bucket and protocol.
 Weights are random and made here; nothing is downloaded. Adapters get >= 30 versions; the full
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from app.bucket.store import AdapterStore, CheckpointStore
-from app.config import TinyModelConfig
 from bench.common import fmt_bytes, fmt_seconds, print_table, summarize, write_result
+from core.bucket.store import AdapterStore, CheckpointStore
+from core.config import TinyModelConfig
 
 # Qwen2.5-1.5B's published config (the seed recipe's base model): 1.54B parameters, tied embeddings.
 QWEN25_1_5B = dict(
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one, removed after)")
     args = parser.parse_args(argv)
 
-    from tests.s3_server import start_seaweedfs
+    from tests.support.s3_server import start_seaweedfs
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="spotrl-bench-adapter-sync-"))
     # 1 GiB volumes: the default 128 MiB would need ~25 volumes per full-weight copy; and room for Go's

@@ -104,10 +104,10 @@ def write_result(name: str, data: dict, results_dir: Path | None = None) -> Path
 
 
 def train_run(config: str, sets: list[str], out: Path, label: str) -> dict:
-    """`python -m app.train --config CONFIG --set ...` as run `bench`, every file of it under `out` (its bucket, a fleet
+    """`python -m launch.train --config CONFIG --set ...` as run `bench`, every file of it under `out` (its bucket, a fleet
     on a free port of its own, no trackio, no progress bar): its summary.json. Its metrics are in
     `out/bench/metrics.jsonl`."""
-    from tests.fleet_helpers import free_port
+    from tests.support.fleet_helpers import free_port
 
     sets = [
         *sets,
@@ -119,7 +119,7 @@ def train_run(config: str, sets: list[str], out: Path, label: str) -> dict:
         "logging.progress_bar=false",
         f"fleet.port={free_port()}",
     ]
-    cmd = [sys.executable, "-m", "app.train", "--config", config, *(a for s in sets for a in ("--set", s))]
+    cmd = [sys.executable, "-m", "launch.train", "--config", config, *(a for s in sets for a in ("--set", s))]
     print(f"running {label}: {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:

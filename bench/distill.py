@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.common import print_table, write_result
 from bench.vs_trl import checkpoint_rows, run_spotrl, samples_per_step
-from tests.fleet_helpers import free_port
+from tests.support.fleet_helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "tiny-distill.yaml"
@@ -36,7 +36,7 @@ def variants(distill: dict) -> dict[str, list[dict]]:
 
 
 def variant_config(name: str, objectives: list[dict], workdir: Path, steps: int, port: int):
-    from app.config import load_config
+    from core.config import load_config
 
     out = workdir / name
     (out / "bench" / "bucket" / "adapters").mkdir(parents=True)
@@ -62,10 +62,10 @@ def run_variant(cfg, teacher, steps: list[int]) -> dict:
     """A fleet of its own (with the teacher deployment whatever the variant), the run, its adapters evaluated."""
     from app.evaluate import base_model_name, evaluate
     from app.fleet_client import FleetClient
-    from app.models import resolve_model_path
+    from app.tiny_model import prepare_model
     from deployments.fleet import deploy_fleet, shutdown_fleet
 
-    model_path = resolve_model_path(cfg.model, cfg.task)
+    model_path = prepare_model(cfg.model, cfg.task)
     try:
         url = deploy_fleet(cfg.own_fleet().model_copy(update={"teacher": teacher}), model_path)
         base = evaluate(cfg, url, model_path, base_model_name(FleetClient(url)))["accuracy"]
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     import ray
 
-    from app.config import load_config
-    from app.local_ray import start_ray
+    from core.config import load_config
+    from core.local_ray import start_ray
 
     shipped = load_config(CONFIG)
     distill = next(o for o in shipped.objectives if o.kind == "distill").model_dump(mode="json")

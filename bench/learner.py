@@ -86,8 +86,8 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
     """Build this process's learner for one variant; returns its resident memory before any step."""
     import torch
 
-    from app.config import RunConfig
     from app.learner.rank import LearnerRank
+    from core.config import RunConfig
 
     global _learner
     torch.set_num_threads(threads)

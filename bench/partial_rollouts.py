@@ -3,7 +3,7 @@
 The workload is `configs/tiny-multiturn.yaml` (chained-arithmetic episodes of 2-3 turns) with an environment
 that takes `--latency` seconds to answer each turn, as a slow tool or sandbox does, and more groups in flight
 than the learner consumes per version, so that an episode spans several policy versions. Four arms, each a
-full `app.train` run of the same steps from the same warmed-up model:
+full `launch.train` run of the same steps from the same warmed-up model:
 
 - `drop_at_take`: today's rule; an episode's later turns under the version it started with;
 - `partial`: partial rollouts on (cut generations continued and later turns sampled under the newest version);

@@ -1,6 +1,6 @@
 """The same preemptions with and without a spot notice, side by side in one run: what a warning is worth.
 
-One spot-like cluster on this machine (`tests.spot_cluster`: a head, a learner node, two rollout nodes, SeaweedFS
+One spot-like cluster on this machine (`tests.support.spot_cluster`: a head, a learner node, two rollout nodes, SeaweedFS
 S3, a fake cloud metadata server per node on 127.0.0.1) and one run in legs, each a driver that resumes where
 the previous one stopped and loses one node in its middle:
 
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 from bench.common import print_table, write_result
-from tests.spot_cluster import spot_cluster
-from tests.spot_legs import LONG_TOKENS, learner_leg, replica_leg
+from tests.support.spot_cluster import spot_cluster
+from tests.support.spot_legs import LONG_TOKENS, learner_leg, replica_leg
 
 EXTRA = (
     "spot.poll_interval_s=1",  # every other spot setting as shipped

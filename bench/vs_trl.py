@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.common import print_table, write_result
-from tests.fleet_helpers import free_port
+from tests.support.fleet_helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # A chat template that renders the raw prompt: TRL's rollout worker always goes through one, and the
@@ -100,12 +100,12 @@ def evaluate_folder(cfg, url: str, model_path: str, name: str, folder: Path) -> 
 
 
 def run_spotrl(cfg, url: str, model_path: str, steps: list[int]) -> dict[int, dict]:
-    """`app.train.train` on the running fleet, then evaluate its bucket versions at `steps`."""
-    import app.local_ray
-    from app.train import train
+    """`launch.train.train` on the running fleet, then evaluate its bucket versions at `steps`."""
+    import core.local_ray
+    from launch.train import train
 
     # The Ray of this process already hosts the shared fleet: the driver joins it instead of starting one.
-    app.local_ray.start_ray = lambda address, offline=True: False
+    core.local_ray.start_ray = lambda address, offline=True: False
     summary = train(cfg, address="this-process")
     history = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     times = {h["step"]: h["time"] for h in history}
@@ -182,9 +182,9 @@ def trl_main(args) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from app.config import load_config
     from app.tasks.problems import load_task
     from bench.vs_trl import ExactAnswerOfIds  # by module name: TRL pickles the reward into its rollout process
+    from core.config import load_config
 
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", args.overrides)
     g = cfg.grpo
@@ -275,10 +275,10 @@ def run_trl(cfg, overrides: list[str], url: str, model_path: str, steps: list[in
 
 def run_seed(seed: int, steps: list[int], port: int) -> dict:
     """One fleet on the Ray already started, both trainers (spotrl first, then TRL), evaluated alike."""
-    from app.config import load_config
     from app.evaluate import base_model_name, evaluate
     from app.fleet_client import FleetClient
-    from app.models import resolve_model_path
+    from app.tiny_model import prepare_model
+    from core.config import load_config
     from deployments.fleet import deploy_fleet, shutdown_fleet
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrl-vs-trl-"))
@@ -287,7 +287,7 @@ def run_seed(seed: int, steps: list[int], port: int) -> dict:
     # Serve's proxy keeps the port it started on: every seed's fleet gets the same one.
     overrides = [*bench_overrides(workdir, max(steps), seed), f"fleet.port={port}"]
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
-    model_path = resolve_model_path(cfg.model, cfg.task)
+    model_path = prepare_model(cfg.model, cfg.task)
     try:
         url = deploy_fleet(cfg.own_fleet(), model_path)
         base = evaluate(cfg, url, model_path, base_model_name(FleetClient(url)))["accuracy"]
@@ -310,7 +310,7 @@ def run_seeds(seeds: list[int], steps: list[int]) -> list[dict]:
     address, which Ray leaves in the environment), a fresh fleet and bucket per seed."""
     import ray
 
-    from app.local_ray import start_ray
+    from core.local_ray import start_ray
 
     start_ray(None, offline=True)
     try:

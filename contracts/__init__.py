@@ -2,8 +2,8 @@
 
 spotrl is two products that share a bucket: the roles of a run (`app/`: driver, learner, rollout, tasks)
 and the fleet that serves it (`deployments/`: ingress, replicas, router). Both import this package and
-the config and bucket layers of `app/` (`app.config`, `app.bucket`, `app.models`); neither imports the
-other's roles, and the driver (`app.train`) is the one module that wires both. `tests/unit/test_layers.py`
+the config and bucket layers of `app/` (`core.config`, `core.bucket`, `core.models`); neither imports the
+other's roles, and the driver (`launch.train`) is the one module that wires both. `tests/unit/test_layers.py`
 scans every import and fails on a violation.
 
 - `contracts.adapters`: one spelling for an adapter's fleet name, its bucket key and its run's prefix.

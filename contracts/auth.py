@@ -14,7 +14,7 @@ prefix, so `redact` recognises one wherever it shows up, without having to know 
 keeps only their sha256 (`token_digest`), so nothing it holds or logs can give a run's token away.
 
 Whoever can write the bucket can write any run's prefix of it, so the fleet does not take a version's place in the
-bucket as proof of whose it is: each lineage's versions are signed (`app.bucket.manifest`) with a key only the fleet
+bucket as proof of whose it is: each lineage's versions are signed (`core.bucket.manifest`) with a key only the fleet
 can derive (`lineage_key`, from its `signing_secret`), which it hands each run at its registration; replicas load
 only what verifies under the key of the lineage it claims to be of.
 """

@@ -38,7 +38,7 @@ class AdapterInfo:
 
     name: str
     source: str  # the bucket URL of the version (credentials redacted), or the trusted local folder
-    sha256: str  # of its files (`app.bucket.manifest.folder_digest`): what "already loaded" is checked against
+    sha256: str  # of its files (`core.bucket.manifest.folder_digest`): what "already loaded" is checked against
     inflight: int
 
 

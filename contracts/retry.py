@@ -2,15 +2,15 @@
 
 Who retries what, decided here so that no failure is retried by two layers at once:
 
-- the bucket (`app.bucket.store`): transient store errors (connection, 5xx, throttling, timeouts),
+- the bucket (`core.bucket.store`): transient store errors (connection, 5xx, throttling, timeouts),
   `bucket.max_attempts` times; s3fs's and botocore's own retries are off.
 - HTTP calls to the fleet (`app.fleet_client`): a fleet that cannot be reached, times out or answers
   502/503/504 (starting, or no live replica). Generation requests of the rollout use
   `rollout.max_retries`; a request the fleet rejected (4xx) or failed (500) is not sent again.
-- the ingress (`deployments.ingress`): a generation whose replica died mid-request goes to another
+- the ingress (`deployments.ingress.shell`): a generation whose replica died mid-request goes to another
   replica; it answers 503 only when no replica is left, which the client above then waits out. A
   generation during which an *engine* died is sent once more at most: if a second engine dies it is
-  answered 500 and refused for a while by its fingerprint (`deployments.poison`), so a request that
+  answered 500 and refused for a while by its fingerprint (`deployments.ingress.poison`), so a request that
   crashes engines cannot go round the fleet.
 - the learner group (`app.learner.group`): a step during which a rank died is run once more on the
   restarted group (an actor restart, not a network retry).

@@ -25,6 +25,11 @@ def serve_address(app_name: str) -> str:
     return f"{SERVE_SCHEME}{app_name}"
 
 
+# The fleet's Serve deployments by name: what the builder names them, and what a replica asks Serve for (its ingress).
+REPLICA_DEPLOYMENT = "VLLMReplica"
+INGRESS_DEPLOYMENT = "Ingress"
+TEACHER_DEPLOYMENT = "TeacherReplica"
+
 # The VLLMReplica method that samples (called with one GenerateRequest); the router routes its calls by prefix.
 GENERATE_METHOD = "generate"
 
@@ -105,7 +110,7 @@ class Generated:
 
     `handed_back`: the replica cut the generation short and handed it back (its node is going, `contracts.control.
     HandBack`): the choices whose `finish_reason` is `ABORTED` hold the tokens generated so far, to be continued
-    elsewhere from prompt + those tokens (`deployments.handback`)."""
+    elsewhere from prompt + those tokens (`deployments.ingress.handback`)."""
 
     replica: str
     choices: list[SampledChoice]
@@ -157,7 +162,7 @@ class EngineDied(ReplicaError):
     """The replica's engine died while it served this request, which may be what killed it.
 
     Not a `ReplicaUnavailable`: the ingress sends such a request to one more replica only
-    (`deployments.poison`), so that a request that crashes engines cannot go round the fleet.
+    (`deployments.ingress.poison`), so that a request that crashes engines cannot go round the fleet.
     """
 
     status = 503

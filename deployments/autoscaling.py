@@ -2,13 +2,13 @@
 
 Serve's default policy counts requests, but a request is one prompt of `n` samples, and what loads an engine is
 sequences: each replica reports its own, running or waiting in its engine (`VLLMReplica.record_autoscaling_stats`,
-`deployments.inflight`), and `SequencesPolicy` asks for `sum / fleet.autoscaling.target_sequences` replicas, plus
+`deployments.replica.inflight`), and `SequencesPolicy` asks for `sum / fleet.autoscaling.target_sequences` replicas, plus
 the requests queued in the handles. The rollouts' backlog beyond what the engines take waits in the ingress's
 fair-share gate, which Serve does not see: when every replica's engine is full (`fleet.max_num_seqs`), the
 policy asks for one more replica. Serve applies the delays (`upscale_delay_s`, `downscale_delay_s`) and the
 bounds (`min_replicas`, `max_replicas`); Ray's autoscaler brings a node when a new replica finds no room
 (cluster.yaml's rollout groups). A replica added mid-run loads the pinned adapters before it takes traffic
-(`deployments.warm_start`), and the router, the gate's budget and `/server_info` follow the live replicas
+(`deployments.replica.warm_start`), and the router, the gate's budget and `/server_info` follow the live replicas
 (`deployments.control.upkeep`).
 
 Serve pickles the policy by value into its controller: this module imports nothing of ours at import time.

@@ -1,7 +1,7 @@
 """Builds and runs the fleet: one Serve application = an Ingress in front of N VLLMReplicas.
 
-Two ways in, one builder (`fleet_app`), both with a fleet's config (`app.config.FleetConfig`):
-- `serve run serve_config.yaml` (`make serve`) imports `build_app`, which reads a fleet config file;
+Two ways in, one builder (`fleet_app`), both with a fleet's config (`core.config.FleetConfig`):
+- `serve run serve_config.yaml` (`make serve`) imports `launch.serve:build_app`, which reads a fleet config file;
 - the driver calls `deploy_fleet(cfg.own_fleet(), model_path)` on an already initialised Ray and gets the
   base URL back once every replica has loaded the live adapters; `fleet_is_running` and `shutdown_fleet`
   complete the lifecycle.
@@ -26,18 +26,16 @@ reach (an HTTP host beyond loopback), or whose inference is to be protected, is 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
-from typing import Any
 
-from app.config import HEAD_NODE, REPO_ROOT, ConfigError, FleetConfig, load_fleet_config
+from contracts.serving import INGRESS_DEPLOYMENT, REPLICA_DEPLOYMENT
+from core.bucket.filesystem import absolute_bucket_url
+from core.config import HEAD_NODE, FleetConfig
 
 log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the app-build and controller logs
 
-PREFIX_ROUTER = "deployments.router:PrefixHashRouter"
-REPLICA_DEPLOYMENT = "VLLMReplica"
-INGRESS_DEPLOYMENT = "Ingress"
+PREFIX_ROUTER = "deployments.routing.router:PrefixHashRouter"
 # One access-log line per request drowns the replicas' own messages (and a joined driver's terminal) at
 # hundreds of requests a second; request counts and latencies are in Serve's metrics.
 QUIET = {"enable_access_log": False}
@@ -49,27 +47,14 @@ def most_replicas(fleet) -> int:
     return fleet.autoscaling.max_replicas if fleet.autoscaling else fleet.num_replicas
 
 
-def absolute_bucket_url(url: str) -> str:
-    """`file://runs/x` means runs/x under this process's working directory; say so explicitly."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return f"file://{os.path.abspath(url)}"
-    if scheme == "file" and not rest.startswith("/"):
-        return f"file://{os.path.abspath(rest)}"
-    return url
-
-
 def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = PREFIX_ROUTER):
     """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas, or autoscaled), and a
-    handle to the teacher deployment's replicas when the fleet has one (`deployments.teacher`)."""
+    handle to the teacher deployment's replicas when the fleet has one (`deployments.replica.teacher`)."""
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
     from contracts.auth import Secret, admin_token, check_exposure, signing_secret
-    from deployments.autoscaling import autoscaling_config
-    from deployments.ingress import Ingress
-    from deployments.replica import VLLMReplica
-    from deployments.teacher import teacher_app
+    from deployments.ingress.shell import Ingress
+    from deployments.replica.teacher import teacher_app
 
     fleet = cfg.fleet
     token = admin_token(cfg)
@@ -80,31 +65,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     aliases = sorted({cfg.model.name_or_path, model_path, Path(model_path).name} - {model_path})
     config = cfg.model_dump(mode="json")
     bucket_url = absolute_bucket_url(cfg.bucket_url)
-    on_gpu = fleet.num_gpus_per_replica > 0
-    replica_deployment = serve.deployment(
-        VLLMReplica,
-        name=REPLICA_DEPLOYMENT,
-        # Elastic (`deployments.autoscaling`): Serve sizes it from num_replicas on, within the configured bounds.
-        num_replicas=None if fleet.autoscaling else fleet.num_replicas,
-        autoscaling_config=autoscaling_config(fleet),
-        # An engine batches hundreds of sequences; Serve's default of 5 would starve it.
-        max_ongoing_requests=fleet.max_ongoing_requests,
-        # On a CPU box the engines pin cores themselves (VLLM_CPU_OMP_THREADS_BIND per replica); reserving
-        # Ray CPUs for them as well would starve the learner of the same machine.
-        ray_actor_options={
-            "num_cpus": 0,
-            **({"num_gpus": fleet.num_gpus_per_replica} if on_gpu else {}),
-            **({"resources": dict(fleet.replica_resources)} if fleet.replica_resources else {}),
-        },
-        # Routing stats say whether a replica drains (a spot notice): read every few seconds.
-        request_router_config=RequestRouterConfig(
-            request_router_class=request_router_class, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
-        ),
-        logging_config=QUIET,
-        health_check_period_s=10,
-        health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=30,
-    )
+    replica_deployment = _replica_deployment(fleet, request_router_class)
     signing = signing_secret(token)  # one secret for the ingress and every replica, however their environments differ
     replica = replica_deployment.bind(model_path, model_path, config, bucket_url, signing)
     teacher = teacher_app(cfg, model_path, bucket_url, replica_deployment, signing)  # None without `cfg.teacher`
@@ -135,23 +96,40 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     )
 
 
-def build_app(args: dict[str, Any]):
-    """Entry point of `serve run serve_config.yaml`: args `config` (a fleet config file) and `overrides`."""
-    from app.models import pin_revision, resolve_model_path
+def _replica_deployment(fleet, request_router_class: str):
+    """The VLLMReplica deployment (not yet bound): its replicas, their resources, the router, Serve's timings."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
 
-    path = Path(args.get("config") or REPO_ROOT / "configs" / "fleet-tiny-cpu.yaml")
-    if not path.is_absolute() and not path.exists():
-        path = REPO_ROOT / path  # `serve run` may build the app in a process started elsewhere
-    overrides = list(args.get("overrides") or [])
-    if any(str(o).partition("=")[0].strip() == "fleet.admin_token" for o in overrides):
-        raise ConfigError("fleet.admin_token: not in serve_config.yaml (Serve shows it); export SPOTRL_ADMIN_TOKEN")
-    cfg = load_fleet_config(path, overrides)
-    model_path = resolve_model_path(cfg.model, cfg.tiny_task, log=log.info)
-    pin_revision(cfg.model, model_path, log=log.info)  # every replica, restarts included, loads one commit
-    log.info(
-        "fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, absolute_bucket_url(cfg.bucket_url)
+    from deployments.autoscaling import autoscaling_config
+    from deployments.replica.shell import VLLMReplica
+
+    on_gpu = fleet.num_gpus_per_replica > 0
+    return serve.deployment(
+        VLLMReplica,
+        name=REPLICA_DEPLOYMENT,
+        # Elastic (`deployments.autoscaling`): Serve sizes it from num_replicas on, within the configured bounds.
+        num_replicas=None if fleet.autoscaling else fleet.num_replicas,
+        autoscaling_config=autoscaling_config(fleet),
+        # An engine batches hundreds of sequences; Serve's default of 5 would starve it.
+        max_ongoing_requests=fleet.max_ongoing_requests,
+        # On a CPU box the engines pin cores themselves (VLLM_CPU_OMP_THREADS_BIND per replica); reserving
+        # Ray CPUs for them as well would starve the learner of the same machine.
+        ray_actor_options={
+            "num_cpus": 0,
+            **({"num_gpus": fleet.num_gpus_per_replica} if on_gpu else {}),
+            **({"resources": dict(fleet.replica_resources)} if fleet.replica_resources else {}),
+        },
+        # Routing stats say whether a replica drains (a spot notice): read every few seconds.
+        request_router_config=RequestRouterConfig(
+            request_router_class=request_router_class, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
+        ),
+        logging_config=QUIET,
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        # A draining replica hands its generations back as this begins (`deployments.replica.notices`).
+        graceful_shutdown_timeout_s=30,
     )
-    return fleet_app(cfg, model_path)
 
 
 def _serve_client():

@@ -18,8 +18,8 @@ os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
 
 @pytest.fixture(scope="session", autouse=True)
 def _figures_past_capture(request):
-    """Fault tests print their recovery figures into `make test`'s output (`tests.spot_cluster.report`)."""
-    from tests import spot_cluster
+    """Fault tests print their recovery figures into `make test`'s output (`tests.support.spot_cluster.report`)."""
+    from tests.support import spot_cluster
 
     spot_cluster.PYTEST["config"] = request.config
     yield
@@ -28,7 +28,7 @@ def _figures_past_capture(request):
 
 @pytest.fixture(scope="session")
 def default_config():
-    from app.config import load_config
+    from core.config import load_config
 
     return load_config()
 
@@ -36,9 +36,9 @@ def default_config():
 @pytest.fixture(scope="session")
 def tiny_model_path(default_config) -> str:
     """The embedded default's tiny model folder (built on first use, then reused from the cache)."""
-    from app.models import resolve_model_path
+    from app.tiny_model import prepare_model
 
-    return resolve_model_path(default_config.model, default_config.task)
+    return prepare_model(default_config.model, default_config.task)
 
 
-from tests.s3_server import bucket_url, file_bucket_url, s3_bucket_url, s3_server  # noqa: E402, F401
+from tests.support.s3_server import bucket_url, file_bucket_url, s3_bucket_url, s3_server  # noqa: E402, F401

@@ -32,12 +32,12 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from app.config import RunConfig
 from app.learner.notices import OUTLIVED_S
 from app.learner.rank import LearnerRank, NotStarted
 from app.messages import ResumePoint, StepResult
 from contracts.auth import Secret
 from contracts.rollouts import RolloutBatch
+from core.config import RunConfig
 
 log = logging.getLogger(__name__)
 

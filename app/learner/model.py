@@ -33,7 +33,8 @@ from app.learner.logprobs import LogProbHead
 from app.learner.packing import register_packed_attention
 
 if TYPE_CHECKING:  # not at run time: the GPU benchmark drives the learner without pydantic
-    from app.config import RunConfig
+    from app.objectives import LossStats
+    from core.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -160,3 +161,19 @@ def build_optimizer(cfg: RunConfig, model):
     name = "constant_with_warmup" if g.lr_scheduler_type == "constant" and g.warmup_steps else g.lr_scheduler_type
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=g.warmup_steps, num_training_steps=g.max_steps)
     return optimizer, scheduler
+
+
+def reduce_over_ranks(stats: LossStats, loss_sum: float, world_size: int, device) -> tuple[LossStats, float]:
+    """Token statistics summed over ranks (min/max for extremes), and the loss: one small all-reduce each."""
+    if world_size == 1:
+        return stats, loss_sum
+    sums, lo, hi = stats.as_tensors()
+    sums = torch.cat([sums, torch.tensor([loss_sum], dtype=torch.float64)]).to(device)
+    lo, hi = lo.to(device), hi.to(device)
+    dist.all_reduce(sums)
+    if lo.numel():
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    if hi.numel():
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    sums, lo, hi = sums.cpu(), lo.cpu(), hi.cpu()
+    return stats.from_tensors(sums[:-1], lo, hi), sums[-1].item()

@@ -43,7 +43,7 @@ class LearnerNotices:
     """What one rank knows of a notice for its node, and the timings that decide whether a step still fits."""
 
     def __init__(self, spot=None):
-        self.spot = spot  # `app.config.SpotConfig`; None where no config has one (a benchmark's stand-in)
+        self.spot = spot  # `core.config.SpotConfig`; None where no config has one (a benchmark's stand-in)
         self.notice: Notice | None = None
         self.heard_at: float | None = None  # unix seconds when the notice reached this rank
         self.step_s: float | None = None  # what the last step took
@@ -57,7 +57,9 @@ class LearnerNotices:
         """Watch this rank's node (rank 0), or take a first SIGTERM as a notice rank 0 acts on (the others).
         `on_notice` runs in the watcher's thread once a notice has been handled (the rank checkpoints an idle
         learner there)."""
-        from contracts.notices import NoticeWatcher, RayDrain, cloud_sources, on_head_node
+        from contracts.notice_sources import RayDrain, cloud_sources
+        from contracts.notice_watcher import NoticeWatcher
+        from contracts.notices import on_head_node
 
         spot = self.spot
         if spot is None or not spot.watch or on_head_node():  # the head's notices are the driver's (`app.spot`)

@@ -44,6 +44,7 @@ from app.learner.model import (
     init_distributed,
     logprob_head,
     mixed_precision_policy,
+    reduce_over_ranks,
     uses_fsdp,
 )
 from app.learner.notices import LearnerNotices, StepAbandoned
@@ -68,7 +69,7 @@ from contracts.auth import Secret
 from contracts.rollouts import ConsumedGroups, Group, RolloutBatch
 
 if TYPE_CHECKING:
-    from app.config import RunConfig
+    from core.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class LearnerRank:
 
     def start(self) -> ResumePoint:
         """Resume from the newest committed checkpoint, or start fresh; make sure the fleet has our weights."""
-        from app.bucket.store import CheckpointStore
+        from core.bucket.store import CheckpointStore
 
         if self._started:  # the model is sharded and the optimizer built: a second start has nothing to do
             return self.state.resume_point()
@@ -236,7 +237,7 @@ class LearnerRank:
                     stats.add(mb_stats)
                     loss_sum += loss.item() / self.world_size
                 loss.backward()
-        stats, loss_sum = self._reduce(stats, loss_sum)
+        stats, loss_sum = reduce_over_ranks(stats, loss_sum, self.world_size, self.device)
         metrics.update(stats.metrics())
         metrics.update({"loss": loss_sum, "perf/fwd_bwd_s": watch.get("fwd_bwd")})
         return metrics
@@ -330,21 +331,6 @@ class LearnerRank:
         self.state.set_consumed(self._consumed)
         if batch.data_cursor is not None:
             self.state.data_cursor = batch.data_cursor
-
-    def _reduce(self, stats: LossStats, loss_sum: float) -> tuple[LossStats, float]:
-        """Sum token statistics over ranks (min/max for extremes): one small all-reduce each."""
-        if self.world_size == 1:
-            return stats, loss_sum
-        sums, lo, hi = stats.as_tensors()
-        sums = torch.cat([sums, torch.tensor([loss_sum], dtype=torch.float64)]).to(self.device)
-        lo, hi = lo.to(self.device), hi.to(self.device)
-        dist.all_reduce(sums)
-        if lo.numel():
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        if hi.numel():
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        sums, lo, hi = sums.cpu(), lo.cpu(), hi.cpu()
-        return stats.from_tensors(sums[:-1], lo, hi), sums[-1].item()
 
     # ---- weights out: publish, checkpoint ---------------------------------------------------------
 

@@ -6,19 +6,28 @@ learner can use them alike. They go through the training path (same batching, sa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from app.learner.packing import samples_from_groups
+from app.learner.packing import MicroBatch, samples_from_groups
 from contracts.rollouts import Group
 
-if TYPE_CHECKING:
-    from app.learner.rank import LearnerRank
+
+class Scoring(Protocol):
+    """What scoring needs of a learner rank (`app.learner.rank.LearnerRank`): its model and device, its batching of
+    groups (`plan`) and its forward."""
+
+    model: torch.nn.Module
+    device: torch.device
+
+    def plan(self, groups: list[Group]) -> tuple[list[MicroBatch], dict]: ...
+
+    def _forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @torch.no_grad()
-def score_groups(rank: LearnerRank, groups: list[Group]) -> list[list[list[float]]]:
+def score_groups(rank: Scoring, groups: list[Group]) -> list[list[list[float]]]:
     """`rank`'s log-prob of every trained token (every completion token of a single-turn sample, every model token of
     an episode), at the sampling temperature, per group and sample.
 

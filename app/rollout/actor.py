@@ -13,15 +13,15 @@ import warnings
 
 import ray
 
-from app.config import HEAD_NODE
 from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
+from app.rollout.episodes import sampler_for
 from app.rollout.producer import GroupProducer
-from app.rollout.sampling import sampler_for
 from app.rollout.teacher import TeacherEndpoint, TeacherScorer
 from contracts.auth import Secret, admin_token
 from contracts.retry import Backoff
 from contracts.rollouts import RolloutBatch
+from core.config import HEAD_NODE
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class RolloutActor:
         run_token: Secret | None = None,
         teacher: TeacherEndpoint | None = None,  # where a distilling run's teacher scores (`app.teacher_setup`)
     ):
-        from app.models import load_tokenizer, prompt_token_ids
         from app.tasks.problems import load_task
+        from core.models import load_tokenizer, prompt_token_ids
 
         logging.basicConfig(level=logging.WARNING)
         with warnings.catch_warnings():  # Ray 2.60's own property trips its deprecated `actor_id`
@@ -101,7 +101,7 @@ def resume_state(cfg) -> ResumePoint:
 
     Groups trained since that checkpoint may be generated again; the learner, which remembers every
     group id it trained on, skips them, so a restart costs some generation and never trains a group twice."""
-    from app.bucket.store import AdapterStore, CheckpointStore
+    from core.bucket.store import AdapterStore, CheckpointStore
 
     checkpoints = CheckpointStore.from_config(cfg)
     step = checkpoints.latest()

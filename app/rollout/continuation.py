@@ -92,7 +92,7 @@ def stitch(head: Choice, tail: Choice) -> Choice:
 class Continuation:
     """Asks the fleet for finished choices: sends, then continues what comes back cut, stitching it token-exact.
 
-    `decode` is the rollout's tokenizer's (`app.models.completion_text`); without one (tests), a stitched
+    `decode` is the rollout's tokenizer's (`core.models.completion_text`); without one (tests), a stitched
     choice's text is its segments' texts joined."""
 
     def __init__(self, generate: Generate, decode: Callable[[list[int]], str] | None = None):

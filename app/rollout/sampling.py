@@ -18,7 +18,6 @@ tokens that came back; the rollout reports them.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -163,16 +162,3 @@ class CompletionSampler(Sampler):
 
     def close(self) -> None:
         self.scorer.close()
-
-
-def sampler_for(cfg, tokenizer, generate: Generate) -> Sampler:
-    """The run's sampler: episodes of its environment (`env.name`), else completions scored by its rewards."""
-    from app.models import completion_text
-
-    decode = functools.partial(completion_text, tokenizer)
-    if cfg.env.name is None:
-        scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
-        return CompletionSampler(generate, scorer, decode)
-    from app.rollout.episodes import EpisodeRunner  # which imports this module
-
-    return EpisodeRunner.from_config(cfg, tokenizer, generate, decode)

@@ -19,12 +19,12 @@ import math
 import time
 from dataclasses import dataclass
 
-from app.config.teacher import TEACHER_ADAPTER
 from app.fleet_client import FleetClient, FleetError
 from app.objectives.distill import TEACHER_LOGPROBS
 from contracts.auth import Secret
 from contracts.retry import Backoff
 from contracts.rollouts import Group, Sample
+from core.config.teacher import TEACHER_ADAPTER
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class TeacherEndpoint:
     """Where the run's teacher answers, and under which model name: what the driver resolved and checked at start
     (`app.teacher_setup`) and hands the rollout and the evaluation."""
 
-    kind: str  # base, adapter, model or url (`app.config.teacher`)
+    kind: str  # base, adapter, model or url (`core.config.teacher`)
     url: str  # the base URL of the server that scores: the run's fleet, or the teacher's own
     model: str  # the model name to ask it for
     token: Secret | None = None

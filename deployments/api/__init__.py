@@ -13,7 +13,7 @@ applied to every replica. Each module has one job, over the control layer (`depl
 - `inference_routes`, `status_routes`, `admin_routes`, `run_routes`: the handlers, by job (`routing`).
 """
 
-from deployments.api.app import make_app
+from deployments.api.server import make_app
 from deployments.api.settings import ApiSettings
 
 __all__ = ["ApiSettings", "make_app"]

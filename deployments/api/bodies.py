@@ -44,7 +44,7 @@ Body = TypeVar("Body", bound=BaseModel)
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """How much one request may ask of the ingress; `fleet.*` of a fleet (app.config.FleetSettings)."""
+    """How much one request may ask of the ingress; `fleet.*` of a fleet (core.config.FleetSettings)."""
 
     max_request_bytes: int
     max_json_depth: int

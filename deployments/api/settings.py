@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.config import FleetConfig, FleetSettings
 from contracts.auth import Secret, signing_secret
+from core.config import FleetConfig, FleetSettings
 from deployments.api.bodies import RequestLimits
 
 
@@ -16,7 +16,7 @@ class ApiSettings:
     """What the ingress knows about the model it fronts."""
 
     base_model: str  # the `model` name meaning "no adapter" (listed first by /v1/models)
-    base_fingerprint: str  # which model that is (`app.models.model_fingerprint`): runs check theirs against it
+    base_fingerprint: str  # which model that is (`core.models.model_fingerprint`): runs check theirs against it
     model_aliases: frozenset[str]  # other names accepted for the base model (e.g. "tiny", the folder path)
     max_model_len: int
     vocab_size: int

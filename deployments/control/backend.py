@@ -1,7 +1,7 @@
 """The fleet as the ingress's logic sees it: one `Backend`, which Ray Serve provides in production.
 
 Everything above this seam (the control layer, the HTTP routes) is independent of Ray, so it runs and is
-unit-tested over a fake backend; `deployments.ingress.ServeBackend` is the real one, over a Serve handle.
+unit-tested over a fake backend; `deployments.ingress.shell.ServeBackend` is the real one, over a Serve handle.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ A run states its LoRA rank and its staleness window when it registers (`POST /v1
 "lora_rank", "max_staleness"}`; the fleet's `max_staleness` when it says none): a rank above the fleet's
 `max_lora_rank` is refused (400), and so is a run whose window would no longer fit: the windows of every
 run, plus the fleet's own `policy-vN` lineage's if it has a committed version (a fleet that nobody trains under
-itself pins nothing for it), plus one slot to load into, must fit `max_loras` (`app.config.slots_needed`; 409 of
+itself pins nothing for it), plus one slot to load into, must fit `max_loras` (`core.config.slots_needed`; 409 of
 type `conflict`, with the arithmetic). Better a clear refusal than runs that evict each other's live versions on
 every request.
 
@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from app.config import slots_needed
 from contracts.adapters import RUN_NAME
 from contracts.auth import mint_run_token, token_digest
+from core.config import slots_needed
 from deployments.control.errors import ApiError
 
 

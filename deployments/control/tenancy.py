@@ -1,7 +1,7 @@
 """Runs joining and leaving a shared fleet: the registry, its records in the bucket, and the runs' adapters on
 the replicas, kept in step.
 
-The registry (`deployments.control.runs`) is the ingress's memory; the records (`app.bucket.store.RunRecords`:
+The registry (`deployments.control.runs`) is the ingress's memory; the records (`core.bucket.store.RunRecords`:
 name, token sha256, weight, window and rank) are what a restarted ingress remembers it from. So a
 registration that cannot be recorded is undone (it would be forgotten by the next ingress), and a record is
 deleted before its run is forgotten (it would bring the run back). A run that leaves takes its adapters off

@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from tests.fleet_helpers import publish_random_adapters, running_fleet
-from tests.spot_cluster import report
+from tests.support.fleet_helpers import publish_random_adapters, running_fleet
+from tests.support.spot_cluster import report
 
 TOKEN = "autoscaling-test-token-8c1d"
 DOWNSCALE_DELAY_S = 20.0
@@ -95,8 +95,8 @@ def _wait_live(url: str, n: int, timeout_s: float) -> float:
 
 
 def test_the_fleet_grows_with_its_load_and_shrinks_after_the_delay(fleet):
-    from app.bucket.store import AdapterStore
     from contracts.adapters import run_prefix
+    from core.bucket.store import AdapterStore
 
     url, admin = fleet.url, {"Authorization": f"Bearer {TOKEN}"}
     registered = httpx.post(f"{url}/v1/runs", json={"name": "alice", "max_staleness": 1}, headers=admin)

@@ -56,7 +56,7 @@ def test_without_cuda_the_full_run_is_skipped_and_writes_nothing(tmp_path, capsy
 
 
 def test_the_stand_in_config_is_the_seed_recipe():
-    from app.config import CONFIG_DIR, load_config
+    from core.config import CONFIG_DIR, load_config
 
     seed = load_config(CONFIG_DIR / "qwen2.5-math-1.5b.yaml")
     cfg = learner_gpu.bench_config()

@@ -1,4 +1,4 @@
-"""The bucket on both backends, a file:// folder and a real SeaweedFS S3 server (tests/s3_server.py).
+"""The bucket on both backends, a file:// folder and a real SeaweedFS S3 server (tests/support/s3_server.py).
 
 What must hold: a version exists only once committed, racing publishers get exactly one winner, a
 crash (publisher or server) never leaves half a version, a corrupted file is refused with nothing
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from app.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionExists, VersionNotFound
-from app.bucket.manifest import MANIFEST
-from app.bucket.store import AdapterStore, CheckpointStore
+from core.bucket.filesystem import BucketError, IntegrityError, InvalidName, VersionExists, VersionNotFound
+from core.bucket.manifest import MANIFEST
+from core.bucket.store import AdapterStore, CheckpointStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,7 +126,7 @@ def test_sixteen_racing_publishers_have_exactly_one_winner(bucket_url, tmp_path,
 
 KILLABLE_PUBLISHER = """
     import sys, time
-    from app.bucket.store import AdapterStore
+    from core.bucket.store import AdapterStore
     store = AdapterStore(sys.argv[1], max_attempts=2, backoff_s=0.05)
     upload = store._upload
     def upload_then_hang(source, remote):
@@ -232,7 +232,7 @@ def test_corrupted_file_is_refused_and_the_cache_holds_nothing_of_it(bucket_url,
 
 SECOND_PROCESS = """
     import sys
-    from app.bucket.store import AdapterStore
+    from core.bucket.store import AdapterStore
     store = AdapterStore(sys.argv[1])
     print(store.versions(), flush=True)       # warm: a listing cache, if there were one, is filled now
     store.publish(sys.argv[2], 1)
@@ -261,7 +261,7 @@ def test_a_second_process_sees_a_new_version_at_once(bucket_url, tmp_path, cache
 
 CONCURRENT_FETCHER = """
     import sys
-    from app.bucket.store import AdapterStore
+    from core.bucket.store import AdapterStore
     store = AdapterStore(sys.argv[1], cache_dir=sys.argv[2])
     store.versions()                           # imports and client start-up done before the race
     print("ready", flush=True)

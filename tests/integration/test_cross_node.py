@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from app.local_ray import SINGLE_MACHINE_ENV
+from core.local_ray import SINGLE_MACHINE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD_LOOPBACK = "127.0.0.2"  # the head's own 127.0.0.1, as nothing on another node can reach it
@@ -60,10 +60,10 @@ def cluster(tmp_path_factory, tiny_model_path):
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from app.config import load_config
-    from app.local_ray import loopback_system_config, single_machine_mode
+    from core.config import load_config
+    from core.local_ray import loopback_system_config, single_machine_mode
     from deployments.fleet import deploy_fleet
-    from tests.fleet_helpers import free_port
+    from tests.support.fleet_helpers import free_port
 
     tmp = tmp_path_factory.mktemp("cross")
     overrides = _overrides(tmp, free_port())
@@ -85,8 +85,8 @@ def cluster(tmp_path_factory, tiny_model_path):
 
 
 def test_the_learner_on_another_node_loads_each_version_on_the_fleet_itself(cluster):
-    from app.config import load_config
     from app.fleet_client import FleetClient
+    from core.config import load_config
     from deployments.fleet import fleet_url
 
     ray_cluster, tmp, overrides = cluster
@@ -94,7 +94,15 @@ def test_the_learner_on_another_node_loads_each_version_on_the_fleet_itself(clus
     args = [a for s in overrides for a in ("--set", s)]
     with open(log_path, "w") as out:
         rc = subprocess.run(
-            [sys.executable, "-m", "app.train", "--config", "configs/tiny-cpu.yaml", "--address", ray_cluster.address]
+            [
+                sys.executable,
+                "-m",
+                "launch.train",
+                "--config",
+                "configs/tiny-cpu.yaml",
+                "--address",
+                ray_cluster.address,
+            ]
             + args,
             cwd=REPO,
             stdout=out,

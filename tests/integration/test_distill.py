@@ -11,10 +11,10 @@ import asyncio
 import pytest
 import torch
 
-from app.config import ConfigError, load_config
 from app.fleet_client import FleetClient, FleetError
 from app.teacher_setup import prepare_teacher
-from tests.fleet_helpers import publish_random_adapters, running_fleet
+from core.config import ConfigError, load_config
+from tests.support.fleet_helpers import publish_random_adapters, running_fleet
 
 TOKEN = "distill-test-token-5c1e8a"
 TOLERANCE = 1e-4
@@ -24,8 +24,8 @@ TOP = 3
 def _teacher_folder(model_path: str, folder, *, vocab_size: int | None = None) -> str:
     """A teacher model that is not the base model: one random layer, with the base's tokenizer or (`vocab_size`)
     a tokenizer of other ids."""
-    from app.models import load_tokenizer
     from app.tiny_model import build_tokenizer, random_qwen2
+    from core.models import load_tokenizer
 
     tokenizer = load_tokenizer(model_path) if vocab_size is None else build_tokenizer(2, 0, vocab_size)
     model = random_qwen2(
@@ -59,7 +59,7 @@ def fleet(tmp_path_factory, tiny_model_path):
         f"fleet.extra_adapter_buckets=['{finished}']",
     ]
     with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
-        from app.bucket.store import AdapterStore
+        from core.bucket.store import AdapterStore
 
         publish_random_adapters(
             AdapterStore.at(finished, fleet.cfg.bucket), tiny_model_path, [3], work / "finished-src"
@@ -111,7 +111,7 @@ def _hf(path: str, adapter=None):
 
 
 def test_prompt_logprobs_of_the_base_model_and_an_adapter_are_transformers_logprobs(fleet):
-    from app.models import load_tokenizer
+    from core.models import load_tokenizer
 
     tokenizer = load_tokenizer(fleet.model_path)
     ids = _sequence(tokenizer, "Q: 37+48=? A: 85")
@@ -123,7 +123,7 @@ def test_prompt_logprobs_of_the_base_model_and_an_adapter_are_transformers_logpr
 def test_a_sample_that_fills_the_context_is_scored_whole(fleet):
     """A sample of exactly max_model_len tokens (a multi-turn episode cut by its token budget) is scored at every
     position, by the base model and the teacher deployment alike, as transformers scores it; nothing longer is."""
-    from app.models import load_tokenizer
+    from core.models import load_tokenizer
 
     tokenizer = load_tokenizer(fleet.model_path)
     ids = (_sequence(tokenizer, "Q: 11+22=? A: 33 ") * 20)[: fleet.cfg.model.max_model_len]
@@ -136,7 +136,7 @@ def test_a_sample_that_fills_the_context_is_scored_whole(fleet):
 
 
 def test_a_teacher_deployment_scores_with_its_own_model(fleet):
-    from app.models import load_tokenizer
+    from core.models import load_tokenizer
 
     ids = _sequence(load_tokenizer(fleet.model_path), "Q: 12+9=? A: 21")
     scored = _fleet_scores(fleet, ids, "teacher")
@@ -146,8 +146,8 @@ def test_a_teacher_deployment_scores_with_its_own_model(fleet):
 
 
 def test_each_kind_of_teacher_is_resolved_and_checked_at_start(fleet):
-    from app.bucket.store import AdapterStore
-    from app.models import load_tokenizer
+    from core.bucket.store import AdapterStore
+    from core.models import load_tokenizer
 
     def prepared(teacher: str):
         cfg = load_config(None, [_distill(teacher), "model.max_model_len=128"])

@@ -3,7 +3,7 @@
 `ray.kill` of a replica is cleaned up by the raylet, which ends the worker's process group; but when the
 raylet dies too (`ray stop --force`, a node agent killed), the engine processes are re-parented to init
 and keep their memory (on a GPU node, the GPU memory the next replica there needs). The replica's
-watchdog (`deployments/engine_watchdog.py`) is what ends them then: this test starts a one-replica fleet
+watchdog (`deployments/replica/engine_watchdog.py`) is what ends them then: this test starts a one-replica fleet
 in a driver of its own, SIGKILLs every Ray process of it as `ray stop --force` does (the driver, GCS,
 raylet, agents, workers), and checks that no engine process survives.
 """
@@ -17,12 +17,12 @@ import time
 import psutil
 import pytest
 
-from tests.fleet_helpers import free_port, process_tree
+from tests.support.fleet_helpers import free_port, process_tree
 
 DRIVER = """
 import os, sys, time
-from app.config import load_config
-from app.local_ray import start_ray
+from core.config import load_config
+from core.local_ray import start_ray
 from deployments.fleet import deploy_fleet
 
 tmp, model, port = sys.argv[1:]

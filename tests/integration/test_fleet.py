@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from app.fleet_client import FleetClient, FleetError
-from app.models import model_fingerprint
-from tests.fleet_helpers import free_port, publish_random_adapters, running_fleet
+from core.models import model_fingerprint
+from tests.support.fleet_helpers import free_port, publish_random_adapters, running_fleet
 
 TOKEN = "fleet-test-token-7f3a9c"
 G = 8
@@ -433,15 +433,15 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
     learner trains is one the fleet generated (turn by turn), scored as vLLM scored it, on one replica per trajectory."""
     import torch
 
-    from app.config import RunConfig
     from app.learner.packing import pack, samples_from_groups
     from app.learner.rank import LearnerRank
-    from app.models import load_tokenizer, prompt_token_ids
     from app.rollout.episodes import EpisodeRunner
     from app.rollout.sampling import SamplingArgs
     from app.tasks.environments import Environment, EnvStep
     from app.tasks.problems import Problem
     from contracts.rollouts import Group
+    from core.config import RunConfig
+    from core.models import load_tokenizer, prompt_token_ids
 
     class ThreeTurns(Environment):
         """Always asks for another turn, twice: the tiny model need not be right for the episode to go on."""
@@ -547,7 +547,7 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
 
 def test_a_batch_of_prompts_in_one_request_is_answered_prompt_by_prompt(fleet):
     """Several prompts in one /v1/completions call are several handle calls made for one HTTP request: Serve 2.60
-    gave them one internal id and left all but one unrouted, forever (`deployments.ingress.own_internal_request_id`)."""
+    gave them one internal id and left all but one unrouted, forever (`deployments.ingress.shell.own_internal_request_id`)."""
     before = fleet.client.router_stats()["totals"]["routed"]
     for attempt in range(5):
         prompts = [_prompt(900 + 10 * attempt + k, 40) for k in range(4)]
@@ -574,15 +574,15 @@ def test_a_generation_cut_by_a_new_version_is_continued_token_exact_and_each_seg
 
     import torch
 
-    from app.config import RunConfig
     from app.learner.rank import LearnerRank
     from app.learner.state import load_adapter_weights
-    from app.models import completion_text, load_tokenizer
     from app.rollout.continuation import Flight
     from app.rollout.sampling import CompletionSampler, SamplingArgs
     from app.tasks.problems import Problem
     from app.tasks.rewards import RewardScorer, exact_answer
     from contracts.rollouts import Group
+    from core.config import RunConfig
+    from core.models import completion_text, load_tokenizer
 
     old, new, length = 6, 7, 80
     publish_random_adapters(fleet.store, fleet.model_path, [old, new], fleet.work)

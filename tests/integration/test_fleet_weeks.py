@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet_helpers import random_adapter, run_store, running_fleet
 from tests.integration.test_fleet import _prompt
+from tests.support.fleet_helpers import random_adapter, run_store, running_fleet
 
 TOKEN = "fleet-weeks-token-7c21e9a4"
 RUN_IDLE_S = 60.0  # above the longest load of a loaded CI box: a run is heard of when a request starts

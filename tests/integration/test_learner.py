@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.bucket.store import AdapterStore
 from app.learner.group import LearnerGroup
 from app.learner.rank import LearnerRank
 from app.messages import ResumePoint
 from contracts.rollouts import RolloutBatch
+from core.bucket.store import AdapterStore
 from tests.unit.test_packing import learner_config, random_groups, random_model
 
 STEP_GROUPS = [random_groups(3, seed=s, first_id=100 * s) for s in range(3)]

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from app.learner.logprobs import token_logprobs
 from app.learner.rank import LearnerRank
-from tests.fleet_helpers import free_port
+from tests.support.fleet_helpers import free_port
 from tests.unit.test_packing import learner_config, random_groups, random_model
 
 GROUPS = random_groups(4, seed=7, max_completion=20)

@@ -59,13 +59,13 @@ if __name__ == "__main__":
 import pytest  # noqa: E402 - the script above must not need pytest
 import torch  # noqa: E402
 
-from app.bucket.store import AdapterStore  # noqa: E402
-from app.config import RunConfig  # noqa: E402
 from app.learner.rank import LearnerRank  # noqa: E402
-from app.models import load_tokenizer  # noqa: E402
 from app.objectives import Objectives  # noqa: E402
 from app.tasks.problems import arithmetic_prompt  # noqa: E402
 from contracts.rollouts import Group, RolloutBatch, Sample  # noqa: E402
+from core.bucket.store import AdapterStore  # noqa: E402
+from core.config import RunConfig  # noqa: E402
+from core.models import load_tokenizer  # noqa: E402
 
 
 def _config(tmp_path) -> RunConfig:

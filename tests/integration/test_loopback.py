@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments.engine_watchdog import terminate
-from tests.fleet_helpers import free_port, is_loopback, listening_sockets, process_tree
+from deployments.replica.engine_watchdog import terminate
+from tests.support.fleet_helpers import free_port, is_loopback, listening_sockets, process_tree
 
 REPO = Path(__file__).resolve().parents[2]
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 directly, whatever the environment
@@ -59,7 +59,7 @@ def assert_loopback_only(processes, must_include: tuple[str, ...], wait_s: float
 
 
 def test_s3_server_listens_on_loopback_only(tmp_path):
-    from tests.s3_server import S3Server
+    from tests.support.s3_server import S3Server
 
     with S3Server(tmp_path / "s3") as s3:
         sockets = assert_loopback_only(process_tree(s3.pid), must_include=("weed",))
@@ -72,8 +72,8 @@ def test_make_train_listens_on_loopback_only(tmp_path, tiny_model_path):
     one replica instead of two (the same processes, one engine fewer)."""
     import ray
 
-    from app.config import load_config
-    from app.local_ray import start_ray
+    from core.config import load_config
+    from core.local_ray import start_ray
     from deployments.fleet import deploy_fleet
 
     cfg = load_config(
@@ -128,14 +128,14 @@ def _serve_config(path: Path, http_port: int) -> Path:
         "applications:\n"
         "  - name: loopback\n"
         "    route_prefix: /\n"
-        "    import_path: tests.integration.loopback_app:app\n"
+        "    import_path: tests.support.loopback_app:app\n"
     )
     return path
 
 
 @pytest.mark.slow
 def test_make_serve_head_listens_on_loopback_only(tmp_path):
-    """`make serve` (`deployments/serve_local.sh`): its `ray start --head`, then `serve run` of a one-replica app.
+    """`make serve` (`ops/serve_local.sh`): its `ray start --head`, then `serve run` of a one-replica app.
 
     Covers the head's processes (GCS, raylet, dashboard and its agent, runtime-env agent, autoscaler
     monitor, Ray client server, metrics export) and what `serve run` adds on it (the driver, Serve's
@@ -160,7 +160,7 @@ def test_make_serve_head_listens_on_loopback_only(tmp_path):
         log = tmp_path / f"serve_local.{attempt}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                ["bash", "deployments/serve_local.sh", str(_serve_config(tmp_path / "serve.yaml", http_port))],
+                ["bash", "ops/serve_local.sh", str(_serve_config(tmp_path / "serve.yaml", http_port))],
                 cwd=REPO,
                 env=env,
                 stdout=out,

@@ -1,10 +1,10 @@
 """Fault injection on a spot-like Ray cluster on one machine: lose the learner's node, a replica's node, the bucket.
 
-The cluster (`tests.spot_cluster`): a head (the driver's side: Serve's proxy, the ingress, the rollout
+The cluster (`tests.support.spot_cluster`): a head (the driver's side: Serve's proxy, the ingress, the rollout
 actor) and three worker nodes with the custom resources of cluster.yaml: one `learner_node`, two
 `rollout_node`s, each with one vLLM replica. Everything listens on 127.0.0.1; the bucket is a real
 SeaweedFS S3 server. The tests are legs of one run (one fleet, one bucket), each a
-`python -m app.train --address ...` driver that resumes where the previous one stopped, with one
+`python -m launch.train --address ...` driver that resumes where the previous one stopped, with one
 fault injected in its middle, without any warning (the same with a spot notice first:
 `test_spot_notices.py`). Each prints its recovery time.
 """
@@ -16,7 +16,7 @@ from itertools import pairwise
 
 import pytest
 
-from tests.spot_cluster import (
+from tests.support.spot_cluster import (
     LEARNER_NODE,
     ROLLOUT_NODE,
     assert_exactly_once,

@@ -1,7 +1,7 @@
-"""Serve's graceful stop of a replica, as the replica sees it (`deployments.serve_state`): a real Ray Serve on
+"""Serve's graceful stop of a replica, as the replica sees it (`deployments.replica.serve_state`): a real Ray Serve on
 loopback, a deployment whose request waits until its replica learns from the controller that it is being stopped.
 
-A draining replica hands its generations back as soon as Serve starts to stop it (`deployments.replica_notices`):
+A draining replica hands its generations back as soon as Serve starts to stop it (`deployments.replica.notices`):
 this is the signal it waits for, and it must come while the stopping replica still answers its requests."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Stoppable:
 
         from ray import serve
 
-        from deployments.serve_state import serve_stops
+        from deployments.replica.serve_state import serve_stops
 
         replica_id = serve.get_replica_context().replica_id.unique_id
         started = time.monotonic()
@@ -38,7 +38,7 @@ def serve_on_loopback():
     import ray
     from ray import serve
 
-    from tests.fleet_helpers import start_local_ray
+    from tests.support.fleet_helpers import start_local_ray
 
     start_local_ray(num_cpus=2)
     serve.start(http_options={"host": "127.0.0.1", "port": 0}, proxy_location="Disabled")

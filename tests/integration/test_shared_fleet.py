@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from app.bucket.manifest import folder_digest
 from app.fleet_client import FleetError
-from tests.fleet_helpers import publish_random_adapters, random_adapter, run_store, running_fleet
+from core.bucket.manifest import folder_digest
 from tests.integration.test_fleet import _prompt
+from tests.support.fleet_helpers import publish_random_adapters, random_adapter, run_store, running_fleet
 
 TOKEN = "shared-fleet-token-4b8e1d"
 MAX_LORAS = 7
@@ -394,10 +394,10 @@ def test_a_version_one_run_plants_in_another_runs_prefix_is_refused_and_the_othe
     """Any tenant can write the bucket, so gil commits `policy-v2` under hal's prefix before hal does, signed with
     her own key (and `policy-v3` with none): the fleet serves neither as hal's, whoever asks for them, and hal's
     learner publishes its next version past them (`policy-v4`), which the fleet serves."""
-    from app.bucket.store import AdapterStore
-    from app.config import load_config
     from app.fleet_client import FleetClient
     from app.weight_sync import AdapterPublisher
+    from core.bucket.store import AdapterStore
+    from core.config import load_config
 
     admin = fleet.client
     for run in admin.list_runs():

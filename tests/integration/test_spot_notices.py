@@ -1,8 +1,8 @@
 """Spot notices on a spot-like Ray cluster on one machine: each node has its own fake cloud metadata server.
 
-The cluster of `test_preemption.py` (`tests.spot_cluster`: a head, one `learner_node`, two `rollout_node`s,
+The cluster of `test_preemption.py` (`tests.support.spot_cluster`: a head, one `learner_node`, two `rollout_node`s,
 SeaweedFS S3), every worker node pointed at a fake AWS+GCP metadata server of its own on 127.0.0.1
-(`tests.fake_metadata`), so a notice is posted for one node alone. The tests are legs of one run, each a
+(`tests.support.fake_metadata`), so a notice is posted for one node alone. The tests are legs of one run, each a
 driver that resumes where the previous one stopped, with one node noticed in its middle and then killed:
 - the learner's node noticed 120 s ahead (AWS), killed after two more steps;
 - the learner's node noticed 30 s ahead (GCP), killed at the deadline;
@@ -23,8 +23,8 @@ import signal
 
 import pytest
 
-from tests.spot_cluster import assert_exactly_once, assert_versions_whole, report, spot_cluster
-from tests.spot_legs import LONG_TOKENS, learner_leg, replica_leg
+from tests.support.spot_cluster import assert_exactly_once, assert_versions_whole, report, spot_cluster
+from tests.support.spot_legs import LONG_TOKENS, learner_leg, replica_leg
 
 STEPS_PER_LEG = 8
 NOTICE_S = 35.0  # the replica's node: Serve's graceful shutdown (30 s) begins 5 s after the notice at the latest
@@ -86,7 +86,7 @@ def test_a_noticed_replica_node_fails_no_request_and_hands_its_work_back(spot):
     """A notice 35 s ahead: Serve begins to stop the replica 30 s before the node goes (its graceful shutdown), or
     once the replacement runs, and the replica hands its generations back then: not `spot.handback_margin_s` before
     the deadline, which Serve's stop would pre-empt whenever a replacement runs early."""
-    from app.config import SpotConfig
+    from core.config import SpotConfig
 
     f = replica_leg(spot, notice_in_s=NOTICE_S)
     report(

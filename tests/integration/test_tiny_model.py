@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from app.models import load_tokenizer
+from core.models import load_tokenizer
 
 
 def test_tiny_model_is_cached_and_in_range(tiny_model_path):
@@ -60,13 +60,12 @@ def test_the_multi_turn_tiny_model_starts_in_a_learnable_range_on_whole_episodes
     """Warmed up on chained episodes until greedy held-out episodes cross 30%: between 20% and 60%, measured again."""
     from transformers import AutoModelForCausalLM
 
-    from app.config import CONFIG_DIR, load_config
-    from app.models import resolve_model_path
     from app.tasks.problems import load_task
-    from app.tiny_model import greedy_episode_accuracy
+    from app.tiny_model import greedy_episode_accuracy, prepare_model
+    from core.config import CONFIG_DIR, load_config
 
     cfg = load_config(CONFIG_DIR / "tiny-multiturn.yaml")
-    path = resolve_model_path(cfg.model, cfg.task)
+    path = prepare_model(cfg.model, cfg.task)
     info = json.loads((Path(path) / "spotrl_tiny.json").read_text())
     assert 0.2 <= info["heldout_accuracy"] <= 0.6
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

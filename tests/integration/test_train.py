@@ -1,4 +1,4 @@
-"""End to end: `python -m app.train` on the tiny config, with real Ray, Serve, vLLM and a file:// bucket."""
+"""End to end: `python -m launch.train` on the tiny config, with real Ray, Serve, vLLM and a file:// bucket."""
 
 import json
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fleet_helpers import free_port
+from tests.support.fleet_helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def train_cmd(tmp_path: Path, steps: int, *extra: str, config: str = "configs/ti
     return [
         sys.executable,
         "-m",
-        "app.train",
+        "launch.train",
         "--config",
         config,
         *(a for s in sets for a in ("--set", s)),
@@ -39,7 +39,7 @@ def train_cmd(tmp_path: Path, steps: int, *extra: str, config: str = "configs/ti
 
 
 def run_train(tmp_path: Path, steps: int, *extra: str, config: str = "configs/tiny-cpu.yaml"):
-    """`python -m app.train` to completion; its summary, per-step metrics and output, after checking it ran cleanly."""
+    """`python -m launch.train` to completion; its summary, per-step metrics and output, after checking it ran cleanly."""
     proc = subprocess.run(
         train_cmd(tmp_path, steps, *extra, config=config),
         cwd=REPO,
@@ -95,7 +95,7 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
 
     assert "bottleneck:" in output or "drift alarm:" in output  # the verdict, printed when it changes and at the end
 
-    from app.bucket.store import AdapterStore
+    from core.bucket.store import AdapterStore
 
     assert len(AdapterStore(f"file://{tmp_path}/bucket").versions()) >= 2
 
@@ -159,7 +159,7 @@ def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_com
     """The embedded default on a spot machine: a SIGTERM (the scheduler's notice) ends the run after the step under way
     with a checkpoint, exit code 0 and one line; the same command resumes from that step, trains each step and each
     group once, and once finished is reported in one line without starting anything or touching its files."""
-    from app.bucket.store import CheckpointStore
+    from core.bucket.store import CheckpointStore
 
     steps, env = 8, {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
     cmd = train_cmd(tmp_path, steps, "learner.save_steps=100")  # no periodic checkpoint: only the notice's

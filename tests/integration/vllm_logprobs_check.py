@@ -12,8 +12,8 @@ def main(model_path: str) -> None:
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
-    from app.models import load_tokenizer
     from app.tasks.problems import arithmetic_prompt
+    from core.models import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     llm = LLM(

@@ -4,7 +4,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import FakeBackend, api_settings
+from tests.support.fake_fleet import FakeBackend, api_settings
 
 
 @pytest.fixture

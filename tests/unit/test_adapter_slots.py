@@ -1,4 +1,4 @@
-"""A replica's LoRA slots (`deployments.adapter_slots`): names loaded again, at most `max_loras` adapters whoever
+"""A replica's LoRA slots (`deployments.replica.adapter_slots`): names loaded again, at most `max_loras` adapters whoever
 named them, eviction by family and last use, and never an adapter with requests in flight."""
 
 import asyncio
@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from contracts.serving import ReplicaError
-from deployments.adapter_slots import Held, eviction_order, pinned
-from tests.unit.replica_parts import SECRET, StandInLLM, adapter_folder, adapter_slots, lineage_store
+from deployments.replica.adapter_slots import Held, eviction_order, pinned
+from tests.support.replica_parts import SECRET, StandInLLM, adapter_folder, adapter_slots, lineage_store
 
 
 async def _in_flight(slots, name: str, until: asyncio.Event) -> None:
@@ -72,7 +72,7 @@ def test_a_replica_never_holds_more_adapters_than_max_loras_whoever_named_them(t
 
 
 def test_eviction_takes_the_least_recently_used_idle_adapter_unpinned_first():
-    from app.config import slots_needed
+    from core.config import slots_needed
 
     held = [
         Held("policy-v7", last_used=1.0, inflight=0),  # pinned (newest two of policy), least recently used
@@ -223,7 +223,7 @@ def test_a_run_that_leaves_takes_its_names_prefix_and_cached_folders_along_once_
 def test_names_unloaded_or_evicted_are_remembered_for_the_newest_few_hundred_only():
     """TRL unloads each stale `trl-policy-vN` (never loaded on demand: not worth remembering); a bucket lineage's
     explicit unloads and every eviction are remembered, the newest `REMEMBERED_NAMES` of each."""
-    from deployments.adapter_slots import REMEMBERED_NAMES, RecentNames
+    from deployments.replica.adapter_slots import REMEMBERED_NAMES, RecentNames
 
     names = RecentNames(limit=3)
     for v in range(10):
@@ -252,7 +252,7 @@ def test_a_run_gone_whose_folder_another_replica_of_the_node_holds_is_deleted_on
 ):
     """The replicas of a node share the cache: one forgets a run while another still serves a request from its folder.
     The folder goes once the other lets go, without waiting for this replica's next load."""
-    import deployments.adapter_sources as sources_module
+    import deployments.replica.adapter_sources as sources_module
 
     monkeypatch.setattr(sources_module, "LEAVING_RETRY_S", 0.05)
     slots = adapter_slots(tmp_path)
@@ -277,9 +277,9 @@ def test_a_run_gone_whose_folder_another_replica_of_the_node_holds_is_deleted_on
 def test_a_teacher_reloaded_from_newer_versions_of_another_lineage_keeps_its_disk_cache_bounded(tmp_path):
     """A teacher that follows another run (`teacher-v0` loaded again from each of its new versions) is pruned like the
     fleet's own lineages: the version in use and the newest `cache_keep` others stay, nothing more."""
-    from app.bucket.store import AdapterStore
-    from app.config import BucketConfig
-    from deployments.adapter_sources import AdapterSources
+    from core.bucket.store import AdapterStore
+    from core.config import BucketConfig
+    from deployments.replica.adapter_sources import AdapterSources
 
     finished = f"file://{tmp_path}/finished"
     bucket = BucketConfig(cache_dir=str(tmp_path / "cache"))

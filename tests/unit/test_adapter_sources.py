@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from app.bucket.store import AdapterStore
 from contracts.serving import BadRequest, ModelNotFound
-from deployments.adapter_sources import CommittedVersions
-from tests.unit.replica_parts import SECRET, adapter_folder, adapter_slots, lineage_store, local_config, publish
+from core.bucket.store import AdapterStore
+from deployments.replica.adapter_sources import CommittedVersions
+from tests.support.replica_parts import SECRET, adapter_folder, adapter_slots, lineage_store, local_config, publish
 
 
 class _Bucket:
@@ -158,7 +158,7 @@ def test_a_runs_adapters_load_only_from_its_own_prefix_of_the_bucket(tmp_path):
 def test_a_lineage_that_trains_for_weeks_is_remembered_as_its_last_listing_and_the_newest_fetched_versions():
     """Every new version arrives by broadcast (fetched, never listed): the replica remembers the newest few; an older
     one asked for again is found by a listing at once, not refused until the next interval."""
-    from deployments.adapter_sources import FETCHED_REMEMBERED
+    from deployments.replica.adapter_sources import FETCHED_REMEMBERED
 
     bucket = _Bucket(1, 0)
     versions = CommittedVersions(bucket, window=3, min_interval_s=3600.0)
@@ -197,9 +197,9 @@ def test_a_run_that_left_is_forgotten_and_comes_back_fresh_if_it_registers_again
 
 def test_a_teacher_is_loaded_from_another_lineage_only_where_the_fleet_trusts_it(tmp_path):
     """A finished run's committed version, loaded under a name of its own (a teacher's), verified like any."""
-    from app.bucket.store import AdapterStore
-    from app.config import BucketConfig
-    from deployments.adapter_sources import AdapterSources
+    from core.bucket.store import AdapterStore
+    from core.config import BucketConfig
+    from deployments.replica.adapter_sources import AdapterSources
 
     bucket = BucketConfig(cache_dir=str(tmp_path / "cache"))
     finished = f"file://{tmp_path}/finished"

@@ -2,7 +2,7 @@
 a failed load rolled back and the fleet resumed."""
 
 from contracts.control import UndoLoad
-from tests.unit.fake_fleet import TOKEN
+from tests.support.fake_fleet import TOKEN
 
 
 def test_malformed_admin_bodies_get_400_after_auth(client):

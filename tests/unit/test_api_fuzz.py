@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
+from tests.support.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
 
 FUZZ = settings(
     max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True

@@ -21,7 +21,7 @@ FROM_CONFIG, HANDED_OVER, FROM_ENV = "from-config-0123456789", "handed-over-0123
 
 
 def _cfg(token=None, protect=False):
-    secret = SecretStr(token) if token is not None else None  # as app.config.FleetConfig holds it
+    secret = SecretStr(token) if token is not None else None  # as core.config.FleetConfig holds it
     return SimpleNamespace(fleet=SimpleNamespace(admin_token=secret, protect_inference=protect))
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from app.config import ConfigError, FleetSettings, load_config
+from core.config import ConfigError, FleetSettings, load_config
 from deployments.autoscaling import SequencesPolicy, autoscaling_config, desired_replicas
 
 
@@ -48,7 +48,7 @@ def test_the_fair_share_budget_and_server_info_follow_the_live_replicas():
     from contracts.control import Ping
     from deployments.api import make_app
     from deployments.control.fair_share import FairShare
-    from tests.unit.fake_fleet import ADMIN, FakeBackend, api_settings
+    from tests.support.fake_fleet import ADMIN, FakeBackend, api_settings
 
     class Shrinking(FakeBackend):
         live = 2

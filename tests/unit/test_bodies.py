@@ -5,7 +5,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import BASE, FakeBackend, api_settings, request_limits
+from tests.support.fake_fleet import BASE, FakeBackend, api_settings, request_limits
 
 
 def test_bodies_that_are_not_json_objects_get_400(client):

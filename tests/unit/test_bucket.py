@@ -1,4 +1,4 @@
-"""Pure logic of app.bucket.store: URL and name rules, error classification, the retry loop.
+"""Pure logic of core.bucket.store: URL and name rules, error classification, the retry loop.
 
 No server here: stores are constructed (s3fs connects lazily) and their naming methods exercised;
 the retry loop is driven with a fake failing function and a fake sleep.
@@ -9,7 +9,7 @@ import os
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-from app.bucket.filesystem import (
+from core.bucket.filesystem import (
     BucketError,
     InvalidName,
     VersionExists,
@@ -17,8 +17,8 @@ from app.bucket.filesystem import (
     is_transient,
     make_filesystem,
 )
-from app.bucket.store import AdapterStore, CheckpointStore
-from app.config import load_config
+from core.bucket.store import AdapterStore, CheckpointStore
+from core.config import load_config
 from tests.unit.test_retry import Flaky
 
 
@@ -215,8 +215,8 @@ def test_a_cached_folder_held_by_another_process_is_never_pruned_until_that_proc
 
 
 def test_a_folder_pruned_between_its_fetch_and_its_hold_is_fetched_again(tmp_path, monkeypatch):
-    import app.bucket.fetching as fetching
-    import app.bucket.store as store_module
+    import core.bucket.fetching as fetching
+    import core.bucket.store as store_module
 
     store = AdapterStore(f"file://{tmp_path}/bucket", cache_dir=tmp_path / "cache")
     store.publish(_adapter(tmp_path / "v1", b"weights"), 1)

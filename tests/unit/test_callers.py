@@ -6,7 +6,7 @@ import base64
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import ADMIN, BASE, TOKEN, FakeBackend, api_settings, bearer, load, register, sample
+from tests.support.fake_fleet import ADMIN, BASE, TOKEN, FakeBackend, api_settings, bearer, load, register, sample
 
 
 def _basic(password, user="trl"):

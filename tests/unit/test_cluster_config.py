@@ -4,7 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from app.config import load_config
+from core.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def test_the_rollout_group_is_diversified_8_gpu_spot_nodes_one_replica_per_gpu_a
 
 def test_only_the_learner_writes_runs_and_only_the_head_writes_the_fleets_records():
     """The head (the fleet's ingress) writes exactly `<bucket>/fleet/*`, where the records of runs lie; the learner writes
-    the rest and never that prefix; the rollout nodes read (deployments/aws/bucket-policies.json)."""
+    the rest and never that prefix; the rollout nodes read (ops/aws/bucket-policies.json)."""
     import json
 
     from contracts.adapters import RECORDS_PREFIX
@@ -62,7 +62,7 @@ def test_only_the_learner_writes_runs_and_only_the_head_writes_the_fleets_record
     }
     assert profiles["learner"] == "spotrl-bucket-rw" and profiles["head"] == "spotrl-bucket-ro-records"
     assert all(p == "spotrl-bucket-ro" for name, p in profiles.items() if name not in ("learner", "head"))
-    policies = json.loads((REPO / "deployments" / "aws" / "bucket-policies.json").read_text())
+    policies = json.loads((REPO / "ops" / "aws" / "bucket-policies.json").read_text())
 
     def writes(profile: str) -> dict[str, set[str]]:
         out: dict[str, set[str]] = {"Allow": set(), "Deny": set()}

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from app.config import CONFIG_DIR, ConfigError, load_config, slots_needed
+from core.config import CONFIG_DIR, ConfigError, load_config, slots_needed
 
 
 def test_shipped_configs_validate():
@@ -76,7 +76,7 @@ def test_train_cli_exits_2_with_one_line(args, needle, tmp_path):
         bad = tmp_path / "bad.yaml"
         bad.write_text("grpo: {max_steps: 3\n")
         args = ["--config", str(bad)]
-    proc = subprocess.run([sys.executable, "-m", "app.train", *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "launch.train", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
@@ -94,7 +94,7 @@ def test_one_node_gpu_config_needs_no_custom_resources_and_shares_one_gpu():
 
 
 def test_request_limits_are_fleet_settings_with_safe_defaults():
-    from app.config import FleetSettings
+    from core.config import FleetSettings
 
     limits = ("max_request_bytes", "max_json_depth", "max_prompts_per_request", "max_sequences_per_request")
     fleet = FleetSettings()
@@ -112,7 +112,7 @@ def test_request_limits_are_fleet_settings_with_safe_defaults():
 def test_a_run_and_a_fleet_are_configured_apart():
     """A fleet is a product of its own (`FleetConfig`, what serve_config.yaml names); a run either brings one along,
     sized for itself from its `fleet` section, or joins one (`join.url`), stating its own rank and window there."""
-    from app.config import DEFAULT_FLEET_CONFIG, load_fleet_config
+    from core.config import DEFAULT_FLEET_CONFIG, load_fleet_config
 
     run = load_config(None, ["lora.rank=4", "grpo.max_staleness=3"])
     own = run.own_fleet()
@@ -143,7 +143,7 @@ def test_a_run_and_a_fleet_are_configured_apart():
 def test_every_field_of_a_run_and_a_fleet_says_what_it_is_in_one_line():
     from pydantic import BaseModel
 
-    from app.config import FleetConfig, RunConfig
+    from core.config import FleetConfig, RunConfig
 
     def fields(model: type[BaseModel], prefix: str = ""):
         for name, info in model.model_fields.items():
@@ -160,7 +160,7 @@ def test_every_field_of_a_run_and_a_fleet_says_what_it_is_in_one_line():
 def test_a_model_teacher_holds_the_students_context_or_is_refused_at_start():
     """A teacher shorter than the student would refuse to score every longer sample: refused, naming the field; one
     that names no context gets the student's."""
-    from app.config import load_fleet_config
+    from core.config import load_fleet_config
 
     sized = load_config(
         None, ["model.max_model_len=512", "objectives=[{kind: distill, teacher: {model: {name_or_path: t}}}]"]
@@ -184,8 +184,8 @@ def test_a_model_teacher_holds_the_students_context_or_is_refused_at_start():
 def test_a_teacher_adapter_may_be_named_by_the_folder_of_a_committed_version(tmp_path, monkeypatch):
     """What a finished run leaves on disk (`runs/<run>/bucket/adapters/policy-v3`) names that committed version: its
     URL, whose lineage the run's own fleet trusts; a PEFT folder stays a folder."""
-    from app.bucket.store import AdapterStore
-    from tests.unit.replica_parts import adapter_folder
+    from core.bucket.store import AdapterStore
+    from tests.support.replica_parts import adapter_folder
 
     AdapterStore(f"file://{tmp_path}/runs/old/bucket", cache_dir=tmp_path / "cache").publish(
         adapter_folder(tmp_path / "src", b"w"), 3

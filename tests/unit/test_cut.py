@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 from contracts.control import Cut, CutGenerations
 from contracts.serving import GenerateRequest, Sampling
-from deployments.replica import Replica
-from tests.unit.fake_fleet import ADMIN, bearer, register
-from tests.unit.replica_parts import REPLICA, StandInLLM, adapter_folder, adapter_slots
+from deployments.replica.shell import Replica
+from tests.support.fake_fleet import ADMIN, bearer, register
+from tests.support.replica_parts import REPLICA, StandInLLM, adapter_folder, adapter_slots
 
 
 def test_a_run_cuts_its_own_adapters_only_and_the_admin_any(fleet):

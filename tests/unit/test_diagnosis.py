@@ -1,7 +1,7 @@
 """Bottleneck verdicts from the figures the seed read off its dashboard."""
 
-from app.config import load_config
 from app.diagnosis import diagnose
+from core.config import load_config
 
 CFG = load_config(None, ["rollout.queue_maxsize=16", "rollout.max_inflight_tasks=16", "fleet.max_num_seqs=256"])
 

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from app.config import load_config
 from app.objectives import Objectives
 from app.objectives.distill import CLIPPED, MAX_GAP, RATIO, REVERSE_KL, TEACHER_LOGPROBS, Distill, distill_loss
 from app.objectives.grpo import ADVANTAGES, GRPO
 from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
+from core.config import load_config
 
 NAN = math.nan
 

@@ -1,17 +1,17 @@
-"""The replica's engine glue (`deployments.engine`) without an engine: the settings the router depends on (KV block
+"""The replica's engine glue (`deployments.replica.engine`) without an engine: the settings the router depends on (KV block
 size, core pinning), the engine's arguments, engine counters, log-probs, and the sampling values vLLM refuses."""
 
 import pytest
 
 from contracts.serving import BadRequest, Sampling
-from deployments.engine import (
-    EngineCounters,
+from deployments.replica.engine import (
     cpu_binding,
     engine_args,
     engine_block_size,
     sampling_params,
     token_logprobs,
 )
+from deployments.replica.engine_stats import EngineCounters
 
 
 def test_cpu_block_size_is_rounded_up_to_what_vllm_cpu_accepts():
@@ -77,7 +77,7 @@ def test_engine_args_follow_the_run_config_and_are_vllms_own_fields():
 
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from app.config import load_config
+    from core.config import load_config
 
     seed = load_config("configs/qwen2.5-math-1.5b.yaml")
     gpu = engine_args(seed.own_fleet(), "/models/qwen", on_cpu=False, block_size=16)
@@ -129,7 +129,7 @@ def test_the_scoring_room_is_allowed_where_the_context_is_the_models_whole_lengt
     model), a longer one is vLLM's refusal as before."""
     import os
 
-    from deployments.engine import allow_scoring_room
+    from deployments.replica.engine import allow_scoring_room
 
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     base = {"model": tiny_model_path, "dtype": "float32"}

@@ -1,4 +1,4 @@
-"""deployments.engine_watchdog: processes a dead parent leaves behind are ended, live parents are left alone."""
+"""deployments.replica.engine_watchdog: processes a dead parent leaves behind are ended, live parents are left alone."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import time
 
 import psutil
 
-from deployments.engine_watchdog import terminate, watch
+from deployments.replica.engine_watchdog import terminate, watch
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 STUBBORN = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"]
@@ -16,7 +16,7 @@ def test_a_parent_that_dies_takes_the_watched_processes_with_it():
     # The "replica": a process that starts an "engine" and the real watchdog, then dies by SIGKILL.
     script = f"""
 import subprocess, sys, time
-from deployments.engine_watchdog import start_watchdog
+from deployments.replica.engine_watchdog import start_watchdog
 engine = subprocess.Popen({SLEEPER!r}, start_new_session=True)
 start_watchdog([engine.pid])
 print(engine.pid, flush=True)

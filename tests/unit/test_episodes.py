@@ -223,10 +223,10 @@ def test_calculator_evaluates_only_bounded_integer_arithmetic():
 
 
 def test_the_producer_makes_groups_of_episodes_and_counts_environment_errors():
-    from app.config import load_config
     from app.rollout.producer import GroupProducer
     from app.tasks.problems import make_chained_arithmetic
     from contracts.rollouts import BatchStats
+    from core.config import load_config
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(1, 1), operand_max=9).train
     cfg = load_config(None, ["env.name=chained_arithmetic", "rollout.max_inflight_tasks=2", "grpo.num_generations=4"])
@@ -286,8 +286,8 @@ def test_the_readme_environment_example_plays_as_documented(tmp_path, monkeypatc
     """The README's complete example, run as a user would name it (`myenvs:Countdown`)."""
     from pathlib import Path
 
-    from app.config import load_config
     from app.tasks.environments import resolve_environment
+    from core.config import load_config
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("## Multi-turn environments") :]
@@ -302,9 +302,9 @@ def test_the_readme_environment_example_plays_as_documented(tmp_path, monkeypatc
 
 
 def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_failed(caplog):
-    from app.config import load_config
     from app.rollout.producer import GroupProducer
     from app.tasks.problems import make_chained_arithmetic
+    from core.config import load_config
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(2, 2), operand_max=9).train
     sets = ["env.name=chained_arithmetic", "grpo.max_staleness=1", "rollout.max_inflight_tasks=1"]

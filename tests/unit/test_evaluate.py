@@ -2,10 +2,10 @@
 
 import httpx
 
-from app.bucket.store import AdapterStore
-from app.config import load_config
 from app.evaluate import default_model
 from app.fleet_client import FleetClient
+from core.bucket.store import AdapterStore
+from core.config import load_config
 
 
 def _fleet(base_name: str, adapters: list[str]) -> FleetClient:
@@ -34,13 +34,13 @@ def test_evaluation_scores_a_problem_as_training_does_with_every_column_it_has()
     """Evaluation and the rollout share one sampler: the reward functions see the problem's own columns in both."""
     import asyncio
 
-    from app.config import load_config
     from app.evaluate import evaluate_async
     from app.rollout.producer import GroupProducer
     from app.rollout.sampling import CompletionSampler
     from app.tasks.problems import Problem
     from app.tasks.rewards import RewardScorer
     from contracts.rollouts import Choice
+    from core.config import load_config
 
     seen = []
 
@@ -80,7 +80,7 @@ def test_an_evaluation_closes_its_client_its_connections_and_its_sampler(monkeyp
     import json
 
     import app.evaluate as evaluation
-    import app.models
+    import core.models
 
     made: list[FleetClient] = []
 
@@ -100,7 +100,7 @@ def test_an_evaluation_closes_its_client_its_connections_and_its_sampler(monkeyp
             return {"input_ids": [ord(c) % 64 for c in text]}
 
     monkeypatch.setattr(evaluation, "FleetClient", Recorded)
-    monkeypatch.setattr(app.models, "load_tokenizer", lambda path: Tokenizer())
+    monkeypatch.setattr(core.models, "load_tokenizer", lambda path: Tokenizer())
     cfg = load_config(None, ["task.num_heldout=4", f"bucket.url=file://{tmp_path}/bucket"])
     result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1")
     assert result["num_problems"] == 4

@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 from app.fleet_client import FleetClient, FleetError
 from contracts.retry import Backoff
 from deployments.api import make_app
-from tests.fleet_helpers import free_port
-from tests.unit.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
+from tests.support.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
+from tests.support.fleet_helpers import free_port
 
 
 def _client(backend, token=TOKEN, **kwargs):

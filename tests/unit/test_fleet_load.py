@@ -6,11 +6,11 @@ import asyncio
 import pytest
 
 from contracts.control import LoadAdapter
-from tests.unit.fake_fleet import FakeBackend
+from tests.support.fake_fleet import FakeBackend
 
 
 def _ingress(backend):
-    from deployments.ingress import Ingress
+    from deployments.ingress.shell import Ingress
 
     ingress = Ingress.__new__(Ingress)  # no tokenizer, no Serve: only the backend matters here
     ingress._backend = backend

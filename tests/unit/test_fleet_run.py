@@ -8,18 +8,18 @@ import pytest
 import uvicorn
 
 from app import fleet_run
-from app.config import load_config
 from app.fleet_client import FleetClient
+from core.config import load_config
 from deployments.api import make_app
-from tests.fleet_helpers import free_port
-from tests.unit.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
+from tests.support.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
+from tests.support.fleet_helpers import free_port
 
 
 @pytest.fixture
 def fleet(tmp_path):
     """The fleet's FastAPI app served by uvicorn on 127.0.0.1, its registrations recorded under `tmp_path`."""
-    from app.bucket.records import RunRecords
     from contracts.retry import Backoff
+    from core.bucket.records import RunRecords
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
     backend = FakeBackend()
@@ -173,7 +173,7 @@ def test_leaving_a_fleet_that_cannot_be_reached_never_raises(caplog):
 
 
 def test_a_shared_fleet_run_needs_a_run_name_the_fleet_accepts_and_an_http_url():
-    from app.config import ConfigError
+    from core.config import ConfigError
 
     with pytest.raises(ConfigError, match="logging.run_name='Tiny CPU' cannot name a run of a shared fleet"):
         load_config(None, ["join.url=http://127.0.0.1:8000", "logging.run_name=Tiny CPU"])

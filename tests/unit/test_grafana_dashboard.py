@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-DASHBOARD = REPO / "deployments" / "grafana" / "spotrl_dashboard.json"
+DASHBOARD = REPO / "ops" / "grafana" / "spotrl_dashboard.json"
 
 
 def test_dashboard_covers_the_run_and_names_real_metrics():
@@ -48,7 +48,7 @@ def test_dashboard_covers_the_run_and_names_real_metrics():
             "perf/mfu_fwd_bwd",
         )
     }
-    router_source = (REPO / "deployments" / "router.py").read_text()
+    router_source = (REPO / "deployments" / "routing" / "router.py").read_text()
     fair_share_source = (REPO / "deployments" / "control" / "run_metrics.py").read_text()
     per_run = {n for n in names | histograms if n.startswith("spotrl_fleet_run_")}
     for metric in (

@@ -1,5 +1,5 @@
-"""Handed-back generations continued elsewhere and stitched (`deployments.handback`), and the ingress's side of a
-draining replica (`deployments.ingress.ServeBackend`): refused requests sent to a replica that stays, the router told."""
+"""Handed-back generations continued elsewhere and stitched (`deployments.ingress.handback`), and the ingress's side of a
+draining replica (`deployments.ingress.shell.ServeBackend`): refused requests sent to a replica that stays, the router told."""
 
 import asyncio
 
@@ -7,7 +7,7 @@ import pytest
 
 from contracts.retry import Backoff
 from contracts.serving import ABORTED, Generated, GenerateRequest, ReplicaDraining, SampledChoice, Sampling
-from deployments.handback import continuation, continue_handed_back, stitch
+from deployments.ingress.handback import continuation, continue_handed_back, stitch
 from tests.unit.test_ingress import _GenerateHandle
 
 
@@ -104,7 +104,7 @@ def test_every_cut_choice_of_an_n_request_is_continued_and_a_continuation_cut_ag
 
 @pytest.fixture
 def marked(monkeypatch):
-    import deployments.ingress as ingress
+    import deployments.ingress.shell as ingress
 
     monkeypatch.setattr(ingress, "GENERATE_BACKOFF", Backoff(attempts=3, first_s=0.0, jitter=False))
     marks = []
@@ -113,7 +113,7 @@ def marked(monkeypatch):
 
 
 def test_the_ingress_routes_around_a_draining_replica_and_continues_what_it_handed_back(marked):
-    from deployments.ingress import ServeBackend
+    from deployments.ingress.shell import ServeBackend
 
     request = GenerateRequest([1, 2], "policy-v1", Sampling(n=1, max_tokens=4))
     handle = _GenerateHandle(

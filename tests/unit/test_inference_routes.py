@@ -7,7 +7,7 @@ import time
 import pytest
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import BASE, api_settings
+from tests.support.fake_fleet import BASE, api_settings
 
 
 def test_completion_with_token_ids_has_the_openai_shape(client, backend):
@@ -183,9 +183,9 @@ def test_a_sample_that_fills_the_context_is_scored_whole_but_never_generated_pas
 def test_a_scoring_request_is_bounded_like_every_other():
     from fastapi.testclient import TestClient
 
-    from app.config import FleetSettings
+    from core.config import FleetSettings
     from deployments.api.bodies import RequestLimits
-    from tests.unit.fake_fleet import FakeBackend
+    from tests.support.fake_fleet import FakeBackend
 
     limits = RequestLimits.of(FleetSettings(max_prompt_logprobs_per_request=20))
     client = TestClient(make_app(FakeBackend(), api_settings(limits=limits)))
@@ -201,7 +201,7 @@ def test_a_scoring_request_is_bounded_like_every_other():
 def test_a_teacher_deployment_is_everyones_and_tokenize_answers_the_fleets_ids():
     from fastapi.testclient import TestClient
 
-    from tests.unit.fake_fleet import TEACHER, FakeBackend, bearer, register
+    from tests.support.fake_fleet import TEACHER, FakeBackend, bearer, register
 
     backend = FakeBackend()
     settings = api_settings(teacher_models=frozenset({TEACHER}), max_loras=7, max_staleness=1)

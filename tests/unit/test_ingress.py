@@ -1,4 +1,4 @@
-"""The ingress's backend over a Serve handle (`deployments.ingress.ServeBackend`), with a stand-in handle:
+"""The ingress's backend over a Serve handle (`deployments.ingress.shell.ServeBackend`), with a stand-in handle:
 what it retries, what it leaves out of a broadcast, and how it stops a request that kills engines."""
 
 import asyncio
@@ -44,13 +44,13 @@ class _GenerateHandle:
 
 @pytest.fixture
 def no_pauses(monkeypatch):
-    import deployments.ingress as ingress
+    import deployments.ingress.shell as ingress
 
     monkeypatch.setattr(ingress, "GENERATE_BACKOFF", Backoff(attempts=3, first_s=0.0, jitter=False))
 
 
 def test_a_generation_whose_replica_died_is_sent_again_unchanged(no_pauses):
-    from deployments.ingress import ServeBackend
+    from deployments.ingress.shell import ServeBackend
 
     answer = Generated("b", [])
     handle = _GenerateHandle(ActorDiedError(), ReplicaUnavailable("engine died"), answer)
@@ -60,7 +60,7 @@ def test_a_generation_whose_replica_died_is_sent_again_unchanged(no_pauses):
 
 
 def test_a_generation_the_replica_refused_is_not_sent_again(no_pauses):
-    from deployments.ingress import ServeBackend
+    from deployments.ingress.shell import ServeBackend
 
     for refusal in (BadRequest("prompt too long"), ModelNotFound("policy-v9")):
         handle = _GenerateHandle(refusal, Generated("b", []))
@@ -76,7 +76,7 @@ def test_a_generation_the_replica_refused_is_not_sent_again(no_pauses):
 
 def test_a_replica_that_died_is_left_out_of_a_broadcast_not_counted_as_failing():
     from contracts.control import LoadAdapter, Loaded
-    from deployments.ingress import ServeBackend
+    from deployments.ingress.shell import ServeBackend
 
     class Results:
         async def results_async(self, return_exceptions):
@@ -93,8 +93,8 @@ def test_a_replica_that_died_is_left_out_of_a_broadcast_not_counted_as_failing()
 
 
 def _backend(handle, clock=None, **table):
-    from deployments.ingress import ServeBackend
-    from deployments.poison import PoisonTable
+    from deployments.ingress.poison import PoisonTable
+    from deployments.ingress.shell import ServeBackend
 
     return ServeBackend(handle, PoisonTable(clock=clock or (lambda: 0.0), **table))
 
@@ -109,7 +109,7 @@ def test_a_request_during_which_an_engine_died_is_sent_once_more(no_pauses):
 
 def test_a_request_that_kills_two_engines_gets_a_500_and_is_refused_for_a_while(no_pauses):
     from deployments.control.errors import as_api_error
-    from deployments.poison import PoisonRequest
+    from deployments.ingress.poison import PoisonRequest
 
     now = [0.0]
     poison = GenerateRequest([1, 2, 3], "policy-v1", Sampling(seed=2**63))  # fatal in vLLM's GPU model runner
@@ -131,8 +131,8 @@ def test_a_request_that_kills_two_engines_gets_a_500_and_is_refused_for_a_while(
 
 def test_engine_deaths_count_apart_from_replica_deaths(monkeypatch):
     """A preempted node is retried as before (6 attempts in all); engine deaths among them are capped at two."""
-    import deployments.ingress as ingress
-    from deployments.poison import PoisonRequest
+    import deployments.ingress.shell as ingress
+    from deployments.ingress.poison import PoisonRequest
 
     monkeypatch.setattr(ingress, "GENERATE_BACKOFF", Backoff(attempts=6, first_s=0.0, jitter=False))
     answer = Generated("b", [])
@@ -156,7 +156,7 @@ def test_engine_deaths_count_apart_from_replica_deaths(monkeypatch):
 def test_an_engine_death_is_recognised_through_rays_wrapper():
     from ray.exceptions import RayTaskError
 
-    from deployments.ingress import engine_died, replica_failed
+    from deployments.ingress.shell import engine_died, replica_failed
 
     wrapped = RayTaskError("generate", "traceback", EngineDied("died")).as_instanceof_cause()
     assert engine_died(wrapped) and not replica_failed(wrapped)
@@ -165,7 +165,7 @@ def test_an_engine_death_is_recognised_through_rays_wrapper():
 
 
 def test_the_poison_table_forgets_after_its_ttl_and_stays_bounded():
-    from deployments.poison import PoisonRequest, PoisonTable, fingerprint
+    from deployments.ingress.poison import PoisonRequest, PoisonTable, fingerprint
 
     now = [0.0]
     table = PoisonTable(ttl_s=10.0, max_entries=3, clock=lambda: now[0])

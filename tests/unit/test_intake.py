@@ -7,7 +7,7 @@ import json
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import BASE, api_settings, request_limits
+from tests.support.fake_fleet import BASE, api_settings, request_limits
 
 
 def _asgi_post(app, path: str, headers: dict[str, str], chunks: list[bytes]) -> tuple[int, int]:

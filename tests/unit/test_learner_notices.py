@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from app.bucket.store import CheckpointStore
-from app.config import SpotConfig
 from app.learner.notices import OUTLIVED_S, LearnerNotices, StepAbandoned
 from app.learner.rank import LearnerRank
 from contracts.notices import Notice
 from contracts.rollouts import RolloutBatch
+from core.bucket.store import CheckpointStore
+from core.config import SpotConfig
 from tests.unit.test_packing import learner_config, random_groups, random_model
 
 

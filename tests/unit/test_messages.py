@@ -27,13 +27,13 @@ def test_consumed_groups_stay_a_frontier_and_a_few_ids_however_long_a_run_trains
     import asyncio
     import random
 
-    from app.config import load_config
     from app.learner.state import LearnerState, write_state
     from app.rollout.producer import GroupProducer
     from app.rollout.sampling import CompletionSampler
     from app.tasks.problems import Problem
     from app.tasks.rewards import RewardScorer, exact_answer
     from contracts.rollouts import Choice
+    from core.config import load_config
 
     jitter = random.Random(0)
 

@@ -1,12 +1,12 @@
-"""app.models: local or hub model, the pinned revision; app.local_ray's offline flags follow it."""
+"""core.models: local or hub model, the pinned revision; core.local_ray's offline flags follow it."""
 
 import json
 
 import pytest
 
-from app.config import ModelConfig
-from app.local_ray import run_env_vars
-from app.models import is_local, pin_revision
+from core.config import ModelConfig
+from core.local_ray import run_env_vars
+from core.models import is_local, pin_revision
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -62,7 +62,7 @@ def _model_folder(path, weights=b"\x01" * (3 * 2**20), **config):
 
 
 def test_a_model_folder_is_known_by_its_contents_wherever_it_lies_and_a_hub_name_by_its_revision(tmp_path):
-    from app.models import model_fingerprint
+    from core.models import model_fingerprint
 
     weights = bytes(range(256)) * (3 * 2**12)  # 3 MiB: more than the first and last MiB it reads
     one = model_fingerprint(str(_model_folder(tmp_path / "one", weights)))
@@ -80,7 +80,7 @@ def test_a_model_folder_is_known_by_its_contents_wherever_it_lies_and_a_hub_name
 
 
 def test_a_run_refuses_a_fleet_of_another_base_model_and_names_the_field(tmp_path, caplog):
-    from app.models import check_same_base_model, model_fingerprint
+    from core.models import check_same_base_model, model_fingerprint
 
     folder = str(_model_folder(tmp_path / "model"))
     check_same_base_model(model_fingerprint(folder), folder, None, "http://fleet")

@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from contracts.notices import AwsMetadata, GcpMetadata, MetadataError, Notice, NoticeFile, NoticeWatcher
-from tests.fake_metadata import TOKEN, FakeMetadata
-from tests.fleet_helpers import free_port
+from contracts.notice_sources import AwsMetadata, GcpMetadata, MetadataError, NoticeFile
+from contracts.notice_watcher import NoticeWatcher
+from contracts.notices import Notice
+from tests.support.fake_metadata import TOKEN, FakeMetadata
+from tests.support.fleet_helpers import free_port
 
 
 @pytest.fixture
@@ -221,8 +223,8 @@ def test_a_process_that_must_checkpoint_first_lives_on_after_its_first_sigterm()
 
 
 def test_the_drivers_first_sigterm_is_a_notice_and_a_second_stops_at_once(monkeypatch):
-    from app.config import SpotConfig
     from app.spot import DriverNotices
+    from core.config import SpotConfig
 
     closed = free_port()
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{closed}")
@@ -246,8 +248,8 @@ def test_the_drivers_first_sigterm_is_a_notice_and_a_second_stops_at_once(monkey
 
 
 def test_the_driver_hears_its_machines_cloud_notice(metadata):
-    from app.config import SpotConfig
     from app.spot import DriverNotices
+    from core.config import SpotConfig
 
     previous = signal.getsignal(signal.SIGTERM)
     try:

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from app.config import load_config
 from app.objectives import LossStats, Objectives
 from app.objectives.grpo import ADVANTAGES, GRPO
 from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
+from core.config import load_config
 
 
 def test_the_default_is_grpo_alone_with_the_grpo_sections_settings():

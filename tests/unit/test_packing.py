@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from app.config import RunConfig
 from app.learner.packing import batch_metrics, filler, pack, pad, register_packed_attention, samples_from_groups, shard
 from app.objectives import Objectives
 from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
+from core.config import RunConfig
 
 VOCAB = 64
 

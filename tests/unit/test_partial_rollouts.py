@@ -5,7 +5,6 @@ import math
 
 import pytest
 
-from app.config import load_config
 from app.rollout.episodes import EpisodeRunner
 from app.rollout.producer import GroupProducer
 from app.rollout.sampling import CompletionSampler
@@ -14,6 +13,7 @@ from app.tasks.environments import ChainedArithmetic, Environment, EnvStep
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import Choice
+from core.config import load_config
 
 PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 PROMPT = [1, 2]

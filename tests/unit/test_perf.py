@@ -45,7 +45,7 @@ def test_config_overrides_win_by_name_then_by_kind():
 
 
 def test_default_config_has_a_cpu_peak_and_leaves_gpus_to_the_table():
-    from app.config import RunConfig
+    from core.config import RunConfig
 
     overrides = RunConfig().learner.peak_flops
     assert peak_flops("cpu", "cpu", overrides) == 1e11

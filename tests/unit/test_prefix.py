@@ -1,10 +1,10 @@
-"""The prefix-affinity policy (`deployments.prefix`): block hashing, the LRU table, the routing decision."""
+"""The prefix-affinity policy (`deployments.routing.prefix`): block hashing, the LRU table, the routing decision."""
 
 import random
 
 import pytest
 
-from deployments.prefix import PrefixTable, block_hashes, decide, least_loaded
+from deployments.routing.prefix import PrefixTable, block_hashes, decide, least_loaded
 
 
 def test_block_hashes_cover_full_blocks_only_and_chain():

@@ -1,4 +1,4 @@
-"""The replica (`deployments.replica`) without an engine: its request path over its parts and its side of
+"""The replica (`deployments.replica.shell`) without an engine: its request path over its parts and its side of
 `contracts.serving` (values vLLM refuses, an engine that dies mid-request, requests for versions it does not
 hold), and the control calls it answers itself (pause leases)."""
 
@@ -18,8 +18,8 @@ from contracts.serving import (
     ReplicaUnavailable,
     Sampling,
 )
-from deployments.replica import Replica, VLLMReplica
-from tests.unit.replica_parts import REPLICA, StandInLLM, adapter_folder, adapter_slots
+from deployments.replica.shell import Replica, VLLMReplica
+from tests.support.replica_parts import REPLICA, StandInLLM, adapter_folder, adapter_slots
 
 
 def _replica(tmp_path, llm=None, *, pause_lease_s=60.0, **slot_sizes) -> Replica:

@@ -1,4 +1,4 @@
-"""A replica whose node is going (`deployments.replica_notices`, `deployments.inflight`) without an engine: the
+"""A replica whose node is going (`deployments.replica.notices`, `deployments.replica.inflight`) without an engine: the
 generations in flight cut short with their tokens so far (`HandBack`, also the partial-rollouts machinery), new
 ones refused as draining, the ingress told, and what still runs at the deadline handed back, not before."""
 
@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.config import SpotConfig
 from contracts.control import Cut, CutGenerations, HandBack, HandedBack
 from contracts.notices import Notice
 from contracts.serving import ABORTED, GenerateRequest, ReplicaDraining, ReplicaUnavailable, Sampling
-from deployments.replica import Replica
-from deployments.replica_notices import ReplicaNotices
-from tests.unit.replica_parts import BASE_MODEL, REPLICA, StandInLLM, adapter_slots
+from core.config import SpotConfig
+from deployments.replica.notices import ReplicaNotices
+from deployments.replica.shell import Replica
+from tests.support.replica_parts import BASE_MODEL, REPLICA, StandInLLM, adapter_slots
 
 
 class StreamingLLM(StandInLLM):
@@ -128,11 +128,11 @@ def test_draining_errors_keep_the_replica_through_pickling():
 
 def test_a_new_replica_loads_every_lineages_pinned_versions_before_it_takes_traffic(tmp_path):
     """A replacement, or one the autoscaler added mid-run: the fleet's own newest versions and every registered run's
-    window (`deployments.warm_start`), read from the bucket; each loads into its LoRA slots."""
-    from app.bucket.records import RunRecords
-    from app.config import load_fleet_config
-    from deployments.warm_start import adapters_to_serve
-    from tests.unit.replica_parts import adapter_folder, lineage_store
+    window (`deployments.replica.warm_start`), read from the bucket; each loads into its LoRA slots."""
+    from core.bucket.records import RunRecords
+    from core.config import load_fleet_config
+    from deployments.replica.warm_start import adapters_to_serve
+    from tests.support.replica_parts import adapter_folder, lineage_store
 
     url = f"file://{tmp_path}/bucket"
     cfg = load_fleet_config(None, [f"bucket.url={url}", "fleet.max_staleness=1", "fleet.max_loras=8"])
@@ -167,7 +167,7 @@ def test_a_generation_still_waiting_for_a_lora_slot_is_handed_back_too_and_never
     """Every slot holds an adapter with requests in flight, so a request for another version waits for one: handed
     back meanwhile, it answers at once once it could start (no choice: the ingress sends it whole elsewhere), and
     the doomed engine never samples it."""
-    from tests.unit.replica_parts import publish
+    from tests.support.replica_parts import publish
 
     class CountingLLM(StreamingLLM):
         def __init__(self):
@@ -207,7 +207,7 @@ async def until(condition, timeout_s: float = 60.0) -> None:
 
 
 def test_a_generation_cut_while_it_waits_for_its_adapter_answers_empty_cut_choices(tmp_path):
-    from deployments.replica import unstarted
+    from deployments.replica.shell import unstarted
 
     cut = unstarted(Sampling(n=3, logprobs=2), handed_back=False)
     assert [(c.index, c.token_ids, c.logprobs, c.top_logprobs, c.finish_reason) for c in cut] == [
@@ -243,7 +243,7 @@ def test_a_replica_that_serve_begins_to_stop_hands_back_at_once_not_at_the_deadl
 
 
 def test_a_node_that_outlives_its_notice_serves_again_and_is_watched_for_the_next(tmp_path, monkeypatch):
-    import deployments.replica_notices as replica_notices
+    import deployments.replica.notices as replica_notices
 
     monkeypatch.setattr(replica_notices, "OUTLIVED_S", 0.2)
 
@@ -259,7 +259,7 @@ def test_a_node_that_outlives_its_notice_serves_again_and_is_watched_for_the_nex
 
 
 def test_a_drain_that_ray_refuses_with_an_error_drains_the_replica_all_the_same(tmp_path, monkeypatch):
-    import deployments.replica_notices as replica_notices
+    import deployments.replica.notices as replica_notices
 
     def refuses(notice):
         raise RuntimeError("GCS unavailable")

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from contracts.control import EngineReport, ReplicaTables, ReportEngine
 from deployments.api import make_app
-from tests.unit.fake_fleet import BASE, FakeBackend, api_settings
+from tests.support.fake_fleet import BASE, FakeBackend, api_settings
 
 
 def test_top_logprobs_name_alternatives_by_their_text(client):

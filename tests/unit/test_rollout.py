@@ -7,7 +7,6 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from app.config import load_config
 from app.messages import ResumePoint
 from app.objectives.grpo import group_advantages
 from app.rollout.producer import GroupProducer
@@ -15,7 +14,8 @@ from app.rollout.sampling import CompletionSampler
 from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import Choice
-from tests.unit.fake_fleet import JSONHandler
+from core.config import load_config
+from tests.support.fake_fleet import JSONHandler
 
 PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
 
@@ -237,8 +237,8 @@ def test_a_dead_producer_is_an_error_not_a_hang():
 
 
 def test_a_restarted_rollout_resumes_from_the_newest_checkpoint_and_version(tmp_path):
-    from app.bucket.store import AdapterStore, CheckpointStore
     from app.rollout.actor import resume_state
+    from core.bucket.store import AdapterStore, CheckpointStore
 
     cfg = load_config(None, [f"bucket.url=file://{tmp_path}/bucket", f"bucket.cache_dir={tmp_path}/cache"])
     assert resume_state(cfg) == ResumePoint(step=0, data_cursor=0, policy_version=0)  # nothing trained yet

@@ -1,4 +1,4 @@
-"""PrefixHashRouter (`deployments.router`) with stand-ins for Serve's replica wrappers: groups kept together,
+"""PrefixHashRouter (`deployments.routing.router`) with stand-ins for Serve's replica wrappers: groups kept together,
 decisions reused on retry, dead replicas forgotten, settings from the replicas' metadata."""
 
 import asyncio
@@ -24,7 +24,7 @@ class _FakeReplica:
 def _router(**kwargs):
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-    from deployments.router import PrefixHashRouter
+    from deployments.routing.router import PrefixHashRouter
 
     router = PrefixHashRouter(
         deployment_id=DeploymentID(name="VLLMReplica", app_name="t"),
@@ -51,7 +51,7 @@ def _pending(prompt, model="policy-v1", method=GENERATE_METHOD, by_keyword=False
 @pytest.fixture
 def patched_replicas(monkeypatch):
     """RunningReplica isinstance checks accept the stand-ins."""
-    import deployments.router as router_module
+    import deployments.routing.router as router_module
 
     monkeypatch.setattr(router_module, "RunningReplica", _FakeReplica)
 
@@ -61,7 +61,7 @@ def test_router_keeps_a_group_together_and_counts(patched_replicas):
 
 
 async def _group_together_and_counts():
-    from deployments.router import router_stats
+    from deployments.routing.router import router_stats
 
     router = _router()
     a, b = _FakeReplica("a", {"router": {"block_size": 16}}), _FakeReplica("b", {"router": {"block_size": 16}})
@@ -150,7 +150,7 @@ def test_router_counts_outcomes_per_episode_turn_and_a_trajectory_stays_on_its_r
 
 
 async def _per_turn():
-    from deployments.router import router_stats
+    from deployments.routing.router import router_stats
 
     router = _router(spill_threshold=100)
     a, b = _FakeReplica("a", {"router": {"block_size": 16}}), _FakeReplica("b", {"router": {"block_size": 16}})
@@ -175,7 +175,7 @@ async def _per_turn():
 
 def test_router_stats_stay_the_size_of_the_live_fleet_through_churn(patched_replicas):
     """Replicas come and go (spot nodes): `/router/stats` holds the live ones, and the totals lose nothing."""
-    from deployments.router import router_stats
+    from deployments.routing.router import router_stats
 
     async def churn():
         router = _router(spill_threshold=100)
@@ -200,7 +200,7 @@ def test_a_draining_replica_is_routed_nothing_while_another_is_live(patched_repl
 
 
 async def _draining_replica():
-    from deployments.router import mark_draining
+    from deployments.routing.router import mark_draining
 
     router = _router()
     a, b, c = (_FakeReplica(n, {"router": {"block_size": 16}}) for n in "abc")

@@ -2,10 +2,10 @@
 
 from contextlib import ExitStack
 
-from app.config import load_config
 from app.messages import RolloutStats, StepResult
 from app.run_log import Run, StepLog
 from contracts.rollouts import VERSIONS, BatchStats, Group, Sample
+from core.config import load_config
 
 
 def rollout_stats(**figures) -> RolloutStats:

@@ -6,7 +6,7 @@ import logging
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import ADMIN, FakeBackend, api_settings, bearer, load, register, sample
+from tests.support.fake_fleet import ADMIN, FakeBackend, api_settings, bearer, load, register, sample
 
 
 def test_only_the_admin_registers_lists_and_removes_runs(fleet):
@@ -54,8 +54,8 @@ def test_a_run_token_shows_nowhere_but_in_the_answer_that_mints_it(fleet, caplog
 def test_a_run_learns_its_prefix_of_the_fleets_bucket_and_nobody_elses(tmp_path):
     """`GET /v1/runs/NAME`: where run NAME must publish (the only place the fleet loads its adapters from) and how
     long it may stay silent; for its own token and the admin's, a 403 for another run's, a 404 for no run."""
-    from app.bucket.records import RunRecords
     from contracts.retry import Backoff
+    from core.bucket.records import RunRecords
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
     client = TestClient(
@@ -93,7 +93,7 @@ def test_each_lineage_gets_its_own_signing_key_and_only_its_own(fleet):
     """A run's token gets the key its versions are signed with; the admin the fleet's own lineage's, or any run's;
     no run another's (the key is what keeps one run from publishing as another)."""
     from contracts.auth import lineage_key, signing_secret
-    from tests.unit.fake_fleet import TOKEN
+    from tests.support.fake_fleet import TOKEN
 
     _, client = fleet
     alice, bob = register(client, "alice"), register(client, "bob")

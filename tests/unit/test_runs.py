@@ -4,7 +4,7 @@ refused when the pinned windows of every run would no longer fit the LoRA slots.
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import ADMIN, FakeBackend, api_settings, register
+from tests.support.fake_fleet import ADMIN, FakeBackend, api_settings, register
 
 
 def test_registration_is_refused_when_the_pinned_sets_no_longer_fit_the_slots(fleet):
@@ -53,8 +53,8 @@ def test_the_shipped_fleet_hosts_two_runs_as_shipped_and_refuses_a_third_as_a_co
 
     import yaml
 
-    from app.bucket.store import AdapterStore
-    from app.config import load_fleet_config
+    from core.bucket.store import AdapterStore
+    from core.config import load_fleet_config
 
     repo = Path(__file__).resolve().parents[2]
     (app,) = yaml.safe_load((repo / "serve_config.yaml").read_text())["applications"]

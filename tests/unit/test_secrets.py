@@ -13,11 +13,11 @@ import pickle
 import pytest
 from fastapi.testclient import TestClient
 
-from app.config import ConfigError, load_config
 from contracts.auth import Secret, TokenError, admin_token
 from contracts.serving import BadRequest
+from core.config import ConfigError, load_config
 from deployments.api import make_app
-from tests.unit.fake_fleet import FakeBackend, api_settings
+from tests.support.fake_fleet import FakeBackend, api_settings
 
 KNOWN = "known-token-value-7c1e9a"
 
@@ -73,7 +73,7 @@ def test_the_deployments_arguments_never_carry_the_token_in_the_clear():
 
 
 def test_serve_run_overrides_may_not_carry_the_token():
-    from deployments.fleet import build_app
+    from launch.serve import build_app
 
     with pytest.raises(ConfigError) as err:
         build_app({"config": "configs/tiny-cpu.yaml", "overrides": [f"fleet.admin_token={KNOWN}"]})

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from deployments.api import make_app
 from deployments.control.fair_share import FairShare
 from deployments.control.runs import Runs
-from tests.unit.fake_fleet import ADMIN, BASE, FakeBackend, api_settings, bearer, register, sample
+from tests.support.fake_fleet import ADMIN, BASE, FakeBackend, api_settings, bearer, register, sample
 
 
 def test_server_info_has_what_trl_reads(client):

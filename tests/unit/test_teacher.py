@@ -11,14 +11,14 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from app.config import load_config
 from app.objectives.distill import TEACHER_LOGPROBS
 from app.rollout.producer import GroupProducer
 from app.rollout.sampling import CompletionSampler
 from app.rollout.teacher import TEACHER_S, TEACHER_TOKENS, TeacherEndpoint, TeacherScorer, teacher_logprobs
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import BatchStats, Choice, Sample
-from tests.unit.fake_fleet import JSONHandler
+from core.config import load_config
+from tests.support.fake_fleet import JSONHandler
 from tests.unit.test_rollout import PROBLEMS, run
 
 HANG = 99  # a completion token the fake teacher never answers for in time
@@ -136,9 +136,9 @@ def student_folder(tmp_path_factory):
 
 
 def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teacher_url, student_folder):
-    from app.models import load_tokenizer
     from app.teacher_setup import prepare_teacher
     from app.tiny_model import build_tokenizer
+    from core.models import load_tokenizer
 
     cfg = load_config(None, [f"objectives=[{{kind: distill, teacher: {{url: '{teacher_url}'}}}}]"])
     student = load_tokenizer(student_folder)

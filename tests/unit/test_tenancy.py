@@ -6,7 +6,7 @@ import json
 from fastapi.testclient import TestClient
 
 from deployments.api import make_app
-from tests.unit.fake_fleet import ADMIN, FakeBackend, api_settings, bearer, load, register, sample
+from tests.support.fake_fleet import ADMIN, FakeBackend, api_settings, bearer, load, register, sample
 
 
 def test_a_removed_run_loses_its_token_and_its_adapters(fleet):
@@ -24,8 +24,8 @@ def test_a_removed_run_loses_its_token_and_its_adapters(fleet):
 
 def test_registrations_outlive_an_ingress_restart_through_the_bucket_which_never_holds_a_token(tmp_path):
     """A fresh ingress (its node lost, the app redeployed) restores the runs from the bucket, tokens and all."""
-    from app.bucket.records import RunRecords
     from contracts.retry import Backoff
+    from core.bucket.records import RunRecords
     from deployments.control.runs import Registration, Runs
 
     def ingress():

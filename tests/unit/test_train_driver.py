@@ -6,7 +6,7 @@ import pytest
 def test_driver_refuses_a_fleet_port_someone_else_listens_on():
     import socket
 
-    from app.train import check_port_free
+    from launch.train import check_port_free
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ from contracts.serving import ReplicaError
 from deployments.api import make_app
 from deployments.control.fair_share import FairShare
 from deployments.control.runs import Runs
-from tests.unit.fake_fleet import ADMIN, BASE, FakeBackend, api_settings, bearer, load, register, sample
+from tests.support.fake_fleet import ADMIN, BASE, FakeBackend, api_settings, bearer, load, register, sample
 
 
 def upkeep_round(client: TestClient) -> None:

@@ -3,9 +3,9 @@
 import threading
 import time
 
-from app.bucket.store import AdapterStore
 from app.weight_sync import ensure_served
-from tests.unit.replica_parts import local_config, publish
+from core.bucket.store import AdapterStore
+from tests.support.replica_parts import local_config, publish
 
 
 class _Fleet:
@@ -132,10 +132,10 @@ def test_a_learner_publishes_past_a_version_planted_in_its_prefix_and_fails_on_i
     that number is a second learner of the run, an error as before."""
     import pytest
 
-    from app.bucket.filesystem import VersionExists
     from app.weight_sync import AdapterPublisher
     from contracts.auth import lineage_key, signing_secret
-    from tests.unit.replica_parts import adapter_folder
+    from core.bucket.filesystem import VersionExists
+    from tests.support.replica_parts import adapter_folder
 
     cfg = local_config(tmp_path)
     key = lineage_key(signing_secret("token-of-this-fleet"), None)

@@ -1,0 +1,20 @@
+"""The run side's check of the names its config gives, at start: the config only checks their shape (`core.config`,
+which knows no task, environment or reward), the run finds out here, before anything runs, whether they resolve."""
+
+from __future__ import annotations
+
+from app.tasks.environments import resolve_environment
+from app.tasks.rewards import resolve_reward
+from core.config import ConfigError
+
+
+def check_names(cfg) -> None:
+    """The names a run's config gives (`env.name`, `task.reward_funcs`) resolve: ConfigError naming the field else, at
+    start, not mid-run (the config itself only checks their shape, `core.config`)."""
+    named = [("env.name", cfg.env.name, resolve_environment)] if cfg.env.name else []
+    named += [(f"task.reward_funcs[{i}]", name, resolve_reward) for i, name in enumerate(cfg.task.reward_funcs)]
+    for field, name, resolve in named:
+        try:
+            resolve(name)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {e}") from None

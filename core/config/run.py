@@ -1,0 +1,367 @@
+"""A run's config: one `RunConfig` describes a whole run (model, LoRA, task, env, GRPO, rollout, the fleet it
+brings or joins, bucket, learner, logging), so that the driver, the learner and the rollout read the same
+validated object. Field names follow TRL's AsyncGRPOConfig where one exists, so TRL users find what they know.
+
+The fleet is a product of its own (`core.config.fleet`): a run either brings one along, described by its
+`fleet` section (`RunConfig.own_fleet`), or joins one that runs already (`join.url`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from contracts.adapters import RUN_NAME
+from core.config.fleet import FleetConfig, FleetSettings, check_fleet, slots_needed, trusted_source
+from core.config.sections import (
+    VLLM_LORA_RANKS,
+    BucketConfig,
+    LoraConfig,
+    ModelConfig,
+    Section,
+    SpotConfig,
+    TaskConfig,
+    vllm_rank_for,
+)
+from core.config.teacher import TeacherConfig, size_teacher_context
+
+
+class EnvConfig(Section):
+    """The environment of multi-turn episodes (`app.tasks.environments`); no name: single-turn completions."""
+
+    name: str | None = Field(
+        None, description='Environment: a registered name (chained_arithmetic, calculator) or "module:Class".'
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class.")
+    max_turns: int = Field(4, ge=1, description="Most model turns of an episode (cut beyond: truncated).")
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="Most tokens of an episode, prompt included (cut beyond: truncated); default max_model_len.",
+    )
+    timeout_s: float = Field(
+        5.0, gt=0, description="Longest reset() or step() call; beyond, the episode ends with reward None."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _named(cls, name: str | None) -> str | None:
+        """A registered name or `module:Class`; whether it names an environment is the run side's to say at start
+        (`app.tasks.registry.check_names`), before anything runs."""
+        if name is not None and not name.strip():
+            raise ValueError("an environment's name, or no env.name for single-turn completions")
+        return name
+
+
+class GRPOConfig(Section):
+    """The GRPO algorithm (names as in TRL's AsyncGRPOConfig)."""
+
+    num_generations: int = Field(8, ge=2, description="Samples per prompt (the group size G).")
+    num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) consumed per optimizer step.")
+    max_completion_length: int = Field(8, ge=1, description="Most tokens generated per completion.")
+    temperature: float = Field(
+        1.0, gt=0, le=2, description="Sampling temperature (vLLM's range); the learner scores at the same one."
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 disables).")
+    learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate of the adapter.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning rate schedule."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    epsilon: float = Field(0.2, ge=0, lt=1, description="Lower clip: ratio is clipped at 1 - epsilon.")
+    epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio is clipped at 1 + epsilon_high.")
+    vllm_importance_sampling_correction: bool = Field(
+        False, description="Truncated importance sampling against the sampler's log-probs."
+    )
+    vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Versions a group's oldest token may lag the learner: dropped beyond (drop_at_take), or the "
+        "admission bound (bound_at_admission).",
+    )
+    weight_sync_steps: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
+    seed: int = Field(42, description="Seed of the learner and the prompt order.")
+
+
+class GRPOObjectiveConfig(Section):
+    """GRPO as a term of the learner's loss (`app.objectives.grpo`): its settings are the `grpo` section's."""
+
+    kind: Literal["grpo"] = Field(
+        description="The objective: grpo (group-normalised advantages, TRL's clipped loss; its settings in `grpo`)."
+    )
+    weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
+
+
+class DistillObjectiveConfig(Section):
+    """On-policy distillation (`app.objectives.distill`): the reverse KL to a teacher at every sampled token."""
+
+    kind: Literal["distill"] = Field(
+        description="The objective: distill (a teacher scores the student's samples; per-token reverse KL)."
+    )
+    weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
+    teacher: TeacherConfig = Field(description="The teacher: base, {adapter: ...}, {model: {...}} or {url: ...}.")
+    coef: float = Field(
+        1.0, gt=0, description="Per-token advantage = -coef x (sampler's log-prob - teacher's log-prob)."
+    )
+    max_gap: float = Field(
+        20.0, gt=0, description="Largest per-token gap (nats) counted; a token the teacher rules out counts this much."
+    )
+
+
+# One term of the learner's loss (`app.objectives`), told apart by its `kind`.
+ObjectiveConfig = Annotated[GRPOObjectiveConfig | DistillObjectiveConfig, Field(discriminator="kind")]
+
+
+class RolloutConfig(Section):
+    """The asynchronous producer of scored groups."""
+
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: generate ahead while the learner trains; sync: generate a batch only when asked."
+    )
+    max_inflight_tasks: int = Field(32, ge=1, description="Generation requests in flight across the whole fleet.")
+    queue_maxsize: int = Field(64, ge=1, description="Scored groups waiting for the learner (backpressure beyond).")
+    request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one generation request.")
+    max_retries: int = Field(
+        5, ge=0, description="Retries of a failed generation request (backoff from 0.2 s) before its group is dropped."
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="Cut generations in flight under older versions when a newer one is served and continue them "
+        "(and later turns) under the newest, token-exact.",
+    )
+    partial_min_lag: int = Field(
+        1, ge=1, description="Cut only generations under versions at least this many versions behind the newest."
+    )
+    staleness_rule: Literal["drop_at_take", "bound_at_admission"] = Field(
+        "bound_at_admission",
+        description="bound_at_admission: start a group only within grpo.max_staleness versions of work ahead, train "
+        "what finishes up to hard_max_staleness; drop_at_take: drop groups past grpo.max_staleness when taken.",
+    )
+    hard_max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="bound_at_admission: drop groups whose oldest token lags more versions; None: twice "
+        "grpo.max_staleness, below bucket.keep_versions.",
+    )
+
+
+class LearnerConfig(Section):
+    """The FSDP LoRA learner actor group."""
+
+    num_workers: int = Field(1, ge=1, description="Learner processes (FSDP world size); one per device.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device kind the learner trains on.")
+    batching: Literal["packed", "padded"] = Field(
+        "packed", description="packed: padding-free rows up to token_budget; padded: fixed-count padded batches."
+    )
+    token_budget: int = Field(4096, ge=1, description="Tokens per packed row (micro-batch).")
+    per_device_train_batch_size: int = Field(16, ge=1, description="Samples per padded micro-batch (padded only).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="Tokens whose logits exist at once when scoring (never the whole [tokens x vocab])."
+    )
+    save_steps: int = Field(10, ge=1, description="Checkpoint the learner every this many steps.")
+    peak_flops: dict[str, float] = Field(
+        default_factory=lambda: {"cpu": 1e11},
+        description="Peak FLOP/s overrides for MFU, by GPU name or device kind; else app.learner.perf's spec table.",
+    )
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray reserves per learner worker.")
+    num_gpus_per_worker: float = Field(
+        1.0, gt=0, le=1, description="GPUs per learner worker on cuda; below 1 shares a GPU with the fleet's replicas."
+    )
+    max_restarts: int = Field(3, ge=-1, description="Restarts of a dead learner worker (-1: no limit); it resumes.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources of rank 0, e.g. {learner_node: 1}; ranks pack with it."
+    )
+
+
+class DriftConfig(Section):
+    """Thresholds of the drift alarm (`app.diagnosis`), over the steps it judges; a healthy tiny run stays below."""
+
+    dropped_stale_share: float = Field(
+        0.05, ge=0, le=1, description="Share of groups dropped as stale (a healthy tiny run: ~1%)."
+    )
+    clip_share: float = Field(
+        0.15,
+        ge=0,
+        le=1,
+        description="Mean share of tokens at the clip bounds (healthy tiny run: median ~1.4%, max ~10%).",
+    )
+    ratio_std: float = Field(
+        0.5, ge=0, description="Mean per-token standard deviation of the learner/sampler ratio (ratio/std)."
+    )
+    slow_sync_share: float = Field(
+        0.5, gt=0, description="A weight sync longer than this share of the step time is named as the cause."
+    )
+
+
+class LoggingConfig(Section):
+    """Where metrics go and how often the driver talks."""
+
+    run_name: str = Field("tiny-cpu", description="Name of the run: runs/<run_name>/ holds its files.")
+    output_dir: str = Field("runs", description="Folder of run outputs (metrics.jsonl, summary.json).")
+    trackio: bool = Field(True, description="Also log to trackio (offline, SQLite).")
+    diagnose_every: int = Field(
+        5, ge=1, description="Judge the bottleneck and drift over this many steps; printed when the verdict changes."
+    )
+    drift: DriftConfig = Field(default_factory=DriftConfig, description="Thresholds of the drift alarm.")
+    progress_bar: bool = Field(True, description="Show a progress bar on the terminal.")
+
+
+class JoinConfig(Section):
+    """A shared fleet this run trains on as one of its runs (`make train ARGS="--fleet URL"`), over HTTP alone."""
+
+    url: str | None = Field(
+        None, description="URL of a fleet already running to join; None: the run brings its own fleet (`fleet`)."
+    )
+
+
+class RunConfig(Section):
+    """A whole run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Task, data and rewards.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn environment (none: single-turn).")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="GRPO algorithm.")
+    objectives: list[ObjectiveConfig] = Field(
+        default_factory=lambda: [GRPOObjectiveConfig(kind="grpo")],
+        min_length=1,
+        description="Objectives the learner sums, each divided by its own token count (default: GRPO alone).",
+    )
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout producer.")
+    fleet: FleetSettings = Field(
+        default_factory=FleetSettings, description="The fleet the run brings along (unless it joins one)."
+    )
+    join: JoinConfig = Field(default_factory=JoinConfig, description="A shared fleet to join instead.")
+    bucket: BucketConfig = Field(default_factory=BucketConfig, description="Adapter and checkpoint bucket.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and output.")
+    spot: SpotConfig = Field(default_factory=SpotConfig, description="Spot interruption notices.")
+
+    @model_validator(mode="after")
+    def _check_cross_field(self) -> RunConfig:
+        if self.lora.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"lora.rank={self.lora.rank}: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
+        if self.fleet.max_lora_rank is not None and self.lora.rank > self.fleet.max_lora_rank:
+            raise ValueError(f"lora.rank={self.lora.rank} exceeds fleet.max_lora_rank={self.fleet.max_lora_rank}")
+        own = self.own_fleet_sizes()
+        check_fleet(self.model, self.fleet, own["max_loras"], own["max_staleness"])
+        if self.join.url and not RUN_NAME.fullmatch(self.logging.run_name):
+            raise ValueError(
+                f"logging.run_name={self.logging.run_name!r} cannot name a run of a shared fleet (join.url): "
+                "expected 1-32 of a-z, 0-9, '_', '-', starting with a letter or digit"
+            )
+        if self.join.url and not self.join.url.startswith(("http://", "https://")):
+            raise ValueError(f"join.url={self.join.url!r}: expected an http:// or https:// URL")
+        kinds = [o.kind for o in self.objectives]
+        if len(set(kinds)) < len(kinds):
+            raise ValueError(f"objectives: each kind at most once (got {kinds}): their metrics would mix")
+        teacher = self.teacher
+        if teacher is not None and teacher.model is not None:
+            index = next(i for i, o in enumerate(self.objectives) if getattr(o, "teacher", None) is teacher)
+            size_teacher_context(self.model, teacher.model, f"objectives[{index}].teacher.model")
+        if teacher is not None and self.join.url and teacher.kind in ("adapter", "model"):
+            raise ValueError(
+                f"objectives: teacher.{teacher.kind} is loaded into the fleet a run brings; a run of a shared fleet "
+                "(join.url) names the fleet's base model (teacher: base) or a server (teacher: {url: ...})"
+            )
+        if self.grpo.max_completion_length >= self.model.max_model_len:
+            raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
+        if self.task.name == "math" and not self.task.dataset:
+            raise ValueError("task.dataset is required when task.name is math")
+        if self.task.chain_min > self.task.chain_max:
+            raise ValueError("task.chain_min must not exceed task.chain_max")
+        self._check_staleness_rule()
+        if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > self.model.max_model_len:
+            raise ValueError(
+                f"env.max_episode_tokens={self.env.max_episode_tokens} exceeds model.max_model_len={self.model.max_model_len}"
+            )
+        return self
+
+    def _check_staleness_rule(self) -> None:
+        if self.rollout.staleness_rule != "bound_at_admission":
+            return
+        hard, staleness = self.hard_max_staleness, self.grpo.max_staleness
+        if hard < staleness:
+            raise ValueError(
+                f"rollout.hard_max_staleness={hard} is below grpo.max_staleness={staleness}: "
+                "groups the admission bound let in would be dropped"
+            )
+        if hard >= self.bucket.keep_versions:  # a later turn may still name the version its episode started under
+            raise ValueError(
+                f"rollout.hard_max_staleness={hard} must be below bucket.keep_versions={self.bucket.keep_versions}: "
+                "a group may still sample under a version that old"
+            )
+
+    @property
+    def hard_max_staleness(self) -> int:
+        """The staleness past which even finished work is dropped (bound_at_admission): as configured, else twice
+        `grpo.max_staleness` (at least its own), kept below `bucket.keep_versions`."""
+        if self.rollout.hard_max_staleness is not None:
+            return self.rollout.hard_max_staleness
+        staleness = self.grpo.max_staleness
+        return max(staleness, min(2 * staleness, self.bucket.keep_versions - 1))
+
+    @property
+    def max_episode_tokens(self) -> int:
+        """Tokens an episode may hold, prompt included: as configured, else the whole context."""
+        return self.env.max_episode_tokens or self.model.max_model_len
+
+    @property
+    def teacher(self) -> TeacherConfig | None:
+        """The teacher of the run's distill objective, if it has one."""
+        return next((o.teacher for o in self.objectives if isinstance(o, DistillObjectiveConfig)), None)
+
+    def own_fleet_sizes(self) -> dict[str, Any]:
+        """The slots, rank and staleness window of the fleet this run brings: as its `fleet` section says, else
+        sized for this run alone (its lineage's window and one slot to load into, one more for a teacher adapter;
+        its rank); and where a teacher adapter may be loaded from."""
+        staleness = self.grpo.max_staleness if self.fleet.max_staleness is None else self.fleet.max_staleness
+        teacher_adapter = self.teacher.adapter if self.teacher is not None else None
+        return {
+            "max_staleness": staleness,
+            "max_loras": self.fleet.max_loras or slots_needed([staleness + 1]) + (teacher_adapter is not None),
+            "max_lora_rank": self.fleet.max_lora_rank or vllm_rank_for(self.lora.rank),
+            **(trusted_source(self.fleet, teacher_adapter) if teacher_adapter else {}),
+        }
+
+    def own_fleet(self) -> FleetConfig:
+        """The fleet this run brings along when it joins none: its model, its bucket, its `fleet` section, and
+        the teacher deployment of a `model` teacher."""
+        bucket = self.bucket.model_copy(update={"url": self.bucket_url.replace("{", "{{").replace("}", "}}")})
+        return FleetConfig(
+            model=self.model,
+            tiny_task=self.task,
+            bucket=bucket,
+            fleet=self.fleet.model_copy(update=self.own_fleet_sizes()),
+            spot=self.spot,
+            teacher=self.teacher.deployment() if self.teacher is not None else None,
+        )
+
+    @property
+    def fleet_run(self) -> str | None:
+        """This run's name on a shared fleet it joined (`join.url`), which namespaces its adapters
+        (`<run>/policy-vN`); None when the run brings its own fleet."""
+        return self.logging.run_name if self.join.url else None
+
+    @property
+    def window(self) -> int:
+        """The versions of this run's lineage a sample may still use: `grpo.max_staleness + 1`."""
+        return self.grpo.max_staleness + 1
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.output_dir) / self.logging.run_name
+
+    @property
+    def bucket_url(self) -> str:
+        return self.bucket.url.format(run_name=self.logging.run_name)

@@ -1,0 +1,114 @@
+"""A teacher's config: the model that scores the student's own samples token by token for on-policy distillation.
+
+A run names its teacher in its distill objective (`objectives: [{kind: distill, teacher: ...}]`), one of four kinds:
+
+- `base`: the base model its fleet serves, without adapter;
+- `{adapter: URL-or-folder}`: a LoRA of that base model (a committed version's bucket URL or its folder in a
+  file:// bucket, or a PEFT folder), which the run's fleet loads as `teacher-v0`;
+- `{model: {...}}`: another model of the student's tokenizer, served by a teacher deployment of its own in the
+  run's fleet (`TeacherDeployment`, which a fleet's own config can name too);
+- `{url: URL}`: an OpenAI-compatible server elsewhere that answers `prompt_logprobs` (vLLM's, another fleet).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from contracts.adapters import ADAPTER_NAME, split_version_url
+from core.config.sections import ModelConfig, Section
+
+TEACHER_ADAPTER = "teacher-v0"  # what an adapter teacher is loaded as: a family of its own, so its slot is pinned
+TEACHER_KINDS = ("adapter", "model", "url")  # besides `base`, which names none of them
+
+
+def size_teacher_context(student: ModelConfig, teacher: ModelConfig, field: str) -> None:
+    """A teacher model scores the student's samples whole, so it holds at least the student's context: one that
+    names no `max_model_len` gets the student's; one that names a shorter one is refused (ValueError naming `field`),
+    since every sample longer than it would be refused."""
+    if "max_model_len" not in teacher.model_fields_set:
+        teacher.max_model_len = student.max_model_len
+    elif teacher.max_model_len < student.max_model_len:
+        raise ValueError(
+            f"{field}.max_model_len={teacher.max_model_len} is shorter than the student's model.max_model_len="
+            f"{student.max_model_len}: the teacher could not score the longer samples; give it at least that"
+        )
+
+
+class TeacherDeployment(Section):
+    """A teacher model served by vLLM replicas of its own in the fleet's Serve app, beside the base model's."""
+
+    name: str = Field("teacher", pattern=f"^{ADAPTER_NAME.pattern}$", description="The model name requests give it.")
+    model: ModelConfig = Field(description="The teacher model; its tokenizer must give the base model's token ids.")
+    num_replicas: int = Field(1, ge=1, description="vLLM replicas of the teacher.")
+
+
+class TeacherConfig(Section):
+    """The teacher of a distill objective: `base` (nothing named), or one of `adapter`, `model`, `url`."""
+
+    adapter: str | None = Field(
+        None,
+        description="A LoRA of the base model: a committed version (.../adapters/policy-vN, URL or path) or a PEFT folder.",
+    )
+    model: ModelConfig | None = Field(
+        None, description="Another model of the student's tokenizer, served by a teacher deployment in the run's fleet."
+    )
+    num_replicas: int = Field(1, ge=1, description="vLLM replicas of the teacher deployment (`model` only).")
+    url: str | None = Field(
+        None, description="An OpenAI-compatible server that answers prompt_logprobs (token SPOTRL_TEACHER_TOKEN)."
+    )
+    served_model: str | None = Field(
+        None, description="The model name to ask `url` for; default the first of its /v1/models."
+    )
+    request_timeout_s: float = Field(60.0, gt=0, description="Timeout of one scoring request.")
+    max_retries: int = Field(2, ge=0, description="Retries of a failed scoring request before its group is dropped.")
+    self_test_tolerance: float = Field(
+        1e-2,
+        ge=0,
+        description="Largest difference between two scorings of one sequence at start; a teacher beyond is refused.",
+    )
+
+    @field_validator("adapter")
+    @classmethod
+    def _committed_version_by_path(cls, adapter: str | None) -> str | None:
+        """A committed version named by its folder on disk (`runs/<run>/bucket/adapters/policy-v150`, what a finished
+        run leaves in a file:// bucket) is that version, as a `file://` URL; a PEFT folder stays a folder."""
+        if adapter is None or "://" in adapter:
+            return adapter
+        folder = Path(adapter).expanduser()
+        url = f"file://{folder.resolve()}"
+        if split_version_url(url) is not None and not (folder / "adapter_config.json").is_file():
+            return url
+        return adapter
+
+    @model_validator(mode="before")
+    @classmethod
+    def _base_by_name(cls, data: Any) -> Any:
+        if data == "base":
+            return {}
+        if isinstance(data, str):
+            raise ValueError("expected 'base' or a mapping with one of adapter, model, url")
+        return data
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> TeacherConfig:
+        named = [k for k in TEACHER_KINDS if getattr(self, k) is not None]
+        if len(named) > 1:
+            raise ValueError(f"name one of adapter, model, url, not {' and '.join(named)}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url={self.url!r}: expected an http:// or https:// URL")
+        if self.served_model is not None and self.url is None:
+            raise ValueError("served_model names the model of a teacher `url`; none is given")
+        return self
+
+    @property
+    def kind(self) -> Literal["base", "adapter", "model", "url"]:
+        return next((k for k in TEACHER_KINDS if getattr(self, k) is not None), "base")
+
+    def deployment(self) -> TeacherDeployment | None:
+        """The teacher deployment the run's fleet adds for a `model` teacher; None for the other kinds."""
+        if self.model is None:
+            return None
+        return TeacherDeployment(model=self.model, num_replicas=self.num_replicas)

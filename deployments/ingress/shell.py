@@ -1,0 +1,296 @@
+"""The fleet's front door as a Ray Serve deployment: the HTTP API over a handle to the vLLM replicas.
+
+One ingress replica holds the tokenizer and a `DeploymentHandle` to `VLLMReplica` (and one to a teacher
+deployment's replicas, for requests that name the teacher: `deployments.replica.teacher`); each handle's
+request router is a PrefixHashRouter, so it lives in this process and `/router/stats` reads its
+counters directly. Generations go through the handle as one `GenerateRequest` each
+(`contracts.serving`), the type the router reads and the replica samples from.
+
+The ingress is where failures are hidden from clients: a generation whose replica died (spot
+preemption, OOM) is sent again (`contracts.retry.aretry`, whose docstring says who retries what), and the
+router, told of the death by Serve, picks a live replica; a generation during which an engine died is
+sent once more at most, then refused as poison (`deployments.ingress.poison`). A replica whose node is going (a
+spot notice) refuses new generations, which go elsewhere, and hands its unfinished ones back: they are
+continued on another replica and stitched, token-exact (`deployments.ingress.handback`); its routers route nothing
+more to it (`replica_draining`). Admin calls are broadcast to every live replica. Serve runs the app's
+lifespan in this replica, so the control layer's upkeep (`deployments.control.upkeep`: idle runs released,
+slots gauges, the fair share's budget) runs here, beside the requests.
+
+Callers inside the Ray cluster (the learner, on another node) reach the fleet through a handle to
+this deployment instead of HTTP: the HTTP proxy listens on the head, at an address that may mean
+nothing elsewhere (127.0.0.1). `load_adapter` is that entry, the same all-or-nothing load as
+`/v1/load_lora_adapter`; it needs no token, since only a member of the cluster can call it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from contracts.auth import Secret, check_exposure, redact, signing_secret
+from contracts.auth import admin_token as resolve_admin_token
+from contracts.control import CONTROL_METHOD, Command, DescribeEngine
+from contracts.retry import Backoff, aretry
+from contracts.serving import (
+    GENERATE_METHOD,
+    EngineDied,
+    Generated,
+    GenerateRequest,
+    ReplicaDraining,
+    ReplicaUnavailable,
+)
+from core.bucket.records import RunRecords
+from core.bucket.store import AdapterStore
+from core.config import FleetConfig
+from core.models import model_fingerprint
+from deployments.api import ApiSettings, make_app
+from deployments.api.bodies import RequestLimits
+from deployments.control.broadcast import load_everywhere
+from deployments.control.errors import ApiError
+from deployments.control.fair_share import FairShare
+from deployments.control.run_metrics import RunMetrics
+from deployments.control.runs import Registration, Runs
+from deployments.ingress.handback import continue_handed_back
+from deployments.ingress.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
+
+log = logging.getLogger("ray.serve")
+
+# Attempts of one generation across replica deaths: the first retry normally lands on a live
+# replica; the later ones cover the seconds before Serve has noticed that a replica is gone
+# (pauses 0.5, 1, 2, 2, 2 s, jittered: about 7.5 s in all).
+GENERATE_BACKOFF = Backoff(attempts=6, first_s=0.5, max_s=2.0)
+
+
+def _raised(exc: BaseException, kinds) -> bool:
+    """`exc` is one of `kinds`, or Ray's wrapper of one (a replica's exception comes back as its `cause`)."""
+    return isinstance(exc, kinds) or isinstance(getattr(exc, "cause", None), kinds)
+
+
+def replica_failed(exc: BaseException) -> bool:
+    """The replica, not the request, failed: worth sending again elsewhere."""
+    from ray.exceptions import RayActorError
+
+    return _raised(exc, RayActorError | ReplicaUnavailable)
+
+
+def engine_died(exc: BaseException) -> bool:
+    """The replica's engine died while serving the request, maybe because of it (`deployments.ingress.poison`)."""
+    return _raised(exc, EngineDied)
+
+
+def own_internal_request_id() -> None:
+    """Give the handle call this task makes next an internal request id of its own.
+
+    Ray Serve 2.60 stamps every handle call made while serving one HTTP request with that request's
+    internal id, and its RequestRouter hands a chosen replica to the pending request with that id:
+    of two calls in flight at once (the prompts of one /v1/completions batch), the second is never
+    indexed, never gets a replica and hangs. Serve's own routers escape it through FIFOMixin, which
+    PrefixHashRouter must not use (`deployments.routing.router`). The request context is a contextvar, so
+    this changes only the calling task's copy (each prompt's `generate` runs in a task of its own).
+    """
+    import dataclasses
+
+    from ray.serve._private.utils import generate_request_id
+    from ray.serve.context import _get_serve_request_context, _serve_request_context
+
+    context = _get_serve_request_context()
+    _serve_request_context.set(dataclasses.replace(context, _internal_request_id=generate_request_id()))
+
+
+def mark_draining(replica_id: str, draining: bool = True) -> None:
+    """The routers of this process (the ingress's) route nothing more to replica `replica_id`: its node is going (or,
+    `draining` False, route to it again: its node outlived the notice)."""
+    from deployments.routing.router import mark_draining as mark
+
+    mark(replica_id, draining)
+
+
+def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
+    what = "its engine died while serving it" if engine_died(exc) else "it hit a dead replica"
+    log.warning("generation failed, %s (%s); retry %d in %.1fs", what, type(exc).__name__, attempt, pause_s)
+
+
+class ServeBackend:
+    """`deployments.control.backend.Backend` over a DeploymentHandle to the VLLMReplica deployment."""
+
+    def __init__(self, handle, poison: PoisonTable | None = None, teachers: dict[str, Any] | None = None):
+        self._handle = handle
+        self._teachers = (
+            teachers or {}
+        )  # a teacher deployment's handle by its model name (`deployments.replica.teacher`)
+        self._server_info: dict[str, Any] | None = None
+        self._poison = PoisonTable() if poison is None else poison
+        # Generations a draining replica handed back (continued elsewhere), new ones it refused (sent elsewhere), and
+        # attempts lost with a replica that died (sent again from their start).
+        self.spot = {"handed_back": 0, "refused_draining": 0, "replica_failures": 0}
+
+    async def generate(self, request: GenerateRequest) -> Generated:
+        result = await self._generate(request)
+        if result.handed_back:  # its replica's node is going: continued elsewhere, stitched into one answer
+            self.spot["handed_back"] += 1
+            mark_draining(result.replica)
+            result = await continue_handed_back(self.generate, request, result)
+        return result
+
+    async def _generate(self, request: GenerateRequest) -> Generated:
+        key = fingerprint(request)
+        self._poison.check(key)  # it killed two engines lately: not a third
+        engine_deaths = 0
+        handle = self._teachers.get(request.model, self._handle)
+
+        # The handle's router (PrefixHashRouter) reads `request.prompt_ids` and `request.model` to pick the replica;
+        # a retry is routed afresh, away from the replica Serve now knows is dead.
+        async def send():
+            nonlocal engine_deaths
+            own_internal_request_id()
+            try:
+                return await handle.options(method_name=GENERATE_METHOD).remote(request)
+            except Exception as exc:
+                engine_deaths += engine_died(exc)
+                if _raised(exc, ReplicaDraining):  # sent again below, to a replica that stays
+                    self.spot["refused_draining"] += 1
+                    mark_draining(getattr(exc, "cause", exc).replica)
+                elif replica_failed(exc):
+                    self.spot["replica_failures"] += 1
+                raise
+
+        def retryable(exc: BaseException) -> bool:
+            # A dead replica (a preempted node) as often as GENERATE_BACKOFF allows; a dead engine once.
+            return replica_failed(exc) or (engine_died(exc) and engine_deaths < ENGINE_DEATHS_PER_REQUEST)
+
+        try:
+            return await aretry(send, GENERATE_BACKOFF, retryable, _log_retry)
+        except Exception as exc:
+            if not engine_died(exc):
+                raise
+            # Never a 503, which clients send again: it would come back with a fresh count.
+            raise self._poison.engine_failure(key, engine_deaths) from None
+
+    async def broadcast(self, command: Command) -> list[Any]:
+        """Each live replica's reply or exception. A replica that died meanwhile is left out, not counted as a
+        failure: it is no longer part of the fleet, and its replacement reads the live versions from the bucket."""
+        results = await self._handle.broadcast(CONTROL_METHOD, command).results_async(return_exceptions=True)
+        return [r for r in results if not (isinstance(r, BaseException) and replica_failed(r))]
+
+    async def server_info(self) -> dict[str, Any]:
+        if self._server_info is None:  # every replica runs the same engine config: ask one, once
+            self._server_info = await self._handle.options(method_name=CONTROL_METHOD).remote(DescribeEngine())
+        return self._server_info
+
+    def router_stats(self) -> dict[str, Any]:
+        from deployments.routing.router import router_stats
+
+        return {**router_stats(), "spot": dict(self.spot)}
+
+    def sizes(self) -> dict[str, int]:
+        return {"poison_entries": len(self._poison)}
+
+
+def tokenizer_functions(model_path: str):
+    """(encode, decode, chat_ids, vocab_size) with the round-trip-checked tokenizer of the model folder."""
+    from core.models import completion_text, load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(ids: list[int]) -> str:  # as the rollout decodes a choice it stitched after a cut
+        return completion_text(tokenizer, ids)
+
+    def chat_ids(messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return encode(text)
+
+    config_file = Path(model_path) / "config.json"
+    vocab_size = len(tokenizer)
+    if config_file.is_file():  # the embedding table may be larger than the tokenizer
+        vocab_size = max(vocab_size, int(json.loads(config_file.read_text()).get("vocab_size") or 0))
+    return encode, decode, chat_ids, vocab_size
+
+
+class Ingress:
+    """A Ray Serve deployment class; `deployments.fleet` wraps it with `serve.ingress()` and `serve.deployment`."""
+
+    def __init__(
+        self,
+        replicas,
+        base_model: str,
+        model_aliases: list[str],
+        model_path: str,
+        config: dict,
+        admin_token: Secret | None = None,
+        request_router: str = "",
+        http_host: str = "127.0.0.1",
+        bucket_url: str = "",
+        teacher_replicas=None,
+        signing: Secret | None = None,
+    ):
+        cfg = FleetConfig.model_validate(config)
+        # The environment of the ingress process wins, then a token handed over by the builder, then the config
+        # (which reaches this process without it: `fleet.admin_token` is never dumped). The builder checked the
+        # same in its own process; this process's environment may differ, and decides what the API enforces.
+        token = resolve_admin_token(cfg, admin_token)
+        check_exposure(http_host, cfg.fleet.protect_inference, token)
+        encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
+        settings = ApiSettings(
+            base_model=base_model,
+            base_fingerprint=model_fingerprint(model_path, cfg.model.revision),
+            bucket_url=redact(bucket_url),
+            model_aliases=frozenset(model_aliases),
+            max_model_len=cfg.model.max_model_len,
+            vocab_size=vocab_size,
+            encode=encode,
+            decode=decode,
+            chat_ids=chat_ids,
+            admin_token=token or None,
+            protect_inference=cfg.fleet.protect_inference,
+            autoscaling=(scaling.min_replicas, scaling.max_replicas) if (scaling := cfg.fleet.autoscaling) else None,
+            limits=RequestLimits.of(cfg.fleet),
+            max_loras=cfg.max_loras,
+            max_staleness=cfg.max_staleness,
+            max_lora_rank=cfg.max_lora_rank,
+            run_idle_timeout_s=cfg.fleet.run_idle_timeout_s,
+            inflight_budget=cfg.inflight_limit,
+            inflight_per_replica=None if cfg.fleet.inflight_budget else cfg.fleet.max_num_seqs,
+            default_run_weight=cfg.fleet.default_run_weight,
+            teacher_models=frozenset([cfg.teacher.name] if cfg.teacher else []),
+            signing_secret=signing or signing_secret(token or None),
+        )
+        teachers = {cfg.teacher.name: teacher_replicas} if cfg.teacher and teacher_replicas is not None else {}
+        poison = PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries)
+        self._backend = ServeBackend(replicas, poison, teachers)
+        # The runs of a shared fleet outlive this process in the bucket (`deployments.control.tenancy`).
+        records = RunRecords.from_config(cfg, bucket_url) if bucket_url else None
+        runs = Runs.of(settings)
+        if records is not None:
+            runs.restore({name: Registration.from_record(r) for name, r in records.load().items()})
+        gate = FairShare(
+            settings.inflight_budget, runs.weight, RunMetrics(cfg.fleet.app_name), is_run=runs.__contains__
+        )
+        own = AdapterStore.at(bucket_url, cfg.bucket) if bucket_url else None  # the fleet's own policy-vN
+        own_lineage = (lambda: own.latest() is not None) if own is not None else None
+        self._app = make_app(self._backend, settings, runs, records, gate, own_lineage)
+        log.info(
+            "fleet ingress up: base model %s, router %s, admin token %s",
+            base_model,
+            request_router or "default",
+            "set" if token else "not set",
+        )
+
+    def __serve_build_asgi_app__(self):
+        return self._app
+
+    def replica_draining(self, replica_id: str, draining: bool = True) -> None:
+        """A replica's node is going (it says so itself, `deployments.replica.notices`): route nothing more to it;
+        `draining` False: the node outlived the notice, route to it again."""
+        mark_draining(replica_id, draining)
+
+    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """`POST /v1/load_lora_adapter` for a DeploymentHandle caller: on every live replica or none."""
+        try:
+            return await load_everywhere(self._backend, name, path)
+        except ApiError as e:  # its (status, message) constructor does not survive pickling back to the caller
+            raise RuntimeError(f"{e.status} {e.message}") from None

@@ -1,0 +1,342 @@
+"""The driver: `python -m launch.train --config FILE [--set key=value ...] [--address ADDR] [--fleet URL]`.
+
+Reads top to bottom like a recipe: start or join Ray, bring the fleet up unless one runs (or, with
+`--fleet`, join a shared fleet over HTTP as a run of it, `app.fleet_run`), start
+the learner (which resumes or publishes policy-v0), a distilling run's teacher (`app.teacher_setup`) and the
+rollout actor, evaluate the base (and the teacher), then
+loop to `max_steps`: get groups, train, log; evaluate again and write the summary. The driver only
+wires: the groups go from the rollout to the learner as an ObjectRef it never opens, and the
+roles answer with typed messages (`app.messages`). What it started, it stops, on success, on
+error and on Ctrl-C alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from contextlib import ExitStack
+
+from app.messages import ResumePoint
+from app.run_log import Run, StepLog
+from app.spot import DriverNotices, Preempted, finished_line, preempted_line, resumed_line
+from app.tasks.checks import check_names
+from app.tiny_model import prepare_model
+from contracts.adapters import adapter_name
+from contracts.auth import Secret, admin_token, inference_token
+from core.config import RunConfig, add_config_args, config_from_args
+from core.models import is_local, pin_revision
+
+log = logging.getLogger("spotrl.train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Asynchronous GRPO with LoRA on Ray.")
+    add_config_args(parser)
+    parser.add_argument("--address", default=None, help="Join this Ray cluster (default: start a local one).")
+    parser.add_argument(
+        "--fleet",
+        default=None,
+        metavar="URL",
+        help="Train on the fleet running at URL, as a run of it (join.url): HTTP alone, no fleet of our own.",
+    )
+    args = parser.parse_args(argv)
+    if args.fleet:
+        args.overrides.append(f"join.url={args.fleet}")
+    return args
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse to start a fleet where another server already listens: the run would silently talk to it."""
+    import socket
+
+    with socket.socket() as sock:
+        if sock.connect_ex((host, port)) == 0:
+            raise SystemExit(f"fleet.port: {host}:{port} is already in use by another server; pick a free one")
+
+
+def stop_actor(actor, timeout_s: float = 10.0) -> None:
+    """Ask an actor to stop cleanly, then kill it whatever happened: cleanup must never mask why we stop."""
+    import ray
+
+    try:
+        ray.get(actor.stop.remote(), timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a busy or dead actor is killed below all the same
+        log.warning("%s did not stop cleanly (%s): killing it", actor, type(exc).__name__)
+    ray.kill(actor, no_restart=True)
+
+
+def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
+    """Start or join Ray, and use the fleet that runs there or deploy one; returns an admin client of it.
+
+    The client speaks HTTP to Serve's proxy on the head, like the rollout actor and the evaluation,
+    which run on the head too; the learner, on a node of its own, gets `learner_fleet_address`."""
+    import ray
+
+    from app import fleet_run
+    from app.fleet_client import FleetClient
+    from core.bucket.filesystem import absolute_bucket_url
+    from core.local_ray import start_ray
+    from deployments.fleet import deploy_fleet, fleet_is_running, fleet_url, shutdown_fleet
+
+    ray_is_ours = start_ray(address, offline=is_local(model_path))
+    if ray_is_ours:
+        stack.callback(ray.shutdown)
+        # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
+        check_port_free(cfg.fleet.host, cfg.fleet.port)
+    own = cfg.own_fleet()
+    if not fleet_is_running(own):
+        log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)
+        base_url = deploy_fleet(own, model_path)
+        stack.callback(shutdown_fleet, own, stop_serve=not ray_is_ours)
+        return FleetClient(base_url, token=admin_token(cfg))
+    base_url = fleet_url(own)  # where Serve's proxy listens, whatever this run's config says
+    log.info("using the fleet already running at %s", base_url)
+    client = FleetClient(base_url, token=admin_token(cfg))
+    # A fleet another run started may serve another base model than ours, or its own lineage from another bucket.
+    fleet_run.check_base_model(client, model_path, cfg.model.revision)
+    fleet_run.check_same_bucket(client, absolute_bucket_url(cfg.bucket_url))
+    return client
+
+
+def join_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str | None):
+    """Start or join a Ray of our own and become a run of the fleet at `join.url` (`app.fleet_run`);
+    returns a client of the fleet with the run's token, and the token for the rollout and the learner; None when
+    the run (in its prefix of the fleet's bucket) had finished already: it leaves the fleet again at once."""
+    import ray
+
+    from app import fleet_run
+    from app.fleet_client import FleetClient
+    from core.local_ray import start_ray
+
+    run = fleet_run.join(cfg, model_path)  # first: a fleet that refuses us is known before Ray starts
+    stack.callback(fleet_run.leave, run)  # after the learner and rollout stopped: nothing uses the adapters any more
+    stack.enter_context(fleet_run.Heartbeat(run))
+    fleet_run.publish_to_fleet_bucket(cfg, run)
+    if report_finished(cfg):
+        return None
+    if start_ray(address, offline=is_local(model_path)):
+        stack.callback(ray.shutdown)
+    client = FleetClient(run.url, token=run.token.value)
+    stack.callback(client.close)
+    return client, run.token
+
+
+def learner_fleet_address(cfg: RunConfig) -> str:
+    """The fleet as the learner reaches it: by Serve handle, from whichever node Ray puts it on."""
+    from contracts.serving import serve_address
+
+    address = serve_address(cfg.fleet.app_name)
+    log.info("the learner tells the fleet of new versions through %s", address)
+    return address
+
+
+def start_teacher(cfg: RunConfig, run: Run, fleet, model_path: str, evaluation: Evaluation, token: str | None):
+    """A distilling run's teacher, checked (`app.teacher_setup`) and its held-out accuracy measured as the student's
+    is; None when the run does not distil."""
+    if cfg.teacher is None:
+        return None
+    from app.teacher_setup import prepare_teacher
+
+    teacher = prepare_teacher(cfg, fleet, model_path, token)
+    run.teacher_heldout = evaluation.of_teacher(teacher)
+    log.info("teacher held-out accuracy: %.3f (%s)", run.teacher_heldout["accuracy"], teacher.model)
+    return teacher
+
+
+def start_rollout(
+    stack: ExitStack,
+    cfg: RunConfig,
+    model_path: str,
+    fleet_url: str,
+    resume: ResumePoint,
+    run_token: Secret | None,
+    teacher=None,
+):
+    """The rollout actor, producing from where the learner resumed (with the run's token on a shared fleet, and
+    the teacher that scores its groups when the run distils)."""
+    import ray
+
+    from app.rollout.actor import RolloutActor
+
+    # Named, so that the dashboard and `ray.get_actor(name, namespace="spotrl")` find it.
+    rollout = RolloutActor.options(name=f"rollout-{cfg.logging.run_name}", namespace="spotrl").remote(
+        cfg, model_path, fleet_url, resume, run_token, teacher
+    )
+    stack.callback(stop_actor, rollout)
+    ray.get(rollout.start.remote())
+    return rollout
+
+
+def take_groups(rollout, n: int):
+    """Ask the rollout for a step's groups and wait until they exist; returns their ObjectRef and the wait.
+
+    The driver never fetches them: the learner's ranks read them from the object store."""
+    import ray
+
+    t0 = time.perf_counter()
+    batch = rollout.get_groups.remote(n)
+    ray.wait([batch], fetch_local=False)
+    return batch, time.perf_counter() - t0
+
+
+def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | None = None) -> dict | None:
+    """Train to `grpo.max_steps`; returns the run's summary (also in runs/<name>/summary.json), or None when the run
+    had finished already (reported in one line, nothing touched). Raises `Preempted` after checkpointing when the
+    driver's machine gets a spot notice."""
+    from app.learner.group import LearnerGroup
+    from app.weight_sync import ensure_served
+
+    run = Run(cfg)
+    model_path = prepare_model(cfg.model, cfg.task, log=log.info)
+    if cfg.teacher is not None and cfg.teacher.model is not None:  # its own fleet's teacher deployment loads it
+        prepare_model(cfg.teacher.model, cfg.task, log=log.info)
+    pin_revision(cfg.model, model_path, log=log.info)
+    if not cfg.join.url and report_finished(cfg):
+        return None
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        if cfg.join.url:  # a shared fleet: the learner, like everyone, tells it of versions over HTTP
+            joined = join_fleet(stack, cfg, model_path, address)
+            if joined is None:
+                return None
+            fleet, run_token = joined
+            learner_address = fleet.base_url
+        else:
+            fleet, run_token = start_fleet(stack, cfg, model_path, address), None
+            learner_address = learner_fleet_address(cfg)
+        if notices is not None:
+            notices.take_sigterm()  # Ray has started: its handler replaced ours
+        token = run_token.value if run_token else None
+        # The fleet loads only versions signed with the key it gives this run's lineage (the run's token's, or the
+        # fleet's own lineage's for its admin): the learner signs each one.
+        signing_key = fleet.signing_key()
+        learner = LearnerGroup(cfg, model_path, fleet_url=learner_address, fleet_token=token, signing_key=signing_key)
+        stack.callback(learner.shutdown)
+        resume = learner.start()
+        ensure_served(fleet, cfg, resume.policy_version)
+        evaluation = Evaluation(cfg, fleet.base_url, model_path, token or inference_token(cfg))
+        before = evaluation.baseline(resume)
+        teacher = start_teacher(cfg, run, fleet, model_path, evaluation, token or admin_token(cfg))
+        rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token, teacher)
+        steps = StepLog(stack, run, resume.step)
+        version = loop(cfg, run, steps, learner, rollout, resume, notices)
+        return finish(cfg, run, steps, rollout, fleet, evaluation, before, version)
+
+
+def report_finished(cfg: RunConfig) -> bool:
+    """Print one line and say True when this run reached `grpo.max_steps` already (`app.spot.finished_line`)."""
+    line = finished_line(cfg)
+    if line:
+        print(line, file=sys.stderr)
+    return line is not None
+
+
+def loop(cfg, run: Run, steps: StepLog, learner, rollout, resume: ResumePoint, notices: DriverNotices | None) -> int:
+    """Get groups, train, log, to `grpo.max_steps`; returns the policy version trained last. A spot notice for this
+    machine stops it after the step under way, checkpointed (`Preempted`). The last step is always checkpointed, so
+    that a run trained further later resumes exactly where this one ended."""
+    import ray
+
+    from app.weight_sync import tell_rollout
+
+    step, version = resume.step, resume.policy_version
+    checkpointed = step
+    run.start_loop(ray.get(rollout.stats.remote()))
+    while step < cfg.grpo.max_steps:
+        if notices is not None and notices.binding is not None:
+            if checkpointed != step:
+                learner.checkpoint()
+            raise Preempted(preempted_line(cfg, notices.binding, step, version))
+        batch, rollout_wait_s = take_groups(rollout, cfg.grpo.num_prompts_per_step)
+        rollout_stats = ray.get(rollout.stats.remote())
+        result = learner.train_step(batch)
+        if result.policy_version != version:
+            version = result.policy_version
+            tell_rollout(rollout, version)
+        step = result.step
+        if step % cfg.learner.save_steps == 0:
+            checkpointed = step
+        steps.write(result, run.record(result, rollout_stats, rollout_wait_s))
+    if checkpointed != step:
+        learner.checkpoint()
+    run.end_loop()
+    return version
+
+
+def finish(cfg, run: Run, steps: StepLog, rollout, fleet, evaluation: Evaluation, before: dict, version: int) -> dict:
+    """Evaluate the trained policy, write the summary, say which side was the bottleneck."""
+    import ray
+
+    from app.diagnosis import diagnose
+
+    final_stats = ray.get(rollout.stats.remote())
+    verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
+    after = evaluation.of(version)
+    log.info("held-out accuracy after: %.3f (%s)", after["accuracy"], after["model"])
+    summary = run.summary(before, after, final_stats, fleet.router_stats())
+    summary["bottleneck"] = verdict.kind
+    summary["bottleneck_detail"] = str(verdict)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    steps.bar.write(str(verdict))
+    return summary
+
+
+class Evaluation:
+    """Held-out accuracy through the fleet (`app.evaluate`), and the run's baseline: measured once, before the first
+    step, and kept in the run's folder, so that a resumed run reports the accuracy it started from."""
+
+    def __init__(self, cfg: RunConfig, base_url: str, model_path: str, token: str | None):
+        self.cfg, self.base_url, self.model_path, self.token = cfg, base_url, model_path, token
+
+    def of(self, version: int) -> dict:
+        from app.evaluate import evaluate
+
+        return evaluate(self.cfg, self.base_url, self.model_path, adapter_name(version, self.cfg.fleet_run), self.token)
+
+    def of_teacher(self, teacher) -> dict:
+        """The teacher's held-out accuracy, measured as the student's (where it is served, under its name)."""
+        from app.evaluate import evaluate
+
+        token = teacher.token.value if teacher.token else None
+        return evaluate(self.cfg, teacher.url, self.model_path, teacher.model, token)
+
+    def baseline(self, resume: ResumePoint) -> dict:
+        kept = self.cfg.run_dir / "heldout_before.json"
+        if resume.step > 0:
+            print(resumed_line(self.cfg, resume.step, resume.policy_version), file=sys.stderr)
+            if kept.is_file():
+                return json.loads(kept.read_text())
+        before = self.of(resume.policy_version)
+        log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
+        if resume.step == 0:
+            kept.write_text(json.dumps(before))
+        return before
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    cfg = config_from_args(args, checks=(check_names,))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the run
+    # A spot notice for this machine (a SIGTERM too: a scheduler stopping us) ends the run after a checkpoint;
+    # a second SIGTERM, like Ctrl-C, stops it at once. Either way train() stops what it started.
+    notices = DriverNotices(cfg.spot).start()
+    try:
+        summary = train(cfg, args.address, notices)
+    except Preempted as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(0) from None
+    except KeyboardInterrupt:
+        print("interrupted: stopped what this run started", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        notices.stop()
+    if summary is not None:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
