@@ -8,7 +8,6 @@ the tiny task's own prompts would fill less than one.
 
 import asyncio
 import json
-import random
 import select
 import socket
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from app.fleet_client import FleetClient, FleetError
 from core.models import model_fingerprint
-from tests.support.fleet_helpers import free_port, publish_random_adapters, running_fleet
+from tests.support.fleet_helpers import free_port, publish_random_adapters, random_prompt, running_fleet
 
 TOKEN = "fleet-test-token-7f3a9c"
 G = 8
@@ -30,11 +29,6 @@ BLOCK = 32
 def fleet(tmp_path_factory, tiny_model_path):
     with running_fleet(tmp_path_factory.mktemp("fleet"), tiny_model_path, [], TOKEN, block_size=BLOCK) as fleet:
         yield fleet
-
-
-def _prompt(seed: int, length: int = PROMPT_LEN) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 300) for _ in range(length)]
 
 
 def burst(url: str, requests: list[tuple[list[int], str]], **sampling) -> list[httpx.Response]:
@@ -84,7 +78,7 @@ def test_a_group_lands_on_one_replica_and_vllm_counts_its_prefix_hits(fleet):
     assert fleet_is_running(fleet.cfg)
     models = {m["id"]: m for m in fleet.client.models()}
     assert models["policy-v1"]["replicas"] == 2  # committed before start-up: every replica loaded it itself
-    prompt = _prompt(1)
+    prompt = random_prompt(1)
     before_engines, before_router = engines(fleet.client), fleet.client.router_stats()["totals"]
 
     responses = burst(fleet.url, [(prompt, "policy-v1")] * G)
@@ -119,7 +113,7 @@ def test_broadcast_load_reaches_both_replicas_unload_and_refusals(fleet):
     fleet.client.load_adapter("policy-v3", "adapters/policy-v3")  # a path inside the bucket
     assert {m["id"]: m for m in fleet.client.models()}["policy-v3"]["replicas"] == 2
 
-    prompts = [_prompt(100 + i, 40) for i in range(6)]
+    prompts = [random_prompt(100 + i, 40) for i in range(6)]
     tuned = burst(fleet.url, [(p, "policy-v3") for p in prompts], temperature=0.0)
     base = burst(fleet.url, [(p, fleet.base) for p in prompts], temperature=0.0)
     assert {r.status_code for r in tuned + base} == {200}
@@ -205,7 +199,7 @@ def test_the_openai_client_speaks_to_the_fleet(fleet):
     import openai
 
     client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0)
-    prompt = _prompt(7, 40)
+    prompt = random_prompt(7, 40)
     completion = client.completions.create(
         model="policy-v1", prompt=prompt, max_tokens=4, logprobs=0, extra_body={"return_token_ids": True}
     )
@@ -225,7 +219,7 @@ def hostile_requests(fleet) -> list[tuple[str, bytes, dict[str, str], int]]:
     """(path, body, headers, the status it must get): each would crash, stall or open a fleet that trusted it."""
     bearer = {"Authorization": f"Bearer {TOKEN}"}
     as_json = {"content-type": "application/json"}
-    prompt = json.dumps(_prompt(11, 40))
+    prompt = json.dumps(random_prompt(11, 40))
     ok = f'"model": "{fleet.base}", "prompt": {prompt}, "max_tokens": 2'
 
     def completion(extra: str) -> tuple[str, bytes, dict[str, str], int]:
@@ -314,7 +308,7 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
     assert health.status_code == 200 and health.json()["replicas"] == 2
     assert set(engines(fleet.client)) == replicas  # no replica died or was replaced
     # Normal requests still work, the edge of vLLM's seed range included.
-    choices = fleet.client.completions(_prompt(12, 40), fleet.base, n=2, max_tokens=3, seed=2**63 - 1)
+    choices = fleet.client.completions(random_prompt(12, 40), fleet.base, n=2, max_tokens=3, seed=2**63 - 1)
     assert len(choices) == 2
     assert set(engines(fleet.client)) == replicas
     # What `serve run`'s build task asks Serve, from inside the cluster: where its proxy listens.
@@ -324,7 +318,7 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
 
 def test_engine_and_router_metrics_reach_rays_metrics_export(fleet):
     """vLLM's counters and the router's, as Prometheus scrapes them from Ray (Ray prefixes `ray_`)."""
-    burst(fleet.url, [(_prompt(9), "policy-v1")] * 2)  # the second sample reuses the first one's blocks
+    burst(fleet.url, [(random_prompt(9), "policy-v1")] * 2)  # the second sample reuses the first one's blocks
 
     def totals(text: str) -> dict[str, float]:
         sums: dict[str, float] = {}
@@ -392,7 +386,7 @@ def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_liv
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         return await task
 
-    requests = [(_prompt(1000 + g), newest) for g in range(12) for _ in range(4)]
+    requests = [(random_prompt(1000 + g), newest) for g in range(12) for _ in range(4)]
     responses = asyncio.run(kill_during(requests))
     assert [r.status_code for r in responses] == [200] * len(requests)
     stats = fleet.client.router_stats()
@@ -402,7 +396,7 @@ def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_liv
     while survivors := [p for p in engine_pids if _running(p)]:
         assert time.monotonic() < deadline, f"engine processes of the killed replica survive: {survivors}"
         time.sleep(0.5)
-    after_kill = burst(fleet.url, [(_prompt(2000 + i, 40), newest) for i in range(8)])
+    after_kill = burst(fleet.url, [(random_prompt(2000 + i, 40), newest) for i in range(8)])
     assert victim_id not in {r.headers["x-spotrl-replica"] for r in after_kill}
 
     # Serve starts a replacement, which loads the newest committed versions before it reports healthy.
@@ -421,7 +415,7 @@ def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_liv
     for attempt in range(5):
         served |= {
             r.headers["x-spotrl-replica"]
-            for r in burst(fleet.url, [(_prompt(3000 + 10 * attempt + i, 40), newest) for i in range(6)])
+            for r in burst(fleet.url, [(random_prompt(3000 + 10 * attempt + i, 40), newest) for i in range(6)])
         }
         if fresh in served:
             break
@@ -472,7 +466,7 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
         max_episode_tokens=128,
         timeout_s=5.0,
     )
-    prompts = [_prompt(500 + k, 40) for k in range(2)]  # a full KV block of its own: what the router matches on
+    prompts = [random_prompt(500 + k, 40) for k in range(2)]  # a full KV block of its own: what the router matches on
     problem = Problem("p", "unused: the prompt is given as ids", "0")
 
     async def play():
@@ -550,7 +544,7 @@ def test_a_batch_of_prompts_in_one_request_is_answered_prompt_by_prompt(fleet):
     gave them one internal id and left all but one unrouted, forever (`deployments.ingress.shell.own_internal_request_id`)."""
     before = fleet.client.router_stats()["totals"]["routed"]
     for attempt in range(5):
-        prompts = [_prompt(900 + 10 * attempt + k, 40) for k in range(4)]
+        prompts = [random_prompt(900 + 10 * attempt + k, 40) for k in range(4)]
         r = httpx.post(
             f"{fleet.url}/v1/completions",
             json={"model": fleet.base, "prompt": prompts, "n": 2, "max_tokens": 3, "return_token_ids": True},
@@ -604,7 +598,7 @@ def test_a_generation_cut_by_a_new_version_is_continued_token_exact_and_each_seg
         held_long, RewardScorer([exact_answer], timeout_s=5.0), functools.partial(completion_text, tokenizer)
     )
     served = [f"policy-v{old}"]  # what the rollout names now: the newest version served
-    prompt = _prompt(700, 40)
+    prompt = random_prompt(700, 40)
 
     def generated() -> int:
         return sum(s["generation_tokens"] for s in engines(fleet.client).values())

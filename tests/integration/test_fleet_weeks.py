@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_fleet import _prompt
-from tests.support.fleet_helpers import random_adapter, run_store, running_fleet
+from tests.support.fleet_helpers import random_adapter, random_prompt, run_store, running_fleet
 
 TOKEN = "fleet-weeks-token-7c21e9a4"
 RUN_IDLE_S = 60.0  # above the longest load of a loaded CI box: a run is heard of when a request starts
@@ -129,7 +128,7 @@ def one_run(fleet, i: int, folders: list[Path], goodbye: bool) -> None:
             run.load_adapter(f"{name}/policy-v{version}", f"adapters/policy-v{version}")
             for p in range(2):
                 choices = run.completions(
-                    _prompt(7000 + 10 * i + p, 40), f"{name}/policy-v{version}", n=2, max_tokens=4
+                    random_prompt(7000 + 10 * i + p, 40), f"{name}/policy-v{version}", n=2, max_tokens=4
                 )
                 assert len(choices) == 2
         run.heartbeat(name)
@@ -193,7 +192,7 @@ def test_two_runs_at_weights_one_and_three_hold_places_one_to_three_in_sequences
 
     async def burst(run: str, requests: int) -> None:
         async def one(k: int) -> None:
-            prompt = _prompt(8000 + 100 * (run == "heavy") + k, 40)
+            prompt = random_prompt(8000 + 100 * (run == "heavy") + k, 40)
             choices = await clients[run].acompletions(prompt, fleet.base, n=group, max_tokens=length, min_tokens=length)
             assert len(choices) == group
 

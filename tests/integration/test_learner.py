@@ -17,7 +17,7 @@ from app.learner.rank import LearnerRank
 from app.messages import ResumePoint
 from contracts.rollouts import RolloutBatch
 from core.bucket.store import AdapterStore
-from tests.unit.test_packing import learner_config, random_groups, random_model
+from tests.support.learner_parts import learner_config, random_groups, random_model
 
 STEP_GROUPS = [random_groups(3, seed=s, first_id=100 * s) for s in range(3)]
 

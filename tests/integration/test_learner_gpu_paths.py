@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from app.learner.logprobs import token_logprobs
 from app.learner.rank import LearnerRank
 from tests.support.fleet_helpers import free_port
-from tests.unit.test_packing import learner_config, random_groups, random_model
+from tests.support.learner_parts import learner_config, random_groups, random_model
 
 GROUPS = random_groups(4, seed=7, max_completion=20)
 

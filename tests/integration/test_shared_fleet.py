@@ -14,8 +14,7 @@ import pytest
 
 from app.fleet_client import FleetError
 from core.bucket.manifest import folder_digest
-from tests.integration.test_fleet import _prompt
-from tests.support.fleet_helpers import publish_random_adapters, random_adapter, run_store, running_fleet
+from tests.support.fleet_helpers import publish_random_adapters, random_adapter, random_prompt, run_store, running_fleet
 
 TOKEN = "shared-fleet-token-4b8e1d"
 MAX_LORAS = 7
@@ -40,7 +39,7 @@ def fleet(tmp_path_factory, tiny_model_path):
         yield fleet
 
 
-PROMPTS = [_prompt(500 + i, 40) for i in range(4)]
+PROMPTS = [random_prompt(500 + i, 40) for i in range(4)]
 
 
 def greedy(client, model: str) -> list[tuple[list[int], list[float]]]:
@@ -95,7 +94,7 @@ def test_a_failed_load_resumes_the_fleet_and_a_forgotten_pause_expires(fleet):
 
     fleet.client.pause()  # a client that paused and vanished
     started = time.monotonic()
-    (choice,) = fleet.client.completions(_prompt(600, 40), fleet.base, max_tokens=2)  # held until the lease ends
+    (choice,) = fleet.client.completions(random_prompt(600, 40), fleet.base, max_tokens=2)  # held until the lease ends
     held = time.monotonic() - started
     assert PAUSE_LEASE_S - 1.5 <= held < PAUSE_LEASE_S + 15, held
     assert choice.token_ids and _paused(fleet) == [False, False]

@@ -43,7 +43,7 @@ def test_loads_in_transformers_and_peft(tiny_model_path):
 def test_vllm_and_transformers_agree_on_logprobs(tiny_model_path):
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.vllm_logprobs_check", tiny_model_path],
+        [sys.executable, "-m", "tests.support.vllm_logprobs_check", tiny_model_path],
         capture_output=True,
         text=True,
         timeout=600,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 
 def free_port() -> int:
@@ -244,3 +244,11 @@ def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     mapped = getattr(ip, "ipv4_mapped", None)
     return (mapped or ip).is_loopback
+
+
+def random_prompt(seed: int, length: int = 96) -> list[int]:
+    """A prompt of random token ids (of the tiny model's vocabulary), the same for a seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(length)]

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from core.local_ray import SINGLE_MACHINE_ENV
+from tests.support import REPO
 from tests.support.fake_metadata import FakeMetadata
 from tests.support.s3_server import S3Server, free_base_port
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny-cpu.yaml"
 LEARNER_NODE = {"learner_node": 1}
 ROLLOUT_NODE = {"rollout_node": 1}

@@ -8,7 +8,6 @@ from ray.exceptions import ActorDiedError
 
 from contracts.retry import Backoff
 from contracts.serving import (
-    GENERATE_METHOD,
     BadRequest,
     EngineDied,
     Generated,
@@ -18,28 +17,7 @@ from contracts.serving import (
     ReplicaUnavailable,
     Sampling,
 )
-
-
-class _GenerateHandle:
-    """Answers generation calls with the given outcomes in turn (an exception is raised, anything else returned)."""
-
-    def __init__(self, *outcomes):
-        self.outcomes, self.sent = list(outcomes), []
-
-    def options(self, method_name):
-        assert method_name == GENERATE_METHOD
-        return self
-
-    def remote(self, request):
-        self.sent.append(request)
-        outcome = self.outcomes.pop(0)
-
-        async def reply():
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return outcome
-
-        return reply()
+from tests.support.serve_handles import GenerateHandle
 
 
 @pytest.fixture
@@ -53,7 +31,7 @@ def test_a_generation_whose_replica_died_is_sent_again_unchanged(no_pauses):
     from deployments.ingress.shell import ServeBackend
 
     answer = Generated("b", [])
-    handle = _GenerateHandle(ActorDiedError(), ReplicaUnavailable("engine died"), answer)
+    handle = GenerateHandle(ActorDiedError(), ReplicaUnavailable("engine died"), answer)
     request = GenerateRequest([1, 2, 3], "policy-v1", Sampling(n=2))
     assert asyncio.run(ServeBackend(handle).generate(request)) is answer
     assert handle.sent == [request] * 3  # the router picks a live replica for the same request
@@ -63,12 +41,12 @@ def test_a_generation_the_replica_refused_is_not_sent_again(no_pauses):
     from deployments.ingress.shell import ServeBackend
 
     for refusal in (BadRequest("prompt too long"), ModelNotFound("policy-v9")):
-        handle = _GenerateHandle(refusal, Generated("b", []))
+        handle = GenerateHandle(refusal, Generated("b", []))
         with pytest.raises(type(refusal)):
             asyncio.run(ServeBackend(handle).generate(GenerateRequest([1], "policy-v9", Sampling())))
         assert len(handle.sent) == 1
     dead = [ActorDiedError() for _ in range(3)]
-    handle = _GenerateHandle(*dead)
+    handle = GenerateHandle(*dead)
     with pytest.raises(ActorDiedError):  # every attempt landed on a dying replica: the last error goes up
         asyncio.run(ServeBackend(handle).generate(GenerateRequest([1], "policy-v1", Sampling())))
     assert len(handle.sent) == 3
@@ -101,7 +79,7 @@ def _backend(handle, clock=None, **table):
 
 def test_a_request_during_which_an_engine_died_is_sent_once_more(no_pauses):
     answer = Generated("b", [])
-    handle = _GenerateHandle(EngineDied("engine died"), answer)
+    handle = GenerateHandle(EngineDied("engine died"), answer)
     request = GenerateRequest([1, 2, 3], "policy-v1", Sampling(seed=7))
     assert asyncio.run(_backend(handle).generate(request)) is answer  # a bystander of another request's crash
     assert handle.sent == [request] * 2
@@ -113,7 +91,7 @@ def test_a_request_that_kills_two_engines_gets_a_500_and_is_refused_for_a_while(
 
     now = [0.0]
     poison = GenerateRequest([1, 2, 3], "policy-v1", Sampling(seed=2**63))  # fatal in vLLM's GPU model runner
-    handle = _GenerateHandle(EngineDied("a"), EngineDied("b"), Generated("c", []), Generated("d", []))
+    handle = GenerateHandle(EngineDied("a"), EngineDied("b"), Generated("c", []), Generated("d", []))
     backend = _backend(handle, clock=lambda: now[0], ttl_s=60.0)
     with pytest.raises(PoisonRequest) as killed:
         asyncio.run(backend.generate(poison))
@@ -136,15 +114,15 @@ def test_engine_deaths_count_apart_from_replica_deaths(monkeypatch):
 
     monkeypatch.setattr(ingress, "GENERATE_BACKOFF", Backoff(attempts=6, first_s=0.0, jitter=False))
     answer = Generated("b", [])
-    handle = _GenerateHandle(*[ActorDiedError() for _ in range(5)], answer)
+    handle = GenerateHandle(*[ActorDiedError() for _ in range(5)], answer)
     assert asyncio.run(_backend(handle).generate(GenerateRequest([1], "policy-v1", Sampling()))) is answer
     assert len(handle.sent) == 6
-    handle = _GenerateHandle(ActorDiedError(), EngineDied("a"), ReplicaUnavailable("gone"), EngineDied("b"), answer)
+    handle = GenerateHandle(ActorDiedError(), EngineDied("a"), ReplicaUnavailable("gone"), EngineDied("b"), answer)
     with pytest.raises(PoisonRequest):
         asyncio.run(_backend(handle).generate(GenerateRequest([2], "policy-v1", Sampling())))
     assert len(handle.sent) == 4
     # Out of attempts after one engine death: a 500 (no client resends it), but not refused later.
-    handle = _GenerateHandle(*[ActorDiedError() for _ in range(5)], EngineDied("a"), answer)
+    handle = GenerateHandle(*[ActorDiedError() for _ in range(5)], EngineDied("a"), answer)
     backend = _backend(handle)
     request = GenerateRequest([3], "policy-v1", Sampling())
     with pytest.raises(ReplicaError) as failed:

@@ -8,7 +8,7 @@ import pytest
 from contracts.retry import Backoff
 from contracts.serving import ABORTED, Generated, GenerateRequest, ReplicaDraining, SampledChoice, Sampling
 from deployments.ingress.handback import continuation, continue_handed_back, stitch
-from tests.unit.test_ingress import _GenerateHandle
+from tests.support.serve_handles import GenerateHandle
 
 
 def _choice(index, tokens, reason, top=False):
@@ -116,7 +116,7 @@ def test_the_ingress_routes_around_a_draining_replica_and_continues_what_it_hand
     from deployments.ingress.shell import ServeBackend
 
     request = GenerateRequest([1, 2], "policy-v1", Sampling(n=1, max_tokens=4))
-    handle = _GenerateHandle(
+    handle = GenerateHandle(
         ReplicaDraining("its node is going", "a"),
         Generated("b", [_choice(0, [5], ABORTED)], handed_back=True),
         Generated("c", [_choice(0, [6, 7, 8], "length")]),

@@ -1,12 +1,11 @@
 """Tasks: seeded, disjoint splits; the MATH loader reads the Sanity-Test schema."""
 
-from pathlib import Path
-
 import pytest
 
 from app.tasks.problems import load_math, make_arithmetic
+from tests.support import REPO
 
-FIXTURE = Path(__file__).parent.parent / "data" / "math_sanity_sample.jsonl"
+FIXTURE = REPO / "tests" / "data" / "math_sanity_sample.jsonl"
 
 
 def test_arithmetic_splits_are_seeded_and_disjoint():

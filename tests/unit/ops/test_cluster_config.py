@@ -1,12 +1,9 @@
 """cluster.yaml is a valid `ray up` config for the layout the design promises, checked without launching."""
 
-from pathlib import Path
-
 import yaml
 
 from core.config import load_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 def load_cluster() -> dict:

@@ -5,19 +5,7 @@ import asyncio
 import pytest
 
 from contracts.retry import Backoff, aretry, retry
-
-
-class Flaky:
-    """Fails with `error` the first `failures` calls, then returns "ok"."""
-
-    def __init__(self, failures: int, error: BaseException):
-        self.failures, self.error, self.calls = failures, error, 0
-
-    def __call__(self):
-        self.calls += 1
-        if self.calls <= self.failures:
-            raise self.error
-        return "ok"
+from tests.support.flaky import Flaky
 
 
 def test_pauses_double_up_to_the_bound_without_jitter():

@@ -11,13 +11,11 @@ from app.messages import ResumePoint
 from app.objectives.grpo import group_advantages
 from app.rollout.producer import GroupProducer
 from app.rollout.sampling import CompletionSampler
-from app.tasks.problems import make_arithmetic
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import Choice
 from core.config import load_config
 from tests.support.fake_fleet import JSONHandler
-
-PROBLEMS = make_arithmetic(2, 200, 10, seed=0).train
+from tests.support.rollout_parts import PROBLEMS, run
 
 
 def make_worker(generate, funcs=(exact_answer,), retries_done=lambda: 0, **overrides):
@@ -40,10 +38,6 @@ def echo_answer_generate(calls=None, delay=0.0, fail_first=0):
         return [Choice(i, [5, 6], [-0.1, -0.2], str(i), "stop") for i in range(n)]
 
     return generate
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 def test_groups_carry_version_and_stale_ones_are_dropped():

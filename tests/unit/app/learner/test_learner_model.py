@@ -7,7 +7,7 @@ import torch
 
 from app.learner.logprobs import LogProbHead
 from app.learner.model import build_lora_model, logprob_head, mixed_precision_policy, uses_fsdp
-from tests.unit.test_packing import learner_config, random_model
+from tests.support.learner_parts import learner_config, random_model
 
 
 def test_bf16_on_cuda_computes_in_bf16_and_reduces_in_fp32_elsewhere_no_policy():

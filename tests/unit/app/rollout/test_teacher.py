@@ -19,7 +19,7 @@ from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import BatchStats, Choice, Sample
 from core.config import load_config
 from tests.support.fake_fleet import JSONHandler
-from tests.unit.test_rollout import PROBLEMS, run
+from tests.support.rollout_parts import PROBLEMS, run
 
 HANG = 99  # a completion token the fake teacher never answers for in time
 DISTILL = ["objectives=[{kind: distill, teacher: base}]"]

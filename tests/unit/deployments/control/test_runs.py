@@ -49,14 +49,13 @@ def test_the_shipped_fleet_hosts_two_runs_as_shipped_and_refuses_a_third_as_a_co
     """`make serve` (serve_config.yaml's fleet) then the README's `POST /v1/runs {"name": ...}` twice: both fit, since
     the fleet's own `policy-vN` lineage pins no slot while nothing of it is committed. Once a version of it is, it
     pins its window like any lineage."""
-    from pathlib import Path
 
     import yaml
 
     from core.bucket.store import AdapterStore
     from core.config import load_fleet_config
+    from tests.support import REPO as repo
 
-    repo = Path(__file__).resolve().parents[2]
     (app,) = yaml.safe_load((repo / "serve_config.yaml").read_text())["applications"]
     url = f"file://{tmp_path}/bucket"
     cfg = load_fleet_config(repo / app["args"]["config"], [*app["args"]["overrides"], f"bucket.url={url}"])

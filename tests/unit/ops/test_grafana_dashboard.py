@@ -2,9 +2,9 @@
 
 import json
 import re
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
+
 DASHBOARD = REPO / "ops" / "grafana" / "spotrl_dashboard.json"
 
 

@@ -15,7 +15,7 @@ from contracts.notices import Notice
 from contracts.rollouts import RolloutBatch
 from core.bucket.store import CheckpointStore
 from core.config import SpotConfig
-from tests.unit.test_packing import learner_config, random_groups, random_model
+from tests.support.learner_parts import learner_config, random_groups, random_model
 
 
 def test_a_step_fits_when_it_and_a_checkpoint_end_before_the_deadline_with_the_margin():

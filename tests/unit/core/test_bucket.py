@@ -19,7 +19,7 @@ from core.bucket.filesystem import (
 )
 from core.bucket.store import AdapterStore, CheckpointStore
 from core.config import load_config
-from tests.unit.test_retry import Flaky
+from tests.support.flaky import Flaky
 
 
 def client_error(code: str, status: int, op: str = "PutObject") -> ClientError:
