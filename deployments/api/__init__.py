@@ -5,7 +5,7 @@ It speaks what TRL's AsyncGRPOTrainer and the `openai` client send: `/v1/complet
 `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume`, `/reset_prefix_cache`, each
 applied to every replica. Each module has one job, over the control layer (`deployments.control`):
 
-- `app`: `make_app`, which puts the routes together over a `Backend`, and the error replies.
+- `server`: `make_app`, which puts the routes together over a `Backend`, and the error replies.
 - `settings`: `ApiSettings`, what the ingress knows about its model and its fleet.
 - `callers`: who sent a request (admin, run, anonymous) and what they may do; admin calls declare JSON.
 - `intake`, `bodies`: a request's body, bounded, parsed and validated; `prompts`: its prompts, tokenized.

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.fleet_helpers import publish_random_adapters, running_fleet
+from tests.support.fleet_helpers import publish_random_adapters, run_store, running_fleet
 from tests.support.spot_cluster import report
 
 TOKEN = "autoscaling-test-token-8c1d"
@@ -95,14 +95,10 @@ def _wait_live(url: str, n: int, timeout_s: float) -> float:
 
 
 def test_the_fleet_grows_with_its_load_and_shrinks_after_the_delay(fleet):
-    from contracts.adapters import run_prefix
-    from core.bucket.store import AdapterStore
-
     url, admin = fleet.url, {"Authorization": f"Bearer {TOKEN}"}
     registered = httpx.post(f"{url}/v1/runs", json={"name": "alice", "max_staleness": 1}, headers=admin)
     alice = {"Authorization": f"Bearer {registered.json()['token']}"}
-    store = AdapterStore.at(run_prefix(fleet.store.url, "alice"), fleet.cfg.bucket)
-    publish_random_adapters(store, fleet.model_path, [1], fleet.work / "alice")
+    publish_random_adapters(run_store(fleet, "alice"), fleet.model_path, [1], fleet.work / "alice")
     loaded = httpx.post(
         f"{url}/v1/load_lora_adapter",
         json={"lora_name": "alice/policy-v1", "lora_path": "adapters/policy-v1"},

@@ -284,12 +284,11 @@ def test_evaluation_with_an_environment_counts_whole_episodes_solved():
 
 def test_the_readme_environment_example_plays_as_documented(tmp_path, monkeypatch):
     """The README's complete example, run as a user would name it (`myenvs:Countdown`)."""
-    from pathlib import Path
-
     from app.tasks.environments import resolve_environment
     from core.config import load_config
+    from tests.support import REPO
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Multi-turn environments") :]
     code = section[section.index("```python") + len("```python") : section.index("```", section.index("```python") + 9)]
     (tmp_path / "myenvs.py").write_text(code)
