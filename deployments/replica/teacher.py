@@ -1,7 +1,7 @@
 """A teacher deployment: vLLM replicas of a teacher model beside the base model's, in the same Serve app.
 
 On-policy distillation has a teacher score the student's own samples (`prompt_logprobs`, one request per
-sample, `deployments/README.md`). The base model and its adapters are served by the fleet's replicas already;
+sample, `docs/fleet-api.md`). The base model and its adapters are served by the fleet's replicas already;
 a teacher model of its own (`FleetConfig.teacher`) gets replicas of its own, made like the base model's
 (`VLLMReplica`, the same settings, the prefix router) but on the next cores and serving no adapter lineage.
 The ingress reaches them through a handle of their own, by the teacher's model name. A teacher whose tokenizer

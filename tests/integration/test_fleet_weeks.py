@@ -63,7 +63,8 @@ def disk(cache: Path) -> tuple[list[str], int]:
 
 def series(fleet) -> dict[str, int]:
     """Series in the fleet's metrics export: vLLM's adapter info (labelled by adapter names, which must not grow with
-    the runs) and the fair share's per-run metrics (a series per run tag: Ray keeps them, at 0, README)."""
+    the runs) and the fair share's per-run metrics (a series per run tag: Ray keeps them, at 0,
+    docs/shared-fleet.md)."""
     import httpx
 
     lines = httpx.get(f"http://127.0.0.1:{fleet.metrics_port}/metrics", timeout=30).text.splitlines()

@@ -3,4 +3,4 @@ cluster and its legs, a running fleet, a learner's and a replica's parts. Import
 
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]  # the repository: where configs/, the README and cluster.yaml are
+REPO = Path(__file__).resolve().parents[2]  # the repository: where configs/, the README, docs/ and cluster.yaml are

@@ -282,14 +282,14 @@ def test_evaluation_with_an_environment_counts_whole_episodes_solved():
     assert all(c["max_tokens"] == 8 for c in fleet.calls)
 
 
-def test_the_readme_environment_example_plays_as_documented(tmp_path, monkeypatch):
-    """The README's complete example, run as a user would name it (`myenvs:Countdown`)."""
+def test_the_docs_environment_example_plays_as_documented(tmp_path, monkeypatch):
+    """The complete example of docs/tasks-and-environments.md, run as a user would name it (`myenvs:Countdown`)."""
     from app.tasks.environments import resolve_environment
     from core.config import load_config
     from tests.support import REPO
 
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Multi-turn environments") :]
+    page = (REPO / "docs" / "tasks-and-environments.md").read_text()
+    section = page[page.index("## Multi-turn environments") :]
     code = section[section.index("```python") + len("```python") : section.index("```", section.index("```python") + 9)]
     (tmp_path / "myenvs.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))

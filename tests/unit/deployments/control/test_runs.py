@@ -46,9 +46,9 @@ def test_a_run_registers_with_its_own_window_and_rank_and_the_fleet_checks_both(
 
 
 def test_the_shipped_fleet_hosts_two_runs_as_shipped_and_refuses_a_third_as_a_conflict_with_the_arithmetic(tmp_path):
-    """`make serve` (serve_config.yaml's fleet) then the README's `POST /v1/runs {"name": ...}` twice: both fit, since
-    the fleet's own `policy-vN` lineage pins no slot while nothing of it is committed. Once a version of it is, it
-    pins its window like any lineage."""
+    """`make serve` (serve_config.yaml's fleet) then docs/shared-fleet.md's `POST /v1/runs {"name": ...}` twice: both
+    fit, since the fleet's own `policy-vN` lineage pins no slot while nothing of it is committed. Once a version of it
+    is, it pins its window like any lineage."""
 
     import yaml
 
