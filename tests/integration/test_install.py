@@ -8,6 +8,7 @@ a dependency refuses) fails `make test` here instead of `make setup DEVICE=gpu` 
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def resolve(extra: str, tmp_path: Path, *options: str) -> dict[str, str]:
-    report = tmp_path / "report.json"
+def resolve(extra: str, report: Path, *options: str) -> dict[str, str]:
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
     cmd += ["--report", str(report), *options, f"{REPO}[{extra}]"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -28,15 +28,29 @@ def resolve(extra: str, tmp_path: Path, *options: str) -> dict[str, str]:
     return {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in json.loads(report.read_text())["install"]}
 
 
+PYTHON_3_12 = ("--python-version", "3.12", "--only-binary=:all:")
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory):
+    """Both resolutions at once: each waits on the index more than on the CPU."""
+    tmp = tmp_path_factory.mktemp("resolve")
+    with ThreadPoolExecutor(2) as pool:
+        yield {
+            "here": pool.submit(resolve, "gpu", tmp / "here.json"),
+            "3.12": pool.submit(resolve, "gpu", tmp / "py312.json", *PYTHON_3_12),
+        }
+
+
 @pytest.mark.slow
-def test_gpu_extra_resolves_with_the_pinned_torch(tmp_path):
-    versions = resolve("gpu", tmp_path)
+def test_gpu_extra_resolves_with_the_pinned_torch(resolutions):
+    versions = resolutions["here"].result()
     assert versions["vllm"].startswith("0.32.")
     assert versions["torch"].split("+")[0] == "2.13.0"
 
 
 @pytest.mark.slow
-def test_gpu_extra_resolves_for_python_3_12_wheels(tmp_path):
+def test_gpu_extra_resolves_for_python_3_12_wheels(resolutions):
     """Common GPU images ship Python 3.12: every dependency must have a 3.12 wheel at our pins."""
-    versions = resolve("gpu", tmp_path, "--python-version", "3.12", "--only-binary=:all:")
+    versions = resolutions["3.12"].result()
     assert versions["torch"].split("+")[0] == "2.13.0"

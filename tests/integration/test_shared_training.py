@@ -3,16 +3,18 @@
 Each run is what a user starts: `python -m launch.train --fleet URL`, a driver with a Ray of its own that
 reaches the fleet over HTTP alone, publishes under its prefix of the fleet's bucket and names its
 adapters `<run>/policy-vN`. Two runs train side by side and must both learn; a third joins while they
-train, with a token the admin minted for it, and leaves again; what every run held is released when it ends.
+train, with a token the admin minted for it, and leaves again; a fourth is stopped with Ctrl-C (exit code 130,
+no process of it left); what every run held is released when it ends.
 """
 
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.support.fleet_helpers import finish_fleet_run, running_fleet, start_fleet_run
+from tests.support.fleet_helpers import assert_nothing_left_behind, finish_fleet_run, running_fleet, start_fleet_run
 
 TOKEN = "shared-training-token-9c1f"
 STEPS = 70
@@ -64,8 +66,10 @@ def test_two_runs_at_once_both_learn_and_a_third_joins_midway_and_leaves(tmp_pat
             procs["dave"] = dave = start_fleet_run(tmp_path, fleet.url, "dave", STEPS, admin)
             wait_for(lambda: steps_done(tmp_path, "dave") >= 1 or dave.poll() is not None, 900, "dave to train")
             note_requests()
+            daves = psutil.Process(dave.pid).children(recursive=True)  # its Ray, the learner, the rollout
             dave.send_signal(signal.SIGINT)
             assert dave.wait(timeout=120) == 130, (tmp_path / "dave.log").read_text()[-3000:]
+            assert_nothing_left_behind(daves)
             assert "dave" not in fleet.client.list_runs() and adapters_of(fleet, "dave") == []
 
             carol_summary = finish_fleet_run(carol, tmp_path, "carol", 900)

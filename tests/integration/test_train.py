@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.fleet_helpers import free_port
+from tests.support.fleet_helpers import assert_nothing_left_behind, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,36 +129,14 @@ def test_the_calculator_tool_environment_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_leaves_no_process_behind(tmp_path, tiny_model_path):
-    proc = subprocess.Popen(
-        train_cmd(tmp_path, 10_000),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")},
-    )
-    metrics = tmp_path / "smoke" / "metrics.jsonl"
-    deadline = time.time() + 900
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None, proc.stdout.read()[-5000:]
-        time.sleep(2)
-    descendants = psutil.Process(proc.pid).children(recursive=True)
-    assert descendants, "the run should have started Ray and vLLM processes"
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-3000:]
-    _, alive = psutil.wait_procs(descendants, timeout=30)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline()[:3] for p in alive]
-
-
-@pytest.mark.slow
 def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_command_resumes_then_says_finished(
     tmp_path, tiny_model_path
 ):
     """The embedded default on a spot machine: a SIGTERM (the scheduler's notice) ends the run after the step under way
-    with a checkpoint, exit code 0 and one line; the same command resumes from that step, trains each step and each
-    group once, and once finished is reported in one line without starting anything or touching its files."""
+    with a checkpoint, exit code 0 and one line, and leaves no process of it behind (Ray, its workers, the vLLM
+    engines: the same unwinding as a Ctrl-C, whose exit code 130 `test_shared_training.py` checks); the same command
+    resumes from that step, trains each step and each group once, and once finished is reported in one line without
+    starting anything or touching its files."""
     from core.bucket.store import CheckpointStore
 
     steps, env = 8, {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
@@ -169,9 +147,12 @@ def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_com
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert proc.poll() is None, proc.stdout.read()[-5000:]
         time.sleep(1)
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    assert descendants, "the run should have started Ray and vLLM processes"
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-5000:]
+    assert_nothing_left_behind(descendants)
     stopped = metrics.read_text().count("\n")
     line = "run smoke was preempted (sigterm notice, "
     assert line in out and f"checkpointed at step {stopped} " in out and "the same command resumes it" in out, out[

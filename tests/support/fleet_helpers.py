@@ -220,6 +220,16 @@ def process_tree(*root_pids: int, marker: tuple[str, str] | None = None) -> list
     return list(found.values())
 
 
+def assert_nothing_left_behind(processes: list, timeout_s: float = 30.0) -> None:
+    """Every one of `processes` (a run's tree, taken while it ran) has ended, or is a zombie its parent will reap:
+    a run that stops, however it was stopped, leaves no Ray worker or vLLM engine running."""
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    left = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.cmdline()[:3] for p in left]
+
+
 def listening_sockets(processes) -> list[tuple[str, int, int, str]]:
     """(address, port, pid, command line) of every listening TCP socket (IPv4 and IPv6) of `processes`."""
     import psutil

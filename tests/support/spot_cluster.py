@@ -1,5 +1,5 @@
-"""A spot-like Ray cluster on one machine, for the fault tests (`tests/integration/test_preemption.py`,
-`test_spot_notices.py`) and the preemption benchmark (`bench/preemption.py`).
+"""A spot-like Ray cluster on one machine, for the fault tests (`tests/integration/test_spot.py`) and the preemption
+benchmark (`bench/preemption.py`).
 
 `ray.cluster_utils.Cluster` starts a head (the driver's side: Serve's proxy, the ingress, the rollout
 actor) and worker nodes with the custom resources of cluster.yaml: one `learner_node`, two

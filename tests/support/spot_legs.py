@@ -1,5 +1,5 @@
 """Legs of a run on the spot cluster (`tests.support.spot_cluster`) in which a node is lost, with or without a notice
-first, and the figures each leg measures: what `tests/integration/test_spot_notices.py` asserts on and
+first, and the figures each leg measures: what `tests/integration/test_spot.py` asserts on and
 `bench/preemption.py` sets side by side.
 
 A leg is one driver that resumes where the previous leg stopped. A learner leg loses the learner's node: a

@@ -1,6 +1,6 @@
 """The learner group's step loop (`app.learner.group.LearnerGroup.train_step`) over stand-in attempts: a step abandoned
 on a noticed node is trained again, and one that cannot be trained fails loudly instead of returning without its
-batch. The Ray calls themselves (`_attempt`, `_outlive`) are the integration tests' (`test_spot_notices`)."""
+batch. The Ray calls themselves (`_attempt`, `_outlive`) are the integration tests' (`test_spot`)."""
 
 import pytest
 
