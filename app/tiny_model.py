@@ -4,9 +4,13 @@ GRPO needs a base that is sometimes right and sometimes wrong, so groups have mi
 We build a ~0.5M-parameter Qwen2 (random init) and a byte-level BPE tokenizer trained with
 `tokenizers` in Qwen2's own shape (same pre-tokenizer regex, byte-level decoder), so that
 transformers' `Qwen2Tokenizer`, which AutoTokenizer and vLLM pick for `model_type=qwen2` whatever
-the folder says, tokenizes exactly like the tokenizer we trained. A short supervised warm-up on
-generated additions stops on a held-out accuracy threshold (the jump happens at a different step
-for each seed). The folder is cached under a key of its config, so it is built once.
+the folder says, tokenizes exactly like the tokenizer we trained. The tokenizer learns its pieces from
+the task's own text, and a short supervised warm-up on the task's own problems stops on a held-out
+accuracy threshold (the jump happens at a different step for each seed): generated additions for
+arithmetic, correctly played episodes for chains, and for a task with reference answers
+(reasoning-gym's datasets) problems drawn from its generators under a seed of the warm-up's own, judged
+by the task's reward functions as evaluation judges them. The folder is cached under a key of its
+config, so it is built once.
 
     python -m app.tiny_model [--config FILE] [--set model.tiny.seed=1]
 """
@@ -21,12 +25,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
-from core.config import ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
+from core.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
 from core.models import load_tokenizer, resolve_model_path, tiny_model_folder
 
 EOS = "<|endoftext|>"
@@ -41,22 +47,30 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer_corpus(rng: random.Random, digits: int) -> list[str]:
-    limit = 10**digits
-    texts = [
-        arithmetic_prompt(rng.randrange(limit), rng.randrange(limit)) + str(rng.randrange(2 * limit))
-        for _ in range(2000)
-    ]
-    texts += [
+# Problems of a task with reference answers whose text the tokenizer learns its pieces from, and that the
+# warm-up draws from (a pool reused across steps, as arithmetic's fresh additions are not).
+CORPUS_PROBLEMS, WARMUP_POOL = 2000, 16384
+
+
+def _tokenizer_corpus(rng: random.Random, digits: int, texts: list[str] | None = None) -> list[str]:
+    """The task's text (generated additions unless `texts` gives it), then a few words of chat and instructions."""
+    if texts is None:
+        limit = 10**digits
+        texts = [
+            arithmetic_prompt(rng.randrange(limit), rng.randrange(limit)) + str(rng.randrange(2 * limit))
+            for _ in range(2000)
+        ]
+    texts = list(texts) + [
         "The quick brown fox jumps over the lazy dog. What is the answer? Let us think step by step.",
         "user assistant system You are a helpful assistant. Please reason and put the answer in \\boxed{}.",
     ]
     return texts
 
 
-def build_tokenizer(digits: int, seed: int, vocab_size: int = 384):
-    """A byte-level BPE tokenizer in Qwen2's shape, trained on the task's text (another `vocab_size` merges
-    another set of pieces: a tokenizer that gives other ids, as a teacher must not)."""
+def build_tokenizer(digits: int, seed: int, vocab_size: int = 384, texts: list[str] | None = None):
+    """A byte-level BPE tokenizer in Qwen2's shape, trained on the task's text: `texts` (its prompts and reference
+    completions) or, without them, generated additions (another `vocab_size` merges another set of pieces: a
+    tokenizer that gives other ids, as a teacher must not)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -75,7 +89,7 @@ def build_tokenizer(digits: int, seed: int, vocab_size: int = 384):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_tokenizer_corpus(random.Random(seed), digits), trainer)
+    tok.train_from_iterator(_tokenizer_corpus(random.Random(seed), digits, texts), trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
@@ -121,11 +135,41 @@ def build_model(tiny: TinyModelConfig, vocab_size: int, eos_id: int, max_len: in
     )
 
 
+# Judges greedy completions of problems: (texts, problems, completion ids, truncated) -> one verdict per problem.
+Judge = Callable[[list[str], list[Problem], list[list[int]], list[bool]], list[bool]]
+
+
+def exactly_the_answer(texts: list[str], problems: list[Problem], completion_ids, truncated) -> list[bool]:
+    return [t.strip() == p.answer for t, p in zip(texts, problems, strict=True)]
+
+
+def rewarded(scorer) -> Judge:
+    """A judge by the task's reward functions (`app.tasks.rewards.RewardScorer`), as evaluation judges a greedy
+    sample: a positive summed reward, with the columns the rollout gives them."""
+
+    def judge(texts, problems, completion_ids, truncated) -> list[bool]:
+        columns = {"answer": [p.answer for p in problems], "truncated": truncated}
+        columns |= {key: [p.columns[key] for p in problems] for key in problems[0].columns}
+        scores = scorer.score(texts, [p.prompt for p in problems], completion_ids, **columns)
+        return [r > 0 for r in scores.rewards]
+
+    return judge
+
+
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int, batch_size: int = 256) -> float:
-    """Share of problems whose greedy completion is exactly the answer (plain PyTorch, no vLLM)."""
+def greedy_accuracy(
+    model,
+    tokenizer,
+    problems: list[Problem],
+    max_new_tokens: int,
+    batch_size: int = 256,
+    judge: Judge = exactly_the_answer,
+) -> float:
+    """Share of problems whose greedy completion `judge` accepts, by default exactly the answer (plain PyTorch, no
+    vLLM)."""
     model.eval()
     tokenizer.padding_side = "left"
+    eos = tokenizer.eos_token_id
     correct = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
@@ -134,11 +178,13 @@ def greedy_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: i
             **enc,
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            pad_token_id=tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=eos,
+            eos_token_id=eos,
         )
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct += sum(t.strip() == p.answer for t, p in zip(texts, chunk, strict=True))
+        new = out[:, enc["input_ids"].shape[1] :]
+        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+        ids = [row[: row.index(eos) + 1] if eos in row else row for row in new.tolist()]  # as the fleet returns them
+        correct += sum(judge(texts, chunk, ids, [eos not in row for row in ids]))
     model.train()
     return correct / len(problems)
 
@@ -147,15 +193,22 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def reference_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
+    """One supervised single-turn example (token ids, loss mask): the prompt and its reference completion closed by
+    EOS, each tokenised on its own as the rollout tokenises a prompt and the fleet samples after it; loss on the
+    completion."""
+    p_ids = _encode(tokenizer, problem.prompt)
+    c_ids = _encode(tokenizer, problem.reference) + [tokenizer.eos_token_id]
+    return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
+
+
 def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str]) -> tuple[list[int], list[int]] | None:
-    """One supervised single-turn example (token ids, loss mask), or None when it is held out."""
+    """One supervised single-turn example of a fresh addition (token ids, loss mask), or None when it is held out."""
     a, b = rng.randrange(limit), rng.randrange(limit)
     prompt = arithmetic_prompt(a, b)
     if prompt in avoid:
         return None
-    p_ids = _encode(tokenizer, prompt)
-    c_ids = _encode(tokenizer, str(a + b)) + [tokenizer.eos_token_id]
-    return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
+    return reference_example(tokenizer, Problem("", prompt, str(a + b)))
 
 
 def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
@@ -219,34 +272,56 @@ def greedy_episode_accuracy(model, tokenizer, problems: list[Problem], max_new_t
     return solved / len(problems)
 
 
-def warm_up(
-    model, tokenizer, tiny: TinyModelConfig, task: TaskConfig, heldout: list[Problem], log=print
-) -> tuple[float, int]:
-    """Supervised steps on fresh additions, or chained episodes (never a held-out one), until held-out greedy
-    accuracy (a whole episode right, for chains) crosses the target."""
-    rng = random.Random(tiny.seed + 1)
-    limit = 10**task.digits
-    avoid = {p.prompt for p in heldout}
-    opt = torch.optim.AdamW(model.parameters(), lr=tiny.warmup_lr)
-    eos = tokenizer.eos_token_id
-    episodic = task.name == "chained_arithmetic"
-    if episodic:  # a train split of its own seed: fresh chains, held-out ones excluded by their (a, b, chain)
+@dataclass
+class WarmUpPlan:
+    """What a warm-up trains on and how it judges the model, by kind of task (`warmup_plan`)."""
+
+    example: Callable[[random.Random], tuple[list[int], list[int]] | None]  # (ids, loss mask), None: held out
+    accuracy: Callable[[object], float]  # the model's greedy held-out accuracy
+
+
+def warmup_plan(
+    tokenizer, tiny: TinyModelConfig, task: TaskConfig, heldout: list[Problem], pool: list[Problem], judge: Judge
+) -> WarmUpPlan:
+    """Chains: correctly played episodes of a train split of the warm-up's own seed, judged whole. A task with
+    reference answers (`pool`, drawn from its generators, none held out): its problems and reference completions,
+    judged by `judge`. Else arithmetic: fresh additions, the held-out ones skipped, judged by the exact answer."""
+    if task.name == "chained_arithmetic":  # a train split of its own seed: held-out chains excluded by (a, b, chain)
         from app.tasks.problems import make_chained_arithmetic
 
         held = {p.id.removeprefix("heldout-") for p in heldout}
-        pool = make_chained_arithmetic(
+        chains = make_chained_arithmetic(
             task.digits, 20000, 1, tiny.seed + 7, (task.chain_min, task.chain_max), task.chain_operand_max
         ).train
-        pool = [p for p in pool if p.id.removeprefix("train-") not in held]
+        chains = [p for p in chains if p.id.removeprefix("train-") not in held]
+        return WarmUpPlan(
+            lambda rng: episode_example(tokenizer, rng.choice(chains)),
+            lambda model: greedy_episode_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 3),
+        )
+    if pool:
+        longest = max(len(_encode(tokenizer, p.reference)) for p in heldout)
+        return WarmUpPlan(
+            lambda rng: reference_example(tokenizer, rng.choice(pool)),
+            lambda model: greedy_accuracy(model, tokenizer, heldout, max_new_tokens=longest + 1, judge=judge),
+        )
+    limit, avoid = 10**task.digits, {p.prompt for p in heldout}
+    return WarmUpPlan(
+        lambda rng: addition_example(tokenizer, rng, limit, avoid),
+        lambda model: greedy_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 2),
+    )
+
+
+def warm_up(model, tokenizer, tiny: TinyModelConfig, plan: WarmUpPlan, log=print) -> tuple[float, int]:
+    """Supervised steps on the plan's examples until the model's held-out greedy accuracy, as the plan judges it,
+    crosses the target."""
+    rng = random.Random(tiny.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=tiny.warmup_lr)
+    eos = tokenizer.eos_token_id
     acc, step = 0.0, 0
     for step in range(1, tiny.warmup_max_steps + 1):
         rows, masks = [], []
         while len(rows) < tiny.warmup_batch_size:
-            example = (
-                episode_example(tokenizer, rng.choice(pool))
-                if episodic
-                else addition_example(tokenizer, rng, limit, avoid)
-            )
+            example = plan.example(rng)
             if example is not None:
                 rows.append(example[0])
                 masks.append(example[1])
@@ -261,14 +336,22 @@ def warm_up(
         loss.backward()
         opt.step()
         if step % 5 == 0:
-            if episodic:
-                acc = greedy_episode_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 3)
-            else:
-                acc = greedy_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 2)
+            acc = plan.accuracy(model)
             log(f"warm-up step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}")
             if acc >= tiny.warmup_target_accuracy:
                 break
     return acc, step
+
+
+def check_context(tokenizer, model_cfg: ModelConfig, problems: list[Problem]) -> None:
+    """ConfigError naming `model.max_model_len` when a problem and its reference completion do not fit the context
+    the fleet serves: a prompt too long for it would fail every request that holds it, mid-run."""
+    longest = max(len(reference_example(tokenizer, p)[0]) for p in problems)
+    if longest > model_cfg.max_model_len:
+        raise ConfigError(
+            f"model.max_model_len={model_cfg.max_model_len}: the task's longest problem takes {longest} tokens with "
+            "its reference answer"
+        )
 
 
 def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> tuple[Path, dict]:
@@ -281,18 +364,33 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
         return folder, {**json.loads(info_file.read_text()), "cached": True}
 
     t0 = time.time()
-    from app.tasks.problems import load_task
+    from app.tasks.problems import SEED_BLOCK, WARMUP_BLOCK, draw_reasoning_gym, load_task
+    from app.tasks.rewards import RewardScorer
 
     # The held-out split that evaluation uses, which the warm-up must never see.
     splits = (
         load_task(task_cfg)
-        if task_cfg.name == "chained_arithmetic"
+        if task_cfg.name in ("chained_arithmetic", "reasoning_gym")
         else make_arithmetic(task_cfg.digits, 1, task_cfg.num_heldout, task_cfg.seed)
     )
     heldout = splits.heldout
-    tokenizer = build_tokenizer(task_cfg.digits, tiny.seed)
+    pool = []
+    if task_cfg.name == "reasoning_gym":  # the datasets' own problems, under the warm-up's seed, held-out ones left out
+        avoid = frozenset(p.prompt for p in heldout)
+        pool = draw_reasoning_gym(task_cfg, tiny.seed + WARMUP_BLOCK * SEED_BLOCK, WARMUP_POOL, "warmup", avoid)
+    corpus = [p.prompt + p.reference for p in pool[:CORPUS_PROBLEMS]] if pool else None
+    tokenizer = build_tokenizer(task_cfg.digits, tiny.seed, texts=corpus)
+    if pool:
+        check_context(tokenizer, model_cfg, heldout + splits.train + pool)
     model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
-    acc, steps = warm_up(model, tokenizer, tiny, task_cfg, heldout, log=log)
+    # A task with reference answers is judged by its reward functions, as evaluation judges it.
+    scorer = RewardScorer.from_names(task_cfg.reward_funcs, task_cfg.reward_timeout_s) if pool else None
+    try:
+        plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, rewarded(scorer) if scorer else exactly_the_answer)
+        acc, steps = warm_up(model, tokenizer, tiny, plan, log=log)
+    finally:
+        if scorer is not None:
+            scorer.close()
     info = {
         "heldout_accuracy": acc,
         "warmup_steps": steps,

@@ -10,6 +10,7 @@ compares two tokenizers by the ids they give, so a teacher that would score othe
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import re
@@ -35,6 +36,14 @@ def tiny_model_folder(model_cfg: ModelConfig, task_cfg: TaskConfig) -> Path:
     }
     if task_cfg.name == "chained_arithmetic":  # warmed up on episodes instead (the single-turn key stays as it was)
         spec["episodes"] = [task_cfg.chain_min, task_cfg.chain_max, task_cfg.chain_operand_max]
+    if task_cfg.name == "reasoning_gym":
+        # Its tokenizer and warm-up come from the datasets' own problems, in the mix's order (which seeds each
+        # dataset), drawn by the library's version of the generators, and held-out accuracy is judged by the rewards.
+        spec["reasoning_gym"] = {
+            "datasets": [[name, d.model_dump()] for name, d in task_cfg.datasets.items()],
+            "library": importlib.metadata.version("reasoning-gym"),
+            "reward_funcs": task_cfg.reward_funcs,
+        }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return Path(model_cfg.cache_dir).expanduser() / f"tiny-qwen2-{key}"
 

@@ -4,13 +4,15 @@ which knows no task, environment or reward), the run finds out here, before anyt
 from __future__ import annotations
 
 from app.tasks.environments import resolve_environment
+from app.tasks.problems import reasoning_gym_mix
 from app.tasks.rewards import resolve_reward
 from core.config import ConfigError
 
 
 def check_names(cfg) -> None:
-    """The names a run's config gives (`env.name`, `task.reward_funcs`) resolve: ConfigError naming the field else, at
-    start, not mid-run (the config itself only checks their shape, `core.config`)."""
+    """The names a run's config gives (`env.name`, `task.reward_funcs`, the reasoning-gym datasets of
+    `task.datasets` and their configs) resolve: ConfigError naming the field else, at start, not mid-run (the
+    config itself only checks their shape, `core.config`)."""
     named = [("env.name", cfg.env.name, resolve_environment)] if cfg.env.name else []
     named += [(f"task.reward_funcs[{i}]", name, resolve_reward) for i, name in enumerate(cfg.task.reward_funcs)]
     for field, name, resolve in named:
@@ -18,3 +20,5 @@ def check_names(cfg) -> None:
             resolve(name)
         except ValueError as e:
             raise ConfigError(f"{field}: {e}") from None
+    if cfg.task.name == "reasoning_gym":
+        reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will

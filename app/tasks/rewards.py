@@ -9,6 +9,10 @@ scorer's for good.
 
 The MATH reward checks the last `\\boxed{}` with math-verify, whose own timeouts rely on signals,
 so it runs in a process pool (signals only work in a process's main thread) with an outer timeout.
+
+The reasoning-gym reward is the library's own: each dataset scores its entries with its `score_answer`, which
+may give partial credit; one that raises scores its sample 0 and is logged, so the other samples of the batch
+keep their scores and the run goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.tasks.problems import ANSWER_OPEN
 from app.tasks.registry import resolve_named
 from app.tasks.timed_calls import TimedCalls
 
@@ -121,7 +126,35 @@ def boxed_math(completions, prompts, completion_ids, answer, truncated=None, **_
     return _verifier.check([str(a) for a in answer], boxed)
 
 
-REGISTRY: dict[str, RewardFunc] = {"exact_answer": exact_answer, "boxed_math": boxed_math}
+def reasoning_gym_score(completions, prompts, completion_ids, rg_entry, rg_dataset, **_) -> list[float]:
+    """reasoning-gym's score of each completion: the answer its `extract_answer` reads between the answer tags (the
+    prompt's opening tag put back in front), scored by the dataset that made the entry (`score_answer(answer,
+    entry)`; no closed tag is no answer, scored as the dataset scores None). A `score_answer` that raises, or
+    returns no number, scores its sample 0 and is logged once per batch and dataset."""
+    from reasoning_gym.utils import extract_answer
+
+    scores, failed, last_error = [], Counter(), {}
+    for completion, entry, dataset in zip(completions, rg_entry, rg_dataset, strict=True):
+        answer = extract_answer(ANSWER_OPEN + completion)
+        try:
+            scores.append(float(dataset.score_answer(answer, entry)))
+        except Exception as e:  # the library's scorer, or a user's dataset registered with it: never the run's end
+            metadata = entry.get("metadata") if isinstance(entry, dict) else None
+            source = (metadata.get("source_dataset") if isinstance(metadata, dict) else None) or type(dataset).__name__
+            failed[source] += 1
+            last_error[source] = e
+            scores.append(0.0)
+    for source, n in failed.items():
+        e = last_error[source]
+        log.warning("reasoning_gym %s: score_answer raised %s: %s; %d samples scored 0", source, type(e).__name__, e, n)
+    return scores
+
+
+REGISTRY: dict[str, RewardFunc] = {
+    "exact_answer": exact_answer,
+    "boxed_math": boxed_math,
+    "reasoning_gym": reasoning_gym_score,
+}
 
 
 def resolve_reward(name: str) -> RewardFunc:

@@ -278,6 +278,15 @@ class RunConfig(Section):
             raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
         if self.task.name == "math" and not self.task.dataset:
             raise ValueError("task.dataset is required when task.name is math")
+        if self.task.name == "reasoning_gym" and not self.task.datasets:
+            raise ValueError(
+                "task.datasets: at least one reasoning-gym dataset is required when task.name is reasoning_gym"
+            )
+        if self.task.name != "reasoning_gym" and self.task.datasets:
+            # Ignored datasets would be a run silently trained on something else than its config says.
+            raise ValueError(
+                f"task.datasets: reasoning-gym datasets need task.name reasoning_gym (got {self.task.name})"
+            )
         if self.task.chain_min > self.task.chain_max:
             raise ValueError("task.chain_min must not exceed task.chain_max")
         self._check_staleness_rule()

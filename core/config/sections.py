@@ -7,9 +7,9 @@ description; `core.config.run` assembles them into a run's config, `core.config.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -81,16 +81,47 @@ class LoraConfig(Section):
     )
 
 
+class GeneratedDataset(Section):
+    """One reasoning-gym dataset of a task's weighted mix (`task.name: reasoning_gym`); whether the library knows its
+    name and takes its config is the run side's to say at start (`app.tasks.checks`), as for reward names."""
+
+    weight: float = Field(1.0, gt=0, description="Weight of this dataset in the mix, relative to the others' weights.")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the dataset's config class (its generator's settings)."
+    )
+
+    @field_validator("config")
+    @classmethod
+    def _no_seed_or_size(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The task seeds and sizes every split itself: a seed fixed here would make the train and held-out splits
+        draw the same items."""
+        fixed = sorted({"seed", "size"} & set(config))
+        if fixed:
+            raise ValueError(
+                f"{' and '.join(fixed)} set by the task (task.seed, task.num_train, task.num_heldout), which keeps "
+                "its splits apart"
+            )
+        return config
+
+
 class TaskConfig(Section):
     """What the policy is trained on and how it is scored."""
 
-    name: Literal["arithmetic", "chained_arithmetic", "math"] = Field("arithmetic", description="Task family.")
+    name: Literal["arithmetic", "chained_arithmetic", "math", "reasoning_gym"] = Field(
+        "arithmetic", description="Task family."
+    )
     dataset: str | None = Field(None, description="MATH data: a .jsonl/.parquet file or a datasets name (task=math).")
+    datasets: dict[str, GeneratedDataset] = Field(
+        default_factory=dict,
+        description="reasoning-gym datasets mixed by weight, by the name the library registers (task=reasoning_gym).",
+    )
     digits: int = Field(2, ge=1, le=6, description="Most digits of an operand in the arithmetic task.")
     chain_min: int = Field(1, ge=0, description="Fewest operands added after the first answer (chained_arithmetic).")
     chain_max: int = Field(2, ge=0, description="Most operands added after the first answer (chained_arithmetic).")
     chain_operand_max: int = Field(9, ge=1, description="Largest operand of a chain (chained_arithmetic).")
-    num_train: int = Field(4000, gt=0, description="Arithmetic problems in the train split.")
+    num_train: int = Field(
+        4000, gt=0, description="Problems in the train split of a generated task (arithmetic, chains, reasoning_gym)."
+    )
     num_heldout: int = Field(256, gt=0, description="Problems in the held-out split used for evaluation.")
     seed: int = Field(1234, description="Seed of the task's splits.")
     reward_funcs: list[str] = Field(

@@ -41,6 +41,11 @@ def test_overrides_are_typed_and_nested():
         ("objectives=[{kind: distill, teacher: {served_model: m}}]", "objectives.0.distill.teacher"),
         ("objectives=[]", "objectives"),
         ("objectives=[{kind: grpo}, {kind: grpo}]", "objectives"),
+        ("task.name=reasoning_gym", "task.datasets"),
+        ("task.datasets={leg_counting: {}}", "task.datasets"),  # datasets of a task that would ignore them
+        ("task.datasets={leg_counting: {weight: 0}}", "task.datasets.leg_counting.weight"),
+        ("task.datasets={leg_counting: {config: {seed: 1}}}", "task.datasets.leg_counting.config"),
+        ("task.datasets={leg_counting: {config: [1]}}", "task.datasets.leg_counting.config"),
     ],
 )
 def test_bad_override_names_the_field(override, field):

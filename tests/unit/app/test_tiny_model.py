@@ -1,0 +1,149 @@
+"""The tiny model's build, generalised to tasks with reference answers (reasoning-gym's datasets): its tokenizer learns
+their text, its warm-up trains on their reference completions laid out as the rollout lays them out and is judged by
+the task's rewards, a context too short for them is refused naming the field, and each task's folder is keyed by
+what it depends on (the arithmetic one as before, so the models already built stay in use)."""
+
+import pytest
+
+from app.tasks.problems import SEED_BLOCK, WARMUP_BLOCK, draw_reasoning_gym, load_task
+from app.tasks.rewards import RewardScorer
+from app.tiny_model import (
+    EOS,
+    WarmUpPlan,
+    build_model,
+    build_tokenizer,
+    check_context,
+    greedy_accuracy,
+    reference_example,
+    rewarded,
+    warm_up,
+    warmup_plan,
+)
+from core.config import CONFIG_DIR, ConfigError, ModelConfig, TinyModelConfig, load_config
+from core.models import prompt_token_ids, tiny_model_folder
+
+TINY = TinyModelConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    warmup_batch_size=8,
+    warmup_max_steps=5,
+)
+
+
+@pytest.fixture(scope="module")
+def task():
+    cfg = load_config(
+        CONFIG_DIR / "tiny-reasoning-gym.yaml", ["task.num_train=200", "task.num_heldout=16", "model.tiny.seed=3"]
+    )
+    return cfg.task
+
+
+@pytest.fixture(scope="module")
+def splits(task):
+    return load_task(task)
+
+
+@pytest.fixture(scope="module")
+def pool(task, splits):
+    avoid = frozenset(p.prompt for p in splits.heldout)
+    return draw_reasoning_gym(task, 3 + WARMUP_BLOCK * SEED_BLOCK, 300, "warmup", avoid)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(pool):
+    return build_tokenizer(2, 0, texts=[p.prompt + p.reference for p in pool])
+
+
+def test_the_warm_up_pool_is_the_datasets_own_problems_and_holds_no_held_out_one(splits, pool):
+    assert len(pool) == 300 and all(p.id.startswith("warmup-") for p in pool)
+    assert not {p.prompt for p in pool} & {p.prompt for p in splits.heldout}
+    assert {p.columns["rg_entry"]["metadata"]["source_dataset"] for p in pool} == {"basic_arithmetic", "leg_counting"}
+
+
+def test_the_tokenizer_learns_its_pieces_from_the_tasks_text(tokenizer, splits):
+    additions = build_tokenizer(2, 0)  # the arithmetic tokenizer, trained on generated additions
+    for problem in splits.heldout:
+        text = problem.prompt + problem.reference
+        assert len(tokenizer(text)["input_ids"]) < len(additions(text)["input_ids"])
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_a_reference_example_is_the_prompt_as_the_rollout_tokenises_it_then_the_completion_and_eos(tokenizer, splits):
+    problem = splits.heldout[0]
+    ids, mask = reference_example(tokenizer, problem)
+    prompt_ids = prompt_token_ids(tokenizer, problem.prompt)
+    assert ids[: len(prompt_ids)] == prompt_ids
+    assert mask == [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
+    assert tokenizer.decode(ids[len(prompt_ids) :]) == problem.reference + EOS
+
+
+def test_greedy_completions_are_judged_by_the_tasks_rewards(tokenizer, splits):
+    problems = splits.heldout[:4]
+    scorer = RewardScorer.from_names(["reasoning_gym"])
+    try:
+        judge = rewarded(scorer)
+        right = [p.reference for p in problems]
+        assert judge(right, problems, [[1]] * 4, [False] * 4) == [True] * 4
+        assert judge(["x</answer>"] * 4, problems, [[1]] * 4, [False] * 4) == [False] * 4
+        assert judge([p.answer for p in problems], problems, [[1]] * 4, [True] * 4) == [False] * 4  # never closed
+    finally:
+        scorer.close()
+
+    model = build_model(TINY, len(tokenizer), tokenizer.eos_token_id, TINY.max_position_embeddings)
+    seen = []
+
+    def every_one(texts, problems, completion_ids, truncated):
+        seen.append((texts, completion_ids, truncated))
+        return [True] * len(texts)
+
+    assert greedy_accuracy(model, tokenizer, problems, max_new_tokens=3, judge=every_one) == 1.0
+    (texts, completion_ids, truncated) = seen[0]
+    eos = tokenizer.eos_token_id
+    for text, ids, cut in zip(texts, completion_ids, truncated, strict=True):
+        assert cut == (eos not in ids) and (cut or ids[-1] == eos) and len(ids) <= 3
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_warm_up_trains_on_the_pool_and_stops_once_the_judge_says_the_target_is_crossed(
+    task, tokenizer, splits, pool
+):
+    drawn = []
+
+    def accept_all(texts, problems, completion_ids, truncated):
+        return [True] * len(texts)
+
+    plan = warmup_plan(tokenizer, TINY, task, splits.heldout, pool, accept_all)
+    drawing = WarmUpPlan(lambda rng: drawn.append(plan.example(rng)) or drawn[-1], plan.accuracy)
+    model = build_model(TINY, len(tokenizer), tokenizer.eos_token_id, TINY.max_position_embeddings)
+    accuracy, steps = warm_up(model, tokenizer, TINY, drawing, log=lambda m: None)
+    assert (accuracy, steps) == (1.0, 5)  # judged at step 5, the first judgement: target crossed
+    assert len(drawn) == 5 * TINY.warmup_batch_size
+    references = {tuple(reference_example(tokenizer, p)[0]) for p in pool}
+    assert all(tuple(ids) in references for ids, _ in drawn)
+
+    never = warmup_plan(tokenizer, TINY, task, splits.heldout, pool, lambda texts, *_: [False] * len(texts))
+    assert warm_up(model, tokenizer, TINY, never, log=lambda m: None) == (0.0, TINY.warmup_max_steps)
+
+
+def test_a_context_too_short_for_the_tasks_problems_names_the_field(tokenizer, splits):
+    with pytest.raises(ConfigError, match=r"^model.max_model_len=16: the task's longest problem takes \d+ tokens"):
+        check_context(tokenizer, ModelConfig(max_model_len=16), splits.heldout)
+    check_context(tokenizer, ModelConfig(max_model_len=96), splits.heldout)
+
+
+def test_each_tasks_tiny_model_is_keyed_by_what_it_depends_on():
+    tiny = load_config(CONFIG_DIR / "tiny-cpu.yaml")
+    # The arithmetic default's folder as it was named before reasoning-gym: the models already built stay in use.
+    assert tiny_model_folder(tiny.model, tiny.task).name == "tiny-qwen2-50ba3e926688a80c"
+
+    rg = load_config(CONFIG_DIR / "tiny-reasoning-gym.yaml")
+    key = tiny_model_folder(rg.model, rg.task)
+    assert key != tiny_model_folder(tiny.model, tiny.task)
+    assert tiny_model_folder(rg.model, rg.task.model_copy(update={"num_train": 100})) == key  # train: not in the build
+    reordered = dict(reversed(list(rg.task.datasets.items())))  # the mix's order seeds each dataset
+    for changed in ({"datasets": reordered}, {"reward_funcs": ["exact_answer"]}, {"num_heldout": 128}):
+        assert tiny_model_folder(rg.model, rg.task.model_copy(update=changed)) != key, changed
