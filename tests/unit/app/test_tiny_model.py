@@ -34,10 +34,15 @@ TINY = TinyModelConfig(
 )
 
 
+# The shipped config's dataset and a second one: a weighted mix, as a user would make one.
+LEGS = "task.datasets.leg_counting={weight: 1, config: {min_animals: 1, max_animals: 2, max_instances: 3}}"
+
+
 @pytest.fixture(scope="module")
 def task():
     cfg = load_config(
-        CONFIG_DIR / "tiny-reasoning-gym.yaml", ["task.num_train=200", "task.num_heldout=16", "model.tiny.seed=3"]
+        CONFIG_DIR / "tiny-reasoning-gym.yaml",
+        ["task.num_train=200", "task.num_heldout=16", "model.tiny.seed=3", LEGS],
     )
     return cfg.task
 
@@ -140,7 +145,7 @@ def test_each_tasks_tiny_model_is_keyed_by_what_it_depends_on():
     # The arithmetic default's folder as it was named before reasoning-gym: the models already built stay in use.
     assert tiny_model_folder(tiny.model, tiny.task).name == "tiny-qwen2-50ba3e926688a80c"
 
-    rg = load_config(CONFIG_DIR / "tiny-reasoning-gym.yaml")
+    rg = load_config(CONFIG_DIR / "tiny-reasoning-gym.yaml", [LEGS])
     key = tiny_model_folder(rg.model, rg.task)
     assert key != tiny_model_folder(tiny.model, tiny.task)
     assert tiny_model_folder(rg.model, rg.task.model_copy(update={"num_train": 100})) == key  # train: not in the build

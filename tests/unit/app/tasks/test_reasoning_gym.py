@@ -148,9 +148,7 @@ def test_a_score_answer_that_raises_scores_its_sample_0_and_is_logged(monkeypatc
 def test_the_shipped_config_passes_the_run_sides_checks():
     cfg = load_config(CONFIG_DIR / "tiny-reasoning-gym.yaml")
     check_names(cfg)
-    assert list(cfg.task.datasets) == ["basic_arithmetic", "leg_counting"] and cfg.task.reward_funcs == [
-        "reasoning_gym"
-    ]
+    assert list(cfg.task.datasets) == ["basic_arithmetic"] and cfg.task.reward_funcs == ["reasoning_gym"]
 
 
 @pytest.mark.parametrize(
