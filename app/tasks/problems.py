@@ -157,9 +157,14 @@ def reasoning_gym_mix(task_cfg, seed: int, size: int):
 
     Each dataset is first made alone, so that one the library does not know, or whose config it refuses, is a
     ConfigError naming its field (the mix itself would only say that something failed)."""
-    import reasoning_gym
-    from reasoning_gym.composite import DatasetSpec
-    from reasoning_gym.factory import DATASETS
+    try:
+        import reasoning_gym
+        from reasoning_gym.composite import DatasetSpec
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise ConfigError(
+            "task.name: reasoning_gym needs the reasoning-gym package: pip install -e '.[tasks]' (make setup does)"
+        ) from None
 
     for name, spec in task_cfg.datasets.items():
         where = f"task.datasets.{name}"

@@ -4,6 +4,7 @@ sample, and config mistakes that name their field."""
 
 import collections
 import logging
+import sys
 
 import pytest
 import reasoning_gym
@@ -166,3 +167,9 @@ def test_datasets_the_library_refuses_are_config_errors_naming_the_field_at_star
         with pytest.raises(ConfigError) as err:
             check(cfg)
         assert str(err.value).startswith(field) and "\n" not in str(err.value)
+
+
+def test_a_run_without_the_package_is_told_which_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` raises ImportError
+    with pytest.raises(ConfigError, match=r"^task.name: reasoning_gym needs the reasoning-gym package: .*\[tasks\]"):
+        load_task(run_config().task)
