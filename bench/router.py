@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from app.fleet_client import FleetClient
     from app.tiny_model import prepare_model
+    from contracts.auth import admin_token, lineage_key, signing_secret
     from core.bucket.store import AdapterStore
     from core.config import load_config
     from deployments.fleet import deploy_fleet, shutdown_fleet
@@ -235,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
             ],
         )
         model_path = prepare_model(cfg.model, cfg.task, log=lambda m: print(m, file=sys.stderr))
-        publish_random_adapters(AdapterStore.from_config(cfg), model_path, list(range(1, args.versions + 1)), work)
+        # Signed as the fleet's own learner signs them: replicas serve no version their lineage's key does not verify.
+        store = AdapterStore.from_config(cfg, lineage_key(signing_secret(admin_token(cfg)), None))
+        publish_random_adapters(store, model_path, list(range(1, args.versions + 1)), work)
         start_local_ray(num_cpus=2)
         try:
             for phase, name in enumerate(names):
