@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
+from app.tasks.rewards import RewardScorer, reward_columns
 from core.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
 from core.models import load_tokenizer, resolve_model_path, tiny_model_folder
 
@@ -148,8 +149,7 @@ def rewarded(scorer) -> Judge:
     sample: a positive summed reward, with the columns the rollout gives them."""
 
     def judge(texts, problems, completion_ids, truncated) -> list[bool]:
-        columns = {"answer": [p.answer for p in problems], "truncated": truncated}
-        columns |= {key: [p.columns[key] for p in problems] for key in problems[0].columns}
+        columns = reward_columns(problems, truncated)
         scores = scorer.score(texts, [p.prompt for p in problems], completion_ids, **columns)
         return [r > 0 for r in scores.rewards]
 
@@ -365,7 +365,6 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
 
     t0 = time.time()
     from app.tasks.problems import SEED_BLOCK, WARMUP_BLOCK, draw_reasoning_gym, load_task
-    from app.tasks.rewards import RewardScorer
 
     # The held-out split that evaluation uses, which the warm-up must never see.
     splits = (

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from app.rollout.continuation import Continuation, Flight
 from app.tasks.problems import Problem
-from app.tasks.rewards import RewardScorer
+from app.tasks.rewards import RewardScorer, reward_columns
 from contracts.rollouts import VERSIONS, Generate, Sample
 
 
@@ -143,11 +143,7 @@ class CompletionSampler(Sampler):
         self.meter.generated(sum(len(c.token_ids) for c in completions))
         texts = [c.text for c in completions]
         truncated = [c.finish_reason == "length" for c in completions]
-        columns = {
-            "answer": [problem.answer] * len(texts),
-            "truncated": truncated,
-            **{k: [v] * len(texts) for k, v in problem.columns.items()},
-        }
+        columns = reward_columns([problem] * len(texts), truncated)
         scores = await asyncio.to_thread(
             self.scorer.score, texts, [problem.prompt] * len(texts), [c.token_ids for c in completions], **columns
         )

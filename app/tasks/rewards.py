@@ -157,6 +157,14 @@ REGISTRY: dict[str, RewardFunc] = {
 }
 
 
+def reward_columns(problems, truncated: list[bool]) -> dict[str, list]:
+    """The keyword columns reward functions get beside the completions, one entry per completion of `problems` (a
+    problem once per completion of it): the gold answer, whether the completion was cut by its length, and the
+    problem's own columns."""
+    columns = {"answer": [p.answer for p in problems], "truncated": list(truncated)}
+    return columns | {key: [p.columns[key] for p in problems] for key in problems[0].columns}
+
+
 def resolve_reward(name: str) -> RewardFunc:
     """A registered name, or `package.module:function` for a user's own reward."""
     return resolve_named(name, REGISTRY, "reward function", "module:function")
