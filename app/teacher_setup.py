@@ -12,7 +12,8 @@ The four kinds (`core.config.teacher`) end up as one `TeacherEndpoint`, a server
 Refused at start, with a message that says why: a teacher whose tokenizer gives other ids than the student's
 (a local folder's vocabulary and probe texts, or a server's `/tokenize`), a server with no `/tokenize` to
 compare, a teacher the fleet cannot load, and one whose two scorings of one sequence differ beyond
-`teacher.self_test_tolerance` or leave a token unscored.
+`teacher.self_test_tolerance`, leave a token unscored, or (top-k distillation) answer fewer than `top_k`
+alternatives per token.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 
 from app.evaluate import base_model_name
 from app.fleet_client import FleetClient, FleetError
+from app.objectives.distill import teacher_top_k
 from app.rollout.teacher import TEACHER_TOKEN_ENV, TeacherEndpoint
 from app.tasks.problems import load_task
 from contracts.auth import Secret
@@ -57,7 +59,7 @@ def prepare_teacher(cfg, fleet: FleetClient, model_path: str, token: str | None)
         raise refuse(f"{teacher.kind} {teacher.adapter or teacher.url or ''}: {e}") from None
     except ConfigError as e:
         raise refuse(str(e)) from None
-    self_test(endpoint, probe_sequence(cfg, student), teacher.self_test_tolerance)
+    self_test(endpoint, probe_sequence(cfg, student), teacher.self_test_tolerance, teacher_top_k(cfg))
     log.info("teacher: %s %s at %s, checked", endpoint.kind, endpoint.model, endpoint.url)
     return endpoint
 
@@ -101,23 +103,26 @@ def probe_sequence(cfg, tokenizer) -> list[int]:
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
-def self_test(endpoint: TeacherEndpoint, sequence: list[int], tolerance: float) -> float:
-    """Score `sequence` twice; refuse a teacher that leaves a token unscored or answers differently beyond
-    `tolerance` (a teacher that is not deterministic, or not the model it says). Returns the largest difference."""
+def self_test(endpoint: TeacherEndpoint, sequence: list[int], tolerance: float, top: int = 0) -> float:
+    """Score `sequence` twice (with `top` alternatives per token, top-k distillation's); refuse a teacher that leaves
+    a token unscored, answers fewer alternatives, or answers differently beyond `tolerance` (a teacher that is not
+    deterministic, or not the model it says). Returns the largest difference."""
 
-    async def twice() -> list[list[float]]:
+    async def twice() -> list[list[dict[int, float] | None]]:
         client = endpoint.client(timeout_s=60.0, retries=2)
         try:
-            answers = [await client.aprompt_logprobs([sequence], endpoint.model) for _ in range(2)]
+            return [(await client.aprompt_logprobs([sequence], endpoint.model, top))[0] for _ in range(2)]
         finally:
             await client.aclose()
             client.close()
-        return [[(at or {}).get(t, math.nan) for at, t in zip(a[0][1:], sequence[1:], strict=False)] for a in answers]
 
     try:
-        first, second = asyncio.run(twice())
+        answers = asyncio.run(twice())
     except FleetError as e:
         raise refuse(f"{endpoint.model} at {endpoint.url} does not score a sequence: {e}") from None
+    if top and any(len(at or {}) < top for at in answers[0][1:]):
+        raise refuse(f"{endpoint.model} at {endpoint.url} answers fewer than top_k {top} alternatives per token")
+    first, second = ([(at or {}).get(t, math.nan) for at, t in zip(a[1:], sequence[1:], strict=False)] for a in answers)
     if len(first) != len(sequence) - 1 or not all(math.isfinite(v) for v in first + second):
         raise refuse(f"{endpoint.model} at {endpoint.url} left tokens of a {len(sequence)}-token sequence unscored")
     worst = max(abs(a - b) for a, b in zip(first, second, strict=True))

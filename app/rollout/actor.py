@@ -15,6 +15,7 @@ import ray
 
 from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
+from app.objectives.distill import teacher_top_k
 from app.rollout.episodes import sampler_for
 from app.rollout.producer import GroupProducer
 from app.rollout.teacher import TeacherEndpoint, TeacherScorer
@@ -75,7 +76,9 @@ class RolloutActor:
             resume=resume,
             retries_done=lambda: self.client.retries_done,
             cut=self.client.acut,
-            teacher=TeacherScorer.from_config(teacher, cfg.teacher) if teacher is not None else None,
+            teacher=TeacherScorer.from_config(teacher, cfg.teacher, teacher_top_k(cfg))
+            if teacher is not None
+            else None,
         )
 
     async def start(self) -> None:

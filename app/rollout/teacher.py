@@ -5,7 +5,8 @@ asynchronous I/O through the fleet (or the teacher's own server), so the rollout
 and the objectives' synchronous `annotate`; the learner never calls a teacher. One request per group: the
 G sequences (prompt + completion) as a batch of token-id prompts with `prompt_logprobs: 0` and `max_tokens: 1`,
 the request TRL's AsyncDistillationTrainer sends its teacher; the prefix router keeps a group's sequences, which
-share their prompt, on one replica. Multi-turn episodes are scored whole and kept at the model's tokens only
+share their prompt, on one replica. Top-k distillation asks `prompt_logprobs: k` instead and keeps, per model
+token, the teacher's k most likely ids and their log-probs too (`TOPK_IDS` / `TOPK_LOGPROBS`, one stream per rank). Multi-turn episodes are scored whole and kept at the model's tokens only
 (NaN at observations, which nothing trains). A teacher that fails after its retries, or times out, raises: the
 producer drops and counts the group, never the run. An adapter teacher that a replica lost (a restart) is
 loaded again once before its group is given up.
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from app.fleet_client import FleetClient, FleetError
-from app.objectives.distill import TEACHER_LOGPROBS
+from app.objectives.distill import TEACHER_LOGPROBS, topk_stream_names
 from contracts.auth import Secret
 from contracts.retry import Backoff
 from contracts.rollouts import Group, Sample
@@ -67,16 +68,42 @@ def teacher_logprobs(positions: list[dict[int, float] | None], prompt_len: int, 
     return out
 
 
-class TeacherScorer:
-    """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`) and what it cost into
-    the group (`TEACHER_S`, `TEACHER_TOKENS`)."""
+def teacher_topk(
+    positions: list[dict[int, float] | None], prompt_len: int, sample: Sample, k: int
+) -> tuple[list[list[float]], list[list[float]]]:
+    """The teacher's k most likely ids and their log-probs at each completion token of `sample` (`[k][tokens]`, by
+    rank; NaN at the observation tokens of an episode), from a scoring with `prompt_logprobs: k`.
 
-    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient):
-        self.endpoint, self.client = endpoint, client
+    vLLM answers each position's own token beside its top k: k + 1 entries when that token is not among them (then
+    it is left out, whatever its log-prob ties with), k when it is."""
+    ids: list[list[float]] = [[] for _ in range(k)]
+    logprobs: list[list[float]] = [[] for _ in range(k)]
+    mask = sample.completion_mask or [1] * len(sample.completion_ids)
+    for j, (token, is_model) in enumerate(zip(sample.completion_ids, mask, strict=True)):
+        scored = dict(positions[prompt_len + j] or {})
+        if is_model:
+            if len(scored) == k + 1:
+                scored.pop(token, None)
+            if len(scored) != k:
+                raise ValueError(f"the teacher gave {len(scored)} alternatives for completion token {j}, not {k}")
+        top = sorted(scored.items(), key=lambda e: -e[1])
+        for r in range(k):
+            ids[r].append(float(top[r][0]) if is_model else math.nan)
+            logprobs[r].append(float(top[r][1]) if is_model else math.nan)
+    return ids, logprobs
+
+
+class TeacherScorer:
+    """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`; with `top_k`, its top k
+    too) and what it cost into the group (`TEACHER_S`, `TEACHER_TOKENS`)."""
+
+    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient, top_k: int = 0):
+        self.endpoint, self.client, self.top_k = endpoint, client, top_k
 
     @classmethod
-    def from_config(cls, endpoint: TeacherEndpoint, teacher_cfg) -> TeacherScorer:
-        return cls(endpoint, endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries))
+    def from_config(cls, endpoint: TeacherEndpoint, teacher_cfg, top_k: int = 0) -> TeacherScorer:
+        """`top_k`: the alternatives top-k distillation keeps per token (`distill_top_k`); 0: the sampled token's."""
+        return cls(endpoint, endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries), top_k)
 
     async def score(self, group: Group) -> None:
         sequences = [group.prompt_ids + s.completion_ids for s in group.samples]
@@ -86,19 +113,23 @@ class TeacherScorer:
             raise ValueError(f"the teacher answered {len(scored)} sequences of {len(sequences)}")
         for sample, positions in zip(group.samples, scored, strict=True):
             sample.streams[TEACHER_LOGPROBS] = teacher_logprobs(positions, len(group.prompt_ids), sample)
+            if self.top_k:
+                ids, logprobs = teacher_topk(positions, len(group.prompt_ids), sample, self.top_k)
+                names = topk_stream_names(self.top_k)
+                sample.streams.update(zip(names[0] + names[1], ids + logprobs, strict=True))
         group.costs[TEACHER_S] = group.costs.get(TEACHER_S, 0.0) + time.monotonic() - started
         group.costs[TEACHER_TOKENS] = group.costs.get(TEACHER_TOKENS, 0.0) + sum(map(len, sequences))
 
     async def _score(self, sequences: list[list[int]]) -> list[list[dict[int, float] | None]]:
         try:
-            return await self.client.aprompt_logprobs(sequences, self.endpoint.model)
+            return await self.client.aprompt_logprobs(sequences, self.endpoint.model, self.top_k)
         except FleetError as e:
             if e.status != 404 or self.endpoint.adapter is None:
                 raise
         # A replica that restarted holds no teacher adapter (it loads its lineage's versions only): load it again.
         log.warning("the fleet lost the teacher adapter %s: loading it again", TEACHER_ADAPTER)
         await asyncio.to_thread(self.client.load_adapter, TEACHER_ADAPTER, self.endpoint.adapter)
-        return await self.client.aprompt_logprobs(sequences, self.endpoint.model)
+        return await self.client.aprompt_logprobs(sequences, self.endpoint.model, self.top_k)
 
     async def aclose(self) -> None:
         await self.client.aclose()

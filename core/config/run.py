@@ -101,8 +101,15 @@ class GRPOObjectiveConfig(Section):
     weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
 
 
+# The most alternatives a fleet's scoring request may ask for (`deployments.api.bodies.MAX_LOGPROBS`, vLLM's default
+# max_logprobs); a teacher that is asked more answers 400.
+MAX_TEACHER_TOP_K = 20
+TOPK_FIELDS = frozenset({"top_k", "alpha", "tail", "is_clip"})  # what only the topk mode reads
+
+
 class DistillObjectiveConfig(Section):
-    """On-policy distillation (`app.objectives.distill`): the reverse KL to a teacher at every sampled token."""
+    """On-policy distillation (`app.objectives.distill`): the reverse KL to a teacher at every sampled token, or a
+    divergence over the teacher's top-k tokens at every position (`mode: topk`)."""
 
     kind: Literal["distill"] = Field(
         description="The objective: distill (a teacher scores the student's samples; per-token reverse KL)."
@@ -110,11 +117,50 @@ class DistillObjectiveConfig(Section):
     weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
     teacher: TeacherConfig = Field(description="The teacher: base, {adapter: ...}, {model: {...}} or {url: ...}.")
     coef: float = Field(
-        1.0, gt=0, description="Per-token advantage = -coef x (sampler's log-prob - teacher's log-prob)."
+        1.0,
+        gt=0,
+        description="Scale of the signal: sampled, advantage = -coef x (sampler's - teacher's log-prob); topk, "
+        "coef x divergence.",
     )
     max_gap: float = Field(
         20.0, gt=0, description="Largest per-token gap (nats) counted; a token the teacher rules out counts this much."
     )
+    mode: Literal["sampled", "topk"] = Field(
+        "sampled",
+        description="sampled: reverse KL at the sampled token; topk: a divergence over the teacher's top_k (TRL's "
+        "topk_logits).",
+    )
+    top_k: int = Field(
+        20,
+        ge=1,
+        le=MAX_TEACHER_TOP_K,
+        description=f"topk: the teacher's most likely tokens per position distilled (the fleet answers at most "
+        f"{MAX_TEACHER_TOP_K}).",
+    )
+    alpha: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="topk: generalised JSD between forward KL (0) and reverse KL (1), TRL's distillation_alpha.",
+    )
+    tail: bool = Field(
+        False, description="topk: one more bucket for the mass outside the top k (else both are renormalised over it)."
+    )
+    is_clip: float | None = Field(
+        2.0,
+        gt=0,
+        description="topk: clip of the importance weight exp(learner - sampler log-prob) per token; null: none.",
+    )
+
+    @model_validator(mode="after")
+    def _topk_fields_in_topk_mode(self) -> DistillObjectiveConfig:
+        """A top-k setting given in sampled mode would be ignored without a word: refuse it instead (its default
+        is no setting, so that a dumped config loads again)."""
+        fields = type(self).model_fields
+        given = sorted(f for f in TOPK_FIELDS if getattr(self, f) != fields[f].default)
+        if self.mode == "sampled" and given:
+            raise ValueError(f"{', '.join(given)}: only for mode topk (mode is sampled)")
+        return self
 
 
 # One term of the learner's loss (`app.objectives`), told apart by its `kind`.
