@@ -179,3 +179,81 @@ def test_a_teacher_of_another_tokenizer_is_refused(fleet, tmp_path):
         fleet_app(cfg.own_fleet(), fleet.model_path)  # the fleet would not start it
     with pytest.raises(SystemExit, match="not the student's"):
         prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN)  # nor would a run use it
+
+
+def test_a_topk_distill_step_runs_through_the_fleet_and_the_learner(fleet, tmp_path):
+    """Top-k mode on the real parts: the student replica samples a group, the teacher deployment scores it with its
+    top k (`prompt_logprobs: k`, the ids and log-probs transformers gives), packing carries them to the learner,
+    whose log-probs at those ids are the student's own (transformers again), and train steps on the group lower the
+    divergence to the teacher."""
+    import dataclasses
+    from collections import Counter
+
+    from app.learner.rank import LearnerRank
+    from app.objectives.distill import DIVERGENCE, RATIO, TEACHER_MASS, Distill, topk_stream_names
+    from app.rollout.teacher import TeacherEndpoint, TeacherScorer
+    from contracts.auth import Secret
+    from contracts.rollouts import Group, RolloutBatch, Sample
+    from core.models import load_tokenizer
+    from tests.support.fleet_helpers import free_port
+
+    k = 5
+    prompt = load_tokenizer(fleet.model_path)("Q: 12+9=? A:", add_special_tokens=False)["input_ids"]
+
+    async def sample_and_score() -> Group:
+        client = FleetClient(fleet.url, TOKEN)
+        choices = await client.acompletions(prompt, fleet.base, n=4, max_tokens=6, temperature=1.0)
+        group = Group(0, "p0", prompt, 0, [Sample(c.token_ids, c.logprobs, 0.0) for c in choices])
+        scorer = TeacherScorer(TeacherEndpoint("model", fleet.url, "teacher", Secret(TOKEN)), client, top_k=k)
+        try:
+            await scorer.score(group)
+        finally:
+            await scorer.aclose()
+        return group
+
+    group = asyncio.run(sample_and_score())
+    Distill(top_k=k).annotate(group)
+    teacher_ref = [_reference(_hf(fleet.teacher_path), prompt + s.completion_ids) for s in group.samples]
+    id_streams, logprob_streams = topk_stream_names(k)
+    for sample, ref in zip(group.samples, teacher_ref, strict=True):
+        for j in range(len(sample.completion_ids)):
+            row = ref[len(prompt) + j - 1]  # the teacher's distribution of completion token j
+            ids = [int(sample.streams[n][j]) for n in id_streams]
+            assert set(ids) == set(torch.topk(row, k).indices.tolist())
+            got = torch.tensor([sample.streams[n][j] for n in logprob_streams], dtype=torch.float64)
+            assert (got - row[ids]).abs().max() < TOLERANCE
+
+    cfg = load_config(
+        None,
+        [
+            "objectives=[{kind: distill, teacher: base, mode: topk, top_k: 5, alpha: 0.5, tail: true}]",
+            f"bucket.url=file://{tmp_path}/bucket",
+            f"bucket.cache_dir={tmp_path}/cache",
+            "grpo.learning_rate=0.01",
+        ],
+    )
+    torch.set_num_threads(1)
+    learner = LearnerRank(cfg, fleet.model_path)  # a zero LoRA: the base model that sampled the group
+    learner.setup(master_port=free_port())
+    learner.start()
+    try:
+        (mb,) = learner.plan([group])[0]
+        ids = learner.objectives.scored_ids(mb.streams)
+        with torch.no_grad():
+            _, _, at_ids = learner._forward_at(mb, ids)
+        student_ref = [_reference(_hf(fleet.model_path), prompt + s.completion_ids) for s in group.samples]
+        seen = Counter()
+        for m, i in enumerate(mb.target_sample.tolist()):  # packing reorders samples, never a sample's tokens
+            row = student_ref[i][len(prompt) + seen[i] - 1]
+            seen[i] += 1
+            assert (at_ids[m].double() - row[ids[m]]).abs().max() < TOLERANCE
+        steps = [
+            learner.train_step(RolloutBatch([dataclasses.replace(group, group_id=i)], data_cursor=i + 1)).metrics
+            for i in range(3)
+        ]
+    finally:
+        learner.close()
+    assert abs(steps[0][RATIO] - 1.0) < 1e-3  # the learner is the policy that sampled
+    assert 0.0 < steps[0][TEACHER_MASS] <= 1.0 + 1e-6
+    assert all(s["grad_norm"] > 0 for s in steps)
+    assert steps[2][DIVERGENCE] < steps[0][DIVERGENCE], [s[DIVERGENCE] for s in steps]

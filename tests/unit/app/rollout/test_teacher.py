@@ -11,12 +11,19 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
-from app.objectives.distill import TEACHER_LOGPROBS
+from app.objectives.distill import TEACHER_LOGPROBS, Distill, topk_stream_names
 from app.rollout.producer import GroupProducer
 from app.rollout.sampling import CompletionSampler
-from app.rollout.teacher import TEACHER_S, TEACHER_TOKENS, TeacherEndpoint, TeacherScorer, teacher_logprobs
+from app.rollout.teacher import (
+    TEACHER_S,
+    TEACHER_TOKENS,
+    TeacherEndpoint,
+    TeacherScorer,
+    teacher_logprobs,
+    teacher_topk,
+)
 from app.tasks.rewards import RewardScorer, exact_answer
-from contracts.rollouts import BatchStats, Choice, Sample
+from contracts.rollouts import BatchStats, Choice, Group, Sample
 from core.config import load_config
 from tests.support.fake_fleet import JSONHandler
 from tests.support.rollout_parts import PROBLEMS, run
@@ -26,7 +33,9 @@ DISTILL = ["objectives=[{kind: distill, teacher: base}]"]
 
 
 def score_of(token: int, position: int) -> float:
-    return -0.01 * token - 0.001 * position
+    return (
+        -0.01 * token - 0.001 * position
+    )  # tokens 0 .. k - 1 are a position's top k (its own token among them or not)
 
 
 class FakeTeacher(JSONHandler):
@@ -35,6 +44,7 @@ class FakeTeacher(JSONHandler):
     encode = None  # text -> ids, or None: no /tokenize (404)
     jitter = 0.0  # added to every score, times the request's number: a teacher that answers differently each time
     requests = 0
+    asked = None  # the last scoring request's prompt_logprobs
 
     def do_GET(self):  # noqa: N802 - http.server's naming
         self.answer(200, {"data": [{"id": "the-teacher"}]})
@@ -49,13 +59,19 @@ class FakeTeacher(JSONHandler):
         if any(HANG in seq for seq in body["prompt"]):
             time.sleep(2.0)
         shift = type(self).jitter * type(self).requests
+        top = type(self).asked = body["prompt_logprobs"]
         choices = [
             {
                 "index": i,
                 "text": "",
                 "prompt_logprobs": [None]
                 + [
-                    {str(t): {"logprob": score_of(t, p) + shift, "rank": 1, "decoded_token": "x"}}
+                    {
+                        str(t): {"logprob": score_of(t, p) + shift, "rank": top + 1, "decoded_token": "x"},
+                        **{
+                            str(a): {"logprob": score_of(a, p), "rank": a + 1, "decoded_token": "y"} for a in range(top)
+                        },
+                    }
                     for p, t in enumerate(seq)
                     if p > 0
                 ],
@@ -84,6 +100,45 @@ def test_the_teachers_scores_are_read_at_the_model_tokens_only():
         teacher_logprobs(positions[:-1] + [{8: -1.0}], len(prompt), episode)
     with pytest.raises(ValueError, match="scored 4 positions of 5"):
         teacher_logprobs(positions[:-1], len(prompt), episode)
+
+
+def test_the_teachers_top_k_is_read_by_rank_at_the_model_tokens_without_the_sampled_token_beyond_it():
+    prompt = [1, 2]
+    episode = Sample([5, 6, 1], [-0.1, math.nan, -0.2], 1.0, completion_mask=[1, 0, 1])
+    positions = [
+        None,
+        {2: -0.5, 0: -0.1, 1: -0.2},
+        {5: -4.0, 3: -0.3, 4: -0.2},  # the sampled token beyond the top 2: k + 1 entries, it is left out
+        {6: -0.2},  # an observation: nothing read
+        {1: -0.4, 7: -0.6},  # the sampled token among the top 2: k entries
+    ]
+    ids, logprobs = teacher_topk(positions, len(prompt), episode, 2)
+    assert [ids[0][0], ids[1][0], logprobs[0][0], logprobs[1][0]] == [4.0, 3.0, -0.2, -0.3]
+    assert [ids[0][2], ids[1][2], logprobs[0][2], logprobs[1][2]] == [1.0, 7.0, -0.4, -0.6]
+    assert all(math.isnan(v[1]) for v in ids + logprobs)
+    with pytest.raises(ValueError, match="1 alternatives for completion token 2, not 2"):
+        teacher_topk(positions[:-1] + [{1: -0.4}], len(prompt), episode, 2)
+
+
+def test_in_topk_mode_the_scorer_asks_for_k_alternatives_and_the_group_carries_them(teacher_url):
+    k = 3
+    sample = Sample([5, 1], [-0.1, -0.2], 1.0)
+    group = Group(0, "p", [7, 8], 0, [sample])
+    endpoint = TeacherEndpoint("url", teacher_url, "the-teacher")
+    scorer = TeacherScorer.from_config(endpoint, load_config(None, DISTILL).teacher, top_k=k)
+
+    async def score():
+        await scorer.score(group)
+        await scorer.aclose()
+
+    asyncio.run(score())
+    ids, logprobs = topk_stream_names(k)
+    assert sample.streams[TEACHER_LOGPROBS] == pytest.approx([score_of(5, 2), score_of(1, 3)])
+    assert [sample.streams[n] for n in ids] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # token 5 beyond, 1 among them
+    assert [v for n in logprobs for v in sample.streams[n]] == pytest.approx(
+        [score_of(r, p) for r in range(k) for p in (2, 3)]
+    )
+    Distill(top_k=k).annotate(group)  # what the objective checks before the group is queued
 
 
 def test_a_teacher_failure_costs_its_group_alone(teacher_url):
@@ -153,6 +208,12 @@ def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teach
     FakeTeacher.encode = staticmethod(lambda text: student(text, add_special_tokens=False)["input_ids"])
     endpoint = prepare_teacher(cfg, None, student_folder, None)
     assert (endpoint.kind, endpoint.url, endpoint.model) == ("url", teacher_url, "the-teacher")
+    assert FakeTeacher.asked == 0
+    topk = load_config(
+        None, [f"objectives=[{{kind: distill, mode: topk, top_k: 4, teacher: {{url: '{teacher_url}'}}}}]"]
+    )
+    prepare_teacher(topk, None, student_folder, None)
+    assert FakeTeacher.asked == 4  # the self-test asks what the rollout will
 
     FakeTeacher.jitter = 0.05  # its second answer 0.05 away from its first: beyond the default 0.01
     with pytest.raises(SystemExit, match="scored one sequence twice"):
