@@ -76,7 +76,9 @@ class RolloutActor:
             resume=resume,
             retries_done=lambda: self.client.retries_done,
             cut=self.client.acut,
-            teacher=TeacherScorer.from_config(teacher, cfg.teacher, teacher_top_k(cfg))
+            teacher=TeacherScorer.from_config(
+                teacher, cfg.teacher, teacher_top_k(cfg), cfg.fleet.max_prompt_logprobs_per_request
+            )
             if teacher is not None
             else None,
         )

@@ -6,7 +6,8 @@ and the objectives' synchronous `annotate`; the learner never calls a teacher. O
 G sequences (prompt + completion) as a batch of token-id prompts with `prompt_logprobs: 0` and `max_tokens: 1`,
 the request TRL's AsyncDistillationTrainer sends its teacher; the prefix router keeps a group's sequences, which
 share their prompt, on one replica. Top-k distillation asks `prompt_logprobs: k` instead and keeps, per model
-token, the teacher's k most likely ids and their log-probs too (`TOPK_IDS` / `TOPK_LOGPROBS`, one stream per rank). Multi-turn episodes are scored whole and kept at the model's tokens only
+token, the teacher's k most likely ids and their log-probs too (`TOPK_IDS` / `TOPK_LOGPROBS`, one stream per rank);
+k + 1 log-probs per token can pass what a fleet answers in one request, so a group is then scored in several. Multi-turn episodes are scored whole and kept at the model's tokens only
 (NaN at observations, which nothing trains). A teacher that fails after its retries, or times out, raises: the
 producer drops and counts the group, never the run. An adapter teacher that a replica lost (a restart) is
 loaded again once before its group is given up.
@@ -93,22 +94,46 @@ def teacher_topk(
     return ids, logprobs
 
 
+def request_batches(sequences: list[list[int]], top_k: int, max_entries: int | None) -> list[list[list[int]]]:
+    """The sequences in order, cut into requests that each ask at most `max_entries` log-probs (tokens x (top_k + 1),
+    what a fleet bounds, `fleet.max_prompt_logprobs_per_request`): one request unless the top k make a group's too
+    large. A sequence beyond the bound alone goes alone (the server says whether it takes it)."""
+    if max_entries is None:
+        return [sequences]
+    batches: list[list[list[int]]] = []
+    entries = 0
+    for seq in sequences:
+        cost = len(seq) * (top_k + 1)
+        if not batches or entries + cost > max_entries:
+            batches.append([])
+            entries = 0
+        batches[-1].append(seq)
+        entries += cost
+    return batches
+
+
 class TeacherScorer:
     """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`; with `top_k`, its top k
     too) and what it cost into the group (`TEACHER_S`, `TEACHER_TOKENS`)."""
 
-    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient, top_k: int = 0):
-        self.endpoint, self.client, self.top_k = endpoint, client, top_k
+    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient, top_k: int = 0, max_entries: int | None = None):
+        self.endpoint, self.client, self.top_k, self.max_entries = endpoint, client, top_k, max_entries
 
     @classmethod
-    def from_config(cls, endpoint: TeacherEndpoint, teacher_cfg, top_k: int = 0) -> TeacherScorer:
-        """`top_k`: the alternatives top-k distillation keeps per token (`distill_top_k`); 0: the sampled token's."""
-        return cls(endpoint, endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries), top_k)
+    def from_config(
+        cls, endpoint: TeacherEndpoint, teacher_cfg, top_k: int = 0, max_entries: int | None = None
+    ) -> TeacherScorer:
+        """`top_k`: the alternatives top-k distillation keeps per token (`teacher_top_k`), 0: the sampled token's;
+        `max_entries`: the most log-probs one request may ask for (`fleet.max_prompt_logprobs_per_request`)."""
+        client = endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries)
+        return cls(endpoint, client, top_k, max_entries)
 
     async def score(self, group: Group) -> None:
         sequences = [group.prompt_ids + s.completion_ids for s in group.samples]
         started = time.monotonic()
-        scored = await self._score(sequences)
+        scored = []
+        for batch in request_batches(sequences, self.top_k, self.max_entries):
+            scored += await self._score(batch)  # one after the other: a lost adapter is loaded again once
         if len(scored) != len(sequences):
             raise ValueError(f"the teacher answered {len(scored)} sequences of {len(sequences)}")
         for sample, positions in zip(group.samples, scored, strict=True):

@@ -19,6 +19,7 @@ from app.rollout.teacher import (
     TEACHER_TOKENS,
     TeacherEndpoint,
     TeacherScorer,
+    request_batches,
     teacher_logprobs,
     teacher_topk,
 )
@@ -123,15 +124,17 @@ def test_the_teachers_top_k_is_read_by_rank_at_the_model_tokens_without_the_samp
 def test_in_topk_mode_the_scorer_asks_for_k_alternatives_and_the_group_carries_them(teacher_url):
     k = 3
     sample = Sample([5, 1], [-0.1, -0.2], 1.0)
-    group = Group(0, "p", [7, 8], 0, [sample])
+    group = Group(0, "p", [7, 8], 0, [sample, Sample([5, 1], [-0.1, -0.2], 1.0)])
     endpoint = TeacherEndpoint("url", teacher_url, "the-teacher")
-    scorer = TeacherScorer.from_config(endpoint, load_config(None, DISTILL).teacher, top_k=k)
+    scorer = TeacherScorer.from_config(endpoint, load_config(None, DISTILL).teacher, top_k=k, max_entries=12)
+    before = FakeTeacher.requests
 
     async def score():
         await scorer.score(group)
         await scorer.aclose()
 
     asyncio.run(score())
+    assert FakeTeacher.requests - before == 2  # 2 sequences of 4 tokens x (3 + 1) log-probs: one request each
     ids, logprobs = topk_stream_names(k)
     assert sample.streams[TEACHER_LOGPROBS] == pytest.approx([score_of(5, 2), score_of(1, 3)])
     assert [sample.streams[n] for n in ids] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # token 5 beyond, 1 among them
@@ -139,6 +142,13 @@ def test_in_topk_mode_the_scorer_asks_for_k_alternatives_and_the_group_carries_t
         [score_of(r, p) for r in range(k) for p in (2, 3)]
     )
     Distill(top_k=k).annotate(group)  # what the objective checks before the group is queued
+
+
+def test_a_group_whose_top_k_pass_what_a_request_may_ask_is_scored_in_several():
+    seqs = [[1] * 4, [2] * 4, [3] * 2, [4] * 9]
+    assert request_batches(seqs, 2, None) == [seqs]
+    assert request_batches(seqs, 0, 100) == [seqs]  # the sampled token's alone: 19 log-probs, one request
+    assert request_batches(seqs, 2, 18) == [seqs[:1], seqs[1:3], seqs[3:]]  # 12 + 12 > 18; 12 + 6; 27 alone
 
 
 def test_a_teacher_failure_costs_its_group_alone(teacher_url):
