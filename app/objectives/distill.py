@@ -1,4 +1,5 @@
-"""On-policy distillation as an objective: the reverse KL to a teacher at every token the student sampled.
+"""On-policy distillation as an objective: the reverse KL to a teacher at every token the student sampled (or, in
+top-k mode, a divergence over the teacher's top k at every position).
 
 The student samples; a teacher scores every sampled token (the rollout asks it before the group is queued,
 `app.rollout.teacher`, and writes the `teacher_logprobs` stream); the learner pulls the student towards the
