@@ -16,7 +16,8 @@ Both of vLLM's model runners are covered: the V1 runner (the CPU's, and a GPU's 
 computes prompt log-probs per request in `_get_prompt_logprobs_dict`, which is replaced by `v1_prompt_logprobs_dict`
 (vLLM 0.32's own, Apache-2.0, with the division added); the V2 runner (a GPU's default) computes them over the batch's
 rows with a logits function, which is wrapped to divide each row by its request's temperature. The code is pinned to
-the vLLM this project pins; `tests/integration/test_distill.py` checks the numbers against transformers.
+the vLLM this project pins; `tests/integration/test_distill.py` checks the numbers against transformers on the CPU
+(the V1 runner); the V2 wrapper is unit-tested over a stand-in of vLLM's `PromptLogprobsWorker`.
 """
 
 from __future__ import annotations
