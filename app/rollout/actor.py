@@ -75,7 +75,7 @@ class RolloutActor:
             resume=resume,
             retries_done=lambda: self.client.retries_done,
             cut=self.client.acut,
-            teacher=TeacherScorer.from_config(teacher, cfg.teacher) if teacher is not None else None,
+            teacher=TeacherScorer.from_config(teacher, cfg) if teacher is not None else None,
         )
 
     async def start(self) -> None:

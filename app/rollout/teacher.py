@@ -4,8 +4,9 @@ On-policy distillation needs the teacher's log-prob of every token the student s
 asynchronous I/O through the fleet (or the teacher's own server), so the rollout does it here, between sampling
 and the objectives' synchronous `annotate`; the learner never calls a teacher. One request per group: the
 G sequences (prompt + completion) as a batch of token-id prompts with `prompt_logprobs: 0` and `max_tokens: 1`,
-the request TRL's AsyncDistillationTrainer sends its teacher; the prefix router keeps a group's sequences, which
-share their prompt, on one replica. Multi-turn episodes are scored whole and kept at the model's tokens only
+the request TRL's AsyncDistillationTrainer sends its teacher, at the run's sampling temperature (`grpo.temperature`):
+the sampling log-probs it is compared with are taken after temperature, and the fleet scores prompt tokens at the
+request's temperature too. The prefix router keeps a group's sequences, which share their prompt, on one replica. Multi-turn episodes are scored whole and kept at the model's tokens only
 (NaN at observations, which nothing trains). A teacher that fails after its retries, or times out, raises: the
 producer drops and counts the group, never the run. An adapter teacher that a replica lost (a restart) is
 loaded again once before its group is given up.
@@ -69,14 +70,16 @@ def teacher_logprobs(positions: list[dict[int, float] | None], prompt_len: int, 
 
 class TeacherScorer:
     """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`) and what it cost into
-    the group (`TEACHER_S`, `TEACHER_TOKENS`)."""
+    the group (`TEACHER_S`, `TEACHER_TOKENS`). The teacher scores at `temperature`, the one the group was sampled at."""
 
-    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient):
-        self.endpoint, self.client = endpoint, client
+    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient, temperature: float = 1.0):
+        self.endpoint, self.client, self.temperature = endpoint, client, temperature
 
     @classmethod
-    def from_config(cls, endpoint: TeacherEndpoint, teacher_cfg) -> TeacherScorer:
-        return cls(endpoint, endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries))
+    def from_config(cls, endpoint: TeacherEndpoint, cfg) -> TeacherScorer:
+        """The scorer of a run (`RunConfig`): its teacher's timeouts and retries, its sampling temperature."""
+        client = endpoint.client(cfg.teacher.request_timeout_s, cfg.teacher.max_retries)
+        return cls(endpoint, client, cfg.grpo.temperature)
 
     async def score(self, group: Group) -> None:
         sequences = [group.prompt_ids + s.completion_ids for s in group.samples]
@@ -91,14 +94,14 @@ class TeacherScorer:
 
     async def _score(self, sequences: list[list[int]]) -> list[list[dict[int, float] | None]]:
         try:
-            return await self.client.aprompt_logprobs(sequences, self.endpoint.model)
+            return await self.client.aprompt_logprobs(sequences, self.endpoint.model, temperature=self.temperature)
         except FleetError as e:
             if e.status != 404 or self.endpoint.adapter is None:
                 raise
         # A replica that restarted holds no teacher adapter (it loads its lineage's versions only): load it again.
         log.warning("the fleet lost the teacher adapter %s: loading it again", TEACHER_ADAPTER)
         await asyncio.to_thread(self.client.load_adapter, TEACHER_ADAPTER, self.endpoint.adapter)
-        return await self.client.aprompt_logprobs(sequences, self.endpoint.model)
+        return await self.client.aprompt_logprobs(sequences, self.endpoint.model, temperature=self.temperature)
 
     async def aclose(self) -> None:
         await self.client.aclose()
