@@ -15,7 +15,6 @@ import ray
 
 from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
-from app.objectives.distill import teacher_top_k
 from app.rollout.episodes import sampler_for
 from app.rollout.producer import GroupProducer
 from app.rollout.teacher import TeacherEndpoint, TeacherScorer
@@ -76,11 +75,7 @@ class RolloutActor:
             resume=resume,
             retries_done=lambda: self.client.retries_done,
             cut=self.client.acut,
-            teacher=TeacherScorer.from_config(
-                teacher, cfg.teacher, teacher_top_k(cfg), cfg.fleet.max_prompt_logprobs_per_request
-            )
-            if teacher is not None
-            else None,
+            teacher=TeacherScorer.from_config(teacher, cfg) if teacher is not None else None,
         )
 
     async def start(self) -> None:

@@ -4,10 +4,13 @@ On-policy distillation needs the teacher's log-prob of every token the student s
 asynchronous I/O through the fleet (or the teacher's own server), so the rollout does it here, between sampling
 and the objectives' synchronous `annotate`; the learner never calls a teacher. One request per group: the
 G sequences (prompt + completion) as a batch of token-id prompts with `prompt_logprobs: 0` and `max_tokens: 1`,
-the request TRL's AsyncDistillationTrainer sends its teacher; the prefix router keeps a group's sequences, which
-share their prompt, on one replica. Top-k distillation asks `prompt_logprobs: k` instead and keeps, per model
-token, the teacher's k most likely ids and their log-probs too (`TOPK_IDS` / `TOPK_LOGPROBS`, one stream per rank);
-k + 1 log-probs per token can pass what a fleet answers in one request, so a group is then scored in several. Multi-turn episodes are scored whole and kept at the model's tokens only
+the request TRL's AsyncDistillationTrainer sends its teacher, at the run's sampling temperature (`grpo.temperature`):
+the sampling log-probs it is compared with are taken after temperature, and the fleet scores prompt tokens at the
+request's temperature too. The prefix router keeps a group's sequences, which share their prompt, on one replica.
+Top-k distillation asks `prompt_logprobs: k` instead and keeps, per model token, the teacher's k most likely ids and
+their log-probs too (`TOPK_IDS` / `TOPK_LOGPROBS`, one stream per rank); k + 1 log-probs per token can pass what a
+fleet answers in one request, so a group is then scored in several. Multi-turn episodes are scored whole and kept at
+the model's tokens only
 (NaN at observations, which nothing trains). A teacher that fails after its retries, or times out, raises: the
 producer drops and counts the group, never the run. An adapter teacher that a replica lost (a restart) is
 loaded again once before its group is given up.
@@ -22,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from app.fleet_client import FleetClient, FleetError
-from app.objectives.distill import TEACHER_LOGPROBS, topk_stream_names
+from app.objectives.distill import TEACHER_LOGPROBS, teacher_top_k, topk_stream_names
 from contracts.auth import Secret
 from contracts.retry import Backoff
 from contracts.rollouts import Group, Sample
@@ -114,19 +117,29 @@ def request_batches(sequences: list[list[int]], top_k: int, max_entries: int | N
 
 class TeacherScorer:
     """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`; with `top_k`, its top k
-    too) and what it cost into the group (`TEACHER_S`, `TEACHER_TOKENS`)."""
+    too) and what it cost into the group (`TEACHER_S`, `TEACHER_TOKENS`). The teacher scores at `temperature`, the
+    one the group was sampled at."""
 
-    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient, top_k: int = 0, max_entries: int | None = None):
-        self.endpoint, self.client, self.top_k, self.max_entries = endpoint, client, top_k, max_entries
+    def __init__(
+        self,
+        endpoint: TeacherEndpoint,
+        client: FleetClient,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        max_entries: int | None = None,
+    ):
+        self.endpoint, self.client, self.temperature = endpoint, client, temperature
+        self.top_k, self.max_entries = top_k, max_entries
 
     @classmethod
-    def from_config(
-        cls, endpoint: TeacherEndpoint, teacher_cfg, top_k: int = 0, max_entries: int | None = None
-    ) -> TeacherScorer:
-        """`top_k`: the alternatives top-k distillation keeps per token (`teacher_top_k`), 0: the sampled token's;
-        `max_entries`: the most log-probs one request may ask for (`fleet.max_prompt_logprobs_per_request`)."""
-        client = endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries)
-        return cls(endpoint, client, top_k, max_entries)
+    def from_config(cls, endpoint: TeacherEndpoint, cfg) -> TeacherScorer:
+        """The scorer of a run (`RunConfig`): its teacher's timeouts and retries, its sampling temperature, the
+        alternatives top-k distillation keeps per token (`teacher_top_k`; 0: the sampled token's alone) and the most
+        log-probs one request may ask for (`fleet.max_prompt_logprobs_per_request`)."""
+        client = endpoint.client(cfg.teacher.request_timeout_s, cfg.teacher.max_retries)
+        return cls(
+            endpoint, client, cfg.grpo.temperature, teacher_top_k(cfg), cfg.fleet.max_prompt_logprobs_per_request
+        )
 
     async def score(self, group: Group) -> None:
         sequences = [group.prompt_ids + s.completion_ids for s in group.samples]
@@ -147,14 +160,14 @@ class TeacherScorer:
 
     async def _score(self, sequences: list[list[int]]) -> list[list[dict[int, float] | None]]:
         try:
-            return await self.client.aprompt_logprobs(sequences, self.endpoint.model, self.top_k)
+            return await self.client.aprompt_logprobs(sequences, self.endpoint.model, self.top_k, self.temperature)
         except FleetError as e:
             if e.status != 404 or self.endpoint.adapter is None:
                 raise
         # A replica that restarted holds no teacher adapter (it loads its lineage's versions only): load it again.
         log.warning("the fleet lost the teacher adapter %s: loading it again", TEACHER_ADAPTER)
         await asyncio.to_thread(self.client.load_adapter, TEACHER_ADAPTER, self.endpoint.adapter)
-        return await self.client.aprompt_logprobs(sequences, self.endpoint.model, self.top_k)
+        return await self.client.aprompt_logprobs(sequences, self.endpoint.model, self.top_k, self.temperature)
 
     async def aclose(self) -> None:
         await self.client.aclose()

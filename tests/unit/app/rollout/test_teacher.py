@@ -1,5 +1,6 @@
-"""The teacher with a fake OpenAI server on loopback: how the rollout reads its scores, what a failure costs (its
-group alone), and what the start-up checks refuse (another tokenizer, no /tokenize, two answers that differ)."""
+"""The teacher with a fake OpenAI server on loopback: how the rollout reads its scores, at which temperature it asks
+(the run's), what a failure costs (its group alone), and what the start-up checks refuse (another tokenizer, no
+/tokenize, two answers that differ, scores at temperature 1 for a run that samples at another)."""
 
 import asyncio
 import io
@@ -44,6 +45,7 @@ class FakeTeacher(JSONHandler):
 
     encode = None  # text -> ids, or None: no /tokenize (404)
     jitter = 0.0  # added to every score, times the request's number: a teacher that answers differently each time
+    tempers = True  # scores divided by the request's temperature (a spotrl fleet's teacher), or not (plain vLLM's)
     requests = 0
     asked = None  # the last scoring request's prompt_logprobs
 
@@ -61,6 +63,7 @@ class FakeTeacher(JSONHandler):
             time.sleep(2.0)
         shift = type(self).jitter * type(self).requests
         top = type(self).asked = body["prompt_logprobs"]
+        scale = 1 / body["temperature"] if type(self).tempers else 1.0
         choices = [
             {
                 "index": i,
@@ -68,9 +71,10 @@ class FakeTeacher(JSONHandler):
                 "prompt_logprobs": [None]
                 + [
                     {
-                        str(t): {"logprob": score_of(t, p) + shift, "rank": top + 1, "decoded_token": "x"},
+                        str(t): {"logprob": score_of(t, p) * scale + shift, "rank": top + 1, "decoded_token": "x"},
                         **{
-                            str(a): {"logprob": score_of(a, p), "rank": a + 1, "decoded_token": "y"} for a in range(top)
+                            str(a): {"logprob": score_of(a, p) * scale, "rank": a + 1, "decoded_token": "y"}
+                            for a in range(top)
                         },
                     }
                     for p, t in enumerate(seq)
@@ -84,7 +88,7 @@ class FakeTeacher(JSONHandler):
 
 @pytest.fixture
 def teacher_url():
-    FakeTeacher.encode, FakeTeacher.jitter, FakeTeacher.requests = None, 0.0, 0
+    FakeTeacher.encode, FakeTeacher.jitter, FakeTeacher.requests, FakeTeacher.tempers = None, 0.0, 0, True
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeTeacher)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
@@ -126,12 +130,17 @@ def test_in_topk_mode_the_scorer_asks_for_k_alternatives_and_the_group_carries_t
     sample = Sample([5, 1], [-0.1, -0.2], 1.0)
     group = Group(0, "p", [7, 8], 0, [sample, Sample([5, 1], [-0.1, -0.2], 1.0)])
     endpoint = TeacherEndpoint("url", teacher_url, "the-teacher")
-    scorer = TeacherScorer.from_config(endpoint, load_config(None, DISTILL).teacher, top_k=k, max_entries=12)
+    topk = load_config(None, ["objectives=[{kind: distill, teacher: base, mode: topk, top_k: 3}]"])
+    configured = TeacherScorer.from_config(endpoint, topk)
+    assert (configured.top_k, configured.max_entries) == (k, topk.fleet.max_prompt_logprobs_per_request)
+    assert TeacherScorer.from_config(endpoint, load_config(None, DISTILL)).top_k == 0  # sampled mode: as before
+    scorer = TeacherScorer(endpoint, endpoint.client(5.0, 0), top_k=k, max_entries=12)
     before = FakeTeacher.requests
 
     async def score():
         await scorer.score(group)
         await scorer.aclose()
+        await configured.aclose()
 
     asyncio.run(score())
     assert FakeTeacher.requests - before == 2  # 2 sequences of 4 tokens x (3 + 1) log-probs: one request each
@@ -205,7 +214,8 @@ def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teach
     from app.tiny_model import build_tokenizer
     from core.models import load_tokenizer
 
-    cfg = load_config(None, [f"objectives=[{{kind: distill, teacher: {{url: '{teacher_url}'}}}}]"])
+    cfg_overrides = [f"objectives=[{{kind: distill, teacher: {{url: '{teacher_url}'}}}}]"]
+    cfg = load_config(None, cfg_overrides)
     student = load_tokenizer(student_folder)
     with pytest.raises(SystemExit, match="has no /tokenize"):
         prepare_teacher(cfg, None, student_folder, None)
@@ -225,6 +235,13 @@ def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teach
     prepare_teacher(topk, None, student_folder, None)
     assert FakeTeacher.asked == 4  # the self-test asks what the rollout will
 
+    tempered = load_config(None, [*cfg_overrides, "grpo.temperature=0.7"])
+    assert prepare_teacher(tempered, None, student_folder, None).model == "the-teacher"  # it scores at 0.7 when asked
+    FakeTeacher.tempers = False  # plain vLLM: at temperature 1 whatever it is asked
+    with pytest.raises(SystemExit, match="scores at temperature 1 whatever it is asked"):
+        prepare_teacher(tempered, None, student_folder, None)
+    assert prepare_teacher(cfg, None, student_folder, None).model == "the-teacher"  # a run that samples at 1 is fine
+
     FakeTeacher.jitter = 0.05  # its second answer 0.05 away from its first: beyond the default 0.01
     with pytest.raises(SystemExit, match="scored one sequence twice"):
         prepare_teacher(cfg, None, student_folder, None)
@@ -242,10 +259,17 @@ def test_scoring_asks_what_trls_distillation_trainer_asks(teacher_url):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Spy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = TeacherEndpoint("url", f"http://127.0.0.1:{server.server_port}", "m")
     try:
-        client = TeacherEndpoint("url", f"http://127.0.0.1:{server.server_port}", "m").client(5.0, 0)
+        client = endpoint.client(5.0, 0)
         asyncio.run(client.aprompt_logprobs([[1, 2, 3]], "m"))
+        # A run's scorer asks at the run's sampling temperature: its samples' log-probs are taken after it.
+        scorer = TeacherScorer.from_config(endpoint, load_config(None, [*DISTILL, "grpo.temperature=0.7"]))
+        group = Group(0, "p", [1, 2], 0, [Sample([3], [-0.1], 1.0)])
+        asyncio.run(scorer.score(group))
     finally:
         server.shutdown()
-    (body,) = seen
-    assert body == {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    plain, run_at = seen
+    assert plain == {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    assert run_at == {**plain, "temperature": 0.7}
+    assert group.samples[0].streams[TEACHER_LOGPROBS] == pytest.approx([score_of(3, 2) / 0.7])
