@@ -144,7 +144,8 @@ class ToolEpisodeRunner(Sampler):
 
     @property
     def env_errors(self) -> int:
-        return sum(v for k, v in self.counters.items() if k.startswith("env/errors/"))
+        """Episodes an environment cost (a `get_reward` that raised costs its score, not its episode)."""
+        return sum(v for k, v in self.counters.items() if k.startswith("env/errors/") and k != "env/errors/get_reward")
 
     def reward_metrics(self) -> dict[str, float]:
         """The reward functions' failures, and the episodes' own counters: losses by cause, tool calls."""

@@ -22,15 +22,11 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from app.tasks.registry import resolve_named
-
-# TRL warns on every trainer built with `environment_factory` (an experimental API); spotrl only calls its helpers.
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 EnvironmentFactory = Callable[[], object]
 # The methods TRL never exposes as tools (`GRPOTrainer._generate_and_score_completions`).

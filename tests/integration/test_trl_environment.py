@@ -1,7 +1,10 @@
 """One TRL environment class (`examples/trl_calculator.py`), played by TRL's own rollout code and by spotrl's, compared
 token by token.
 
-TRL's side is TRL 1.16's `AsyncGRPOTrainer` rollout loop itself (`trl.experimental.async_grpo.async_rollout_worker.
+TRL's side is, first, TRL 1.16's `GRPOTrainer` itself, built on a small random Qwen2 on the CPU: its
+`_generate_and_score_completions` resets the environments, renders the prompts with their tools, parses the turns,
+runs the tool loop (`_tool_call_loop`) and scores with `get_reward`; only `_generate_single_turn` (vLLM or
+`generate`) answers fixed completions. Second, TRL 1.16's `AsyncGRPOTrainer` rollout loop (`trl.experimental.async_grpo.async_rollout_worker.
 _AsyncRolloutLoop`): its `_generate_loop` resets the environments and folds their observations into the prompts,
 `_generate_one` renders every turn through the chat template with the tools, parses it with `parse_response` and
 runs the tools, and `_score_group` scores with `get_reward` and lays out the training rows. The two things replaced
@@ -22,13 +25,14 @@ pytest.importorskip("trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop  # noqa: E402
 
 from app.rollout.sampling import SamplingArgs  # noqa: E402
 from app.rollout.tool_episodes import ToolEpisodeRunner  # noqa: E402
 from app.tasks.problems import Problem  # noqa: E402
 from app.tasks.trl_environments import ToolChat, tool_tokenizer  # noqa: E402
-from app.tiny_model import build_tokenizer  # noqa: E402
+from app.tiny_model import build_tokenizer, random_qwen2  # noqa: E402
 from contracts.rollouts import Choice  # noqa: E402
 from examples.trl_calculator import CalculatorEnv  # noqa: E402
 
@@ -162,3 +166,75 @@ def test_one_environment_class_gives_the_same_tokens_in_trl_and_in_spotrl(tokeni
         assert trl.metrics["rewards/CalculatorEnv"] == sample.reward == expected
     assert runner.reward_metrics()["tools/calls_total"] == G * (3 if max_iterations is None else 1)
     assert sampled.samples[0].truncated == (max_iterations is not None)
+
+
+def grpo_trainer_rollout(tokenizer, max_iterations, tmp_path):
+    """One group of G rollouts by TRL's GRPOTrainer: the prompts it sent, its (prompt, completion, tool mask,
+    log-probs) per rollout, and its reward metrics."""
+    model = random_qwen2(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=G,
+        num_generations=G,
+        max_completion_length=1024,
+        max_tool_calling_iterations=max_iterations,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[],
+        args=args,
+        train_dataset=Dataset.from_list([ROW] * G),
+        processing_class=copy.deepcopy(tokenizer),
+        environment_factory=CalculatorEnv,
+    )
+    sent: list[list[int]] = []
+
+    def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """In place of vLLM or `generate`: a completion per prompt (GRPOTrainer repeats each prompt per generation)."""
+        sent.extend(list(p) for p in prompt_ids)
+        return tuple(map(list, zip(*(scripted_turn(tokenizer, p) for p in prompt_ids), strict=True)))
+
+    trainer._generate_single_turn = generate_single_turn
+    generated = {}
+    generate = trainer._generate
+
+    def keep(prompts):  # TRL's own `_generate`, its answer kept for the comparison
+        generated["out"] = generate(prompts)
+        return generated["out"]
+
+    trainer._generate = keep
+    trainer.model.train()
+    trainer._generate_and_score_completions([dict(ROW) for _ in range(G)])
+    prompt_ids, completion_ids, tool_mask, _, logprobs, *_ = generated["out"]
+    return sent, list(zip(prompt_ids, completion_ids, tool_mask, logprobs, strict=True)), trainer._metrics["train"]
+
+
+@pytest.mark.parametrize("max_iterations", [None, 1])
+def test_grpo_trainer_lays_the_episode_out_as_spotrl_does(tokenizer, max_iterations, tmp_path):
+    trl_sent, rollouts, metrics = grpo_trainer_rollout(tokenizer, max_iterations, tmp_path)
+    spot_sent, sampled, _ = spotrl_rollout(tokenizer, max_iterations)
+
+    assert sorted(trl_sent) == sorted(spot_sent)
+    for (prompt, completion, tool_mask, logprobs), sample in zip(rollouts, sampled.samples, strict=True):
+        assert list(prompt) == sampled.prompt_ids
+        assert list(completion) == sample.completion_ids
+        assert list(tool_mask) == sample.completion_mask
+        model_logprobs = [lp for lp, m in zip(logprobs, tool_mask, strict=True) if m]
+        assert model_logprobs == pytest.approx(
+            [lp for lp, m in zip(sample.sampling_logprobs, sample.completion_mask, strict=True) if m]
+        )
+    expected = 1.0 if max_iterations is None else 0.0
+    assert metrics["rewards/CalculatorEnv/mean"] == [expected]
+    assert [s.reward for s in sampled.samples] == [expected] * G
