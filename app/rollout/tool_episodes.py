@@ -14,9 +14,9 @@ As in `app.rollout.episodes`, a group's first turn is one `n=G` request when eve
 going. When resets differ, the group's prompt is what the episodes' prompts share, and each episode's own rest is
 context at the head of its completion.
 
-What costs an episode, never the run, counted per cause in `env/errors/<cause>`: `reset` raising (`reset_raised`),
-hanging past `env.timeout_s` (`reset_timeout`) or returning something other than None or a string
-(`reset_malformed`); a prompt the template cannot render (`render`); a tool that hangs (`tool_timeout`). A tool that
+What costs an episode, never the run, counted per cause in `env/errors/<cause>`: the factory raising or hanging
+past `env.timeout_s` (`factory_raised`, `factory_timeout`); `reset` raising (`reset_raised`), hanging
+(`reset_timeout`) or returning something other than None or a string (`reset_malformed`); a prompt the template cannot render (`render`); a tool that hangs (`tool_timeout`). A tool that
 raises, or a call of a tool that does not exist, is TRL's "tool failure": its error goes back to the model as the
 tool's result and the episode goes on (`tools/failures_total`, `tools/unknown_name_total`). A `get_reward` that
 raises scores its own episode None (`env/errors/get_reward`); a reward function that fails is counted as every
@@ -75,7 +75,7 @@ def trl_row(problem: Problem) -> dict:
 class ToolEpisode:
     """One episode as it grows: TRL's messages beside spotrl's token sequence."""
 
-    env: object
+    env: object | None  # None until the factory has made it
     tools: list[Callable]
     messages: list[dict]  # the whole conversation so far (the prompt, with reset's observation, then the completion)
     prompt_len: int  # messages of the prompt
@@ -182,16 +182,16 @@ class ToolEpisodeRunner(Sampler):
                 f"Example has `environment={name!r}`, which is not among the environments passed to "
                 f"`environment_factory`. Expected one of: {list(self.factories)}."
             )
-        env = self.factories[name]()
-        tools = tool_methods(env)
-        start = ToolEpisode(env, tools, list(row["prompt"]), len(row["prompt"]), [])
-        try:
-            observation = await self._call("reset", env.reset, **reset_kwargs(row, self.multi))
+        start = ToolEpisode(None, [], list(row["prompt"]), len(row["prompt"]), [])
+        try:  # a factory may start a sandbox or a server: off the event loop, under the timeout, like reset
+            start.env = await self._call("factory", self.factories[name])
+            start.tools = tool_methods(start.env)
+            observation = await self._call("reset", start.env.reset, **reset_kwargs(row, self.multi))
         except EpisodeLost as e:
             start.lost = e.cause
         except Exception as e:
-            start.lost = "reset_raised"
-            log.warning("environment reset raised %s: %s; its episode is lost", type(e).__name__, e)
+            start.lost = "factory_raised" if start.env is None else "reset_raised"
+            log.warning("environment %s raised %s: %s; its episode is lost", start.lost[:-7], type(e).__name__, e)
         else:
             try:
                 start.messages = with_observation(start.messages, observation)
@@ -200,7 +200,7 @@ class ToolEpisodeRunner(Sampler):
                 log.warning("environment %s; its episode is lost", e)
         start.prompt_len = len(start.messages)
         try:
-            start.prompt_ids = await asyncio.to_thread(self.chat.prompt_ids, start.messages, tools)
+            start.prompt_ids = await asyncio.to_thread(self.chat.prompt_ids, start.messages, start.tools)
         except Exception as e:  # a template that cannot render this prompt (a user's message it rejects)
             start.lost, start.prompt_ids = start.lost or "render", []
             log.warning("the chat template failed on an episode's prompt (%s: %s); it is lost", type(e).__name__, e)

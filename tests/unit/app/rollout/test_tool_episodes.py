@@ -2,6 +2,7 @@
 not, prompts that differ per episode, several environments by name, reward functions with `environments=`."""
 
 import asyncio
+import itertools
 import math
 import time
 
@@ -100,8 +101,23 @@ class Flaky(CalculatorEnv):
 @pytest.mark.parametrize("cause", ["reset_raised", "reset_timeout", "reset_malformed"])
 def test_a_failing_reset_costs_the_group_counted_by_cause(chat, cause):
     problem = Problem("p", "Compute 1+2.", "3", {"mode": cause})
-    with pytest.raises(RuntimeError, match="failed to start"):
+    with pytest.raises(RuntimeError, match=f"failed to start \\({cause}\\)"):
         play(chat, Flaky, ["Done.<|im_end|>"], problem=problem, timeout_s=0.3)
+
+
+def test_a_factory_that_fails_sometimes_costs_only_its_episodes(chat):
+    made = itertools.count(1)  # episodes are made in threads: next() is atomic, a list's length would race
+
+    def factory():
+        if next(made) == 3:  # the probe at start, one episode's, then this one
+            raise RuntimeError("sandbox quota")
+        return CalculatorEnv()
+
+    sampled, metrics, fleet = play(chat, factory, [SUBMIT, "Done.<|im_end|>"])
+    assert metrics["env/errors/factory_raised"] == 1
+    lost, played = sorted(sampled.samples, key=lambda s: s.env_error, reverse=True)
+    assert lost.env_error and math.isnan(lost.reward) and lost.num_turns == 1  # a first turn, never scored
+    assert played.reward == 1.0 and played.num_turns == 2
 
 
 def test_a_tool_that_raises_is_fed_back_and_one_that_hangs_costs_its_episode(chat):
