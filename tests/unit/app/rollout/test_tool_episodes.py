@@ -193,3 +193,32 @@ def test_no_room_for_the_tool_results_ends_the_episode_truncated(chat):
     turn = chat.tokenizer(ADD, add_special_tokens=False)["input_ids"]
     sampled, _, _ = play(chat, CalculatorEnv, [ADD, SUBMIT], max_episode_tokens=len(prompt) + len(turn) + 5)
     assert all(s.truncated and s.num_turns == 1 and s.reward == 0.0 for s in sampled.samples)
+
+
+def test_the_rollout_trains_on_the_prompt_the_environment_rendered(chat):
+    from app.rollout.producer import GroupProducer
+    from core.config import load_config
+    from tests.support.rollout_parts import PROBLEMS, run
+
+    sets = ["env.factory=examples.trl_calculator:CalculatorEnv", "grpo.num_generations=2"]
+    # A turn's room: the tiny tokenizer spells a tool call in about 60 tokens.
+    cfg = load_config(None, [*sets, "grpo.max_completion_length=200", "model.max_model_len=256"])
+    fleet = ScriptedFleet(chat.tokenizer, [SUBMIT, "Done.<|im_end|>"])
+    runner = ToolEpisodeRunner(
+        {None: CalculatorEnv}, chat, fleet, [], max_tool_calling_iterations=None, max_episode_tokens=4096, timeout_s=2
+    )
+    producer = GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], runner)  # the plain prompt: not what is trained
+
+    async def main():
+        producer.start()
+        batch = await producer.get_groups(1)
+        await producer.stop()
+        return batch.groups[0], producer.stats().metrics()
+
+    group, metrics = run(main())
+    problem = next(p for p in PROBLEMS if p.id == group.problem_id)
+    messages = [{"role": "user", "content": problem.prompt + " Use the tools, then submit."}]
+    assert group.prompt_ids == chat.prompt_ids(messages, tool_methods(CalculatorEnv()))
+    assert group.prompt_ids in fleet.prompts  # what the fleet was asked to continue
+    assert metrics["tools/calls_total"] >= 2 and metrics["env/errors_total"] == 0
+    runner.close()
