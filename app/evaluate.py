@@ -17,7 +17,7 @@ import json
 import math
 
 from app.fleet_client import FleetClient
-from app.rollout.episodes import sampler_for
+from app.rollout.samplers import sampler_for
 from app.rollout.sampling import Sampler, SamplingArgs
 from app.tasks.checks import check_names
 from app.tasks.problems import Problem

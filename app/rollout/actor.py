@@ -15,8 +15,8 @@ import ray
 
 from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
-from app.rollout.episodes import sampler_for
 from app.rollout.producer import GroupProducer
+from app.rollout.samplers import sampler_for
 from app.rollout.teacher import TeacherEndpoint, TeacherScorer
 from contracts.auth import Secret, admin_token
 from contracts.retry import Backoff

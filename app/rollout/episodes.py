@@ -31,17 +31,15 @@ of episodes as scored samples from it. No Ray here; tests drive it with a fake `
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.rollout.continuation import Flight
-from app.rollout.sampling import CompletionSampler, GroupStale, Sampled, Sampler, SamplingArgs
+from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
 from app.tasks.environments import Environment, EnvStep
 from app.tasks.problems import Problem
-from app.tasks.rewards import RewardScorer
 from app.tasks.timed_calls import TimedCalls
 from contracts.rollouts import VERSIONS, Choice, Generate, Sample
 
@@ -263,14 +261,3 @@ class EpisodeRunner(Sampler):
 
     def close(self) -> None:
         self._calls.close()
-
-
-def sampler_for(cfg, tokenizer, generate: Generate) -> Sampler:
-    """The run's sampler: episodes of its environment (`env.name`), else completions scored by its rewards."""
-    from core.models import completion_text
-
-    decode = functools.partial(completion_text, tokenizer)
-    if cfg.env.name is None:
-        scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
-        return CompletionSampler(generate, scorer, decode)
-    return EpisodeRunner.from_config(cfg, tokenizer, generate, decode)

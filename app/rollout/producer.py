@@ -184,6 +184,8 @@ class GroupProducer:
             return None
         finally:
             del self._flights[group_id]
+        if sampled.prompt_ids is not None:  # the sampler rendered the prompt itself (a TRL environment's)
+            prompt_ids = sampled.prompt_ids
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
         if self.teacher is not None:
             try:

@@ -51,6 +51,9 @@ class Sampled:
 
     samples: list[Sample]
     reward_errors: dict[str, int] = field(default_factory=dict)
+    # The prompt the samples continue, when the sampler made it (a TRL environment's, rendered with its tools and
+    # its reset's observation); None: the prompt it was given.
+    prompt_ids: list[int] | None = None
 
 
 class RequestMeter:
@@ -114,7 +117,8 @@ class Sampler(ABC):
         fleet client's retries raises."""
 
     def reward_metrics(self) -> dict[str, float]:
-        """The reward functions' failures so far, as `reward/errors/<name>` (none where the environment rewards)."""
+        """The reward functions' failures so far, as `reward/errors/<name>` (none where the environment rewards), and
+        a sampler's own counters where it keeps some (a TRL environment's losses by cause and tool calls)."""
         return {}
 
     @property

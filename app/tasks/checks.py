@@ -20,5 +20,29 @@ def check_names(cfg) -> None:
             resolve(name)
         except ValueError as e:
             raise ConfigError(f"{field}: {e}") from None
+    if cfg.env.factory is not None:
+        check_factories(cfg)
     if cfg.task.name == "reasoning_gym":
         reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
+
+
+def check_factories(cfg) -> None:
+    """`env.factory` imports, each factory makes an environment with a `reset` whose tools have schemas (probed once,
+    as TRL's trainers probe at init), and the run has a reward source: ConfigError naming the field else."""
+    from app.tasks.trl_environments import probe, resolve_factories
+
+    spec = cfg.env.factory
+    try:
+        factories = resolve_factories(spec)
+    except ValueError as e:
+        raise ConfigError(f"env.factory: {e}") from None
+    kinds = []
+    for name, factory in factories.items():
+        try:
+            kinds.append(probe(name, factory))
+        except ValueError as e:
+            raise ConfigError(f"env.factory{'' if name is None else '.' + name}: {e}") from None
+    if not cfg.task.reward_funcs and not any(k.owns_reward for k in kinds):
+        raise ConfigError(
+            "task.reward_funcs: no reward source: name reward functions, or give the environment a get_reward()"
+        )

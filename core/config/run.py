@@ -29,10 +29,18 @@ from core.config.teacher import TeacherConfig, size_teacher_context
 
 
 class EnvConfig(Section):
-    """The environment of multi-turn episodes (`app.tasks.environments`); no name: single-turn completions."""
+    """The environment of multi-turn episodes: spotrl's (`name`, `app.tasks.environments`) or TRL's
+    `environment_factory` (`factory`, `app.tasks.trl_environments`); neither: single-turn completions."""
 
     name: str | None = Field(
         None, description='Environment: a registered name (chained_arithmetic, calculator) or "module:Class".'
+    )
+    factory: str | dict[str, str] | None = Field(
+        None,
+        description='TRL environment_factory: "module:callable", or names to factories (each problem picks by its environment column).',
+    )
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0, description="Most tool-calling turns of a TRL environment's episode (TRL's; None: no limit)."
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class.")
     max_turns: int = Field(4, ge=1, description="Most model turns of an episode (cut beyond: truncated).")
@@ -53,6 +61,25 @@ class EnvConfig(Section):
         if name is not None and not name.strip():
             raise ValueError("an environment's name, or no env.name for single-turn completions")
         return name
+
+    @field_validator("factory")
+    @classmethod
+    def _factories(cls, factory: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        """`module:callable`, or a non-empty mapping of names to such; whether they import is the run side's to say
+        at start (`app.tasks.checks.check_names`)."""
+        paths = [factory] if isinstance(factory, str) else list((factory or {}).values())
+        if isinstance(factory, dict) and not factory:
+            raise ValueError("a mapping of environment names to factories needs at least one")
+        for path in paths:
+            if ":" not in path:
+                raise ValueError(f"{path!r}: expected module:callable")
+        return factory
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EnvConfig:
+        if self.name is not None and self.factory is not None:
+            raise ValueError("env.name and env.factory: one environment or the other, not both")
+        return self
 
 
 class GRPOConfig(Section):

@@ -74,6 +74,7 @@ def test_malformed_yaml_and_bad_shapes(tmp_path):
         (["--set", "lora.rank=-1"], "lora.rank"),
         (["--set", "bogus.key=1"], "bogus"),
         (["--config", "MALFORMED"], "malformed YAML"),
+        (["--set", "env.factory=no_such_module_xyz:Env"], "env.factory"),
     ],
 )
 def test_train_cli_exits_2_with_one_line(args, needle, tmp_path):
