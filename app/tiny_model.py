@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from app.tasks.privileged import privileged_problem
 from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
 from app.tasks.rewards import RewardScorer, reward_columns
 from core.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
@@ -202,13 +203,32 @@ def reference_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]
     return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
 
 
-def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str]) -> tuple[list[int], list[int]] | None:
-    """One supervised single-turn example of a fresh addition (token ids, loss mask), or None when it is held out."""
+def fresh_addition(rng: random.Random, limit: int, avoid: set[str]) -> Problem | None:
+    """A fresh addition, or None when it is held out."""
     a, b = rng.randrange(limit), rng.randrange(limit)
     prompt = arithmetic_prompt(a, b)
-    if prompt in avoid:
-        return None
-    return reference_example(tokenizer, Problem("", prompt, str(a + b)))
+    return None if prompt in avoid else Problem("", prompt, str(a + b))
+
+
+def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str]) -> tuple[list[int], list[int]] | None:
+    """One supervised single-turn example of a fresh addition (token ids, loss mask), or None when it is held out."""
+    problem = fresh_addition(rng, limit, avoid)
+    return None if problem is None else reference_example(tokenizer, problem)
+
+
+def in_context(draw: Callable[[random.Random], Problem | None], template: str, tokenizer):
+    """Examples of which half show the problem under a self teacher's prompt (`template`, with its answer), so that
+    the model learns to read a given answer, as a pretrained model's in-context ability reads one (SDFT)."""
+
+    def example(rng: random.Random) -> tuple[list[int], list[int]] | None:
+        problem = draw(rng)
+        if problem is None:
+            return None
+        if rng.random() < 0.5:
+            problem = privileged_problem(template, problem)
+        return reference_example(tokenizer, problem)
+
+    return example
 
 
 def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
@@ -285,8 +305,11 @@ def warmup_plan(
 ) -> WarmUpPlan:
     """Chains: correctly played episodes of a train split of the warm-up's own seed, judged whole. A task with
     reference answers (`pool`, drawn from its generators, none held out): its problems and reference completions,
-    judged by `judge`. Else arithmetic: fresh additions, the held-out ones skipped, judged by the exact answer."""
+    judged by `judge`. Else arithmetic: fresh additions, the held-out ones skipped, judged by the exact answer. With
+    `tiny.warmup_context`, half the single-turn examples show the answer under that self-teacher template."""
     if task.name == "chained_arithmetic":  # a train split of its own seed: held-out chains excluded by (a, b, chain)
+        if tiny.warmup_context is not None:
+            raise ConfigError("model.tiny.warmup_context: the warm-up shows a context to single-turn tasks only")
         from app.tasks.problems import make_chained_arithmetic
 
         held = {p.id.removeprefix("heldout-") for p in heldout}
@@ -298,15 +321,20 @@ def warmup_plan(
             lambda rng: episode_example(tokenizer, rng.choice(chains)),
             lambda model: greedy_episode_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 3),
         )
+    template = tiny.warmup_context
     if pool:
         longest = max(len(_encode(tokenizer, p.reference)) for p in heldout)
         return WarmUpPlan(
-            lambda rng: reference_example(tokenizer, rng.choice(pool)),
+            in_context(lambda rng: rng.choice(pool), template, tokenizer)
+            if template
+            else lambda rng: reference_example(tokenizer, rng.choice(pool)),
             lambda model: greedy_accuracy(model, tokenizer, heldout, max_new_tokens=longest + 1, judge=judge),
         )
     limit, avoid = 10**task.digits, {p.prompt for p in heldout}
     return WarmUpPlan(
-        lambda rng: addition_example(tokenizer, rng, limit, avoid),
+        in_context(lambda rng: fresh_addition(rng, limit, avoid), template, tokenizer)
+        if template
+        else lambda rng: addition_example(tokenizer, rng, limit, avoid),
         lambda model: greedy_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 2),
     )
 
@@ -384,14 +412,22 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
     model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
     # A task with reference answers is judged by its reward functions, as evaluation judges it.
     scorer = RewardScorer.from_names(task_cfg.reward_funcs, task_cfg.reward_timeout_s) if pool else None
+    context = {}
     try:
-        plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, rewarded(scorer) if scorer else exactly_the_answer)
+        judge = rewarded(scorer) if scorer else exactly_the_answer
+        plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, judge)
         acc, steps = warm_up(model, tokenizer, tiny, plan, log=log)
+        if tiny.warmup_context is not None:  # what a self teacher shown the answer so scores: far above the student
+            shown = [privileged_problem(tiny.warmup_context, p) for p in heldout]
+            longest = max(len(_encode(tokenizer, p.reference)) for p in heldout)
+            context["context_heldout_accuracy"] = greedy_accuracy(model, tokenizer, shown, longest + 1, judge=judge)
+            log(f"held-out accuracy with the answer in context: {context['context_heldout_accuracy']:.3f}")
     finally:
         if scorer is not None:
             scorer.close()
     info = {
         "heldout_accuracy": acc,
+        **context,
         "warmup_steps": steps,
         "build_s": round(time.time() - t0, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),

@@ -25,6 +25,10 @@ the step's whole update to it. `distill/clipped` is the share of tokens clipped 
 sampling policy to the teacher, estimated on the student's own samples (it falls as the student learns). Observation tokens of multi-turn episodes are never scored nor trained (the completion mask).
 Teacher log-probs are vLLM's `prompt_logprobs`, at temperature 1 whatever the sampling temperature (vLLM
 scores prompt tokens before any sampling processor).
+
+With several teachers (`teachers:`, each problem choosing one), every sample also carries its teacher's index
+(`teacher_index`, among the sorted names), and the reverse KL is reported per teacher too
+(`distill/<name>/reverse_kl`, over that teacher's tokens).
 """
 
 from __future__ import annotations
@@ -38,10 +42,16 @@ from app.objectives.base import LossStats, Objective
 from contracts.rollouts import SAMPLING_LOGPROBS, Group
 
 TEACHER_LOGPROBS = "teacher_logprobs"  # the stream the rollout's teacher writes: its log-prob of each sampled token
+TEACHER_INDEX = "teacher_index"  # with several teachers: which one scored the sample (its index among sorted names)
 REVERSE_KL = "distill/reverse_kl"
 RATIO = "distill/ratio"
 CLIPPED = "distill/clipped"
 MAX_GAP = 20.0  # nats: a token the teacher finds e^20 times less likely than the sampler counts as that unlikely
+
+
+def teacher_metric(metric: str, name: str) -> str:
+    """A distill metric (`distill/x`) of one teacher among several: `distill/<name>/x`."""
+    return metric.replace("distill/", f"distill/{name}/", 1)
 
 
 def distill_loss(
@@ -80,13 +90,18 @@ class Distill(Objective):
     kind = "distill"
     streams = (SAMPLING_LOGPROBS, TEACHER_LOGPROBS)
 
-    def __init__(self, weight: float = 1.0, *, coef: float = 1.0, max_gap: float = MAX_GAP):
+    def __init__(
+        self, weight: float = 1.0, *, coef: float = 1.0, max_gap: float = MAX_GAP, teachers: tuple[str, ...] = ()
+    ):
         super().__init__(weight)
         self.coef, self.max_gap = coef, max_gap
+        self.teachers = tuple(sorted(teachers))  # several: the reverse KL is reported per teacher too
+        if self.teachers:
+            self.streams = (*type(self).streams, TEACHER_INDEX)
 
     @classmethod
     def from_config(cls, spec, cfg) -> Distill:
-        return cls(spec.weight, coef=spec.coef, max_gap=spec.max_gap)
+        return cls(spec.weight, coef=spec.coef, max_gap=spec.max_gap, teachers=tuple(spec.teachers or ()))
 
     def annotate(self, group: Group) -> None:
         """The teacher scored the group already (asynchronous I/O, `app.rollout.teacher`): check that every model
@@ -106,4 +121,24 @@ class Distill(Objective):
         self, logp: torch.Tensor, entropy: torch.Tensor, streams: Mapping[str, torch.Tensor], normalizer: float
     ) -> tuple[torch.Tensor, LossStats]:
         teacher = streams[TEACHER_LOGPROBS]
-        return distill_loss(logp, streams[SAMPLING_LOGPROBS], teacher, normalizer, coef=self.coef, max_gap=self.max_gap)
+        loss, stats = distill_loss(
+            logp, streams[SAMPLING_LOGPROBS], teacher, normalizer, coef=self.coef, max_gap=self.max_gap
+        )
+        if self.teachers:
+            stats.add(per_teacher_kl(logp, streams[SAMPLING_LOGPROBS], teacher, streams[TEACHER_INDEX], self))
+        return loss, stats
+
+
+@torch.no_grad()
+def per_teacher_kl(logp, sampling_logp, teacher_logp, index, objective: Distill) -> LossStats:
+    """`distill/<name>/reverse_kl` of each of several teachers: the mean clipped gap over the tokens it scored. Every
+    name is there, with no tokens where a teacher scored none, so that every rank reduces the same names."""
+    sampling_logp = torch.where(torch.isnan(sampling_logp), logp, sampling_logp.to(logp.dtype))
+    scored = ~torch.isnan(teacher_logp)
+    gap = torch.where(scored, (sampling_logp - teacher_logp.to(logp.dtype)).clamp(max=objective.max_gap), 0.0)
+    sums, counts = {}, {}
+    for i, name in enumerate(objective.teachers):
+        mine = scored & (index == i)
+        key = teacher_metric(REVERSE_KL, name)
+        sums[key], counts[key] = float(gap[mine].sum()), float(mine.sum())
+    return LossStats(sums, counts)

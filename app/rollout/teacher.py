@@ -6,7 +6,12 @@ and the objectives' synchronous `annotate`; the learner never calls a teacher. O
 G sequences (prompt + completion) as a batch of token-id prompts with `prompt_logprobs: 0` and `max_tokens: 1`,
 the request TRL's AsyncDistillationTrainer sends its teacher; the prefix router keeps a group's sequences, which
 share their prompt, on one replica. Multi-turn episodes are scored whole and kept at the model's tokens only
-(NaN at observations, which nothing trains). A teacher that fails after its retries, or times out, raises: the
+(NaN at observations, which nothing trains).
+
+A self teacher (self-distillation) scores the student's completion under another prompt, the privileged one
+(`app.tasks.privileged`: the problem's prompt with its answer, solution or an episode's feedback): the sequences
+are the teacher's prompt + the student's completion, and the completion's log-probs are read after the teacher's
+prompt, whatever its length. A `live` self teacher is the run's newest version, named per group by the rollout. A teacher that fails after its retries, or times out, raises: the
 producer drops and counts the group, never the run. An adapter teacher that a replica lost (a restart) is
 loaded again once before its group is given up.
 """
@@ -17,10 +22,13 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.fleet_client import FleetClient, FleetError
-from app.objectives.distill import TEACHER_LOGPROBS
+from app.objectives.distill import TEACHER_INDEX, TEACHER_LOGPROBS, teacher_metric
+from app.tasks.privileged import privileged_problem
+from app.tasks.problems import Problem
 from contracts.auth import Secret
 from contracts.retry import Backoff
 from contracts.rollouts import Group, Sample
@@ -38,11 +46,14 @@ class TeacherEndpoint:
     """Where the run's teacher answers, and under which model name: what the driver resolved and checked at start
     (`app.teacher_setup`) and hands the rollout and the evaluation."""
 
-    kind: str  # base, adapter, model or url (`core.config.teacher`)
+    kind: str  # base, adapter, model, url or self (`core.config.teacher`)
     url: str  # the base URL of the server that scores: the run's fleet, or the teacher's own
-    model: str  # the model name to ask it for
+    model: str  # the model name to ask it for (a `live` self teacher's: the version it was checked with)
     token: Secret | None = None
     adapter: str | None = None  # an adapter teacher's source, to load it again where a replica lost it
+    context: str | None = None  # a self teacher's privileged prompt template; None: the student's own prompt
+    live: bool = False  # a self teacher that scores with the run's newest version, named per group
+    name: str | None = None  # its name among several teachers (`teachers:`)
 
     def client(self, timeout_s: float, retries: int) -> FleetClient:
         backoff = Backoff(attempts=retries + 1, first_s=0.2, max_s=5.0)
@@ -69,37 +80,124 @@ def teacher_logprobs(positions: list[dict[int, float] | None], prompt_len: int, 
 
 class TeacherScorer:
     """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`) and what it cost into
-    the group (`TEACHER_S`, `TEACHER_TOKENS`)."""
+    the group (`TEACHER_S`, `TEACHER_TOKENS`). A self teacher's prompts are tokenised by `prompt_ids`, as the
+    student's are."""
 
-    def __init__(self, endpoint: TeacherEndpoint, client: FleetClient):
-        self.endpoint, self.client = endpoint, client
+    def __init__(
+        self,
+        endpoint: TeacherEndpoint,
+        client: FleetClient,
+        prompt_ids: Callable[[Problem], list[int]] | None = None,
+    ):
+        if endpoint.context is not None and prompt_ids is None:
+            raise ValueError("a self teacher's privileged prompts need the student's tokenisation (prompt_ids)")
+        self.endpoint, self.client, self.prompt_ids = endpoint, client, prompt_ids
 
     @classmethod
-    def from_config(cls, endpoint: TeacherEndpoint, teacher_cfg) -> TeacherScorer:
-        return cls(endpoint, endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries))
+    def from_config(
+        cls, endpoint: TeacherEndpoint, teacher_cfg, prompt_ids: Callable[[Problem], list[int]] | None = None
+    ) -> TeacherScorer:
+        return cls(endpoint, endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries), prompt_ids)
 
-    async def score(self, group: Group) -> None:
-        sequences = [group.prompt_ids + s.completion_ids for s in group.samples]
+    def teacher_prompts(self, group: Group, problem: Problem | None) -> list[list[int]]:
+        """The prompt the teacher is shown before each sample's completion: the student's, or a self teacher's
+        privileged one (the same for the whole group)."""
+        if self.endpoint.context is None:
+            return [group.prompt_ids] * len(group.samples)
+        if problem is None:
+            raise ValueError(f"group {group.group_id}: a self teacher needs the group's problem")
+        prompt = self.prompt_ids(privileged_problem(self.endpoint.context, problem))
+        return [prompt] * len(group.samples)
+
+    async def score(self, group: Group, problem: Problem | None = None, newest_model: str | None = None) -> None:
+        """Score every sample of `group` (of `problem`; a `live` self teacher scores with `newest_model`, the run's
+        newest version)."""
+        prompts = self.teacher_prompts(group, problem)
+        sequences = [p + s.completion_ids for p, s in zip(prompts, group.samples, strict=True)]
+        model = self.endpoint.model
+        if self.endpoint.live:
+            if newest_model is None:
+                raise ValueError(f"group {group.group_id}: a live self teacher needs the run's newest version")
+            model = newest_model
         started = time.monotonic()
-        scored = await self._score(sequences)
+        scored = await self._score(sequences, model)
         if len(scored) != len(sequences):
             raise ValueError(f"the teacher answered {len(scored)} sequences of {len(sequences)}")
-        for sample, positions in zip(group.samples, scored, strict=True):
-            sample.streams[TEACHER_LOGPROBS] = teacher_logprobs(positions, len(group.prompt_ids), sample)
+        for sample, prompt, positions in zip(group.samples, prompts, scored, strict=True):
+            sample.streams[TEACHER_LOGPROBS] = teacher_logprobs(positions, len(prompt), sample)
         group.costs[TEACHER_S] = group.costs.get(TEACHER_S, 0.0) + time.monotonic() - started
         group.costs[TEACHER_TOKENS] = group.costs.get(TEACHER_TOKENS, 0.0) + sum(map(len, sequences))
 
-    async def _score(self, sequences: list[list[int]]) -> list[list[dict[int, float] | None]]:
+    async def _score(self, sequences: list[list[int]], model: str) -> list[list[dict[int, float] | None]]:
         try:
-            return await self.client.aprompt_logprobs(sequences, self.endpoint.model)
+            return await self.client.aprompt_logprobs(sequences, model)
         except FleetError as e:
             if e.status != 404 or self.endpoint.adapter is None:
                 raise
         # A replica that restarted holds no teacher adapter (it loads its lineage's versions only): load it again.
         log.warning("the fleet lost the teacher adapter %s: loading it again", TEACHER_ADAPTER)
         await asyncio.to_thread(self.client.load_adapter, TEACHER_ADAPTER, self.endpoint.adapter)
-        return await self.client.aprompt_logprobs(sequences, self.endpoint.model)
+        return await self.client.aprompt_logprobs(sequences, model)
 
     async def aclose(self) -> None:
         await self.client.aclose()
         self.client.close()
+
+
+class TeacherChoice:
+    """Several teachers (multi-teacher distillation): each group is scored by the teacher its problem names in its
+    `field` column (the one named `default` where it names none). Each sample carries the chosen teacher's index
+    among the sorted names (`TEACHER_INDEX`), so that the learner reports the reverse KL per teacher; what each
+    teacher cost and how many groups its failures cost are counted under its name."""
+
+    def __init__(self, scorers: dict[str, TeacherScorer], field: str, default: str = "default"):
+        self.scorers, self.field, self.default = scorers, field, default
+        self.names = sorted(scorers)
+        self.failed = dict.fromkeys(self.names, 0)
+
+    def pick(self, problem: Problem) -> str:
+        name = problem.columns.get(self.field, self.default)
+        if name not in self.scorers:
+            raise ValueError(f"problem {problem.id!r} names teacher {name!r}, which the run does not have")
+        return name
+
+    async def score(self, group: Group, problem: Problem | None = None, newest_model: str | None = None) -> None:
+        if problem is None:
+            raise ValueError(f"group {group.group_id}: several teachers need the group's problem to choose one")
+        name = self.pick(problem)
+        before = dict(group.costs)
+        try:
+            await self.scorers[name].score(group, problem, newest_model)
+        except Exception:
+            self.failed[name] += 1
+            raise
+        for metric in (TEACHER_S, TEACHER_TOKENS):
+            spent = group.costs.get(metric, 0.0) - before.get(metric, 0.0)
+            own = teacher_metric(metric, name)
+            group.costs[own] = group.costs.get(own, 0.0) + spent
+        index = float(self.names.index(name))
+        for sample in group.samples:
+            sample.streams[TEACHER_INDEX] = [index] * len(sample.completion_ids)
+
+    def failed_by_teacher(self) -> dict[str, int]:
+        return dict(self.failed)
+
+    async def aclose(self) -> None:
+        for scorer in self.scorers.values():
+            await scorer.aclose()
+
+
+def scorer_for(
+    cfg, endpoints: TeacherEndpoint | dict[str, TeacherEndpoint] | None, prompt_ids: Callable[[Problem], list[int]]
+) -> TeacherScorer | TeacherChoice | None:
+    """What scores a distilling run's groups: its one teacher's scorer, or a choice among several (`teachers:`)."""
+    if endpoints is None:
+        return None
+    if isinstance(endpoints, TeacherEndpoint):
+        return TeacherScorer.from_config(endpoints, cfg.teacher, prompt_ids)
+    teachers = cfg.teachers
+    if cfg.distill.teachers is None:
+        ((name, endpoint),) = endpoints.items()
+        return TeacherScorer.from_config(endpoint, teachers[name], prompt_ids)
+    scorers = {n: TeacherScorer.from_config(e, teachers[n], prompt_ids) for n, e in endpoints.items()}
+    return TeacherChoice(scorers, cfg.distill.teacher_field)

@@ -178,3 +178,50 @@ def test_scoring_asks_what_trls_distillation_trainer_asks(teacher_url):
         server.shutdown()
     (body,) = seen
     assert body == {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+
+
+def test_a_self_teacher_scores_the_completion_after_its_privileged_prompt(teacher_url):
+    from app.tasks.privileged import privileged_prompt
+    from contracts.rollouts import Group
+
+    seen = []
+
+    class Spy(FakeTeacher):
+        def do_POST(self):  # noqa: N802
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(json.loads(raw))
+            self.rfile = io.BytesIO(raw)
+            super().do_POST()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Spy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    problem = PROBLEMS[0]
+    template = "Hint: {answer}\n{prompt}"
+    encode = {problem.prompt: [1, 2, 3], privileged_prompt(template, problem): [7, 7, 7, 7, 1, 2, 3]}
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        endpoint = TeacherEndpoint("self", url, "policy-v0", context=template, live=True)
+        scorer = TeacherScorer(endpoint, endpoint.client(5.0, 0), lambda p: encode[p.prompt])
+        episode = Sample([5, 40, 6], [-0.1, math.nan, -0.2], 1.0, completion_mask=[1, 0, 1])
+        single = Sample([5, 6], [-0.1, -0.2], 1.0)
+        group = Group(0, problem.id, [1, 2, 3], 0, [single, episode])
+        run(scorer.score(group, problem, "policy-v4"))
+        with pytest.raises(ValueError, match="needs the group's problem"):
+            run(scorer.score(group))
+    finally:
+        server.shutdown()
+    (body,) = seen
+    # The teacher saw its privileged prompt (7 tokens) before the student's own completion, under the newest version.
+    assert body["model"] == "policy-v4"
+    assert body["prompt"] == [[7, 7, 7, 7, 1, 2, 3, 5, 6], [7, 7, 7, 7, 1, 2, 3, 5, 40, 6]]
+    assert single.streams[TEACHER_LOGPROBS] == pytest.approx([score_of(5, 7), score_of(6, 8)])
+    scores = episode.streams[TEACHER_LOGPROBS]  # the observation token is left unscored (NaN), as ever
+    assert scores[0] == pytest.approx(score_of(5, 7)) and math.isnan(scores[1])
+    assert scores[2] == pytest.approx(score_of(6, 9))
+    assert group.costs[TEACHER_TOKENS] == 9 + 10
+
+
+def test_a_self_teacher_needs_the_students_tokenisation():
+    endpoint = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{answer}{prompt}")
+    with pytest.raises(ValueError, match="need the student's tokenisation"):
+        TeacherScorer(endpoint, endpoint.client(1.0, 0))
