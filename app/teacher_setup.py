@@ -118,12 +118,17 @@ def _self_teacher(cfg, spec, fleet: FleetClient, token: Secret | None, policy_mo
         check_context(spec.context, splits.train[:CHECKED_PROBLEMS] + splits.heldout[:CHECKED_PROBLEMS], "context")
     except ValueError as e:
         raise refuse(f"self: {e}") from None
+    feedback = spec.feedback == "last_observation"
     if spec.model == "base":
-        return TeacherEndpoint("self", fleet.base_url, base_model_name(fleet), token, context=spec.context)
+        return TeacherEndpoint(
+            "self", fleet.base_url, base_model_name(fleet), token, context=spec.context, feedback=feedback
+        )
     if spec.model == "live":
         if policy_model is None:
             raise refuse("self: a live teacher needs the run's newest version")
-        return TeacherEndpoint("self", fleet.base_url, policy_model, token, context=spec.context, live=True)
+        return TeacherEndpoint(
+            "self", fleet.base_url, policy_model, token, context=spec.context, live=True, feedback=feedback
+        )
     raise refuse(f"self: model {spec.model} is not served by this fleet")
 
 

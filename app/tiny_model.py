@@ -216,21 +216,6 @@ def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str])
     return None if problem is None else reference_example(tokenizer, problem)
 
 
-def in_context(draw: Callable[[random.Random], Problem | None], template: str, tokenizer):
-    """Examples of which half show the problem under a self teacher's prompt (`template`, with its answer), so that
-    the model learns to read a given answer, as a pretrained model's in-context ability reads one (SDFT)."""
-
-    def example(rng: random.Random) -> tuple[list[int], list[int]] | None:
-        problem = draw(rng)
-        if problem is None:
-            return None
-        if rng.random() < 0.5:
-            problem = privileged_problem(template, problem)
-        return reference_example(tokenizer, problem)
-
-    return example
-
-
 def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
     """A correctly played chained episode laid out exactly as the rollout lays one out (each turn's answer
     tokenised on its own and closed by EOS, each observation tokenised once), loss on the model's turns."""
@@ -305,11 +290,8 @@ def warmup_plan(
 ) -> WarmUpPlan:
     """Chains: correctly played episodes of a train split of the warm-up's own seed, judged whole. A task with
     reference answers (`pool`, drawn from its generators, none held out): its problems and reference completions,
-    judged by `judge`. Else arithmetic: fresh additions, the held-out ones skipped, judged by the exact answer. With
-    `tiny.warmup_context`, half the single-turn examples show the answer under that self-teacher template."""
+    judged by `judge`. Else arithmetic: fresh additions, the held-out ones skipped, judged by the exact answer."""
     if task.name == "chained_arithmetic":  # a train split of its own seed: held-out chains excluded by (a, b, chain)
-        if tiny.warmup_context is not None:
-            raise ConfigError("model.tiny.warmup_context: the warm-up shows a context to single-turn tasks only")
         from app.tasks.problems import make_chained_arithmetic
 
         held = {p.id.removeprefix("heldout-") for p in heldout}
@@ -321,28 +303,45 @@ def warmup_plan(
             lambda rng: episode_example(tokenizer, rng.choice(chains)),
             lambda model: greedy_episode_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 3),
         )
-    template = tiny.warmup_context
     if pool:
         longest = max(len(_encode(tokenizer, p.reference)) for p in heldout)
         return WarmUpPlan(
-            in_context(lambda rng: rng.choice(pool), template, tokenizer)
-            if template
-            else lambda rng: reference_example(tokenizer, rng.choice(pool)),
+            lambda rng: reference_example(tokenizer, rng.choice(pool)),
             lambda model: greedy_accuracy(model, tokenizer, heldout, max_new_tokens=longest + 1, judge=judge),
         )
     limit, avoid = 10**task.digits, {p.prompt for p in heldout}
     return WarmUpPlan(
-        in_context(lambda rng: fresh_addition(rng, limit, avoid), template, tokenizer)
-        if template
-        else lambda rng: addition_example(tokenizer, rng, limit, avoid),
+        lambda rng: addition_example(tokenizer, rng, limit, avoid),
         lambda model: greedy_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 2),
     )
 
 
-def warm_up(model, tokenizer, tiny: TinyModelConfig, plan: WarmUpPlan, log=print) -> tuple[float, int]:
+def context_plan(
+    tokenizer, template: str, task: TaskConfig, heldout: list[Problem], pool: list[Problem], judge: Judge
+) -> WarmUpPlan:
+    """The warm-up's second part for a self teacher (`tiny.warmup_context`): the same problems, each shown under the
+    teacher's template with its answer, judged on the held-out problems shown so. A pretrained model reads an answer
+    given in its context (what SDFT's teacher relies on); a model this small learns to here."""
+    if task.name == "chained_arithmetic":
+        raise ConfigError("model.tiny.warmup_context: the warm-up shows a context to single-turn tasks only")
+    shown = [privileged_problem(template, p) for p in heldout]
+    longest = max(len(_encode(tokenizer, p.reference)) for p in heldout)
+    limit, avoid = 10**task.digits, {p.prompt for p in heldout}
+
+    def example(rng: random.Random) -> tuple[list[int], list[int]] | None:
+        problem = rng.choice(pool) if pool else fresh_addition(rng, limit, avoid)
+        return None if problem is None else reference_example(tokenizer, privileged_problem(template, problem))
+
+    return WarmUpPlan(example, lambda model: greedy_accuracy(model, tokenizer, shown, longest + 1, judge=judge))
+
+
+def warm_up(
+    model, tokenizer, tiny: TinyModelConfig, plan: WarmUpPlan, log=print, target: float | None = None, part: int = 1
+) -> tuple[float, int]:
     """Supervised steps on the plan's examples until the model's held-out greedy accuracy, as the plan judges it,
-    crosses the target."""
-    rng = random.Random(tiny.seed + 1)
+    crosses the target (`tiny.warmup_target_accuracy` unless given); `part` seeds its data apart from other parts."""
+    target = tiny.warmup_target_accuracy if target is None else target
+    rng = random.Random(tiny.seed + part)
     opt = torch.optim.AdamW(model.parameters(), lr=tiny.warmup_lr)
     eos = tokenizer.eos_token_id
     acc, step = 0.0, 0
@@ -365,8 +364,10 @@ def warm_up(model, tokenizer, tiny: TinyModelConfig, plan: WarmUpPlan, log=print
         opt.step()
         if step % 5 == 0:
             acc = plan.accuracy(model)
-            log(f"warm-up step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}")
-            if acc >= tiny.warmup_target_accuracy:
+            log(
+                f"warm-up{'' if part == 1 else f' part {part}'} step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}"
+            )
+            if acc >= target:
                 break
     return acc, step
 
@@ -417,11 +418,14 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
         judge = rewarded(scorer) if scorer else exactly_the_answer
         plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, judge)
         acc, steps = warm_up(model, tokenizer, tiny, plan, log=log)
-        if tiny.warmup_context is not None:  # what a self teacher shown the answer so scores: far above the student
-            shown = [privileged_problem(tiny.warmup_context, p) for p in heldout]
-            longest = max(len(_encode(tokenizer, p.reference)) for p in heldout)
-            context["context_heldout_accuracy"] = greedy_accuracy(model, tokenizer, shown, longest + 1, judge=judge)
-            log(f"held-out accuracy with the answer in context: {context['context_heldout_accuracy']:.3f}")
+        if tiny.warmup_context is not None:  # then taught to read the answer a self teacher is shown
+            shown = context_plan(tokenizer, tiny.warmup_context, task_cfg, heldout, pool, judge)
+            shown_acc, shown_steps = warm_up(
+                model, tokenizer, tiny, shown, log=log, target=tiny.warmup_context_accuracy, part=2
+            )
+            acc = plan.accuracy(model)  # what the student, shown no answer, starts from now
+            log(f"held-out accuracy {acc:.3f}; with the answer in context {shown_acc:.3f}")
+            context = {"context_heldout_accuracy": shown_acc, "context_warmup_steps": shown_steps}
     finally:
         if scorer is not None:
             scorer.close()

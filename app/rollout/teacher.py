@@ -53,6 +53,7 @@ class TeacherEndpoint:
     adapter: str | None = None  # an adapter teacher's source, to load it again where a replica lost it
     context: str | None = None  # a self teacher's privileged prompt template; None: the student's own prompt
     live: bool = False  # a self teacher that scores with the run's newest version, named per group
+    feedback: bool = True  # a self teacher's `{feedback}`: a failed episode's last word from its environment
     name: str | None = None  # its name among several teachers (`teachers:`)
 
     def client(self, timeout_s: float, retries: int) -> FleetClient:
@@ -78,6 +79,14 @@ def teacher_logprobs(positions: list[dict[int, float] | None], prompt_len: int, 
     return out
 
 
+def sample_feedback(sample: Sample) -> str:
+    """What a self teacher's `{feedback}` shows of a sample: what the environment said last of a failed episode (its
+    last observation, or its error); nothing for one that succeeded, nor for a single completion."""
+    if sample.turn_rewards is None and not sample.env_error:
+        return ""
+    return "" if sample.succeeded else sample.feedback
+
+
 class TeacherScorer:
     """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`) and what it cost into
     the group (`TEACHER_S`, `TEACHER_TOKENS`). A self teacher's prompts are tokenised by `prompt_ids`, as the
@@ -101,13 +110,20 @@ class TeacherScorer:
 
     def teacher_prompts(self, group: Group, problem: Problem | None) -> list[list[int]]:
         """The prompt the teacher is shown before each sample's completion: the student's, or a self teacher's
-        privileged one (the same for the whole group)."""
+        privileged one; with `{feedback}`, a failed episode's shows what the environment said of it (SDPO), each
+        distinct one tokenised once."""
         if self.endpoint.context is None:
             return [group.prompt_ids] * len(group.samples)
         if problem is None:
             raise ValueError(f"group {group.group_id}: a self teacher needs the group's problem")
-        prompt = self.prompt_ids(privileged_problem(self.endpoint.context, problem))
-        return [prompt] * len(group.samples)
+        prompts: dict[str, list[int]] = {}
+        out = []
+        for sample in group.samples:
+            said = sample_feedback(sample) if self.endpoint.feedback else ""
+            if said not in prompts:
+                prompts[said] = self.prompt_ids(privileged_problem(self.endpoint.context, problem, said))
+            out.append(prompts[said])
+        return out
 
     async def score(self, group: Group, problem: Problem | None = None, newest_model: str | None = None) -> None:
         """Score every sample of `group` (of `problem`; a `live` self teacher scores with `newest_model`, the run's

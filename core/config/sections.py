@@ -52,7 +52,10 @@ class TinyModelConfig(Section):
     seed: int = Field(0, description="Seed of weight init, data and warm-up.")
     warmup_context: str | None = Field(
         None,
-        description="A self teacher's prompt template the warm-up also trains on (half its examples), so the model reads a context.",
+        description="A self teacher's prompt template the warm-up then trains on, so that the model reads an answer given so.",
+    )
+    warmup_context_accuracy: float = Field(
+        0.9, gt=0, lt=1, description="With warmup_context: train on it until held-out accuracy shown so reaches this."
     )
 
     @field_validator("warmup_context")

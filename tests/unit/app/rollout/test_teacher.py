@@ -225,3 +225,68 @@ def test_a_self_teacher_needs_the_students_tokenisation():
     endpoint = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{answer}{prompt}")
     with pytest.raises(ValueError, match="need the student's tokenisation"):
         TeacherScorer(endpoint, endpoint.client(1.0, 0))
+
+
+def test_a_failed_episodes_feedback_is_what_the_self_teacher_is_shown():
+    from app.rollout.teacher import sample_feedback
+    from contracts.rollouts import Group
+
+    failed = Sample([5, 40, 6], [-0.1, math.nan, -0.2], 0.0, completion_mask=[1, 0, 1], turn_rewards=[1.0, 0.0])
+    failed.feedback, failed.solved = "wrong: 12", False
+    solved = Sample([5], [-0.1], 1.0, turn_rewards=[1.0], solved=True, feedback="well done")
+    broken = Sample([5], [-0.1], math.nan, turn_rewards=[], env_error=True, feedback="error: timed out")
+    single = Sample([5], [-0.1], 0.0, feedback="ignored")
+    assert [sample_feedback(s) for s in (failed, solved, broken, single)] == ["wrong: 12", "", "error: timed out", ""]
+
+    problem = PROBLEMS[0]
+    seen = []
+    endpoint = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{feedback}|{answer}|{prompt}")
+    scorer = TeacherScorer(endpoint, endpoint.client(1.0, 0), lambda p: seen.append(p.prompt) or [len(seen)])
+    group = Group(0, problem.id, [9], 0, [failed, solved, broken, solved])
+    prompts = scorer.teacher_prompts(group, problem)
+    assert seen == [f"wrong: 12|{problem.answer}|{problem.prompt}", f"|{problem.answer}|{problem.prompt}"] + [
+        f"error: timed out|{problem.answer}|{problem.prompt}"
+    ]
+    assert prompts == [[1], [2], [3], [2]]  # each distinct prompt tokenised once
+    quiet = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{feedback}{answer}{prompt}", feedback=False)
+    seen.clear()
+    TeacherScorer(quiet, quiet.client(1.0, 0), lambda p: seen.append(p.prompt) or [0]).teacher_prompts(group, problem)
+    assert seen == [problem.answer + problem.prompt]  # feedback: none shows the teacher nothing of it
+
+
+def test_several_teachers_each_score_the_problems_that_name_them(teacher_url):
+    from dataclasses import replace
+
+    from app.objectives.distill import TEACHER_INDEX
+    from app.rollout.teacher import TeacherChoice
+    from contracts.rollouts import Group
+
+    def scorer():
+        endpoint = TeacherEndpoint("url", teacher_url, "the-teacher")
+        return TeacherScorer(endpoint, endpoint.client(1.0, 0))
+
+    choice = TeacherChoice({"math": scorer(), "default": scorer()}, "subject")
+    mathy = replace(PROBLEMS[0], columns={"subject": "math"})
+    plain, unknown = PROBLEMS[1], replace(PROBLEMS[2], columns={"subject": "art"})
+    groups = [
+        Group(i, p.id, [1, 2], 0, [Sample([5, HANG if i == 2 else 6], [-0.1, -0.2], 1.0)])
+        for i, p in enumerate((mathy, plain, mathy))
+    ]
+
+    async def main():
+        await choice.score(groups[0], mathy)
+        await choice.score(groups[1], plain)
+        with pytest.raises(Exception):  # noqa: B017 - the fake teacher hangs past the client's timeout
+            await choice.score(groups[2], mathy)
+        with pytest.raises(ValueError, match="names teacher 'art'"):
+            await choice.score(groups[1], unknown)
+        await choice.aclose()
+
+    run(main())
+    assert groups[0].samples[0].streams[TEACHER_INDEX] == [1.0, 1.0]  # sorted: default, math
+    assert groups[1].samples[0].streams[TEACHER_INDEX] == [0.0, 0.0]
+    assert (
+        groups[0].costs["distill/math/teacher_tokens"] == 4 and "distill/default/teacher_tokens" not in groups[0].costs
+    )
+    assert groups[1].costs["distill/default/teacher_tokens"] == groups[1].costs[TEACHER_TOKENS] == 4
+    assert choice.failed_by_teacher() == {"default": 0, "math": 1}
