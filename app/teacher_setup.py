@@ -123,13 +123,9 @@ def _self_teacher(cfg, spec, fleet: FleetClient, token: Secret | None, policy_mo
         return TeacherEndpoint(
             "self", fleet.base_url, base_model_name(fleet), token, context=spec.context, feedback=feedback
         )
-    if spec.model == "live":
-        if policy_model is None:
-            raise refuse("self: a live teacher needs the run's newest version")
-        return TeacherEndpoint(
-            "self", fleet.base_url, policy_model, token, context=spec.context, live=True, feedback=feedback
-        )
-    raise refuse(f"self: model {spec.model} is not served by this fleet")
+    if policy_model is None:
+        raise refuse("self: a live teacher needs the run's newest version")
+    return TeacherEndpoint("self", fleet.base_url, policy_model, token, context=spec.context, live=True, feedback=feedback)
 
 
 def _deployed_teacher(cfg, teacher, fleet: FleetClient, student, token: Secret | None) -> TeacherEndpoint:

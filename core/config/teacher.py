@@ -8,8 +8,8 @@ A run names its teacher in its distill objective (`objectives: [{kind: distill, 
 - `{model: {...}}`: another model of the student's tokenizer, served by a teacher deployment of its own in the
   run's fleet (`TeacherDeployment`, which a fleet's own config can name too);
 - `{url: URL}`: an OpenAI-compatible server elsewhere that answers `prompt_logprobs` (vLLM's, another fleet);
-- `{self: {model: base | live | ema, context: TEMPLATE}}`: the student itself (its base, its newest version, or an
-  exponential average of its versions), shown what the student is not: its prompt filled into `context` with the
+- `{self: {model: base | live, context: TEMPLATE}}`: the student itself (its base, or its newest version), shown
+  what the student is not: its prompt filled into `context` with the
   problem's answer, solution or an episode's feedback (self-distillation: SDFT, SDPO). It costs no deployment: the
   fleet serves the base and the run's own lineages already.
 """
@@ -53,8 +53,8 @@ class TeacherDeployment(Section):
 class SelfTeacher(Section):
     """A self teacher: the student's own model, scoring under a privileged prompt (`context`)."""
 
-    model: Literal["base", "live", "ema"] = Field(
-        description="base: no adapter; live: the run's newest version; ema: an exponential average of its versions."
+    model: Literal["base", "live"] = Field(
+        description="base: the base model, no adapter; live: the run's newest version (its own lineage)."
     )
     context: str = Field(
         description="The teacher's prompt: {prompt} and the problem's {answer}, {solution}, {feedback} or columns."
@@ -63,25 +63,11 @@ class SelfTeacher(Section):
         "last_observation",
         description="What {feedback} holds for a failed episode: the environment's last observation, or nothing.",
     )
-    update_rate: float = Field(
-        0.05, gt=0, le=1, description="ema: weight of the newest version in the average (1 - decay)."
-    )
-    sync_steps: int = Field(
-        1, ge=1, description="ema: fold the learner's adapter into the average every this many steps."
-    )
 
     @field_validator("context")
     @classmethod
     def _a_template(cls, template: str) -> str:
         return check_template(template)
-
-    @model_validator(mode="after")
-    def _ema_settings(self) -> SelfTeacher:
-        fields = type(self).model_fields
-        named = {n for n in ("update_rate", "sync_steps") if getattr(self, n) != fields[n].default}
-        if named and self.model != "ema":
-            raise ValueError(f"{', '.join(sorted(named))} set an ema teacher's average; this one is {self.model}")
-        return self
 
 
 class TeacherConfig(Section):

@@ -179,3 +179,52 @@ def test_a_teacher_of_another_tokenizer_is_refused(fleet, tmp_path):
         fleet_app(cfg.own_fleet(), fleet.model_path)  # the fleet would not start it
     with pytest.raises(SystemExit, match="not the student's"):
         prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN)  # nor would a run use it
+
+
+def test_a_self_teacher_scores_the_students_completion_after_its_privileged_prompt(fleet):
+    """A self teacher (`base` or `live`, the run's newest version) through the real fleet: resolved and self-tested
+    under its privileged prompt, a template naming what the task lacks refused in one line, and the log-probs of a
+    group's completions read after the teacher's prompt as transformers computes them under that prompt."""
+    from app.rollout.teacher import TeacherScorer
+    from app.tasks.privileged import privileged_prompt
+    from app.tasks.problems import load_task
+    from contracts.rollouts import Group, Sample
+    from core.models import load_tokenizer, prompt_token_ids
+
+    template = "Hint: {answer}\n{prompt}"
+
+    def self_teacher(model: str, context: str = template):
+        cfg = load_config(None, [_distill(f"{{self: {{model: {model}, context: '{context}'}}}}")])
+        return cfg, prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN, "policy-v1")
+
+    cfg, base = self_teacher("base")
+    assert (base.kind, base.model, base.context, base.live) == ("self", fleet.base, template, False)
+    _, live = self_teacher("live")
+    assert (live.model, live.live) == ("policy-v1", True)
+    with pytest.raises(SystemExit, match=r"names solution, which problem .* does not have") as refused:
+        self_teacher("base", "{solution} {prompt}")
+    assert "\n" not in str(refused.value)
+
+    tokenizer = load_tokenizer(fleet.model_path)
+    problem = load_task(cfg.task).train[0]
+    student_prompt = prompt_token_ids(tokenizer, problem.prompt)
+    completions = [_sequence(tokenizer, problem.answer), _sequence(tokenizer, "7")]
+    teacher_prompt = prompt_token_ids(tokenizer, privileged_prompt(template, problem))
+    assert len(teacher_prompt) > len(student_prompt)
+    for endpoint, adapter in ((base, None), (live, fleet.store.fetch(1))):
+        group = Group(0, problem.id, student_prompt, 1, [Sample(c, [-1.0] * len(c), 0.0) for c in completions])
+        scorer = TeacherScorer.from_config(endpoint, cfg.teacher, lambda p: prompt_token_ids(tokenizer, p.prompt))
+
+        async def score(scorer=scorer, group=group):
+            try:
+                await scorer.score(group, problem, "policy-v1")
+            finally:
+                await scorer.aclose()
+
+        asyncio.run(score())
+        model = _hf(fleet.model_path, adapter)
+        for sample, completion in zip(group.samples, completions, strict=True):
+            ids = teacher_prompt + completion
+            reference = _reference(model, ids)
+            expected = [reference[len(teacher_prompt) + j - 1, t].item() for j, t in enumerate(completion)]
+            assert sample.streams["teacher_logprobs"] == pytest.approx(expected, abs=TOLERANCE)

@@ -25,10 +25,6 @@ def test_a_self_teacher_is_a_kind_with_a_context():
         (SELF % ("live", "{answer}"), "must show the student's prompt"),
         (SELF % ("best", "{answer} {prompt}"), "self.model"),
         (
-            "objectives=[{kind: distill, teacher: {self: {model: live, context: '{answer}{prompt}', update_rate: 0.1}}}]",
-            "update_rate set an ema teacher's average; this one is live",
-        ),
-        (
             "objectives=[{kind: distill, teacher: {url: 'http://x', self: {model: base, context: '{answer}{prompt}'}}}]",
             "name one of adapter, model, url, self, not url and self",
         ),
