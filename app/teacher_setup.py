@@ -125,7 +125,9 @@ def _self_teacher(cfg, spec, fleet: FleetClient, token: Secret | None, policy_mo
         )
     if policy_model is None:
         raise refuse("self: a live teacher needs the run's newest version")
-    return TeacherEndpoint("self", fleet.base_url, policy_model, token, context=spec.context, live=True, feedback=feedback)
+    return TeacherEndpoint(
+        "self", fleet.base_url, policy_model, token, context=spec.context, live=True, feedback=feedback
+    )
 
 
 def _deployed_teacher(cfg, teacher, fleet: FleetClient, student, token: Secret | None) -> TeacherEndpoint:

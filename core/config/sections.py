@@ -52,7 +52,7 @@ class TinyModelConfig(Section):
     seed: int = Field(0, description="Seed of weight init, data and warm-up.")
     warmup_context: str | None = Field(
         None,
-        description="A self teacher's prompt template the warm-up then trains on, so that the model reads an answer given so.",
+        description="A self teacher's template the warm-up goes on with after the model without it, to read answers so.",
     )
     warmup_context_accuracy: float = Field(
         0.9, gt=0, lt=1, description="With warmup_context: train on it until held-out accuracy shown so reaches this."
