@@ -191,7 +191,7 @@ def test_a_self_teacher_scores_the_students_completion_after_its_privileged_prom
     from contracts.rollouts import Group, Sample
     from core.models import load_tokenizer, prompt_token_ids
 
-    template = "Hint: {answer}\n{prompt}"
+    template = "Hint: {answer}. {prompt}"  # one line: a YAML override folds a newline into a space
 
     def self_teacher(model: str, context: str = template):
         cfg = load_config(None, [_distill(f"{{self: {{model: {model}, context: '{context}'}}}}")])
