@@ -290,3 +290,21 @@ def test_several_teachers_each_score_the_problems_that_name_them(teacher_url):
     )
     assert groups[1].costs["distill/default/teacher_tokens"] == groups[1].costs[TEACHER_TOKENS] == 4
     assert choice.failed_by_teacher() == {"default": 0, "math": 1}
+
+
+def test_the_rollout_scores_with_its_one_teacher_or_chooses_among_several():
+    from app.rollout.teacher import TeacherChoice, scorer_for
+
+    def endpoint(name=None):
+        return TeacherEndpoint("base", "http://127.0.0.1:1", "base", name=name)
+
+    one = load_config(None, DISTILL)
+    assert isinstance(scorer_for(one, endpoint(), lambda p: [1]), TeacherScorer)
+    assert isinstance(scorer_for(one, {"teacher": endpoint("teacher")}, lambda p: [1]), TeacherScorer)
+    assert scorer_for(one, None, lambda p: [1]) is None
+    several = load_config(
+        None, ["objectives=[{kind: distill, teachers: {default: base, hard: base}, teacher_field: level}]"]
+    )
+    assert list(several.teachers) == ["default", "hard"] and several.teacher is several.teachers["default"]
+    choice = scorer_for(several, {n: endpoint(n) for n in several.teachers}, lambda p: [1])
+    assert isinstance(choice, TeacherChoice) and choice.field == "level" and choice.names == ["default", "hard"]
