@@ -208,12 +208,19 @@ class FleetClient:
         return await self._arequest("POST", "/v1/cut", json={"models": list(models)})
 
     async def aprompt_logprobs(
-        self, sequences: list[list[int]], model: str, top: int = 0
+        self, sequences: list[list[int]], model: str, top: int = 0, temperature: float = 1.0
     ) -> list[list[dict[int, float] | None]]:
         """Score token-id sequences under `model` (vLLM's `prompt_logprobs` with `max_tokens: 1`, TRL's teacher
         request): per sequence and position, None at the first, else {token id: log-prob} for the sequence's own
-        token and the `top` most likely alternatives."""
-        body = {"model": model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": top}
+        token and the `top` most likely alternatives, at `temperature` (the fleet scores at the request's, as it
+        samples; a distilling run sends its sampling temperature, so that teacher and student compare alike)."""
+        body = {
+            "model": model,
+            "prompt": sequences,
+            "max_tokens": 1,
+            "temperature": temperature,
+            "prompt_logprobs": top,
+        }
         answer = await self._arequest("POST", "/v1/completions", json=body)
         return [
             [

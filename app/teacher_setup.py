@@ -14,8 +14,9 @@ The four kinds (`core.config.teacher`) end up as one `TeacherEndpoint`, a server
 
 Refused at start, with a message that says why: a teacher whose tokenizer gives other ids than the student's
 (a local folder's vocabulary and probe texts, or a server's `/tokenize`), a server with no `/tokenize` to
-compare, a teacher the fleet cannot load, and one whose two scorings of one sequence differ beyond
-`teacher.self_test_tolerance` or leave a token unscored.
+compare, a teacher the fleet cannot load, one whose two scorings of one sequence differ beyond
+`teacher.self_test_tolerance` or leave a token unscored, and, in a run that samples at a temperature other than 1,
+one that scores at 1 whatever it is asked (plain vLLM 0.32 does): its scores would be compared with tempered samples.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def prepare_teacher(
         raise refuse(f"{teacher.kind} {teacher.adapter or teacher.url or ''}: {e}") from None
     except ConfigError as e:
         raise refuse(str(e)) from None
-    self_test(endpoint, probe_sequence(cfg, student, teacher.context), teacher.self_test_tolerance)
+    probe = probe_sequence(cfg, student, teacher.context)
+    self_test(endpoint, probe, teacher.self_test_tolerance, cfg.grpo.temperature)
     log.info("teacher %s: %s %s at %s, checked", name or "", endpoint.kind, endpoint.model, endpoint.url)
     return replace(endpoint, name=name) if name is not None else endpoint
 
@@ -172,21 +174,25 @@ def probe_sequence(cfg, tokenizer, context: str | None = None) -> list[int]:
     return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
-def self_test(endpoint: TeacherEndpoint, sequence: list[int], tolerance: float) -> float:
-    """Score `sequence` twice; refuse a teacher that leaves a token unscored or answers differently beyond
-    `tolerance` (a teacher that is not deterministic, or not the model it says). Returns the largest difference."""
+def self_test(endpoint: TeacherEndpoint, sequence: list[int], tolerance: float, temperature: float = 1.0) -> float:
+    """Score `sequence` twice, at `temperature` as the rollout will; refuse a teacher that leaves a token unscored or
+    answers differently beyond `tolerance` (a teacher that is not deterministic, or not the model it says), and, at a
+    temperature other than 1, one whose scores at 1 are the same within `tolerance`: it ignores the temperature (a
+    teacher that tempers moves at the probe's unpredictable tokens, its problem's digits). Returns the largest
+    difference of the two scorings at `temperature`."""
+    temperatures = [temperature, temperature] + ([1.0] if temperature != 1.0 else [])
 
-    async def twice() -> list[list[float]]:
+    async def scorings() -> list[list[float]]:
         client = endpoint.client(timeout_s=60.0, retries=2)
         try:
-            answers = [await client.aprompt_logprobs([sequence], endpoint.model) for _ in range(2)]
+            answers = [await client.aprompt_logprobs([sequence], endpoint.model, temperature=t) for t in temperatures]
         finally:
             await client.aclose()
             client.close()
         return [[(at or {}).get(t, math.nan) for at, t in zip(a[0][1:], sequence[1:], strict=False)] for a in answers]
 
     try:
-        first, second = asyncio.run(twice())
+        first, second, *at_one = asyncio.run(scorings())
     except FleetError as e:
         raise refuse(f"{endpoint.model} at {endpoint.url} does not score a sequence: {e}") from None
     if len(first) != len(sequence) - 1 or not all(math.isfinite(v) for v in first + second):
@@ -195,5 +201,12 @@ def self_test(endpoint: TeacherEndpoint, sequence: list[int], tolerance: float) 
     if worst > tolerance:
         raise refuse(
             f"{endpoint.model} scored one sequence twice {worst:.3g} apart (> teacher.self_test_tolerance {tolerance})"
+        )
+    compared = at_one and len(at_one[0]) == len(first)
+    if compared and max(abs(a - b) for a, b in zip(first, at_one[0], strict=True)) <= tolerance:
+        raise refuse(
+            f"{endpoint.model} at {endpoint.url} scores at temperature 1 whatever it is asked (plain vLLM does), and the "
+            f"run samples at grpo.temperature {temperature}: its scores would be compared with tempered samples' "
+            f"log-probs; serve the teacher from a spotrl fleet, which scores at the request's temperature, or sample at 1"
         )
     return worst

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from core.config import ConfigError, ModelConfig, TaskConfig
+from core.config import NO_REASONING_GYM, ConfigError, ModelConfig, TaskConfig
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 logger = logging.getLogger("spotrl.models")
@@ -45,11 +45,18 @@ def tiny_model_folder(model_cfg: ModelConfig, task_cfg: TaskConfig) -> Path:
         # dataset), drawn by the library's version of the generators, and held-out accuracy is judged by the rewards.
         spec["reasoning_gym"] = {
             "datasets": [[name, d.model_dump()] for name, d in task_cfg.datasets.items()],
-            "library": importlib.metadata.version("reasoning-gym"),
+            "library": reasoning_gym_version(),
             "reward_funcs": task_cfg.reward_funcs,
         }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     return Path(model_cfg.cache_dir).expanduser() / f"tiny-qwen2-{key}"
+
+
+def reasoning_gym_version() -> str:
+    try:
+        return importlib.metadata.version("reasoning-gym")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(NO_REASONING_GYM) from None
 
 
 def resolve_model_path(model_cfg: ModelConfig, task_cfg: TaskConfig) -> str:

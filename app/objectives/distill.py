@@ -23,8 +23,10 @@ the step's whole update to it. `distill/clipped` is the share of tokens clipped 
 
 `distill/reverse_kl` is the mean of the (clipped) gap over the step's model tokens: the reverse KL of the
 sampling policy to the teacher, estimated on the student's own samples (it falls as the student learns). Observation tokens of multi-turn episodes are never scored nor trained (the completion mask).
-Teacher log-probs are vLLM's `prompt_logprobs`, at temperature 1 whatever the sampling temperature (vLLM
-scores prompt tokens before any sampling processor).
+Teacher log-probs are the fleet's `prompt_logprobs` at the run's sampling temperature (`grpo.temperature`, which
+the rollout sends with its scoring request): the sampling log-probs are after temperature, so the teacher's are
+`log_softmax(teacher logits / T)` too, and the gap compares like with like (`deployments.replica.scoring_temperature`
+is why a fleet's replica scores prompt tokens at the request's temperature; vLLM alone scores them at 1).
 
 With several teachers (`teachers:`, each problem choosing one), every sample also carries its teacher's index
 (`teacher_index`, among the sorted names), and the reverse KL is reported per teacher too

@@ -4,14 +4,16 @@ On-policy distillation needs the teacher's log-prob of every token the student s
 asynchronous I/O through the fleet (or the teacher's own server), so the rollout does it here, between sampling
 and the objectives' synchronous `annotate`; the learner never calls a teacher. One request per group: the
 G sequences (prompt + completion) as a batch of token-id prompts with `prompt_logprobs: 0` and `max_tokens: 1`,
-the request TRL's AsyncDistillationTrainer sends its teacher; the prefix router keeps a group's sequences, which
-share their prompt, on one replica. Multi-turn episodes are scored whole and kept at the model's tokens only
-(NaN at observations, which nothing trains).
+the request TRL's AsyncDistillationTrainer sends its teacher, at the run's sampling temperature (`grpo.temperature`):
+the sampling log-probs it is compared with are taken after temperature, and the fleet scores prompt tokens at the
+request's temperature too. The prefix router keeps a group's sequences, which share their prompt, on one replica.
+Multi-turn episodes are scored whole and kept at the model's tokens only (NaN at observations, which nothing trains).
 
 A self teacher (self-distillation) scores the student's completion under another prompt, the privileged one
 (`app.tasks.privileged`: the problem's prompt with its answer, solution or an episode's feedback): the sequences
 are the teacher's prompt + the student's completion, and the completion's log-probs are read after the teacher's
-prompt, whatever its length. A `live` self teacher is the run's newest version, named per group by the rollout. A teacher that fails after its retries, or times out, raises: the
+prompt, whatever its length. A `live` self teacher is the run's newest version, named per group by the rollout. A
+teacher that fails after its retries, or times out, raises: the
 producer drops and counts the group, never the run. An adapter teacher that a replica lost (a restart) is
 loaded again once before its group is given up.
 """
@@ -89,24 +91,33 @@ def sample_feedback(sample: Sample) -> str:
 
 class TeacherScorer:
     """Writes the teacher's log-probs into every sample of a group (`TEACHER_LOGPROBS`) and what it cost into
-    the group (`TEACHER_S`, `TEACHER_TOKENS`). A self teacher's prompts are tokenised by `prompt_ids`, as the
-    student's are."""
+    the group (`TEACHER_S`, `TEACHER_TOKENS`). The teacher scores at `temperature`, the one the group was sampled at;
+    a self teacher's prompts are tokenised by `prompt_ids`, as the student's are."""
 
     def __init__(
         self,
         endpoint: TeacherEndpoint,
         client: FleetClient,
         prompt_ids: Callable[[Problem], list[int]] | None = None,
+        temperature: float = 1.0,
     ):
         if endpoint.context is not None and prompt_ids is None:
             raise ValueError("a self teacher's privileged prompts need the student's tokenisation (prompt_ids)")
-        self.endpoint, self.client, self.prompt_ids = endpoint, client, prompt_ids
+        self.endpoint, self.client, self.prompt_ids, self.temperature = endpoint, client, prompt_ids, temperature
 
     @classmethod
     def from_config(
-        cls, endpoint: TeacherEndpoint, teacher_cfg, prompt_ids: Callable[[Problem], list[int]] | None = None
+        cls,
+        endpoint: TeacherEndpoint,
+        cfg,
+        prompt_ids: Callable[[Problem], list[int]] | None = None,
+        teacher_cfg=None,
     ) -> TeacherScorer:
-        return cls(endpoint, endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries), prompt_ids)
+        """The scorer of a run (`RunConfig`): its teacher's (`teacher_cfg`, by default the run's one) timeouts and
+        retries, its sampling temperature."""
+        teacher_cfg = teacher_cfg or cfg.teacher
+        client = endpoint.client(teacher_cfg.request_timeout_s, teacher_cfg.max_retries)
+        return cls(endpoint, client, prompt_ids, cfg.grpo.temperature)
 
     def teacher_prompts(self, group: Group, problem: Problem | None) -> list[list[int]]:
         """The prompt the teacher is shown before each sample's completion: the student's, or a self teacher's
@@ -146,14 +157,14 @@ class TeacherScorer:
 
     async def _score(self, sequences: list[list[int]], model: str) -> list[list[dict[int, float] | None]]:
         try:
-            return await self.client.aprompt_logprobs(sequences, model)
+            return await self.client.aprompt_logprobs(sequences, model, temperature=self.temperature)
         except FleetError as e:
             if e.status != 404 or self.endpoint.adapter is None:
                 raise
         # A replica that restarted holds no teacher adapter (it loads its lineage's versions only): load it again.
         log.warning("the fleet lost the teacher adapter %s: loading it again", TEACHER_ADAPTER)
         await asyncio.to_thread(self.client.load_adapter, TEACHER_ADAPTER, self.endpoint.adapter)
-        return await self.client.aprompt_logprobs(sequences, model)
+        return await self.client.aprompt_logprobs(sequences, model, temperature=self.temperature)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -210,10 +221,10 @@ def scorer_for(
     if endpoints is None:
         return None
     if isinstance(endpoints, TeacherEndpoint):
-        return TeacherScorer.from_config(endpoints, cfg.teacher, prompt_ids)
+        return TeacherScorer.from_config(endpoints, cfg, prompt_ids)
     teachers = cfg.teachers
     if cfg.distill.teachers is None:
         ((name, endpoint),) = endpoints.items()
-        return TeacherScorer.from_config(endpoint, teachers[name], prompt_ids)
-    scorers = {n: TeacherScorer.from_config(e, teachers[n], prompt_ids) for n, e in endpoints.items()}
+        return TeacherScorer.from_config(endpoint, cfg, prompt_ids, teachers[name])
+    scorers = {n: TeacherScorer.from_config(e, cfg, prompt_ids, teachers[n]) for n, e in endpoints.items()}
     return TeacherChoice(scorers, cfg.distill.teacher_field)

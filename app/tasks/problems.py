@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError
+from core.config import NO_REASONING_GYM, ConfigError
 
 ARITHMETIC_TEMPLATE = "Compute {a}+{b}. Answer: "
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"  # the tags reasoning-gym's `extract_answer` reads by default
@@ -162,9 +162,7 @@ def reasoning_gym_mix(task_cfg, seed: int, size: int):
         from reasoning_gym.composite import DatasetSpec
         from reasoning_gym.factory import DATASETS
     except ImportError:
-        raise ConfigError(
-            "task.name: reasoning_gym needs the reasoning-gym package: pip install -e '.[tasks]' (make setup does)"
-        ) from None
+        raise ConfigError(NO_REASONING_GYM) from None
 
     for name, spec in task_cfg.datasets.items():
         where = f"task.datasets.{name}"

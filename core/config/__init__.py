@@ -30,6 +30,7 @@ from core.config.run import (
 from core.config.sections import (
     CONFIG_DIR,
     HEAD_NODE,
+    NO_REASONING_GYM,
     REPO_ROOT,
     VLLM_LORA_RANKS,
     BucketConfig,
@@ -68,6 +69,7 @@ __all__ = [
     "Section",
     "SpotConfig",
     "TaskConfig",
+    "NO_REASONING_GYM",
     "TinyModelConfig",
     "add_config_args",
     "config_from_args",

@@ -118,6 +118,12 @@ class GeneratedDataset(Section):
         return config
 
 
+# What a run that names reasoning-gym's task is told where the package is missing (it is an extra).
+NO_REASONING_GYM = (
+    "task.name: reasoning_gym needs the reasoning-gym package: pip install -e '.[tasks]' (make setup does)"
+)
+
+
 class TaskConfig(Section):
     """What the policy is trained on and how it is scored."""
 

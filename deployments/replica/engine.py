@@ -7,7 +7,8 @@ module costs nothing.
 The engine is configured for the router and the learner: KV block size = the router's block size
 (so the router's block hashes are the engine's cache keys), prefix caching on, `max_loras` slots
 enough for every version a sample may still use, and processed log-probs (after temperature), which
-is what the learner recomputes. The engine never detokenizes: text is decoded by the ingress with the
+is what the learner recomputes; prompt tokens of a scoring request are scored at its temperature too
+(`deployments.replica.scoring_temperature`, installed in vLLM's worker by `Engine.score_at_temperature`). The engine never detokenizes: text is decoded by the ingress with the
 tokenizer that was checked to round-trip, so the sampler and the learner see the same tokens.
 Values vLLM refuses are a 400 (`BadRequest`), never a 500. An engine that dies while serving a request
 says so (`EngineDied`), apart from a replica that cannot serve at all (`ReplicaUnavailable`): the
@@ -39,6 +40,10 @@ from contracts.serving import (
 from core.config import FleetConfig
 from deployments.replica.engine_stats import EngineCounters, ray_stat_logger, stat_logger
 from deployments.replica.engine_watchdog import engine_processes, start_watchdog
+from deployments.replica.scoring_temperature import TemperedPromptLogprobs
+
+# The worker extension that scores prompt tokens at the request's temperature, by the name vLLM imports it by.
+TEMPERED_SCORING = f"{TemperedPromptLogprobs.__module__}.{TemperedPromptLogprobs.__qualname__}"
 
 log = logging.getLogger("ray.serve")
 
@@ -95,6 +100,8 @@ def engine_args(cfg: FleetConfig, model_path: str, on_cpu: bool, block_size: int
         # Explicit, so that the scheduler's token budget per step does not change with vLLM's per-device default.
         max_num_batched_tokens=fleet.max_num_batched_tokens,
         logprobs_mode="processed_logprobs",
+        # Prompt log-probs at the request's temperature, as sampled ones are (`Engine.score_at_temperature`).
+        worker_extension_cls=TEMPERED_SCORING,
         # torch.compile takes minutes on a CPU (and timed out under load) for no gain on a tiny model;
         # GPUs keep compilation and CUDA graphs.
         enforce_eager=on_cpu,
@@ -242,6 +249,13 @@ class Engine:
         if engine.block_size != block_size:  # the router's hashes would not be the engine's cache keys
             raise RuntimeError(f"engine block size {engine.block_size} != router block size {block_size}")
         return engine
+
+    async def score_at_temperature(self) -> None:
+        """Make every worker of the engine score prompt tokens at the request's temperature (`TEMPERED_SCORING`):
+        once, before the replica takes traffic. A worker that cannot is the replica's end: it would answer
+        temperature-1 scores to a request that asked for others."""
+        done = await self.llm.collective_rpc("spotrl_temper_prompt_logprobs")
+        log.info("engine %s: prompt log-probs at the request's temperature (%s)", self.replica, ",".join(done))
 
     @property
     def block_size(self) -> int:

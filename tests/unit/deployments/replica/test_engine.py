@@ -90,6 +90,13 @@ def test_engine_args_follow_the_run_config_and_are_vllms_own_fields():
     assert tiny["enforce_eager"] and "kv_cache_memory_bytes" in tiny and tiny["revision"] == "abc123"
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     assert set(gpu) <= known and set(tiny) <= known
+    # Prompt tokens scored at the request's temperature: the worker extension, by a name vLLM's workers can import.
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from deployments.replica.scoring_temperature import TemperedPromptLogprobs
+
+    assert resolve_obj_by_qualname(gpu["worker_extension_cls"]) is TemperedPromptLogprobs
+    assert tiny["logprobs_mode"] == "processed_logprobs"
 
 
 # Values the ingress refuses before they reach a replica; vLLM refuses them too, and the replica must say 400.
