@@ -249,7 +249,7 @@ def test_a_self_teacher_scores_the_students_completion_after_its_privileged_prom
     assert len(teacher_prompt) > len(student_prompt)
     for endpoint, adapter in ((base, None), (live, fleet.store.fetch(1))):
         group = Group(0, problem.id, student_prompt, 1, [Sample(c, [-1.0] * len(c), 0.0) for c in completions])
-        scorer = TeacherScorer.from_config(endpoint, cfg.teacher, lambda p: prompt_token_ids(tokenizer, p.prompt))
+        scorer = TeacherScorer.from_config(endpoint, cfg, lambda p: prompt_token_ids(tokenizer, p.prompt))
 
         async def score(scorer=scorer, group=group):
             try:
@@ -261,6 +261,6 @@ def test_a_self_teacher_scores_the_students_completion_after_its_privileged_prom
         model = _hf(fleet.model_path, adapter)
         for sample, completion in zip(group.samples, completions, strict=True):
             ids = teacher_prompt + completion
-            reference = _reference(model, ids)
+            reference = _reference(model, ids, cfg.grpo.temperature)  # scored at the run's temperature
             expected = [reference[len(teacher_prompt) + j - 1, t].item() for j, t in enumerate(completion)]
             assert sample.streams["teacher_logprobs"] == pytest.approx(expected, abs=TOLERANCE)
