@@ -106,7 +106,8 @@ class LearnerRank:
         self._consumed = ConsumedGroups()
         self.model = self.optimizer = self.scheduler = None
         self.publisher: AdapterPublisher | None = None
-        ema_teachers = getattr(cfg, "ema_teachers", [])  # config validation gives them one update_rate, sync_steps
+        # Of a RunConfig, whose validation gives them one update_rate and sync_steps (bench.learner_gpu's has none).
+        ema_teachers = getattr(cfg, "ema_teachers", [])
         self.ema_spec = ema_teachers[0] if ema_teachers else None
         self.ema: AdapterEma | None = None  # rank 0's average (`ema_spec`), published beside each version
         self.ema_publisher: AdapterPublisher | None = None
@@ -381,7 +382,15 @@ class LearnerRank:
                 dtype = next(iter(state.values())).dtype
                 with tempfile.TemporaryDirectory(dir=self._tmp) as d:
                     write_adapter(self.model, self.ema.state(dtype), Path(d))
-                    self.ema_publisher.publish(Path(d), version)
+                    ema_version = self.ema_publisher.publish(Path(d), version)
+                if ema_version != version:  # ema-vN taken in the run's prefix by another writer: moved past it
+                    log.warning(
+                        "ema-v%d is not this run's (planted): the average went to ema-v%d, and the ema teacher "
+                        "finds none for policy-v%d until the next version",
+                        version,
+                        ema_version,
+                        version,
+                    )
         self.state.policy_version = self._rank0_decides(version)
         return time.perf_counter() - t0
 
