@@ -149,10 +149,10 @@ def trl_main(args) -> None:
     """Train with TRL's SDFTTrainer; save the adapter at each step of `args.save_at`, write the wall times."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import TrainerCallback
     from trl.experimental.sdft import SDFTTrainer
 
+    from app.learner.model import peft_lora_config
     from app.tasks.problems import load_task
     from core.config import load_config
     from core.models import load_tokenizer
@@ -167,13 +167,7 @@ def trl_main(args) -> None:
     dataset = Dataset.from_dict(
         {"prompt": [p.prompt for p in train], "privileged_context": [str(p.answer) for p in train]}
     )
-    lora = LoraConfig(
-        r=cfg.lora.rank,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=cfg.lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
+    lora = peft_lora_config(cfg.lora)
     wall: dict[int, float] = {}
     losses: list[float] = []
 
