@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import print_table, write_result
+from bench.common import bench_run_sets, print_table, write_result
 from bench.vs_trl import checkpoint_rows, evaluate_folder, run_spotrl, samples_per_step
 from tests.support.fleet_helpers import free_port
 
@@ -85,16 +85,7 @@ def arm_config(arm: str, workdir: Path, steps: int, port: int, extra: list[str] 
     adapters.mkdir(parents=True, exist_ok=True)
     trusted = [str(adapters), str(workdir / "trl" / "adapters")]
     sets = [
-        f"grpo.max_steps={steps}",
-        f"logging.output_dir={out}",
-        "logging.run_name=bench",
-        f"bucket.url=file://{out / 'bench' / 'bucket'}",
-        f"bucket.cache_dir={workdir / 'cache'}",
-        f"bucket.keep_versions={steps + 2}",  # keep every step's adapter for the evaluation
-        "logging.trackio=false",
-        "logging.progress_bar=false",
-        f"fleet.extra_adapter_dirs={json.dumps(trusted)}",
-        f"fleet.port={port}",
+        *bench_run_sets(out, workdir, steps, port, trusted),
         *(extra or []),
     ]
     if arm == "grpo":
