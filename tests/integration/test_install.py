@@ -1,4 +1,4 @@
-"""The GPU dependency set installs: pip's resolver in dry-run mode on the `gpu` extra.
+"""The GPU dependency set installs: pip's resolver in dry-run mode on the `gpu` extra with `envs` and `tinker`.
 
 Nothing is downloaded but metadata, and nothing is installed. It runs on CPU machines (CI) so that a
 pin that cannot be resolved (vllm requiring another torch than the one we pin, a Python range that
@@ -28,6 +28,8 @@ def resolve(extra: str, report: Path, *options: str) -> dict[str, str]:
     return {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in json.loads(report.read_text())["install"]}
 
 
+# The GPU machine installs the environment libraries and the Tinker SDK beside vllm: they must resolve together.
+GPU_SET = "gpu,envs,tinker"
 PYTHON_3_12 = ("--python-version", "3.12", "--only-binary=:all:")
 
 
@@ -37,8 +39,8 @@ def resolutions(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resolve")
     with ThreadPoolExecutor(2) as pool:
         yield {
-            "here": pool.submit(resolve, "gpu", tmp / "here.json"),
-            "3.12": pool.submit(resolve, "gpu", tmp / "py312.json", *PYTHON_3_12),
+            "here": pool.submit(resolve, GPU_SET, tmp / "here.json"),
+            "3.12": pool.submit(resolve, GPU_SET, tmp / "py312.json", *PYTHON_3_12),
         }
 
 
