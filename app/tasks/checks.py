@@ -22,8 +22,30 @@ def check_names(cfg) -> None:
             raise ConfigError(f"{field}: {e}") from None
     if cfg.env.factory is not None:
         check_factories(cfg)
+    if cfg.env.openenv is not None:
+        check_openenv(cfg.env.openenv)
     if cfg.task.name == "reasoning_gym":
         reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
+
+
+def check_openenv(oe) -> None:
+    """`env.openenv` names an installed openenv's client and Action classes that fit, and an app that imports:
+    ConfigError naming the field else (the server itself starts only with the run, `app.tasks.openenv_env`)."""
+    from app.tasks.openenv_env import resolve_classes
+    from app.tasks.registry import resolve_named
+
+    try:
+        resolve_classes(oe)
+    except ValueError as e:
+        named = str(e).split(":")[0] in ("client", "action", "action_field")  # the message starts with the field
+        raise ConfigError(f"env.openenv.{e}" if named else f"env.openenv: {e}") from None
+    if oe.app is not None:
+        try:
+            app = resolve_named(oe.app, {}, "app", "module:app")
+        except ValueError as e:
+            raise ConfigError(f"env.openenv.app: {e}") from None
+        if not callable(app):
+            raise ConfigError(f"env.openenv.app: {oe.app} is not an ASGI app (OpenEnv's create_app builds one)")
 
 
 def check_factories(cfg) -> None:
