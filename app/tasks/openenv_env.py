@@ -193,7 +193,7 @@ class OpenEnvServer:
 
     HOST = "127.0.0.1"
 
-    def __init__(self, app: str, start_timeout_s: float = 60.0, cwd: str | Path | None = None):
+    def __init__(self, app: str, start_timeout_s: float = 180.0, cwd: str | Path | None = None):
         self.app, self.start_timeout_s = app, start_timeout_s
         self.cwd = Path(cwd) if cwd is not None else Path.cwd()
         self.process: subprocess.Popen | None = None

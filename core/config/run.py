@@ -50,7 +50,9 @@ class OpenEnvConfig(Section):
     observation_field: str = Field(
         "message", description="The Observation's text field rendered as the model's next turn (the next user turn)."
     )
-    start_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a served app to answer /health.")
+    start_timeout_s: float = Field(
+        180.0, gt=0, description="Longest wait for a served app to answer /health (OpenEnv's imports take ~15 s)."
+    )
 
     @field_validator("app", "client", "action")
     @classmethod

@@ -1,0 +1,162 @@
+"""OpenEnv environments through real OpenEnv servers on 127.0.0.1, each started as a run starts one
+(`app.tasks.openenv_env.OpenEnvServer`: uvicorn in a child process) and played by spotrl's episode runner through
+OpenEnv's own client. The model is a scripted fleet (fixed turns), so what is checked is the adapter and the server
+lifecycle: episodes, rewards, observations rendered token-exact, and each fault (a server killed mid-episode, a step
+that hangs, garbage, an environment that raises, no server at all) costing only its episodes, counted by cause."""
+
+import asyncio
+import math
+import socket
+import time
+from contextlib import ExitStack
+
+import pytest
+
+from app.rollout.episodes import EpisodeRunner
+from app.rollout.sampling import SamplingArgs
+from app.tasks.openenv_env import OpenEnvServer, openenv_factory, serve_openenv
+from app.tasks.problems import Problem
+from core.config import load_config
+from core.config.run import OpenEnvConfig
+from tests.unit.app.rollout.test_episodes import EOS, PROMPT, ScriptedFleet, encode
+
+ARITHMETIC = "examples.openenv_arithmetic:app"
+FAULTS = "tests.support.openenv_faults:app"
+START_S = 600  # OpenEnv's server imports gradio and fastmcp: ~15 s on 2 idle cores, minutes on a loaded box
+CHAIN = Problem("p", "Compute 12+34. Answer: ", "46", {"chain": [7, 2]})
+
+
+def runner(url: str, fleet, timeout_s: float = 5.0, **openenv) -> EpisodeRunner:
+    factory = openenv_factory(OpenEnvConfig(url=url, **openenv), timeout_s)
+    return EpisodeRunner(factory, encode, fleet, max_turns=4, max_episode_tokens=200, timeout_s=timeout_s)
+
+
+def play(r: EpisodeRunner, n: int, problem: Problem = CHAIN):
+    return asyncio.run(
+        asyncio.wait_for(r.run_group(problem, PROMPT, "policy-v0", n, SamplingArgs(max_completion_length=8)), 60)
+    )
+
+
+def sessions(server: OpenEnvServer) -> int:
+    """Sessions the server holds now (OpenEnv's /metadata does not say; its capacity error would): the count of
+    established connections to its port, from our side."""
+    import subprocess
+
+    out = subprocess.run(
+        ["ss", "-tnH", "state", "established", f"dport = :{server.port}"], capture_output=True, text=True
+    )
+    return len([line for line in out.stdout.splitlines() if line.strip()])
+
+
+@pytest.fixture(scope="module")
+def arithmetic():
+    with OpenEnvServer(ARITHMETIC, START_S) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def faults():
+    with OpenEnvServer(FAULTS, START_S) as server:
+        yield server
+
+
+def test_episodes_play_through_the_server_token_exact(arithmetic):
+    fleet = ScriptedFleet(["46", "53", "55"])
+    r = runner(arithmetic.url, fleet)
+    episodes = play(r, n=3)
+    obs1, obs2 = encode(" Add 7. Answer: "), encode(" Add 2. Answer: ")
+    turn1, turn2, turn3 = encode("46") + [EOS], encode("53") + [EOS], encode("55") + [EOS]
+    for ep in episodes:  # the server's observations, rendered as the next turn and never trained
+        assert ep.completion_ids == turn1 + obs1 + turn2 + obs2 + turn3
+        assert ep.completion_mask == [1] * 3 + [0] * len(obs1) + [1] * 3 + [0] * len(obs2) + [1] * 3
+        assert ep.turn_rewards == pytest.approx([1 / 3] * 3) and ep.reward == pytest.approx(1.0)
+        assert ep.succeeded and not ep.env_error and ep.turns == 3
+    assert fleet.requests == 3 and r.env_errors == 0
+    wrong = play(runner(arithmetic.url, ScriptedFleet(["46", "50"])), n=2)  # the server's own verdict: 1/3, then 0
+    assert all(ep.turn_rewards == pytest.approx([1 / 3, 0.0]) and ep.turns == 2 for ep in wrong)
+
+
+def test_a_typed_action_class_and_every_session_closed_after_its_group(arithmetic):
+    action = "examples.openenv_arithmetic:ArithmeticAction"
+    r = runner(arithmetic.url, ScriptedFleet(["46", "53", "55"]), action=action)
+    assert all(ep.reward == pytest.approx(1.0) for ep in play(r, n=4))
+    deadline = time.monotonic() + 5
+    while sessions(arithmetic) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions(arithmetic) == 0
+
+
+def test_a_server_killed_mid_episode_costs_its_episodes_counted_never_the_run(arithmetic):
+    with OpenEnvServer(ARITHMETIC, START_S) as server:
+        fleet = ScriptedFleet(["46", "53", "55"])
+        kill_at_turn_2 = fleet.__call__
+
+        async def generate(prompt_ids, model, n=1, *args, turn=None, **kwargs):
+            if turn == 2:
+                server.process.kill()
+                server.process.wait()
+            return await kill_at_turn_2(prompt_ids, model, n, *args, turn=turn, **kwargs)
+
+        r = runner(server.url, generate)
+        episodes = play(r, n=3)  # the group comes back: the server's loss is its episodes'
+        assert all(ep.env_error and math.isnan(ep.reward) and ep.turns == 2 for ep in episodes)
+        assert r.reward_metrics() == {"env/errors/openenv_disconnected": 3.0} and r.env_errors == 3
+        # A server that is not there at all: each reset is refused, counted the same way.
+        episodes = play(runner(server.url, ScriptedFleet(["46"])), n=2)
+        assert all(ep.env_error for ep in episodes)
+    # The next group, on a server that answers, plays as ever.
+    (ep,) = play(runner(arithmetic.url, ScriptedFleet(["46", "53", "55"])), n=1)
+    assert ep.reward == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "turn, cause",
+    [
+        ("hang", "env/errors/step_timeout"),
+        ("garbage", "env/errors/openenv_malformed"),
+        ("raise", "env/errors/openenv_server_error"),
+    ],
+)
+def test_a_step_that_hangs_returns_garbage_or_raises_costs_only_its_episode(faults, turn, cause):
+    class Mixed(ScriptedFleet):
+        """The first episode's turn misbehaves; every other turn is a good one."""
+
+        async def __call__(self, prompt_ids, model, n=1, *args, turn=None, **kwargs):
+            good = await ScriptedFleet(["ok", "ok"])(prompt_ids, model, n, *args, turn=turn, **kwargs)
+            return (await super().__call__(prompt_ids, model, 1, *args, turn=turn, **kwargs)) + good[1:]
+
+    t0 = time.monotonic()
+    r = runner(faults.url, Mixed([turn, "ok"]), timeout_s=1.0)
+    bad, good = play(r, n=2)
+    assert bad.env_error and math.isnan(bad.reward) and bad.turns == 1
+    assert not good.env_error and good.reward == 2.0 and good.turns == 2
+    assert r.reward_metrics() == {cause: 1.0}
+    assert time.monotonic() - t0 < 8  # a hung step is given up on at env.timeout_s, not when it returns
+
+
+def test_the_run_starts_the_app_on_loopback_and_stops_it_when_the_run_fails():
+    """The driver's ExitStack unwinds the same way at the end of a run that went well."""
+    import psutil
+
+    cfg = load_config(None, [f"env.openenv.app={ARITHMETIC}", f"env.openenv.start_timeout_s={START_S}"])
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(KeyError, match="the run failed"), ExitStack() as stack:
+        served = serve_openenv(stack, cfg)
+        url = served.env.openenv.url
+        assert url.startswith("http://127.0.0.1:") and served.env.openenv.app is None
+        (child,) = [p for p in psutil.Process().children() if p.pid not in before]  # the server, ours
+        port = int(url.rsplit(":", 1)[1])
+        assert {c.laddr.ip for c in child.net_connections("inet") if c.status == "LISTEN"} == {"127.0.0.1"}
+        (ep,) = play(runner(url, ScriptedFleet(["46", "53", "55"])), n=1)
+        assert ep.reward == pytest.approx(1.0)
+        raise KeyError("the run failed")
+    assert not child.is_running() and {p.pid for p in psutil.Process().children()} == before
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens there any more
+    plain = load_config()
+    assert serve_openenv(ExitStack(), plain) is plain  # nothing to serve: the config as it is
+
+
+def test_an_app_that_does_not_start_is_one_error_with_its_output():
+    with pytest.raises(RuntimeError, match="did not start.*Could not import module"):
+        OpenEnvServer("examples.no_such_module:app", start_timeout_s=30).start()
