@@ -18,11 +18,12 @@ from app.tasks.openenv_env import OpenEnvServer, openenv_factory, serve_openenv
 from app.tasks.problems import Problem
 from core.config import load_config
 from core.config.run import OpenEnvConfig
-from tests.unit.app.rollout.test_episodes import EOS, PROMPT, ScriptedFleet, encode
+from tests.support.scripted_fleet import EOS, ScriptedFleet, encode
 
 ARITHMETIC = "examples.openenv_arithmetic:app"
 FAULTS = "tests.support.openenv_faults:app"
 START_S = 600  # OpenEnv's server imports gradio and fastmcp: ~15 s on 2 idle cores, minutes on a loaded box
+PROMPT = [101, 102, 103]  # the task's prompt as the fleet sees it (the server never does)
 CHAIN = Problem("p", "Compute 12+34. Answer: ", "46", {"chain": [7, 2]})
 
 

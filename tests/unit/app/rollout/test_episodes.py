@@ -11,44 +11,10 @@ from app.rollout.sampling import SamplingArgs
 from app.tasks.environments import Calculator, ChainedArithmetic, Environment, EnvLost, EnvStep, calculate
 from app.tasks.problems import Problem
 from contracts.rollouts import Choice
+from tests.support.scripted_fleet import EOS, ScriptedFleet, encode
 
-EOS = 0
 PROBLEM = Problem("p", "Compute 12+34. Answer: ", "46", {"chain": [7, 2]})
 PROMPT = [101, 102, 103]
-
-
-def encode(text: str) -> list[int]:
-    """A toy tokenizer: one id per character (ids >= 1000), so observations are easy to find in a sequence."""
-    return [1000 + ord(c) for c in text]
-
-
-def decode(ids: list[int]) -> str:
-    return "".join(chr(i - 1000) for i in ids if i >= 1000)
-
-
-class ScriptedFleet:
-    """Answers turn k of every episode with `answers[k - 1]` (text, tokenised and closed by EOS), recording each
-    prompt as a call (`requests` counts the requests: a batch of prompts is one)."""
-
-    def __init__(self, answers, finish_reason="stop"):
-        self.answers, self.finish_reason = answers, finish_reason
-        self.calls: list[dict] = []
-        self.requests = 0
-
-    async def __call__(self, prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
-        self.requests += 1
-        prompts = prompt_ids if prompt_ids and isinstance(prompt_ids[0], list) else [prompt_ids]
-        out = []
-        for prompt in prompts:
-            self.calls.append({"prompt": list(prompt), "n": n, "max_tokens": max_tokens, "turn": turn})
-            ids = (encode(self.answers[turn - 1]) + [EOS])[:max_tokens]
-            finish = "length" if len(ids) == max_tokens and ids[-1] != EOS else self.finish_reason
-            # Distinct log-probs per prompt and position, so a misplaced one is visible.
-            out += [
-                Choice(i, list(ids), [-(len(self.calls) + j / 10) for j in range(len(ids))], decode(ids), finish)
-                for i in range(n)
-            ]
-        return out
 
 
 def runner(fleet, env=ChainedArithmetic, max_turns=4, max_episode_tokens=200, timeout_s=2.0):
