@@ -161,3 +161,17 @@ def test_the_run_starts_the_app_on_loopback_and_stops_it_when_the_run_fails():
 def test_an_app_that_does_not_start_is_one_error_with_its_output():
     with pytest.raises(RuntimeError, match="did not start.*Could not import module"):
         OpenEnvServer("examples.no_such_module:app", start_timeout_s=30).start()
+
+
+def test_the_docs_openenv_example_serves_and_plays_as_documented(tmp_path):
+    """The complete example of docs/tasks-and-environments.md, served as a user names it (`myenv:app`)."""
+    from tests.support import REPO
+
+    page = (REPO / "docs" / "tasks-and-environments.md").read_text()
+    section = page[page.index("## OpenEnv environments") :]
+    start = section.index("```python") + len("```python")
+    (tmp_path / "myenv.py").write_text(section[start : section.index("```", start)])
+    with OpenEnvServer("myenv:app", START_S, cwd=tmp_path) as server:
+        (ep,) = play(runner(server.url, ScriptedFleet(["46", "53", "55"])), n=1)
+    assert ep.turn_rewards == [1.0, 1.0, 1.0] and not ep.env_error
+    assert ep.completion_ids[3 : 3 + len(encode(" Add 7. Answer: "))] == encode(" Add 7. Answer: ")
