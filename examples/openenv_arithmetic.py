@@ -56,10 +56,10 @@ class ArithmeticEnvironment(Environment[ArithmeticAction, ArithmeticObservation,
 
     def step(self, action: ArithmeticAction, timeout_s=None, **kwargs) -> ArithmeticObservation:
         self._state.step_count += 1
-        if action.message.strip() != str(self.total):
-            return ArithmeticObservation(done=True, reward=0.0)
+        if action.message.strip() != str(self.total):  # metadata's `solved`: spotrl's held-out verdict
+            return ArithmeticObservation(done=True, reward=0.0, metadata={"solved": False})
         if not self.remaining:
-            return ArithmeticObservation(done=True, reward=self.per_turn)
+            return ArithmeticObservation(done=True, reward=self.per_turn, metadata={"solved": True})
         operand = self.remaining.pop(0)
         self.total += operand
         return ArithmeticObservation(message=f" Add {operand}. Answer: ", reward=self.per_turn)

@@ -12,7 +12,8 @@ token-exact like any other:
 - `step(text, token_ids)` sends the model's turn as the Action: a dict `{action_field: text}` for OpenEnv's
   `GenericEnvClient` (the default), or `action(**{action_field: text})` for a typed client's Action class. The
   observation's `observation_field` (text) is what the model reads next, tokenised once as every observation is;
-  `StepResult.reward` is the turn's reward (None: 0) and `done` ends the episode.
+  `StepResult.reward` is the turn's reward (None: 0) and `done` ends the episode; a last observation whose
+  metadata says `solved` (a bool) gives the episode's verdict for held-out accuracy (else: a positive reward).
 - `close()` closes the client, which ends the server's session.
 
 What goes wrong costs the episode, never the run, each cause counted in `env/errors/<cause>` (`EnvLost`):
@@ -74,8 +75,9 @@ def env_step(result: Any, field: str) -> EnvStep:
         raise EnvLost(MALFORMED, f"the reward {result.reward!r} is not a finite number")
     if not isinstance(result.done, bool):
         raise EnvLost(MALFORMED, f"done is {result.done!r}, not a bool")
-    if result.done:
-        return EnvStep(float(reward), done=True)
+    if result.done:  # the episode's verdict, where the environment gives one (held-out accuracy): metadata's `solved`
+        solved = (result.metadata or {}).get("solved") if isinstance(result.metadata, dict) else None
+        return EnvStep(float(reward), done=True, solved=solved if isinstance(solved, bool) else None)
     observation = result.observation
     text = observation.get(field) if isinstance(observation, dict) else getattr(observation, field, None)
     if not isinstance(text, str):

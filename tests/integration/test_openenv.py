@@ -71,10 +71,10 @@ def test_episodes_play_through_the_server_token_exact(arithmetic):
         assert ep.completion_ids == turn1 + obs1 + turn2 + obs2 + turn3
         assert ep.completion_mask == [1] * 3 + [0] * len(obs1) + [1] * 3 + [0] * len(obs2) + [1] * 3
         assert ep.turn_rewards == pytest.approx([1 / 3] * 3) and ep.reward == pytest.approx(1.0)
-        assert ep.succeeded and not ep.env_error and ep.turns == 3
+        assert ep.solved is True and not ep.env_error and ep.turns == 3  # the server's verdict, from its metadata
     assert fleet.requests == 3 and r.env_errors == 0
     wrong = play(runner(arithmetic.url, ScriptedFleet(["46", "50"])), n=2)  # the server's own verdict: 1/3, then 0
-    assert all(ep.turn_rewards == pytest.approx([1 / 3, 0.0]) and ep.turns == 2 for ep in wrong)
+    assert all(ep.turn_rewards == pytest.approx([1 / 3, 0.0]) and ep.turns == 2 and not ep.succeeded for ep in wrong)
 
 
 def test_a_typed_action_class_and_every_session_closed_after_its_group(arithmetic):

@@ -33,6 +33,9 @@ def test_a_step_result_is_the_turns_reward_and_the_observations_text_read_next()
     typed = StepResult(ArithmeticObservation(message=" Add 2. Answer: "), 1, False)  # a typed client's observation
     assert env_step(typed, "message") == EnvStep(1.0, observation=" Add 2. Answer: ")
     assert env_step(StepResult({}, None, True), "message") == EnvStep(0.0, done=True)  # done: nothing to read
+    verdict = StepResult({}, 0.5, True, metadata={"solved": False})  # the environment's verdict, where it gives one
+    assert env_step(verdict, "message") == EnvStep(0.5, done=True, solved=False)
+    assert env_step(StepResult({}, 1.0, True, metadata={"solved": "yes"}), "message").solved is None
 
 
 @pytest.mark.parametrize(
