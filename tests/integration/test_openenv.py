@@ -132,7 +132,7 @@ def test_a_step_that_hangs_returns_garbage_or_raises_costs_only_its_episode(faul
     assert bad.env_error and math.isnan(bad.reward) and bad.turns == 1
     assert not good.env_error and good.reward == 2.0 and good.turns == 2
     assert r.reward_metrics() == {cause: 1.0}
-    assert time.monotonic() - t0 < 8  # a hung step is given up on at env.timeout_s, not when it returns
+    assert time.monotonic() - t0 < 15  # a hung step is given up on at env.timeout_s, not when it returns (20 s)
 
 
 def test_the_run_starts_the_app_on_loopback_and_stops_it_when_the_run_fails():

@@ -14,7 +14,7 @@ from typing import Any
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
 from pydantic import Field
 
-HANG_S = 8.0  # far past the tests' env.timeout_s, short enough not to hold the server's shutdown long
+HANG_S = 20.0  # far past the tests' env.timeout_s (the server is SIGKILLed 10 s into its shutdown if still sleeping)
 
 
 class FaultAction(Action):
