@@ -56,13 +56,19 @@ async def evaluate_async(
     }
 
 
-def evaluate(cfg, base_url: str, model_path: str, model: str, token: str | None = None) -> dict:
-    """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split; its client and sampler are
-    closed when done (the driver evaluates twice a run, a long-lived caller many times)."""
+def evaluate(
+    cfg, base_url: str, model_path: str, model: str, token: str | None = None, context: str | None = None
+) -> dict:
+    """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split, each problem under the
+    privileged prompt `context` renders where one is given (a self teacher); its client and sampler are closed when
+    done (the driver evaluates twice a run, a long-lived caller many times)."""
+    from app.tasks.privileged import privileged_problem
     from app.tasks.problems import load_task
     from core.models import load_tokenizer
 
     problems = load_task(cfg.task).heldout
+    if context is not None:
+        problems = [privileged_problem(context, p) for p in problems]
     tokenizer = load_tokenizer(model_path)
     with contextlib.closing(FleetClient(base_url, token)) as client:
         sampler = sampler_for(cfg, tokenizer, client.acompletions)

@@ -89,6 +89,7 @@ class RolloutStats:
     cuts_total: int = 0
     prefilled_again_total: int = 0  # tokens sent again as the prompt of a continuation after a cut
     teacher_failed_total: int | None = None  # groups dropped because the teacher failed to score them (distilling)
+    teacher_failed_by: dict[str, int] = field(default_factory=dict)  # of several teachers, by name
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -113,5 +114,6 @@ class RolloutStats:
             **(
                 {} if self.teacher_failed_total is None else {"distill/teacher_failed_total": self.teacher_failed_total}
             ),
+            **{f"distill/{name}/teacher_failed_total": n for name, n in self.teacher_failed_by.items()},
             **self.reward_metrics,
         }

@@ -4,6 +4,7 @@ the verdicts) and the summary at the end, so that the loop and the summary read 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from contextlib import ExitStack
@@ -34,6 +35,7 @@ class Run:
         self.loop_s = 0.0
         self.idle_at_loop_start = 0.0
         self.teacher_heldout: dict | None = None  # a distilling run's teacher, evaluated as the student is
+        self.teachers_heldout: dict[str, dict] = {}  # of several teachers, each so evaluated, by name
 
     def start_loop(self, rollout_stats: RolloutStats) -> None:
         self.loop_t0 = time.time()
@@ -74,7 +76,7 @@ class Run:
             "heldout_models": [before and before["model"], after and after["model"]],
             "affinity_share": router_affinity(router),
             **episode_summary(self.history, rollout, router),
-            **distill_summary(self.history, rollout, self.teacher_heldout),
+            **distill_summary(self.history, rollout, self.teacher_heldout, self.teachers_heldout),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
             "staleness_max": max(self.staleness) if self.staleness else None,
             "dropped_stale_share": rollout.dropped_stale_share,
@@ -154,19 +156,36 @@ def episode_summary(history: list[dict], rollout: RolloutStats, router: dict | N
     }
 
 
-def distill_summary(history: list[dict], rollout: RolloutStats, teacher: dict | None) -> dict:
+def distill_summary(
+    history: list[dict], rollout: RolloutStats, teacher: dict | None, teachers: dict[str, dict] | None = None
+) -> dict:
     """Distilling runs: the teacher's held-out accuracy, the reverse KL to it over the first and the last 10% of
-    the steps, the groups its failures cost; {} otherwise."""
+    the steps, the groups its failures cost (with several teachers, each one's too, by name); {} otherwise."""
     kl = [m["distill/reverse_kl"] for m in history if "distill/reverse_kl" in m]
-    if teacher is None and not kl:
+    if teacher is None and not kl and not teachers:
         return {}
-    return {
+    out = {
         "teacher_heldout_accuracy": teacher and teacher["accuracy"],
         "teacher_model": teacher and teacher["model"],
         "reverse_kl_start": window_mean(kl, 0.1, last=False),
         "reverse_kl_end": window_mean(kl, 0.1, last=True),
         "teacher_failed_total": rollout.teacher_failed_total,
     }
+    if teachers:
+        out["teachers"] = {
+            name: {
+                "heldout_accuracy": measured["accuracy"],
+                "model": measured["model"],
+                "reverse_kl_end": window_mean(
+                    [m[k] for m in history if (k := f"distill/{name}/reverse_kl") in m and not math.isnan(m[k])],
+                    0.1,
+                    last=True,
+                ),
+                "failed_total": rollout.teacher_failed_by.get(name, 0),
+            }
+            for name, measured in teachers.items()
+        }
+    return out
 
 
 def progress_bar(cfg: RunConfig, initial: int):

@@ -12,6 +12,11 @@ arithmetic, correctly played episodes for chains, and for a task with reference 
 by the task's reward functions as evaluation judges them. The folder is cached under a key of its
 config, so it is built once.
 
+A self teacher (self-distillation) is the model shown a problem's answer in its prompt; a pretrained model reads
+it, a model this small has never seen one. With `model.tiny.warmup_context` (the teacher's template) the build
+starts from the same config's model without it (the embedded default, cached or built first) and goes on with the
+problems shown under the template, until held-out accuracy shown so reaches `warmup_context_accuracy`.
+
     python -m app.tiny_model [--config FILE] [--set model.tiny.seed=1]
 """
 
@@ -31,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from app.tasks.privileged import privileged_problem
 from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
 from app.tasks.rewards import RewardScorer, reward_columns
 from core.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
@@ -202,13 +208,17 @@ def reference_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]
     return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
 
 
-def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str]) -> tuple[list[int], list[int]] | None:
-    """One supervised single-turn example of a fresh addition (token ids, loss mask), or None when it is held out."""
+def fresh_addition(rng: random.Random, limit: int, avoid: set[str]) -> Problem | None:
+    """A fresh addition, or None when it is held out."""
     a, b = rng.randrange(limit), rng.randrange(limit)
     prompt = arithmetic_prompt(a, b)
-    if prompt in avoid:
-        return None
-    return reference_example(tokenizer, Problem("", prompt, str(a + b)))
+    return None if prompt in avoid else Problem("", prompt, str(a + b))
+
+
+def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str]) -> tuple[list[int], list[int]] | None:
+    """One supervised single-turn example of a fresh addition (token ids, loss mask), or None when it is held out."""
+    problem = fresh_addition(rng, limit, avoid)
+    return None if problem is None else reference_example(tokenizer, problem)
 
 
 def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
@@ -311,10 +321,32 @@ def warmup_plan(
     )
 
 
-def warm_up(model, tokenizer, tiny: TinyModelConfig, plan: WarmUpPlan, log=print) -> tuple[float, int]:
+def context_plan(
+    tokenizer, template: str, task: TaskConfig, heldout: list[Problem], pool: list[Problem], judge: Judge
+) -> WarmUpPlan:
+    """The warm-up's second part for a self teacher (`tiny.warmup_context`): the same problems, each shown under the
+    teacher's template with its answer, judged on the held-out problems shown so. A pretrained model reads an answer
+    given in its context (what SDFT's teacher relies on); a model this small learns to here."""
+    if task.name == "chained_arithmetic":
+        raise ConfigError("model.tiny.warmup_context: the warm-up shows a context to single-turn tasks only")
+    shown = [privileged_problem(template, p) for p in heldout]
+    longest = max(len(_encode(tokenizer, p.reference)) for p in heldout)
+    limit, avoid = 10**task.digits, {p.prompt for p in heldout}
+
+    def example(rng: random.Random) -> tuple[list[int], list[int]] | None:
+        problem = rng.choice(pool) if pool else fresh_addition(rng, limit, avoid)
+        return None if problem is None else reference_example(tokenizer, privileged_problem(template, problem))
+
+    return WarmUpPlan(example, lambda model: greedy_accuracy(model, tokenizer, shown, longest + 1, judge=judge))
+
+
+def warm_up(
+    model, tokenizer, tiny: TinyModelConfig, plan: WarmUpPlan, log=print, target: float | None = None, part: int = 1
+) -> tuple[float, int]:
     """Supervised steps on the plan's examples until the model's held-out greedy accuracy, as the plan judges it,
-    crosses the target."""
-    rng = random.Random(tiny.seed + 1)
+    crosses the target (`tiny.warmup_target_accuracy` unless given); `part` seeds its data apart from other parts."""
+    target = tiny.warmup_target_accuracy if target is None else target
+    rng = random.Random(tiny.seed + part)
     opt = torch.optim.AdamW(model.parameters(), lr=tiny.warmup_lr)
     eos = tokenizer.eos_token_id
     acc, step = 0.0, 0
@@ -337,8 +369,10 @@ def warm_up(model, tokenizer, tiny: TinyModelConfig, plan: WarmUpPlan, log=print
         opt.step()
         if step % 5 == 0:
             acc = plan.accuracy(model)
-            log(f"warm-up step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}")
-            if acc >= tiny.warmup_target_accuracy:
+            log(
+                f"warm-up{'' if part == 1 else f' part {part}'} step {step}: loss {loss.item():.3f} held-out accuracy {acc:.3f}"
+            )
+            if acc >= target:
                 break
     return acc, step
 
@@ -354,6 +388,80 @@ def check_context(tokenizer, model_cfg: ModelConfig, problems: list[Problem]) ->
         )
 
 
+def _task_data(task_cfg: TaskConfig, tiny: TinyModelConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:
+    """(held-out split that evaluation uses and the warm-up must never see, train split, warm-up pool of a task with
+    reference answers: reasoning-gym's own problems under the warm-up's seed, held-out ones left out)."""
+    from app.tasks.problems import SEED_BLOCK, WARMUP_BLOCK, draw_reasoning_gym, load_task
+
+    splits = (
+        load_task(task_cfg)
+        if task_cfg.name in ("chained_arithmetic", "reasoning_gym")
+        else make_arithmetic(task_cfg.digits, 1, task_cfg.num_heldout, task_cfg.seed)
+    )
+    pool = []
+    if task_cfg.name == "reasoning_gym":
+        avoid = frozenset(p.prompt for p in splits.heldout)
+        pool = draw_reasoning_gym(task_cfg, tiny.seed + WARMUP_BLOCK * SEED_BLOCK, WARMUP_POOL, "warmup", avoid)
+    return splits.heldout, splits.train, pool
+
+
+def _warmed_up(model_cfg: ModelConfig, task_cfg: TaskConfig, log) -> tuple[object, object, dict]:
+    """A tiny model built from scratch and warmed up on the task: (model, tokenizer, what the build measured)."""
+    tiny = model_cfg.tiny
+    heldout, train, pool = _task_data(task_cfg, tiny)
+    corpus = [p.prompt + p.reference for p in pool[:CORPUS_PROBLEMS]] if pool else None
+    tokenizer = build_tokenizer(task_cfg.digits, tiny.seed, texts=corpus)
+    if pool:
+        check_context(tokenizer, model_cfg, heldout + train + pool)
+    model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
+    # A task with reference answers is judged by its reward functions, as evaluation judges it.
+    scorer = RewardScorer.from_names(task_cfg.reward_funcs, task_cfg.reward_timeout_s) if pool else None
+    try:
+        plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, rewarded(scorer) if scorer else exactly_the_answer)
+        acc, steps = warm_up(model, tokenizer, tiny, plan, log=log)
+    finally:
+        if scorer is not None:
+            scorer.close()
+    return model, tokenizer, {"heldout_accuracy": acc, "warmup_steps": steps}
+
+
+def _taught_context(model_cfg: ModelConfig, task_cfg: TaskConfig, log) -> tuple[object, object, dict]:
+    """A tiny model that reads a self teacher's context (`tiny.warmup_context`): the same config's model without it
+    (built first if it is not cached: the embedded default, for the default's config), then warmed up on the
+    problems shown under the template with their answer, until held-out accuracy shown so reaches
+    `tiny.warmup_context_accuracy`; (model, tokenizer, what the build measured, the student's own accuracy after)."""
+    from transformers import Qwen2ForCausalLM
+
+    tiny = model_cfg.tiny
+    plain_cfg = model_cfg.model_copy(update={"tiny": tiny.model_copy(update={"warmup_context": None})})
+    plain, plain_info = ensure_tiny_model(plain_cfg, task_cfg, log=log)
+    tokenizer = load_tokenizer(plain)
+    model = Qwen2ForCausalLM.from_pretrained(plain, dtype=torch.float32)
+    model.train()
+    heldout, _, pool = _task_data(task_cfg, tiny)
+    scorer = RewardScorer.from_names(task_cfg.reward_funcs, task_cfg.reward_timeout_s) if pool else None
+    try:
+        judge = rewarded(scorer) if scorer else exactly_the_answer
+        shown = context_plan(tokenizer, tiny.warmup_context, task_cfg, heldout, pool, judge)
+        shown_acc, steps = warm_up(model, tokenizer, tiny, shown, log=log, target=tiny.warmup_context_accuracy, part=2)
+        acc = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, judge).accuracy(model)  # shown no answer
+    finally:
+        if scorer is not None:
+            scorer.close()
+    log(f"held-out accuracy {acc:.3f}; shown the answer in context {shown_acc:.3f}")
+    return (
+        model,
+        tokenizer,
+        {
+            "heldout_accuracy": acc,
+            "context_heldout_accuracy": shown_acc,
+            "context_warmup_steps": steps,
+            "warmed_from": {"folder": plain.name, "heldout_accuracy": plain_info["heldout_accuracy"]},
+            "warmup_steps": plain_info["warmup_steps"],
+        },
+    )
+
+
 def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -> tuple[Path, dict]:
     """Build the tiny model folder once per config (atomically, so concurrent callers are safe); reuse after."""
     tiny = model_cfg.tiny
@@ -364,35 +472,10 @@ def ensure_tiny_model(model_cfg: ModelConfig, task_cfg: TaskConfig, log=print) -
         return folder, {**json.loads(info_file.read_text()), "cached": True}
 
     t0 = time.time()
-    from app.tasks.problems import SEED_BLOCK, WARMUP_BLOCK, draw_reasoning_gym, load_task
-
-    # The held-out split that evaluation uses, which the warm-up must never see.
-    splits = (
-        load_task(task_cfg)
-        if task_cfg.name in ("chained_arithmetic", "reasoning_gym")
-        else make_arithmetic(task_cfg.digits, 1, task_cfg.num_heldout, task_cfg.seed)
-    )
-    heldout = splits.heldout
-    pool = []
-    if task_cfg.name == "reasoning_gym":  # the datasets' own problems, under the warm-up's seed, held-out ones left out
-        avoid = frozenset(p.prompt for p in heldout)
-        pool = draw_reasoning_gym(task_cfg, tiny.seed + WARMUP_BLOCK * SEED_BLOCK, WARMUP_POOL, "warmup", avoid)
-    corpus = [p.prompt + p.reference for p in pool[:CORPUS_PROBLEMS]] if pool else None
-    tokenizer = build_tokenizer(task_cfg.digits, tiny.seed, texts=corpus)
-    if pool:
-        check_context(tokenizer, model_cfg, heldout + splits.train + pool)
-    model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
-    # A task with reference answers is judged by its reward functions, as evaluation judges it.
-    scorer = RewardScorer.from_names(task_cfg.reward_funcs, task_cfg.reward_timeout_s) if pool else None
-    try:
-        plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, rewarded(scorer) if scorer else exactly_the_answer)
-        acc, steps = warm_up(model, tokenizer, tiny, plan, log=log)
-    finally:
-        if scorer is not None:
-            scorer.close()
+    build = _taught_context if tiny.warmup_context is not None else _warmed_up
+    model, tokenizer, measured = build(model_cfg, task_cfg, log)
     info = {
-        "heldout_accuracy": acc,
-        "warmup_steps": steps,
+        **measured,
         "build_s": round(time.time() - t0, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "config": tiny.model_dump(),

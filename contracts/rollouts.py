@@ -87,6 +87,8 @@ class Sample:
     solved: bool | None = None  # an episode's verdict from its environment at the end, if it gave one
     # Per completion token, by name: what the run's objectives attached (read at model tokens only).
     streams: dict[str, list[float]] = field(default_factory=dict)
+    # What the environment said last of an episode (its last observation, or its error): a self teacher's feedback.
+    feedback: str = ""
 
     @property
     def succeeded(self) -> bool:

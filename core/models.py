@@ -31,9 +31,13 @@ def tiny_model_folder(model_cfg: ModelConfig, task_cfg: TaskConfig) -> Path:
     its shape, its warm-up and the held-out split it avoids."""
     spec = {
         "v": TINY_BUILD_VERSION,
-        "tiny": model_cfg.tiny.model_dump(),
+        "tiny": model_cfg.tiny.model_dump(exclude={"warmup_context", "warmup_context_accuracy"}),
         "task": [task_cfg.digits, task_cfg.seed, task_cfg.num_heldout],
     }
+    if (
+        model_cfg.tiny.warmup_context is not None
+    ):  # also taught to read a self teacher's context (the key without stays)
+        spec["context"] = [model_cfg.tiny.warmup_context, model_cfg.tiny.warmup_context_accuracy]
     if task_cfg.name == "chained_arithmetic":  # warmed up on episodes instead (the single-turn key stays as it was)
         spec["episodes"] = [task_cfg.chain_min, task_cfg.chain_max, task_cfg.chain_operand_max]
     if task_cfg.name == "reasoning_gym":

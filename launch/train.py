@@ -134,17 +134,25 @@ def learner_fleet_address(cfg: RunConfig) -> str:
     return address
 
 
-def start_teacher(cfg: RunConfig, run: Run, fleet, model_path: str, evaluation: Evaluation, token: str | None):
+def start_teacher(
+    cfg: RunConfig, run: Run, fleet, model_path: str, evaluation: Evaluation, token: str | None, version: int
+):
     """A distilling run's teacher, checked (`app.teacher_setup`) and its held-out accuracy measured as the student's
-    is; None when the run does not distil."""
-    if cfg.teacher is None:
+    is (a self teacher's under its privileged prompt); or its several teachers by name, each so measured; None when
+    the run does not distil. `version` is the run's newest version now, a `live` self teacher's first."""
+    if cfg.distill is None:
         return None
-    from app.teacher_setup import prepare_teacher
+    from app.teacher_setup import prepare_teachers
 
-    teacher = prepare_teacher(cfg, fleet, model_path, token)
-    run.teacher_heldout = evaluation.of_teacher(teacher)
-    log.info("teacher held-out accuracy: %.3f (%s)", run.teacher_heldout["accuracy"], teacher.model)
-    return teacher
+    teachers = prepare_teachers(cfg, fleet, model_path, token, adapter_name(version, cfg.fleet_run))
+    measured = {name: evaluation.of_teacher(teacher) for name, teacher in teachers.items()}
+    for name, heldout in measured.items():
+        log.info("teacher %s held-out accuracy: %.3f (%s)", name, heldout["accuracy"], heldout["model"])
+    if cfg.distill.teachers is None:
+        run.teacher_heldout = measured["teacher"]
+        return teachers["teacher"]
+    run.teachers_heldout = measured
+    return teachers
 
 
 def start_rollout(
@@ -192,8 +200,8 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
 
     run = Run(cfg)
     model_path = prepare_model(cfg.model, cfg.task, log=log.info)
-    if cfg.teacher is not None and cfg.teacher.model is not None:  # its own fleet's teacher deployment loads it
-        prepare_model(cfg.teacher.model, cfg.task, log=log.info)
+    if (model_teacher := cfg.teacher_of("model")) is not None:  # its own fleet's teacher deployment loads it
+        prepare_model(model_teacher.model, cfg.task, log=log.info)
     pin_revision(cfg.model, model_path, log=log.info)
     if not cfg.join.url and report_finished(cfg):
         return None
@@ -222,7 +230,9 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
         ensure_served(fleet, cfg, resume.policy_version)
         evaluation = Evaluation(cfg, fleet.base_url, model_path, token or inference_token(cfg))
         before = evaluation.baseline(resume)
-        teacher = start_teacher(cfg, run, fleet, model_path, evaluation, token or admin_token(cfg))
+        teacher = start_teacher(
+            cfg, run, fleet, model_path, evaluation, token or admin_token(cfg), resume.policy_version
+        )
         rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token, teacher)
         steps = StepLog(stack, run, resume.step)
         version = loop(cfg, run, steps, learner, rollout, resume, notices)
@@ -304,7 +314,7 @@ class Evaluation:
         from app.evaluate import evaluate
 
         token = teacher.token.value if teacher.token else None
-        return evaluate(self.cfg, teacher.url, self.model_path, teacher.model, token)
+        return evaluate(self.cfg, teacher.url, self.model_path, teacher.model, token, context=teacher.context)
 
     def baseline(self, resume: ResumePoint) -> dict:
         kept = self.cfg.run_dir / "heldout_before.json"

@@ -11,6 +11,13 @@ the only gradient is the one into the hidden states, and for the log-prob of tok
 `(onehot(t) - softmax) @ W / temperature`: a `[tokens x hidden]` matrix computed in the same chunked
 pass and scaled by the incoming gradient in backward. Peak memory is one chunk's logits, the values
 equal the unchunked ones (fp32 to 1e-5, tested), and no logits are recomputed.
+
+Top-k distillation (`app.objectives.distill`, `mode: topk`) also wants the log-probs at k more ids per token (the
+teacher's top k), with gradient. Their gradients differ only in the one-hot row, `(W[id] - p @ W) / temperature`,
+so the same pass keeps `p @ W` (`[tokens x hidden]`, as above) and a copy of the output layer's rows at the ids it
+was asked (at most the whole layer, however long the sequence); backward weighs those rows by the incoming
+gradient a chunk at a time. Still no `[tokens x vocab]` tensor beyond one chunk's, and the weight is never read
+in backward (FSDP may have resharded it by then).
 """
 
 from __future__ import annotations
@@ -110,6 +117,106 @@ def chunked_token_logprobs(
     return _ChunkedLogProbs.apply(hidden, weight, bias, targets, temperature, chunk_tokens)
 
 
+def _chunk_values_at(hidden, weight, bias, targets, ids, temperature, want_grad):
+    """(log-probs of the targets, entropy, log-probs at `ids` [chunk, k], p @ W or None) of one chunk."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    del logits
+    log_norm = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
+    at_ids = scaled.gather(-1, ids) - log_norm.unsqueeze(-1)
+    probs = torch.exp(scaled - log_norm.unsqueeze(-1))
+    entropy = log_norm - (probs * scaled).sum(-1)
+    del scaled
+    expected = (probs.to(weight.dtype) @ weight).to(logp.dtype) if want_grad else None  # p @ W
+    return logp, entropy, at_ids, expected
+
+
+class _ChunkedLogProbsAt(torch.autograd.Function):
+    """`_ChunkedLogProbs` plus the log-probs at `ids` (`[tokens, k]`), both with gradient into `hidden`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ids, temperature, chunk_tokens):
+        want_grad = hidden.requires_grad
+        parts = [
+            _chunk_values_at(
+                hidden[s : s + chunk_tokens],
+                weight,
+                bias,
+                targets[s : s + chunk_tokens],
+                ids[s : s + chunk_tokens],
+                temperature,
+                want_grad,
+            )
+            for s in range(0, hidden.shape[0], chunk_tokens)
+        ]
+        float_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        if parts:
+            logp, entropy, at_ids = (torch.cat([p[i] for p in parts]) for i in range(3))
+        else:
+            logp = hidden.new_zeros(0, dtype=float_dtype)
+            entropy, at_ids = logp.clone(), hidden.new_zeros((0, ids.shape[1]), dtype=float_dtype)
+        ctx.mark_non_differentiable(entropy)
+        ctx.want_grad, ctx.hidden_dtype, ctx.temperature, ctx.chunk_tokens = (
+            want_grad,
+            hidden.dtype,
+            temperature,
+            chunk_tokens,
+        )
+        if want_grad:
+            # The output layer's rows at every id asked (the targets first), and where each token's ids sit among them.
+            rows, where = torch.unique(torch.cat([targets.unsqueeze(-1), ids], dim=-1), return_inverse=True)
+            expected = torch.cat([p[3] for p in parts]) if parts else hidden.new_zeros(hidden.shape, dtype=float_dtype)
+            ctx.save_for_backward(expected, weight[rows].detach(), where)
+        return logp, entropy, at_ids
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, grad_at_ids):
+        if not ctx.want_grad or not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        expected, rows, where = ctx.saved_tensors
+        grads = torch.cat([grad_logp.unsqueeze(-1), grad_at_ids], dim=-1)  # [tokens, 1 + k], as `where`
+        # d/dh of sum_j g_j logp(id_j) = (sum_j g_j W[id_j] - (sum_j g_j) p @ W) / T, a chunk of tokens at a time:
+        # one chunk's gathered rows are [chunk / (1 + k), 1 + k, hidden], no larger than one chunk's hidden states.
+        step = max(1, ctx.chunk_tokens // grads.shape[1])
+        weighted = (
+            torch.cat(
+                [
+                    torch.einsum("nk,nkh->nh", grads[s : s + step], rows[where[s : s + step]].to(grads.dtype))
+                    for s in range(0, grads.shape[0], step)
+                ]
+            )
+            if grads.shape[0]
+            else expected.new_zeros(expected.shape)
+        )
+        grad_hidden = (weighted - grads.sum(-1, keepdim=True) * expected) / ctx.temperature
+        return grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None, None
+
+
+def chunked_logprobs_at(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunked_token_logprobs` and the log-prob of each of `ids` (`[tokens, k]`) at each token, all at `temperature`:
+    `log_softmax(hidden @ W.T + b)` gathered at the targets and at `ids`, one chunk of tokens at a time.
+
+    Gradients flow into `hidden` only, from the targets' log-probs and from those at `ids`; entropy carries none.
+    """
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("chunked_logprobs_at: the output layer must be frozen (LoRA does not train lm_head)")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if ids.dim() != 2 or ids.shape[0] != targets.shape[0]:
+        raise ValueError(f"ids must be [tokens, k] with one row per target, got {tuple(ids.shape)}")
+    return _ChunkedLogProbsAt.apply(hidden, weight, bias, targets, ids, temperature, chunk_tokens)
+
+
 class LogProbHead(torch.nn.Module):
     """Stands in for a causal LM's `lm_head` so that a forward pass can return log-probs instead of logits.
 
@@ -130,10 +237,18 @@ class LogProbHead(torch.nn.Module):
         return self.head.weight
 
     @contextmanager
-    def scoring(self, rows: torch.Tensor, cols: torch.Tensor, targets: torch.Tensor, temperature: float):
+    def scoring(
+        self,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        ids: torch.Tensor | None = None,
+    ):
         """Within the block, the model's `logits` output is `[2, M]`: target m's log-prob and entropy,
-        predicted by the hidden state at `[rows[m], cols[m]]` of the kept positions."""
-        self._request = (rows, cols, targets, temperature)
+        predicted by the hidden state at `[rows[m], cols[m]]` of the kept positions; with `ids` (`[M, k]`),
+        `[2 + k, M]`: the log-probs at target m's k ids follow."""
+        self._request = (rows, cols, targets, temperature, ids)
         try:
             yield
         finally:
@@ -142,7 +257,18 @@ class LogProbHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:
             return self.head(hidden)
-        rows, cols, targets, temperature = self._request
+        rows, cols, targets, temperature, ids = self._request
+        if ids is not None:
+            logp, entropy, at_ids = chunked_logprobs_at(
+                hidden[rows, cols],
+                self.head.weight,
+                targets,
+                ids,
+                temperature,
+                bias=self.head.bias,
+                chunk_tokens=self.chunk_tokens,
+            )
+            return torch.cat([torch.stack([logp, entropy]), at_ids.T])
         logp, entropy = chunked_token_logprobs(
             hidden[rows, cols],
             self.head.weight,

@@ -10,7 +10,8 @@ samples and per-token streams into micro-batches (`app.learner.packing`), accumu
 the objectives' summed loss (`app.objectives`: GRPO by default; the rank names no algorithm) over this
 rank's micro-batches, clip, AdamW. The forward never materialises `[tokens x vocab]` logits: the
 model's output layer is a `LogProbHead` (`app.learner.logprobs`), which returns the sampled tokens'
-log-probs and entropies chunk by chunk. Every `weight_sync_steps` the whole adapter is gathered from
+log-probs and entropies chunk by chunk (and the log-probs at the ids an objective asks for, `scored_ids`: the
+teacher's top k of top-k distillation). Every `weight_sync_steps` the whole adapter is gathered from
 the FSDP shards and handed to `app.weight_sync` as the next `policy-v{N}` (bucket, then fleet); every
 `save_steps` the whole learner state goes to the bucket as a checkpoint (`app.learner.state`).
 
@@ -194,10 +195,18 @@ class LearnerRank:
         """Log-prob (with gradient) and entropy (without) of each of the micro-batch's targets, at the sampling
         temperature: the output layer computes them chunk by chunk inside the forward, where FSDP has gathered it.
         """
+        logp, entropy, _ = self._forward_at(mb, None)
+        return logp, entropy
+
+    def _forward_at(
+        self, mb: MicroBatch, ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`_forward`, and the log-probs (with gradient) at `ids` (`[targets, k]`) at each target's position, at
+        the same temperature, computed in the same chunks (`[targets, k]`; None without ids)."""
         # No attention mask: packed rows pass their sample boundaries instead, padded rows are right-padded
         # (see app.learner.packing); position_ids restart at every packed sample, for the rotary embedding.
         extra = {"packed_cu_seqlens": mb.cu_seqlens} if mb.cu_seqlens is not None else {}
-        with self.head.scoring(mb.target_rows, mb.target_cols, mb.targets, self.cfg.grpo.temperature):
+        with self.head.scoring(mb.target_rows, mb.target_cols, mb.targets, self.cfg.grpo.temperature, ids):
             out = self.model(
                 input_ids=mb.input_ids,
                 position_ids=mb.position_ids,
@@ -205,8 +214,9 @@ class LearnerRank:
                 use_cache=False,
                 **extra,
             )
-        logp, entropy = out.logits  # [2, targets]: what LogProbHead returns in place of the logits
-        return logp, entropy.detach()
+        # [2, targets] (or [2 + k, targets] with ids): what LogProbHead returns in place of the logits
+        logp, entropy = out.logits[0], out.logits[1]
+        return logp, entropy.detach(), None if ids is None else out.logits[2:].T
 
     def forward_backward(self, groups: list[Group], stop: Callable[[], bool] | None = None) -> dict:
         """Accumulate the gradient of the objectives' loss over these groups into `.grad` (no optimizer step).
@@ -228,8 +238,12 @@ class LearnerRank:
                 if stop is not None and stop():
                     raise StepAbandoned
                 mb = mb.to(self.device)
-                logp, entropy = self._forward(mb)
-                loss, mb_stats = self.objectives.loss(logp, entropy, mb.streams, normalizers)
+                ids = self.objectives.scored_ids(mb.streams)  # top-k distillation's: the teacher's top k
+                if ids is None:
+                    (logp, entropy), at_ids = self._forward(mb), None
+                else:
+                    logp, entropy, at_ids = self._forward_at(mb, ids)
+                loss, mb_stats = self.objectives.loss(logp, entropy, mb.streams, normalizers, at_ids)
                 if mb.is_filler:
                     loss = loss * 0.0  # runs forward and backward only to keep FSDP's collectives in step
                     stats.add(mb_stats.emptied())

@@ -6,7 +6,8 @@ without knowing what they mean and the learner sums losses without knowing which
 
 - `app.objectives.base`: the `Objective` interface and the `LossStats` every loss reports;
 - `app.objectives.grpo`: GRPO, with TRL's AsyncGRPO semantics (the run's default);
-- `app.objectives.distill`: on-policy distillation, the reverse KL to a teacher per sampled token (Tinker's);
+- `app.objectives.distill`: on-policy distillation, the reverse KL to a teacher per sampled token (Tinker's), or a
+  divergence over the teacher's top k (TRL's `topk_logits`);
 - `app.objectives.combined`: `Objectives`, the run's objectives as `RunConfig.objectives` lists them.
 """
 

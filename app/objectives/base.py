@@ -20,6 +20,9 @@ import torch
 
 from contracts.rollouts import SAMPLING_LOGPROBS, Group
 
+# The stream an objective's loss finds the learner's log-probs in (with gradient, `[targets, k]`) at the ids it asked
+# for (`Objective.scored_ids`): no rollout writes it, the learner adds it to the micro-batch's streams.
+LEARNER_LOGPROBS_AT_IDS = "learner_logprobs_at_ids"
 SQUARES = "/sq_mean"  # a sum named `<m>/sq_mean`, of the squares of what `<m>` sums, also yields `<m>/std`
 
 
@@ -106,6 +109,12 @@ class Objective(ABC):
         """How many of a micro-batch's trained tokens this objective's loss is averaged over: all of them, unless an
         objective says otherwise (the step's count, over all micro-batches and ranks, is its normaliser)."""
         return streams[SAMPLING_LOGPROBS].numel()
+
+    def scored_ids(self, streams: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """Token ids (`[targets, k]`, long) at which this objective's loss wants the learner's log-probs beside the
+        sampled token's (top-k distillation: the teacher's top k), handed to its loss as `LEARNER_LOGPROBS_AT_IDS`;
+        None: the sampled token's alone (what every loss but top-k distillation reads)."""
+        return None
 
     @abstractmethod
     def loss(

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from app.objectives.base import LossStats, Objective
+from app.objectives.base import LEARNER_LOGPROBS_AT_IDS, LossStats, Objective
 from app.objectives.distill import Distill
 from app.objectives.grpo import GRPO
 from contracts.rollouts import Group
@@ -50,17 +50,34 @@ class Objectives:
             counts = [n + o.num_tokens(streams) for n, o in zip(counts, self.objectives, strict=True)]
         return counts
 
+    def scored_ids(self, streams: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The ids every objective asked the learner's log-probs at (`Objective.scored_ids`), side by side
+        (`[targets, sum of k]`), or None when none asks."""
+        asked = [ids for o in self.objectives if (ids := o.scored_ids(streams)) is not None]
+        return torch.cat(asked, dim=-1) if asked else None
+
     def loss(
         self,
         logp: torch.Tensor,
         entropy: torch.Tensor,
         streams: Mapping[str, torch.Tensor],
         normalizers: list[float],
+        at_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LossStats]:
-        """The weighted sum of the objectives' losses over one micro-batch, and all their statistics."""
-        total, stats = None, LossStats()
+        """The weighted sum of the objectives' losses over one micro-batch, and all their statistics.
+
+        `at_ids` are the learner's log-probs at `scored_ids(streams)`: each objective that asked finds its own
+        columns of them as `LEARNER_LOGPROBS_AT_IDS`."""
+        total, stats, column = None, LossStats(), 0
         for objective, normalizer in zip(self.objectives, normalizers, strict=True):
-            loss, own = objective.loss(logp, entropy, streams, normalizer)
+            own_streams = streams
+            if (ids := objective.scored_ids(streams)) is not None:
+                if at_ids is None:
+                    raise ValueError(f"{objective.kind}: its loss needs the learner's log-probs at its scored_ids")
+                width = ids.shape[-1]
+                own_streams = {**streams, LEARNER_LOGPROBS_AT_IDS: at_ids[:, column : column + width]}
+                column += width
+            loss, own = objective.loss(logp, entropy, own_streams, normalizer)
             total = loss * objective.weight if total is None else total + loss * objective.weight
             stats.add(own)
         return total, stats

@@ -17,7 +17,7 @@ from app.fleet_client import FleetClient
 from app.messages import ResumePoint, RolloutStats
 from app.rollout.producer import GroupProducer
 from app.rollout.samplers import sampler_for
-from app.rollout.teacher import TeacherEndpoint, TeacherScorer
+from app.rollout.teacher import TeacherEndpoint, scorer_for
 from contracts.auth import Secret, admin_token
 from contracts.retry import Backoff
 from contracts.rollouts import RolloutBatch
@@ -52,7 +52,8 @@ class RolloutActor:
         fleet_url: str,
         resume: ResumePoint,
         run_token: Secret | None = None,
-        teacher: TeacherEndpoint | None = None,  # where a distilling run's teacher scores (`app.teacher_setup`)
+        # Where a distilling run's teacher scores, or its several teachers by name (`app.teacher_setup`).
+        teacher: TeacherEndpoint | dict[str, TeacherEndpoint] | None = None,
     ):
         from app.tasks.problems import load_task
         from core.models import load_tokenizer, prompt_token_ids
@@ -67,15 +68,19 @@ class RolloutActor:
             log.warning("rollout actor restarted: resuming at %s", resume)
         tokenizer = load_tokenizer(model_path)
         self.client = sampling_client(cfg, fleet_url, run_token)
+
+        def prompt_ids(problem):
+            return prompt_token_ids(tokenizer, problem.prompt)
+
         self.producer = GroupProducer(
             cfg,
             load_task(cfg.task).train,
-            lambda p: prompt_token_ids(tokenizer, p.prompt),
+            prompt_ids,
             sampler_for(cfg, tokenizer, self.client.acompletions),
             resume=resume,
             retries_done=lambda: self.client.retries_done,
             cut=self.client.acut,
-            teacher=TeacherScorer.from_config(teacher, cfg) if teacher is not None else None,
+            teacher=scorer_for(cfg, teacher, prompt_ids),
         )
 
     async def start(self) -> None:

@@ -77,6 +77,7 @@ class Episode:
     env_error: bool = False
     solved: bool | None = None  # the environment's verdict at the end, if it gave one
     turns: int = 0  # model turns so far
+    feedback: str = ""  # what the environment said last: its last observation, or its error (a self teacher's context)
 
     @property
     def reward(self) -> float:
@@ -115,6 +116,7 @@ class Episode:
             num_turns=self.turns,
             solved=self.solved,
             streams={VERSIONS: list(self.versions)},
+            feedback=self.feedback,
         )
 
 
@@ -302,6 +304,8 @@ class EpisodeRunner(Sampler):
                 failure = e
             else:
                 episode.turn_rewards.append(float(step.reward))
+                if isinstance(step.observation, str) and step.observation:
+                    episode.feedback = step.observation
                 if step.done:
                     episode.solved = step.solved
                     return False
@@ -313,6 +317,7 @@ class EpisodeRunner(Sampler):
         cause = failure.cause if isinstance(failure, EnvFailed) else "reset_raised"
         self.counters[f"env/errors/{cause}"] += 1
         episode.env_error = True
+        episode.feedback = f"error: {failure}"
         log.warning("environment failed (%s), ending its episode with reward None: %s", cause, failure)
         return False
 

@@ -36,7 +36,7 @@ from app.objectives.distill import TEACHER_LOGPROBS
 from app.rollout.continuation import Flight, version_of
 from app.rollout.sampling import GroupStale, Sampler, SamplingArgs
 from app.rollout.staleness import StalenessRule, figures
-from app.rollout.teacher import TeacherScorer
+from app.rollout.teacher import TeacherChoice, TeacherScorer
 from app.tasks.problems import Problem
 from contracts.adapters import adapter_name
 from contracts.rollouts import Group, RolloutBatch
@@ -57,7 +57,8 @@ class GroupProducer:
         resume: ResumePoint | None = None,  # where to go on; None: a fresh run
         retries_done: Callable[[], int] = lambda: 0,  # the fleet client's retries so far, for the metrics
         cut: Callable[[list[str]], Awaitable[Any]] | None = None,  # cut the generations under these adapters
-        teacher: TeacherScorer | None = None,  # scores every group before it is annotated (a distilling run)
+        # Scores every group before it is annotated (a distilling run): its teacher, or a choice among several.
+        teacher: TeacherScorer | TeacherChoice | None = None,
     ):
         self.cfg = cfg
         self.problems, self.prompt_ids, self.sampler, self.teacher = problems, prompt_ids, sampler, teacher
@@ -189,7 +190,7 @@ class GroupProducer:
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
         if self.teacher is not None:
             try:
-                await self.teacher.score(group)
+                await self.teacher.score(group, problem, self._newest_model())
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the teacher's failure costs this group alone
@@ -307,6 +308,7 @@ class GroupProducer:
             cuts_total=cuts.cuts,
             prefilled_again_total=cuts.prefilled_again,
             teacher_failed_total=c["teacher_failed"] if self.teacher is not None else None,
+            teacher_failed_by=getattr(self.teacher, "failed_by_teacher", dict)(),
         )
 
     def _queued(self) -> list[Group]:

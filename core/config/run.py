@@ -184,20 +184,94 @@ class GRPOObjectiveConfig(Section):
     weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
 
 
+# The most alternatives a fleet's scoring request may ask for (`deployments.api.bodies.MAX_LOGPROBS`, vLLM's default
+# max_logprobs); a teacher that is asked more answers 400.
+MAX_TEACHER_TOP_K = 20
+TOPK_FIELDS = frozenset({"top_k", "alpha", "tail", "is_clip"})  # what only the topk mode reads
+
+
 class DistillObjectiveConfig(Section):
-    """On-policy distillation (`app.objectives.distill`): the reverse KL to a teacher at every sampled token."""
+    """On-policy distillation (`app.objectives.distill`): the reverse KL to a teacher at every sampled token, or a
+    divergence over the teacher's top-k tokens at every position (`mode: topk`)."""
 
     kind: Literal["distill"] = Field(
         description="The objective: distill (a teacher scores the student's samples; per-token reverse KL)."
     )
     weight: float = Field(1.0, gt=0, description="Weight of this objective's loss in the learner's sum.")
-    teacher: TeacherConfig = Field(description="The teacher: base, {adapter: ...}, {model: {...}} or {url: ...}.")
+    teacher: TeacherConfig | None = Field(
+        None, description="The teacher: base, {adapter: ...}, {model: {...}}, {url: ...} or {self: {...}}."
+    )
+    teachers: dict[str, TeacherConfig] | None = Field(
+        None, description="Several teachers by name, instead of `teacher`: each problem picks one by `teacher_field`."
+    )
+    teacher_field: str = Field(
+        "teacher", description="With `teachers`: the problem's column naming its teacher (none: the one named default)."
+    )
     coef: float = Field(
-        1.0, gt=0, description="Per-token advantage = -coef x (sampler's log-prob - teacher's log-prob)."
+        1.0,
+        gt=0,
+        description="Scale of the signal: sampled, advantage = -coef x (sampler's - teacher's log-prob); topk, "
+        "coef x divergence.",
     )
     max_gap: float = Field(
         20.0, gt=0, description="Largest per-token gap (nats) counted; a token the teacher rules out counts this much."
     )
+    mode: Literal["sampled", "topk"] = Field(
+        "sampled",
+        description="sampled: reverse KL at the sampled token; topk: a divergence over the teacher's top_k (TRL's "
+        "topk_logits).",
+    )
+    top_k: int = Field(
+        20,
+        ge=1,
+        le=MAX_TEACHER_TOP_K,
+        description=f"topk: the teacher's most likely tokens per position distilled (the fleet answers at most "
+        f"{MAX_TEACHER_TOP_K}).",
+    )
+    alpha: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="topk: generalised JSD between forward KL (0) and reverse KL (1), TRL's distillation_alpha.",
+    )
+    tail: bool = Field(
+        False, description="topk: one more bucket for the mass outside the top k (else both are renormalised over it)."
+    )
+    is_clip: float | None = Field(
+        2.0,
+        gt=0,
+        description="topk: clip of the importance weight exp(learner - sampler log-prob) per token; null: none.",
+    )
+
+    @model_validator(mode="after")
+    def _topk_fields_in_topk_mode(self) -> DistillObjectiveConfig:
+        """A top-k setting given in sampled mode would be ignored without a word: refuse it instead (its default
+        is no setting, so that a dumped config loads again)."""
+        fields = type(self).model_fields
+        given = sorted(f for f in TOPK_FIELDS if getattr(self, f) != fields[f].default)
+        if self.mode == "sampled" and given:
+            raise ValueError(f"{', '.join(given)}: only for mode topk (mode is sampled)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_or_several(self) -> DistillObjectiveConfig:
+        if (self.teacher is None) == (self.teachers is None):
+            raise ValueError("name a teacher, or several as teachers: {<name>: <teacher>}, not both nor neither")
+        if self.teachers is not None:
+            if not self.teachers:
+                raise ValueError("teachers: name at least one")
+            for name in self.teachers:
+                if not RUN_NAME.fullmatch(name):
+                    raise ValueError(f"teachers: {name!r} cannot name a teacher (1-32 of a-z, 0-9, '_', '-')")
+            for kind in ("adapter", "model"):  # the fleet a run brings has one teacher slot and one deployment
+                named = [n for n, t in self.teachers.items() if t.kind == kind]
+                if len(named) > 1:
+                    raise ValueError(f"teachers: at most one {kind} teacher (got {', '.join(named)})")
+        return self
+
+    def named_teachers(self) -> dict[str, TeacherConfig]:
+        """The objective's teachers by name: the one `teacher` as `teacher`, or `teachers`."""
+        return dict(self.teachers) if self.teachers is not None else {"teacher": self.teacher}
 
 
 # One term of the learner's loss (`app.objectives`), told apart by its `kind`.
@@ -348,15 +422,17 @@ class RunConfig(Section):
         kinds = [o.kind for o in self.objectives]
         if len(set(kinds)) < len(kinds):
             raise ValueError(f"objectives: each kind at most once (got {kinds}): their metrics would mix")
-        teacher = self.teacher
-        if teacher is not None and teacher.model is not None:
-            index = next(i for i, o in enumerate(self.objectives) if getattr(o, "teacher", None) is teacher)
+        teacher = self.teacher_of("model")
+        if teacher is not None:
+            index = next(i for i, o in enumerate(self.objectives) if o is self.distill)
             size_teacher_context(self.model, teacher.model, f"objectives[{index}].teacher.model")
-        if teacher is not None and self.join.url and teacher.kind in ("adapter", "model"):
-            raise ValueError(
-                f"objectives: teacher.{teacher.kind} is loaded into the fleet a run brings; a run of a shared fleet "
-                "(join.url) names the fleet's base model (teacher: base) or a server (teacher: {url: ...})"
-            )
+        for teacher in self.teachers.values():
+            if self.join.url and teacher.kind in ("adapter", "model"):
+                raise ValueError(
+                    f"objectives: teacher.{teacher.kind} is loaded into the fleet a run brings; a run of a shared "
+                    "fleet (join.url) names the fleet's base model (teacher: base), itself (teacher: {self: ...}) or "
+                    "a server (teacher: {url: ...})"
+                )
         if self.grpo.max_completion_length >= self.model.max_model_len:
             raise ValueError("grpo.max_completion_length must be smaller than model.max_model_len")
         if self.task.name == "math" and not self.task.dataset:
@@ -409,16 +485,31 @@ class RunConfig(Section):
         return self.env.max_episode_tokens or self.model.max_model_len
 
     @property
+    def distill(self) -> DistillObjectiveConfig | None:
+        """The run's distill objective, if it has one."""
+        return next((o for o in self.objectives if isinstance(o, DistillObjectiveConfig)), None)
+
+    @property
+    def teachers(self) -> dict[str, TeacherConfig]:
+        """The teachers of the run's distill objective by name (`teacher` when it names one); empty without."""
+        return self.distill.named_teachers() if self.distill is not None else {}
+
+    @property
     def teacher(self) -> TeacherConfig | None:
-        """The teacher of the run's distill objective, if it has one."""
-        return next((o.teacher for o in self.objectives if isinstance(o, DistillObjectiveConfig)), None)
+        """The teacher of the run's distill objective, if it names one; of several, the first."""
+        return next(iter(self.teachers.values()), None)
+
+    def teacher_of(self, kind: str) -> TeacherConfig | None:
+        """The run's teacher of `kind` (adapter, model: at most one each), if it has one."""
+        return next((t for t in self.teachers.values() if t.kind == kind), None)
 
     def own_fleet_sizes(self) -> dict[str, Any]:
         """The slots, rank and staleness window of the fleet this run brings: as its `fleet` section says, else
         sized for this run alone (its lineage's window and one slot to load into, one more for a teacher adapter;
         its rank); and where a teacher adapter may be loaded from."""
         staleness = self.grpo.max_staleness if self.fleet.max_staleness is None else self.fleet.max_staleness
-        teacher_adapter = self.teacher.adapter if self.teacher is not None else None
+        adapter_teacher = self.teacher_of("adapter")
+        teacher_adapter = adapter_teacher.adapter if adapter_teacher is not None else None
         return {
             "max_staleness": staleness,
             "max_loras": self.fleet.max_loras or slots_needed([staleness + 1]) + (teacher_adapter is not None),
@@ -436,7 +527,7 @@ class RunConfig(Section):
             bucket=bucket,
             fleet=self.fleet.model_copy(update=self.own_fleet_sizes()),
             spot=self.spot,
-            teacher=self.teacher.deployment() if self.teacher is not None else None,
+            teacher=model_teacher.deployment() if (model_teacher := self.teacher_of("model")) is not None else None,
         )
 
     @property

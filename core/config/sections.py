@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.config.context import check_template
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 # Ray's built-in resource of the head node (the on-demand one in cluster.yaml): coordination pinned here
@@ -48,6 +50,18 @@ class TinyModelConfig(Section):
         0.45, gt=0, lt=1, description="Stop the warm-up once held-out greedy accuracy reaches this."
     )
     seed: int = Field(0, description="Seed of weight init, data and warm-up.")
+    warmup_context: str | None = Field(
+        None,
+        description="A self teacher's template the warm-up goes on with after the model without it, to read answers so.",
+    )
+    warmup_context_accuracy: float = Field(
+        0.9, gt=0, lt=1, description="With warmup_context: train on it until held-out accuracy shown so reaches this."
+    )
+
+    @field_validator("warmup_context")
+    @classmethod
+    def _a_template(cls, template: str | None) -> str | None:
+        return None if template is None else check_template(template)
 
 
 class ModelConfig(Section):

@@ -1,13 +1,17 @@
 """A teacher's config: the model that scores the student's own samples token by token for on-policy distillation.
 
-A run names its teacher in its distill objective (`objectives: [{kind: distill, teacher: ...}]`), one of four kinds:
+A run names its teacher in its distill objective (`objectives: [{kind: distill, teacher: ...}]`), one of five kinds:
 
 - `base`: the base model its fleet serves, without adapter;
 - `{adapter: URL-or-folder}`: a LoRA of that base model (a committed version's bucket URL or its folder in a
   file:// bucket, or a PEFT folder), which the run's fleet loads as `teacher-v0`;
 - `{model: {...}}`: another model of the student's tokenizer, served by a teacher deployment of its own in the
   run's fleet (`TeacherDeployment`, which a fleet's own config can name too);
-- `{url: URL}`: an OpenAI-compatible server elsewhere that answers `prompt_logprobs` (vLLM's, another fleet).
+- `{url: URL}`: an OpenAI-compatible server elsewhere that answers `prompt_logprobs` (vLLM's, another fleet);
+- `{self: {model: base | live, context: TEMPLATE}}`: the student itself (its base, or its newest version), shown
+  what the student is not: its prompt filled into `context` with the
+  problem's answer, solution or an episode's feedback (self-distillation: SDFT, SDPO). It costs no deployment: the
+  fleet serves the base and the run's own lineages already.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from contracts.adapters import ADAPTER_NAME, split_version_url
+from core.config.context import check_template
 from core.config.sections import ModelConfig, Section
 
 TEACHER_ADAPTER = "teacher-v0"  # what an adapter teacher is loaded as: a family of its own, so its slot is pinned
-TEACHER_KINDS = ("adapter", "model", "url")  # besides `base`, which names none of them
+TEACHER_KINDS = ("adapter", "model", "url", "self")  # besides `base`, which names none of them
 
 
 def size_teacher_context(student: ModelConfig, teacher: ModelConfig, field: str) -> None:
@@ -45,8 +50,30 @@ class TeacherDeployment(Section):
     num_replicas: int = Field(1, ge=1, description="vLLM replicas of the teacher.")
 
 
+class SelfTeacher(Section):
+    """A self teacher: the student's own model, scoring under a privileged prompt (`context`)."""
+
+    model: Literal["base", "live"] = Field(
+        description="base: the base model, no adapter; live: the run's newest version (its own lineage)."
+    )
+    context: str = Field(
+        description="The teacher's prompt: {prompt} and the problem's {answer}, {solution}, {feedback} or columns."
+    )
+    feedback: Literal["last_observation", "none"] = Field(
+        "last_observation",
+        description="What {feedback} holds for a failed episode: the environment's last observation, or nothing.",
+    )
+
+    @field_validator("context")
+    @classmethod
+    def _a_template(cls, template: str) -> str:
+        return check_template(template)
+
+
 class TeacherConfig(Section):
-    """The teacher of a distill objective: `base` (nothing named), or one of `adapter`, `model`, `url`."""
+    """The teacher of a distill objective: `base` (nothing named), or one of `adapter`, `model`, `url`, `self`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)  # `self` or its name
 
     adapter: str | None = Field(
         None,
@@ -61,6 +88,9 @@ class TeacherConfig(Section):
     )
     served_model: str | None = Field(
         None, description="The model name to ask `url` for; default the first of its /v1/models."
+    )
+    self_teacher: SelfTeacher | None = Field(
+        None, alias="self", description="The student itself under a privileged prompt (self-distillation)."
     )
     request_timeout_s: float = Field(60.0, gt=0, description="Timeout of one scoring request.")
     max_retries: int = Field(2, ge=0, description="Retries of a failed scoring request before its group is dropped.")
@@ -89,23 +119,31 @@ class TeacherConfig(Section):
         if data == "base":
             return {}
         if isinstance(data, str):
-            raise ValueError("expected 'base' or a mapping with one of adapter, model, url")
+            raise ValueError("expected 'base' or a mapping with one of adapter, model, url, self")
         return data
 
     @model_validator(mode="after")
     def _one_kind(self) -> TeacherConfig:
-        named = [k for k in TEACHER_KINDS if getattr(self, k) is not None]
+        named = [k for k in TEACHER_KINDS if self._named(k) is not None]
         if len(named) > 1:
-            raise ValueError(f"name one of adapter, model, url, not {' and '.join(named)}")
+            raise ValueError(f"name one of adapter, model, url, self, not {' and '.join(named)}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url={self.url!r}: expected an http:// or https:// URL")
         if self.served_model is not None and self.url is None:
             raise ValueError("served_model names the model of a teacher `url`; none is given")
         return self
 
+    def _named(self, kind: str):
+        return self.self_teacher if kind == "self" else getattr(self, kind)
+
     @property
-    def kind(self) -> Literal["base", "adapter", "model", "url"]:
-        return next((k for k in TEACHER_KINDS if getattr(self, k) is not None), "base")
+    def kind(self) -> Literal["base", "adapter", "model", "url", "self"]:
+        return next((k for k in TEACHER_KINDS if self._named(k) is not None), "base")
+
+    @property
+    def context(self) -> str | None:
+        """The privileged prompt's template of a self teacher; None for the others, which see the student's prompt."""
+        return self.self_teacher.context if self.self_teacher is not None else None
 
     def deployment(self) -> TeacherDeployment | None:
         """The teacher deployment the run's fleet adds for a `model` teacher; None for the other kinds."""

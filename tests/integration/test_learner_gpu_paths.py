@@ -5,7 +5,9 @@ The plain path is what the learner did before the head was wrapped: the model's 
 kept positions, then `logprobs.token_logprobs`. Both run through the learner's own batching and loss
 (`forward_backward`, `score`), in float32 on a small random Qwen2 with tied embeddings, at a sampling
 temperature other than 1 and with chunks smaller than a micro-batch: on one rank in-process, and
-with FSDP2 across two CPU ranks (gloo), where the output layer's weight is the one FSDP gathered.
+with FSDP2 across two CPU ranks (gloo), where the output layer's weight is the one FSDP gathered. Top-k
+distillation's log-probs at the teacher's ids (`LogProbHead` with ids) too: its loss and gradients equal those
+through the whole logits.
 
 Mixed precision: what a CUDA learner runs (FSDP2 on a process group of one, bfloat16 compute, fp32
 LoRA masters, fp32 gradient reduction and AdamW state), on the CPU with gloo and the tiny model
@@ -19,8 +21,10 @@ import torch.multiprocessing as mp
 
 from app.learner.logprobs import token_logprobs
 from app.learner.rank import LearnerRank
+from app.objectives import Objectives
+from app.objectives.distill import TEACHER_LOGPROBS, Distill, topk_stream_names
 from tests.support.fleet_helpers import free_port
-from tests.support.learner_parts import learner_config, random_groups, random_model
+from tests.support.learner_parts import VOCAB, learner_config, random_groups, random_model
 
 GROUPS = random_groups(4, seed=7, max_completion=20)
 
@@ -42,6 +46,41 @@ def plain_forward(learner: LearnerRank, mb):
         **extra,
     )
     return token_logprobs(out.logits[mb.target_rows, mb.target_cols], mb.targets, learner.cfg.grpo.temperature)
+
+
+TOP_K = 4
+
+
+def _topk_groups() -> list:
+    """GROUPS with a random teacher's top k at every token, as the rollout's teacher leaves them (top-k distillation)."""
+    g = torch.Generator().manual_seed(11)
+    ids_names, logprob_names = topk_stream_names(TOP_K)
+    groups = random_groups(4, seed=7, max_completion=20)
+    for group in groups:
+        for sample in group.samples:
+            n = len(sample.completion_ids)
+            ids = torch.stack([torch.randperm(VOCAB, generator=g)[:TOP_K] for _ in range(n)])
+            logprobs = torch.log_softmax(torch.randn(n, TOP_K + 1, generator=g), -1)[:, :TOP_K]
+            sample.streams[TEACHER_LOGPROBS] = torch.log_softmax(torch.randn(n, 8, generator=g), -1)[:, 0].tolist()
+            sample.streams.update({name: ids[:, j].double().tolist() for j, name in enumerate(ids_names)})
+            sample.streams.update({name: logprobs[:, j].tolist() for j, name in enumerate(logprob_names)})
+    return groups
+
+
+def plain_forward_at(learner: LearnerRank, mb, ids):
+    """`_forward_at` through the model's whole logits at the kept positions: the log-softmax gathered at the ids."""
+    extra = {"packed_cu_seqlens": mb.cu_seqlens} if mb.cu_seqlens is not None else {}
+    out = learner.model(
+        input_ids=mb.input_ids,
+        position_ids=mb.position_ids,
+        logits_to_keep=mb.logits_to_keep,
+        use_cache=False,
+        **extra,
+    )
+    logits = out.logits[mb.target_rows, mb.target_cols]
+    logp, entropy = token_logprobs(logits, mb.targets, learner.cfg.grpo.temperature)
+    full = torch.log_softmax(logits.float() / learner.cfg.grpo.temperature, -1)
+    return logp, entropy.detach(), full.gather(-1, ids)
 
 
 def _nonzero_lora_b(learner: LearnerRank) -> None:
@@ -71,6 +110,30 @@ def scores_and_grads(learner: LearnerRank) -> dict:
     return out
 
 
+def topk_loss_and_grads(learner: LearnerRank) -> dict:
+    """Per path, the loss and LoRA gradients of top-k distillation (with its tail bucket, between forward and reverse
+    KL) through the learner's `forward_backward`: "chunked" its own log-probs at the teacher's ids, "plain" through
+    the whole logits."""
+    out, objectives = {}, learner.objectives
+    learner.objectives = Objectives([Distill(top_k=TOP_K, alpha=0.5, tail=True, is_clip=2.0)])
+    groups = _topk_groups()
+    for name, forward_at in (("chunked", None), ("plain", functools.partial(plain_forward_at, learner))):
+        if forward_at is not None:
+            learner._forward_at = forward_at
+        try:
+            metrics = learner.forward_backward(groups)
+            grads = {}
+            for n, p in learner.model.named_parameters():
+                if p.requires_grad:
+                    grads[n] = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                    p.grad = None
+            out[name] = {"loss": metrics["loss"], "grads": grads, "divergence": metrics["distill/divergence"]}
+        finally:
+            learner.__dict__.pop("_forward_at", None)
+    learner.objectives = objectives
+    return out
+
+
 def assert_same(results: dict) -> None:
     chunked, plain = results["chunked"], results["plain"]
     flat = [torch.tensor(s) for g in chunked["scores"] for s in g]
@@ -82,6 +145,12 @@ def assert_same(results: dict) -> None:
     assert max(g.abs().max().item() for g in plain["grads"].values()) > 1e-4  # not trivially zero
     for name, g in chunked["grads"].items():
         torch.testing.assert_close(g, plain["grads"][name], atol=1e-5, rtol=1e-5, msg=name)
+    if "topk" in results:
+        chunked, plain = results["topk"]["chunked"], results["topk"]["plain"]
+        assert abs(chunked["loss"] - plain["loss"]) < 1e-5 and chunked["divergence"] > 0.01
+        assert max(g.abs().max().item() for g in plain["grads"].values()) > 1e-4
+        for name, g in chunked["grads"].items():
+            torch.testing.assert_close(g, plain["grads"][name], atol=1e-5, rtol=1e-5, msg=f"topk {name}")
 
 
 def test_one_rank_log_probs_and_gradients_equal_the_plain_path(tmp_path):
@@ -92,7 +161,7 @@ def test_one_rank_log_probs_and_gradients_equal_the_plain_path(tmp_path):
     embed = learner.model.get_input_embeddings()
     assert head.weight is embed.weight and not head.weight.requires_grad  # tied, frozen, the same object
     _nonzero_lora_b(learner)
-    assert_same(scores_and_grads(learner))
+    assert_same({**scores_and_grads(learner), "topk": topk_loss_and_grads(learner)})
 
 
 def _fsdp_rank(rank: int, model_path: str, port: int, out_file: str) -> None:
@@ -102,7 +171,7 @@ def _fsdp_rank(rank: int, model_path: str, port: int, out_file: str) -> None:
         learner.setup("127.0.0.1", port)
         _nonzero_lora_b(learner)  # before sharding: plain tensors, identical on both ranks
         learner.prepare_training()
-        results = scores_and_grads(learner)
+        results = {**scores_and_grads(learner), "topk": topk_loss_and_grads(learner)}
         if rank == 0:
             torch.save(results, out_file)
     finally:

@@ -441,3 +441,56 @@ def test_a_version_one_run_plants_in_another_runs_prefix_is_refused_and_the_othe
     finally:
         gil.close()
         hal.close()
+
+
+def test_two_runs_self_distil_at_once_each_scoring_only_with_its_own_lineage(fleet):
+    """Two runs of the fleet, each with a live self teacher (its own newest version under a privileged prompt),
+    score their groups at the same time through the fleet, each with its token: each gets its own adapter's scores
+    (two lineages, two sets of weights), and a run whose teacher names the other's version is refused (403), which
+    costs that group, never the run; the runs' versions leave with them."""
+    import asyncio
+
+    from app.rollout.teacher import TeacherEndpoint, TeacherScorer
+    from app.tasks.problems import Problem
+    from contracts.auth import Secret
+    from contracts.rollouts import Group, Sample
+
+    admin = fleet.client
+    for run in admin.list_runs():  # what earlier tests left registered
+        admin.remove_run(run)
+    runs = ("sdft-a", "sdft-b")
+    tokens = {run: admin.register_run(run)["token"] for run in runs}
+    for seed, run in enumerate(runs, start=301):
+        run_store(fleet, run).publish(random_adapter(fleet.model_path, fleet.work / f"{run}-v1", seed=seed), 1)
+        admin.load_adapter(f"{run}/policy-v1", run_store(fleet, run).url_of(1))
+    context = "{answer} {prompt}"
+    problem = Problem("p-1", "x", "7")
+    privileged = PROMPTS[0] + [11, 12]  # what the stand-in tokenisation gives the privileged prompt
+    completion = PROMPTS[1][:6]
+
+    def scorer(run: str) -> TeacherScorer:
+        endpoint = TeacherEndpoint("self", fleet.url, "-", Secret(tokens[run]), context=context, live=True)
+        return TeacherScorer(endpoint, endpoint.client(30.0, 0), lambda p: privileged)
+
+    async def score(run: str, model: str) -> list[float]:
+        group = Group(0, problem.id, PROMPTS[0], 1, [Sample(list(completion), [-1.0] * len(completion), 0.0)])
+        teacher = scorer(run)
+        try:
+            await teacher.score(group, problem, model)
+        finally:
+            await teacher.aclose()
+        return group.samples[0].streams["teacher_logprobs"]
+
+    async def both():
+        return await asyncio.gather(*(score(run, f"{run}/policy-v1") for run in runs))
+
+    try:
+        a, b = asyncio.run(both())
+        assert len(a) == len(b) == len(completion) and a != b  # each its own lineage's weights
+        with pytest.raises(FleetError) as denied:  # a's teacher naming b's version
+            asyncio.run(score("sdft-a", "sdft-b/policy-v1"))
+        assert denied.value.status == 403
+    finally:
+        removed = {run: admin.remove_run(run)["unloaded"] for run in runs}
+    assert removed == {run: [f"{run}/policy-v1"] for run in runs}
+    assert not [m for m in admin.models() if m["id"].startswith("sdft-")]

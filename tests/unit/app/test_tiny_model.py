@@ -152,3 +152,28 @@ def test_each_tasks_tiny_model_is_keyed_by_what_it_depends_on():
     reordered = dict(reversed(list(rg.task.datasets.items())))  # the mix's order seeds each dataset
     for changed in ({"datasets": reordered}, {"reward_funcs": ["exact_answer"]}, {"num_heldout": 128}):
         assert tiny_model_folder(rg.model, rg.task.model_copy(update=changed)) != key, changed
+
+
+def test_the_context_part_of_the_warm_up_shows_the_answer_under_the_teachers_template():
+    import random
+
+    from app.tasks.privileged import privileged_problem
+    from app.tasks.problems import make_arithmetic
+    from app.tiny_model import context_plan, exactly_the_answer
+
+    cfg = load_config(CONFIG_DIR / "tiny-self-distill.yaml")
+    template = cfg.model.tiny.warmup_context
+    assert template == cfg.teacher.context  # the model learns to read what its self teacher is shown
+    arithmetic = build_tokenizer(2, 0)
+    heldout = make_arithmetic(2, 1, 8, 0).heldout
+    plan = context_plan(arithmetic, template, cfg.task, heldout, [], exactly_the_answer)
+    rng = random.Random(0)
+    ids, mask = next(e for e in iter(lambda: plan.example(rng), 0) if e is not None)
+    text = arithmetic.decode(ids)
+    assert text.startswith("Hint: ") and "\nCompute " in text and text.endswith("<|endoftext|>")
+    answer = arithmetic.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
+    assert text.startswith(f"Hint: {answer}\n")  # the loss is on the answer the template showed
+    assert privileged_problem(template, heldout[0]).prompt.startswith(f"Hint: {heldout[0].answer}\n")
+    chained = cfg.task.model_copy(update={"name": "chained_arithmetic"})
+    with pytest.raises(ConfigError, match="single-turn tasks only"):
+        context_plan(arithmetic, template, chained, heldout, [], exactly_the_answer)

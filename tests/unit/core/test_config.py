@@ -35,7 +35,11 @@ def test_overrides_are_typed_and_nested():
         ("fleet.max_loras=1", "fleet.max_loras"),
         ("objectives=[{kind: dpo}]", "objectives.0"),
         ("objectives=[{kind: grpo, weight: 0}]", "objectives.0.grpo.weight"),
-        ("objectives=[{kind: distill}]", "objectives.0.distill.teacher"),
+        ("objectives=[{kind: distill}]", "objectives.0.distill"),
+        (
+            "objectives=[{kind: distill, teachers: {a: base, b: {adapter: /x}, c: {adapter: /y}}}]",
+            "objectives.0.distill",
+        ),
         ("objectives=[{kind: distill, teacher: self}]", "objectives.0.distill.teacher"),
         ("objectives=[{kind: distill, teacher: {url: x, adapter: y}}]", "objectives.0.distill.teacher"),
         ("objectives=[{kind: distill, teacher: {served_model: m}}]", "objectives.0.distill.teacher"),

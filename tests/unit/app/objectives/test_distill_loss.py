@@ -121,3 +121,22 @@ def test_the_config_builds_distill_beside_grpo():
     grpo, distill = Objectives.from_config(cfg).objectives
     assert isinstance(grpo, GRPO) and isinstance(distill, Distill)
     assert (distill.weight, distill.coef, cfg.teacher.kind) == (0.5, 2.0, "base")
+
+
+def test_several_teachers_report_their_own_reverse_kl():
+    from app.objectives.distill import REVERSE_KL, TEACHER_INDEX, TEACHER_LOGPROBS, Distill
+    from contracts.rollouts import SAMPLING_LOGPROBS
+
+    objective = Distill(teachers=("math", "code"))
+    assert TEACHER_INDEX in objective.streams and TEACHER_INDEX not in Distill.streams
+    logp = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    streams = {
+        SAMPLING_LOGPROBS: logp.clone(),
+        TEACHER_LOGPROBS: torch.tensor([-1.5, -2.0, -1.0, float("nan")]),
+        TEACHER_INDEX: torch.tensor([1.0, 1.0, 0.0, 0.0]),  # sorted: code 0, math 1
+    }
+    _, stats = objective.loss(logp, torch.zeros(4), streams, 3.0)
+    metrics = stats.metrics()
+    assert metrics["distill/math/reverse_kl"] == pytest.approx(0.75)
+    assert metrics["distill/code/reverse_kl"] == pytest.approx(0.0) and stats.counts["distill/code/reverse_kl"] == 1
+    assert metrics[REVERSE_KL] == pytest.approx(0.5)
