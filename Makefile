@@ -16,9 +16,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(DEVICE),tasks,dev]"
-	# openenv (the envs extra) cannot resolve beside vllm in one call (mcp, see pyproject.toml): a second call.
-	$(PY) -m pip install -q -e ".[envs]"
+	$(PY) -m pip install -q -e ".[$(DEVICE),tasks,envs,tinker,dev]"
 ifeq ($(DEVICE),cpu)
 	# PyPI's torchvision is a CUDA build that breaks `import transformers` beside torch+cpu; triton has no CPU backend.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

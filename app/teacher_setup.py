@@ -8,7 +8,8 @@ The four kinds (`core.config.teacher`) end up as one `TeacherEndpoint`, a server
 - `model`: the run's fleet, under the teacher deployment's name (`deployments.replica.teacher` built it and compared
   its tokenizer already; a fleet that was running before this run must have it too);
 - `url`: the teacher's own server, with its first model unless `served_model` says otherwise;
-- `self`: the run's fleet, under the base model's name (`base`) or the run's own newest version (`live`), scoring
+- `self`: the run's fleet, under the base model's name (`base`), the run's own newest version (`live`) or that
+  version's number of the run's ema lineage (`ema`, the average its learner publishes beside it), scoring
   under the privileged prompt its `context` template renders; a template that names a field the task's problems do
   not have, or leave empty, is refused here, in one line.
 
@@ -34,6 +35,7 @@ from app.objectives.distill import teacher_top_k
 from app.rollout.teacher import TEACHER_TOKEN_ENV, TeacherEndpoint
 from app.tasks.privileged import check_context, privileged_problem
 from app.tasks.problems import load_task
+from contracts.adapters import EMA_STEM, in_lineage
 from contracts.auth import Secret
 from core.config import ConfigError
 from core.config.teacher import TEACHER_ADAPTER
@@ -115,7 +117,8 @@ def prepare_teacher(
 
 
 def _self_teacher(cfg, spec, fleet: FleetClient, token: Secret | None, policy_model: str | None) -> TeacherEndpoint:
-    """A `self` teacher (`spec`): the base model or the run's own newest version, under the privileged prompt, whose
+    """A `self` teacher (`spec`): the base model, the run's own newest version or its ema average of the same number,
+    under the privileged prompt, whose
     template must name only what the task's problems have (checked on both splits' first problems)."""
     splits = load_task(cfg.task)
     try:
@@ -128,9 +131,11 @@ def _self_teacher(cfg, spec, fleet: FleetClient, token: Secret | None, policy_mo
             "self", fleet.base_url, base_model_name(fleet), token, context=spec.context, feedback=feedback
         )
     if policy_model is None:
-        raise refuse("self: a live teacher needs the run's newest version")
+        raise refuse(f"self: a {spec.model} teacher needs the run's newest version")
+    ema = spec.model == "ema"
+    model = in_lineage(policy_model, EMA_STEM) if ema else policy_model
     return TeacherEndpoint(
-        "self", fleet.base_url, policy_model, token, context=spec.context, live=True, feedback=feedback
+        "self", fleet.base_url, model, token, context=spec.context, live=True, ema=ema, feedback=feedback
     )
 
 

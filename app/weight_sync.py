@@ -4,7 +4,8 @@ Every route that makes a replica serve a version goes through here, so that the 
 once: a version is served only once it is committed to the bucket, and a replica serves the newest
 `max_staleness + 1` committed versions (older ones no sample may use any more).
 
-- the learner (rank 0) publishes each version with `AdapterPublisher`: commit to the bucket, signed with the
+- the learner (rank 0) publishes each version with `AdapterPublisher` (and, for an `ema` self teacher, the average
+  of its versions under the same number with a second one, the run's `ema` lineage): commit to the bucket, signed with the
   lineage's key the fleet gave the run (`contracts.auth.lineage_key`; replicas load nothing else), drop
   versions past the retention window, ask the fleet to load it (through a Serve handle when the
   learner runs in the fleet's cluster: the learner's node cannot count on reaching the HTTP proxy;
@@ -22,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.fleet_client import fleet_admin_client
-from contracts.adapters import adapter_name
+from contracts.adapters import POLICY_STEM, adapter_name
 from contracts.auth import Secret
 from core.bucket.filesystem import BucketError, VersionExists
-from core.bucket.store import AdapterStore
+from core.bucket.store import AdapterStore, adapter_store
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,13 @@ MAX_PLANTED = 8
 
 
 def _load_on_fleet(fleet, store: AdapterStore, version: int, run: str | None) -> None:
-    """Ask the fleet to load `version` from the bucket; a run of a shared fleet names it by its path inside the
-    run's prefix, which the fleet resolves in its own bucket (however this process reaches that bucket)."""
+    """Ask the fleet to load `version` of `store`'s lineage from the bucket; a run of a shared fleet names it by its
+    path inside the run's prefix, which the fleet resolves in its own bucket (however this process reaches that
+    bucket)."""
     if run:
-        fleet.load_adapter(adapter_name(version, run), adapter_name(version))
+        fleet.load_adapter(adapter_name(version, run, store.stem), store.key_of(version))
     else:
-        fleet.load_adapter(adapter_name(version), store.url_of(version))
+        fleet.load_adapter(store.key_of(version), store.url_of(version))
 
 
 class AdapterPublisher:
@@ -65,8 +67,10 @@ class AdapterPublisher:
         *,
         signing_key: Secret | None = None,
         fleet_deadline_s: float = FLEET_LOAD_DEADLINE_S,
+        stem: str = POLICY_STEM,
     ):
-        self.store = AdapterStore.from_config(cfg, signing_key)
+        self.store = adapter_store(stem).from_config(cfg, signing_key)  # the run's policy lineage, or its ema
+        self.stem = stem
         self.run = cfg.fleet_run
         self.keep_versions = cfg.bucket.keep_versions
         self.fleet_url, self._fleet_token = fleet_url, fleet_token
@@ -94,8 +98,8 @@ class AdapterPublisher:
                 log.warning(
                     "%s in this run's prefix is not signed with its key (written by another writer of the bucket): "
                     "publishing as %s instead",
-                    adapter_name(version, self.run),
-                    adapter_name(version + 1, self.run),
+                    adapter_name(version, self.run, self.stem),
+                    adapter_name(version + 1, self.run, self.stem),
                 )
                 version += 1
         else:
@@ -113,7 +117,7 @@ class AdapterPublisher:
             call.cancel()  # still queued behind an earlier call: never sent
             self.fleet_load_failures += 1
             reason = str(exc) if str(exc) else f"{type(exc).__name__} after {self.fleet_deadline_s:.0f} s"
-            log.warning("fleet did not load %s: %s", adapter_name(version, self.run), reason)
+            log.warning("fleet did not load %s: %s", adapter_name(version, self.run, self.stem), reason)
 
     def _load(self, version: int) -> None:
         if self._fleet is None:

@@ -103,6 +103,24 @@ def write_result(name: str, data: dict, results_dir: Path | None = None) -> Path
     return path
 
 
+def bench_run_sets(out: Path, workdir: Path, steps: int, port: int, trusted: list[str]) -> list[str]:
+    """The overrides of a benchmark arm run as `bench` under `out`: its bucket there (every step's adapter kept for
+    the evaluation), a model cache shared by the arms under `workdir`, no trackio or progress bar, the fleet on
+    `port` trusting the adapter folders `trusted`."""
+    return [
+        f"grpo.max_steps={steps}",
+        f"logging.output_dir={out}",
+        "logging.run_name=bench",
+        f"bucket.url=file://{out / 'bench' / 'bucket'}",
+        f"bucket.cache_dir={workdir / 'cache'}",
+        f"bucket.keep_versions={steps + 2}",
+        "logging.trackio=false",
+        "logging.progress_bar=false",
+        f"fleet.extra_adapter_dirs={json.dumps(trusted)}",
+        f"fleet.port={port}",
+    ]
+
+
 def train_run(config: str, sets: list[str], out: Path, label: str) -> dict:
     """`python -m launch.train --config CONFIG --set ...` as run `bench`, every file of it under `out` (its bucket, a fleet
     on a free port of its own, no trackio, no progress bar): its summary.json. Its metrics are in

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bench.common import print_table, write_result
+from bench.common import bench_run_sets, print_table, write_result
 from bench.vs_trl import checkpoint_rows, run_spotrl, samples_per_step
 from tests.support.fleet_helpers import free_port
 
@@ -44,16 +44,7 @@ def variant_config(name: str, objectives: list[dict], workdir: Path, steps: int,
         CONFIG,
         [
             f"objectives={json.dumps(objectives)}",
-            f"grpo.max_steps={steps}",
-            f"logging.output_dir={out}",
-            "logging.run_name=bench",
-            f"bucket.url=file://{out / 'bench' / 'bucket'}",
-            f"bucket.cache_dir={workdir / 'cache'}",
-            f"bucket.keep_versions={steps + 2}",  # keep every step's adapter for the evaluation
-            "logging.trackio=false",
-            "logging.progress_bar=false",
-            f"fleet.extra_adapter_dirs={json.dumps([str(out / 'bench' / 'bucket' / 'adapters')])}",
-            f"fleet.port={port}",
+            *bench_run_sets(out, workdir, steps, port, [str(out / "bench" / "bucket" / "adapters")]),
         ],
     )
 

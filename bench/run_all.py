@@ -19,6 +19,7 @@ BENCHMARKS = [
     "preemption",
     "partial_rollouts",
     "distill",
+    "self_distill",
 ]
 
 

@@ -1,7 +1,9 @@
 """Adapter names: one spelling for the fleet's name of a version, its key in the bucket, and the run it belongs to.
 
 A trainer publishes a lineage of versions under one stem: spotrl's learner `policy-v1, policy-v2, ...`,
-TRL's AsyncGRPOTrainer `trl-policy-v1, ...`. Only the newest `max_staleness + 1` versions of a lineage
+TRL's AsyncGRPOTrainer `trl-policy-v1, ...`. A learner whose run self-distils from an average of its own versions
+(an `ema` self teacher) publishes that average as a second lineage of the run, `ema-v1, ema-v2, ...`, beside its
+policy in the same prefix and signed with the same key: the fleet pins, loads and removes it like the policy's. Only the newest `max_staleness + 1` versions of a lineage
 can still be named by a sample in flight, so a replica pins LoRA slots per lineage (`family_of`),
 whoever the client. A name without a `-v<N>` suffix is a family of its own.
 
@@ -29,8 +31,10 @@ ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RUN_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 MAX_ADAPTER_NAME_CHARS = 32 + 1 + 128
 POLICY_STEM = "policy"
-# The bucket versions: `policy-v<N>` of the fleet's own learner, `<run>/policy-v<N>` of a run's.
-_BUCKET_VERSION = re.compile(r"(?:(?P<run>[a-z0-9][a-z0-9_-]{0,31})/)?policy-v(?P<version>0|[1-9][0-9]*)")
+EMA_STEM = "ema"  # the exponential average of a run's policy versions, an `ema` self teacher's lineage
+BUCKET_STEMS = (POLICY_STEM, EMA_STEM)  # the lineages a learner publishes to the bucket, each `<stem>-v<N>`
+# The bucket versions: `policy-v<N>` (or `ema-v<N>`) of the fleet's own learner, `<run>/policy-v<N>` of a run's.
+_BUCKET_VERSION = re.compile(r"(?:(?P<run>[a-z0-9][a-z0-9_-]{0,31})/)?(?P<stem>policy|ema)-v(?P<version>0|[1-9][0-9]*)")
 # A committed version's URL: `<lineage's bucket.url>/adapters/policy-v<N>`.
 _VERSION_URL = re.compile(r"(?P<prefix>[a-z][a-z0-9+.-]*://.+?)/adapters/policy-v(?P<version>0|[1-9][0-9]*)/?")
 # `<family>-v<N>`, no leading zeros (v03 would alias v3).
@@ -39,15 +43,16 @@ _VERSIONED = re.compile(r"(?P<family>.+)-v(?P<version>0|[1-9][0-9]*)")
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """Version `version` of the policy lineage of `run` (None: the fleet's own lineage, at the bucket's root)."""
+    """Version `version` of the `stem` lineage (policy or ema) of `run` (None: the fleet's own, at the bucket's root)."""
 
     version: int
     run: str | None = None
+    stem: str = POLICY_STEM
 
     @property
     def key(self) -> str:
-        """The version's name inside its lineage's prefix of the bucket: `policy-v3`."""
-        return f"{POLICY_STEM}-v{self.version}"
+        """The version's name inside its lineage's prefix of the bucket: `policy-v3`, `ema-v3`."""
+        return f"{self.stem}-v{self.version}"
 
     @property
     def name(self) -> str:
@@ -61,14 +66,24 @@ class AdapterRef:
 
     @classmethod
     def parse(cls, name: str) -> AdapterRef | None:
-        """The bucket version a name means (`policy-v3`, `alice/policy-v3`), else None (another client's name)."""
+        """The bucket version a name means (`policy-v3`, `alice/policy-v3`, `alice/ema-v3`), else None (another
+        client's name)."""
         match = _BUCKET_VERSION.fullmatch(name)
-        return cls(int(match.group("version")), match.group("run")) if match else None
+        return cls(int(match.group("version")), match.group("run"), match.group("stem")) if match else None
 
 
-def adapter_name(version: int, run: str | None = None) -> str:
-    """`AdapterRef(version, run).name`: the name under which the fleet serves a policy version."""
-    return AdapterRef(version, run).name
+def adapter_name(version: int, run: str | None = None, stem: str = POLICY_STEM) -> str:
+    """`AdapterRef(version, run, stem).name`: the name under which the fleet serves a version of a lineage."""
+    return AdapterRef(version, run, stem).name
+
+
+def in_lineage(name: str, stem: str) -> str:
+    """The same version of the run's `stem` lineage: `alice/policy-v3`, "ema" -> `alice/ema-v3` (what an ema teacher
+    scores a group sampled by policy-v3 with); ValueError for a name that is no bucket version's."""
+    ref = AdapterRef.parse(name)
+    if ref is None:
+        raise ValueError(f"{name!r} names no bucket version")
+    return AdapterRef(ref.version, ref.run, stem).name
 
 
 def family_of(name: str) -> tuple[str, int | None]:

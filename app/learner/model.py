@@ -74,13 +74,27 @@ def init_distributed(
     )
 
 
+def peft_lora_config(lora):
+    """peft's LoraConfig of the run's `lora` section: what the learner trains, and what a baseline given the same
+    adapter builds (`bench.self_distill`)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
 def build_lora_model(cfg: RunConfig, model_path: str, device: torch.device):
     """The base model with a fresh PEFT LoRA adapter (unsharded), and the pad token id.
 
     Attention is `app.learner.packing`'s per-sample sdpa, so packed rows need no mask; the output layer
     is a `LogProbHead` (`logprob_head(model)`); the trainable parameters are fp32 whatever the base's dtype.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(
@@ -94,14 +108,7 @@ def build_lora_model(cfg: RunConfig, model_path: str, device: torch.device):
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Every rank must draw the same LoRA init (FSDP shards assume identical replicas): seed it.
     torch.manual_seed(cfg.grpo.seed)
-    lora = LoraConfig(
-        r=cfg.lora.rank,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=cfg.lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(base, lora)
+    model = get_peft_model(base, peft_lora_config(cfg.lora))
     # fp32 masters: PEFT's autocast_adapter_dtype already makes half-precision adapters fp32; say so explicitly,
     # since FSDP2's mixed precision and the fp32 AdamW state rely on it.
     for p in model.parameters():

@@ -13,7 +13,9 @@ model's output layer is a `LogProbHead` (`app.learner.logprobs`), which returns 
 log-probs and entropies chunk by chunk (and the log-probs at the ids an objective asks for, `scored_ids`: the
 teacher's top k of top-k distillation). Every `weight_sync_steps` the whole adapter is gathered from
 the FSDP shards and handed to `app.weight_sync` as the next `policy-v{N}` (bucket, then fleet); every
-`save_steps` the whole learner state goes to the bucket as a checkpoint (`app.learner.state`).
+`save_steps` the whole learner state goes to the bucket as a checkpoint (`app.learner.state`). A run with an `ema`
+self teacher also has rank 0 keep an exponential average of the adapter (`app.learner.ema`), published with each
+version under the same number as `ema-v{N}`, the run's second lineage, and kept in its checkpoints.
 
 Versions are monotonic across restarts: a learner resumed from a checkpoint older than the newest
 published adapter (it died after publishing) republishes its restored adapter as a new version
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from app.learner.ema import AdapterEma
 from app.learner.model import (
     build_lora_model,
     build_optimizer,
@@ -66,6 +69,7 @@ from app.learner.state import (
 from app.messages import ResumePoint, StepResult
 from app.objectives import LossStats, Objectives
 from app.weight_sync import AdapterPublisher
+from contracts.adapters import EMA_STEM
 from contracts.auth import Secret
 from contracts.rollouts import ConsumedGroups, Group, RolloutBatch
 
@@ -73,6 +77,8 @@ if TYPE_CHECKING:
     from core.config import RunConfig
 
 log = logging.getLogger(__name__)
+
+EMA_FILE = "ema.safetensors"  # in a checkpoint of a run with an ema teacher: the average, as the learner keeps it
 
 
 class NotStarted(RuntimeError):
@@ -100,6 +106,11 @@ class LearnerRank:
         self._consumed = ConsumedGroups()
         self.model = self.optimizer = self.scheduler = None
         self.publisher: AdapterPublisher | None = None
+        # Of a RunConfig, whose validation gives them one update_rate and sync_steps (bench.learner_gpu's has none).
+        ema_teachers = getattr(cfg, "ema_teachers", [])
+        self.ema_spec = ema_teachers[0] if ema_teachers else None
+        self.ema: AdapterEma | None = None  # rank 0's average (`ema_spec`), published beside each version
+        self.ema_publisher: AdapterPublisher | None = None
         self._started = False
         self._fsdp = uses_fsdp(world_size, cfg.learner.device)
         self._tmp = Path(tempfile.mkdtemp(prefix=f"spotrl-learner-r{rank}-"))
@@ -141,6 +152,12 @@ class LearnerRank:
         if self._started:  # the model is sharded and the optimizer built: a second start has nothing to do
             return self.state.resume_point()
         self.publisher = AdapterPublisher(self.cfg, self.fleet_url, self.fleet_token, signing_key=self.signing_key)
+        if self.ema_spec is not None and self.rank == 0:
+            self.ema_publisher = AdapterPublisher(
+                self.cfg, self.fleet_url, self.fleet_token, signing_key=self.signing_key, stem=EMA_STEM
+            )
+            trainable = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+            self.ema = AdapterEma(self.ema_spec.update_rate, self.ema_spec.sync_steps, trainable)
         self.checkpoints = CheckpointStore.from_config(self.cfg)
         step = self._rank0_decides(self.checkpoints.latest() if self.rank == 0 else None)
         folder = None
@@ -150,6 +167,7 @@ class LearnerRank:
             self._consumed = self.state.consumed()
             self._checkpointed_step = step
             load_adapter_weights(self.model, folder / ADAPTER_DIR)
+            self._restore_ema(folder)
         self.prepare_training()
         if folder is not None:
             restore_training_state(
@@ -285,6 +303,7 @@ class LearnerRank:
 
         metrics.update(self.optimizer_step())
         self.state.step += 1
+        self._update_ema()
         self._mark_consumed(fresh, batch)
         if self.state.step % g.weight_sync_steps == 0:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
@@ -349,15 +368,54 @@ class LearnerRank:
     # ---- weights out: publish, checkpoint ---------------------------------------------------------
 
     def _publish(self, version: int) -> float:
-        """Hand the whole adapter to weight sync as `policy-v{version}` (bucket, then fleet); returns seconds taken."""
+        """Hand the whole adapter to weight sync as `policy-v{version}` (bucket, then fleet), and the average of an ema
+        teacher as `ema-v{version}` with it; returns seconds taken."""
         t0 = time.perf_counter()
         state = full_adapter_state(self.model)  # a collective: every rank gathers, rank 0 uploads
         if self.rank == 0:
             with tempfile.TemporaryDirectory(dir=self._tmp) as d:
                 write_adapter(self.model, state, Path(d))
                 version = self.publisher.publish(Path(d), version)  # past a number planted in the run's prefix
+            if self.ema is not None:
+                # Under the policy's number, before the driver tells the rollout of it: a group sampled from
+                # policy-vN is scored with ema-vN, which is committed by then (the replicas load it on demand).
+                dtype = next(iter(state.values())).dtype
+                with tempfile.TemporaryDirectory(dir=self._tmp) as d:
+                    write_adapter(self.model, self.ema.state(dtype), Path(d))
+                    ema_version = self.ema_publisher.publish(Path(d), version)
+                if ema_version != version:  # ema-vN taken in the run's prefix by another writer: moved past it
+                    log.warning(
+                        "ema-v%d is not this run's (planted): the average went to ema-v%d, and the ema teacher "
+                        "finds none for policy-v%d until the next version",
+                        version,
+                        ema_version,
+                        version,
+                    )
         self.state.policy_version = self._rank0_decides(version)
         return time.perf_counter() - t0
+
+    def _update_ema(self) -> None:
+        """Fold the adapter into the ema teacher's average when this step is one of its `sync_steps`."""
+        if self.ema_spec is None or self.state.step % self.ema_spec.sync_steps != 0:
+            return
+        state = full_adapter_state(self.model)  # a collective: every rank gathers, rank 0 keeps the average
+        if self.ema is not None:
+            self.ema.step(self.state.step, state)
+
+    def _restore_ema(self, checkpoint: Path) -> None:
+        """A resumed learner's average, from its checkpoint; a checkpoint without one (the run had no ema teacher
+        then) leaves it at the base model, where a fresh one starts."""
+        if self.ema is None:
+            return
+        if not (checkpoint / EMA_FILE).is_file():
+            log.warning(
+                "checkpoint step %d holds no ema average: the ema teacher starts again from the base model",
+                self.state.step,
+            )
+            return
+        from safetensors.torch import load_file
+
+        self.ema.restore(load_file(checkpoint / EMA_FILE))
 
     def save_checkpoint(self) -> float:
         """Commit the whole learner state to the bucket as `step-{step}` (unless it is there already); seconds taken."""
@@ -385,6 +443,10 @@ class LearnerRank:
                     state=self.state,
                     world_size=self.world_size,
                 )
+                if self.ema is not None:
+                    from safetensors.torch import save_file
+
+                    save_file(self.ema.state(), Path(d) / EMA_FILE)
                 meta = {"policy_version": self.state.policy_version, "data_cursor": self.state.data_cursor}
                 self.checkpoints.save(self.state.step, d, meta=meta)
             self.checkpoints.gc(self.cfg.bucket.keep_checkpoints)
@@ -411,8 +473,9 @@ class LearnerRank:
 
     def close(self) -> None:
         self.notices.stop()
-        if self.publisher is not None:
-            self.publisher.close()
+        for publisher in (self.publisher, self.ema_publisher):
+            if publisher is not None:
+                publisher.close()
         if self._fsdp and dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._tmp, ignore_errors=True)

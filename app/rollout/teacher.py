@@ -15,7 +15,8 @@ the model's tokens only (NaN at observations, which nothing trains).
 A self teacher (self-distillation) scores the student's completion under another prompt, the privileged one
 (`app.tasks.privileged`: the problem's prompt with its answer, solution or an episode's feedback): the sequences
 are the teacher's prompt + the student's completion, and the completion's log-probs are read after the teacher's
-prompt, whatever its length. A `live` self teacher is the run's newest version, named per group by the rollout. A
+prompt, whatever its length. A `live` self teacher is the run's newest version, named per group by the rollout; an
+`ema` one the same number of the run's ema lineage (`ema-vN`, the learner's average, published beside `policy-vN`). A
 teacher that fails after its retries, or times out, raises: the
 producer drops and counts the group, never the run. An adapter teacher that a replica lost (a restart) is
 loaded again once before its group is given up.
@@ -34,6 +35,7 @@ from app.fleet_client import FleetClient, FleetError
 from app.objectives.distill import TEACHER_INDEX, TEACHER_LOGPROBS, teacher_metric, teacher_top_k, topk_stream_names
 from app.tasks.privileged import privileged_problem
 from app.tasks.problems import Problem
+from contracts.adapters import EMA_STEM, in_lineage
 from contracts.auth import Secret
 from contracts.retry import Backoff
 from contracts.rollouts import Group, Sample
@@ -58,6 +60,7 @@ class TeacherEndpoint:
     adapter: str | None = None  # an adapter teacher's source, to load it again where a replica lost it
     context: str | None = None  # a self teacher's privileged prompt template; None: the student's own prompt
     live: bool = False  # a self teacher that scores with the run's newest version, named per group
+    ema: bool = False  # a live one that scores with the newest version's number of the run's ema lineage
     feedback: bool = True  # a self teacher's `{feedback}`: a failed episode's last word from its environment
     name: str | None = None  # its name among several teachers (`teachers:`)
 
@@ -196,14 +199,14 @@ class TeacherScorer:
 
     async def score(self, group: Group, problem: Problem | None = None, newest_model: str | None = None) -> None:
         """Score every sample of `group` (of `problem`; a `live` self teacher scores with `newest_model`, the run's
-        newest version)."""
+        newest version, an `ema` one with that version's number of the run's ema lineage)."""
         prompts = self.teacher_prompts(group, problem)
         sequences = [p + s.completion_ids for p, s in zip(prompts, group.samples, strict=True)]
         model = self.endpoint.model
         if self.endpoint.live:
             if newest_model is None:
                 raise ValueError(f"group {group.group_id}: a live self teacher needs the run's newest version")
-            model = newest_model
+            model = in_lineage(newest_model, EMA_STEM) if self.endpoint.ema else newest_model
         started = time.monotonic()
         scored = []
         for batch in request_batches(sequences, self.top_k, self.max_entries):

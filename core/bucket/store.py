@@ -1,6 +1,7 @@
 """The run's two stores in the bucket: adapter versions and learner checkpoints.
 
-`AdapterStore` holds `adapters/policy-v{N}/` (the learner publishes, every replica fetches),
+`AdapterStore` holds `adapters/policy-v{N}/` (the learner publishes, every replica fetches), `EmaAdapterStore` the
+run's second lineage beside it, `adapters/ema-v{N}/` (the average an `ema` self teacher scores with),
 `CheckpointStore` holds `checkpoints/step-{S}/`; both follow the commit protocol of
 `core.bucket.committed` (a folder exists only once its manifest is committed, readers verify every file).
 """
@@ -12,7 +13,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from contracts.adapters import AdapterRef
+from contracts.adapters import EMA_STEM, POLICY_STEM, AdapterRef
 from contracts.auth import redact
 from core.bucket.committed import CommittedStore
 from core.bucket.fetching import HeldFolder, cache_usage, drop_cached, fetch_verified, hold, prune_cached
@@ -24,12 +25,17 @@ class AdapterStore(CommittedStore):
     """LoRA adapter versions `adapters/policy-v{N}/`: the learner publishes, every replica fetches."""
 
     kind, noun = "adapters", "version"
+    stem = POLICY_STEM  # the lineage's stem: its versions are `<stem>-v<N>`, the other stems' are not listed
 
     def _name(self, number: int) -> str:
-        return AdapterRef(number).key
+        return AdapterRef(number, stem=self.stem).key
+
+    def key_of(self, version: int) -> str:
+        """A version's folder name in this lineage: `policy-v3` (or `ema-v3`)."""
+        return self._name(version)
 
     def publish(self, local_dir, version: int) -> dict:
-        """Upload a PEFT adapter folder as `policy-v{version}` and commit it; returns the manifest.
+        """Upload a PEFT adapter folder as `<stem>-v{version}` and commit it; returns the manifest.
 
         Raises VersionExists when that version is already committed (by anyone, including a racer)."""
         local_dir = Path(local_dir)
@@ -109,10 +115,13 @@ class AdapterStore(CommittedStore):
         return self._url_of(version)
 
     def resolve(self, ref: str) -> int:
-        """The version a reference names: `policy-v3`, `adapters/policy-v3` or this bucket's URL of it.
+        """The version a reference names: `policy-v3`, `adapters/policy-v3` or this bucket's URL of it (`ema-v3`...
+        for the ema lineage's store).
 
         Anything else (another spelling, a path outside this bucket's prefix, `..`) is InvalidName."""
-        bad = InvalidName(f"adapter reference {redact(str(ref))!r}: expected policy-v<N> inside {redact(self.url)}")
+        bad = InvalidName(
+            f"adapter reference {redact(str(ref))!r}: expected {self.stem}-v<N> inside {redact(self.url)}"
+        )
         if not isinstance(ref, str) or "\\" in ref or "\x00" in ref:
             raise bad
         if "://" in ref:
@@ -132,6 +141,18 @@ class AdapterStore(CommittedStore):
         if number is None:
             raise bad
         return number
+
+
+class EmaAdapterStore(AdapterStore):
+    """The run's ema lineage, `adapters/ema-v{N}/` beside its policy versions: the learner's exponential average of
+    them, which an `ema` self teacher scores with; committed, signed and verified as the policy's are."""
+
+    stem = EMA_STEM
+
+
+def adapter_store(stem: str) -> type[AdapterStore]:
+    """The store class of a lineage's stem (`policy`, `ema`)."""
+    return EmaAdapterStore if stem == EMA_STEM else AdapterStore
 
 
 class CheckpointStore(CommittedStore):

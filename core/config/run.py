@@ -25,7 +25,7 @@ from core.config.sections import (
     TaskConfig,
     vllm_rank_for,
 )
-from core.config.teacher import TeacherConfig, size_teacher_context
+from core.config.teacher import SelfTeacher, TeacherConfig, size_teacher_context
 
 
 class OpenEnvConfig(Section):
@@ -412,6 +412,16 @@ class RunConfig(Section):
             raise ValueError(f"lora.rank={self.lora.rank} exceeds fleet.max_lora_rank={self.fleet.max_lora_rank}")
         own = self.own_fleet_sizes()
         check_fleet(self.model, self.fleet, own["max_loras"], own["max_staleness"])
+        emas = {(t.update_rate, t.sync_steps) for t in self.ema_teachers}
+        if len(emas) > 1:
+            raise ValueError(
+                f"ema teachers of one run share the learner's one average: one update_rate and sync_steps, not {sorted(emas)}"
+            )
+        if emas and own["max_loras"] < slots_needed([own["max_staleness"] + 1] * 2):
+            raise ValueError(
+                f"fleet.max_loras={own['max_loras']}: an ema teacher's lineage pins a window beside the policy's, "
+                f"give it at least 2 x (max_staleness + 1) + 1 = {slots_needed([own['max_staleness'] + 1] * 2)}"
+            )
         if self.join.url and not RUN_NAME.fullmatch(self.logging.run_name):
             raise ValueError(
                 f"logging.run_name={self.logging.run_name!r} cannot name a run of a shared fleet (join.url): "
@@ -499,20 +509,35 @@ class RunConfig(Section):
         """The teacher of the run's distill objective, if it names one; of several, the first."""
         return next(iter(self.teachers.values()), None)
 
+    @property
+    def ema_teachers(self) -> list[SelfTeacher]:
+        """The run's `ema` self teachers: they score with the average of its versions that its learner keeps."""
+        return [
+            t.self_teacher
+            for t in self.teachers.values()
+            if t.self_teacher is not None and t.self_teacher.model == "ema"
+        ]
+
+    @property
+    def lineages(self) -> int:
+        """The lineages of adapter versions the run publishes: its policy, and its ema average for an ema teacher."""
+        return 2 if self.ema_teachers else 1
+
     def teacher_of(self, kind: str) -> TeacherConfig | None:
         """The run's teacher of `kind` (adapter, model: at most one each), if it has one."""
         return next((t for t in self.teachers.values() if t.kind == kind), None)
 
     def own_fleet_sizes(self) -> dict[str, Any]:
         """The slots, rank and staleness window of the fleet this run brings: as its `fleet` section says, else
-        sized for this run alone (its lineage's window and one slot to load into, one more for a teacher adapter;
-        its rank); and where a teacher adapter may be loaded from."""
+        sized for this run alone (each of its lineages' windows and one slot to load into, one more for a teacher
+        adapter; its rank); and where a teacher adapter may be loaded from."""
         staleness = self.grpo.max_staleness if self.fleet.max_staleness is None else self.fleet.max_staleness
         adapter_teacher = self.teacher_of("adapter")
         teacher_adapter = adapter_teacher.adapter if adapter_teacher is not None else None
         return {
             "max_staleness": staleness,
-            "max_loras": self.fleet.max_loras or slots_needed([staleness + 1]) + (teacher_adapter is not None),
+            "max_loras": self.fleet.max_loras
+            or slots_needed([staleness + 1] * self.lineages) + (teacher_adapter is not None),
             "max_lora_rank": self.fleet.max_lora_rank or vllm_rank_for(self.lora.rank),
             **(trusted_source(self.fleet, teacher_adapter) if teacher_adapter else {}),
         }

@@ -8,7 +8,8 @@ A run names its teacher in its distill objective (`objectives: [{kind: distill, 
 - `{model: {...}}`: another model of the student's tokenizer, served by a teacher deployment of its own in the
   run's fleet (`TeacherDeployment`, which a fleet's own config can name too);
 - `{url: URL}`: an OpenAI-compatible server elsewhere that answers `prompt_logprobs` (vLLM's, another fleet);
-- `{self: {model: base | live, context: TEMPLATE}}`: the student itself (its base, or its newest version), shown
+- `{self: {model: base | live | ema, context: TEMPLATE}}`: the student itself (its base, its newest version, or an
+  exponential average of its versions that the learner publishes as a lineage of the run's own), shown
   what the student is not: its prompt filled into `context` with the
   problem's answer, solution or an episode's feedback (self-distillation: SDFT, SDPO). It costs no deployment: the
   fleet serves the base and the run's own lineages already.
@@ -27,6 +28,7 @@ from core.config.sections import ModelConfig, Section
 
 TEACHER_ADAPTER = "teacher-v0"  # what an adapter teacher is loaded as: a family of its own, so its slot is pinned
 TEACHER_KINDS = ("adapter", "model", "url", "self")  # besides `base`, which names none of them
+EMA_DEFAULTS = {"update_rate": 0.05, "sync_steps": 1}  # TRL's teacher_update_rate and teacher_sync_steps
 
 
 def size_teacher_context(student: ModelConfig, teacher: ModelConfig, field: str) -> None:
@@ -53,8 +55,19 @@ class TeacherDeployment(Section):
 class SelfTeacher(Section):
     """A self teacher: the student's own model, scoring under a privileged prompt (`context`)."""
 
-    model: Literal["base", "live"] = Field(
-        description="base: the base model, no adapter; live: the run's newest version (its own lineage)."
+    model: Literal["base", "live", "ema"] = Field(
+        description="base: the base model, no adapter; live: the run's newest version; ema: an average of its versions."
+    )
+    update_rate: float = Field(
+        EMA_DEFAULTS["update_rate"],
+        gt=0,
+        le=1,
+        description="ema: the newest version's share at each update (TRL's teacher_update_rate); 1 copies it.",
+    )
+    sync_steps: int = Field(
+        EMA_DEFAULTS["sync_steps"],
+        ge=1,
+        description="ema: optimizer steps between two updates of the average (TRL's teacher_sync_steps).",
     )
     context: str = Field(
         description="The teacher's prompt: {prompt} and the problem's {answer}, {solution}, {feedback} or columns."
@@ -68,6 +81,18 @@ class SelfTeacher(Section):
     @classmethod
     def _a_template(cls, template: str) -> str:
         return check_template(template)
+
+    @model_validator(mode="after")
+    def _ema_fields_for_ema(self) -> SelfTeacher:
+        """update_rate and sync_steps set the average an `ema` teacher scores with: named for another, nothing reads
+        them, and a run that meant ema but says live or base should hear so."""
+        if self.model == "ema":
+            return self
+        # Their defaults pass (a teacher's dump, which names every field, reads back); any other value is refused.
+        named = [f"{name}={getattr(self, name)}" for name in EMA_DEFAULTS if getattr(self, name) != EMA_DEFAULTS[name]]
+        if named:
+            raise ValueError(f"{' and '.join(named)} set the average of an ema teacher; this one is {self.model}")
+        return self
 
 
 class TeacherConfig(Section):

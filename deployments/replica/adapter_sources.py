@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from contracts.adapters import AdapterRef, adapter_name, run_prefix, split_run, split_version_url
+from contracts.adapters import BUCKET_STEMS, POLICY_STEM, AdapterRef, run_prefix, split_run, split_version_url
 from contracts.auth import Secret, lineage_key, redact
 from contracts.serving import BadRequest, ModelNotFound, ReplicaError
 from core.bucket.fetching import HeldFolder
 from core.bucket.filesystem import BucketError, IntegrityError, InvalidName, NotSigned, VersionNotFound
-from core.bucket.store import AdapterStore
+from core.bucket.store import AdapterStore, adapter_store
 from core.config import BucketConfig
 
 log = logging.getLogger("ray.serve")
@@ -143,36 +143,40 @@ class AdapterSources:
         self.trusted_dirs = [Path(d).expanduser().resolve() for d in trusted_dirs]
         self.cache_keep = cache_keep
         self.other_lineages = [prefix.rstrip("/") for prefix in other_lineages]  # `fleet.extra_adapter_buckets`
-        self._prefixes: dict[str | None, tuple[AdapterStore, CommittedVersions]] = {}
+        self._prefixes: dict[tuple[str | None, str], tuple[AdapterStore, CommittedVersions]] = {}  # by (run, stem)
         self._others: dict[str, AdapterStore] = {}  # the other lineages fetched from (teachers'), pruned like the rest
-        self._leaving: dict[str, AdapterStore] = {}  # runs gone, whose cached folders are still to delete
+        # (run, stem) of runs gone, whose cached folders are still to delete
+        self._leaving: dict[tuple[str | None, str], AdapterStore] = {}
         self._tidying: asyncio.Task | None = None
         self._tidy_again = False
         self._retry: asyncio.TimerHandle | None = None  # the next try at the cached folders of runs gone
         self.store = self._prefix(None)[0]  # the fleet's own versions
 
-    def _prefix(self, run: str | None) -> tuple[AdapterStore, CommittedVersions]:
-        """The store of the fleet's own versions (`run` None), or of a run's, under its prefix of the bucket."""
-        if run not in self._prefixes:
-            store = self._leaving.pop(run, None) or AdapterStore.at(
+    def _prefix(self, run: str | None, stem: str = POLICY_STEM) -> tuple[AdapterStore, CommittedVersions]:
+        """The store of the fleet's own versions (`run` None), or of a run's, under its prefix of the bucket: of its
+        policy lineage, or (`stem`) its ema lineage beside it, signed with the same key (the run's)."""
+        lineage = (run, stem)
+        if lineage not in self._prefixes:
+            store = self._leaving.pop(lineage, None) or adapter_store(stem).at(
                 run_prefix(self.url, run), self.bucket, lineage_key(self.signing_secret, run)
             )
-            self._prefixes[run] = (store, CommittedVersions(store, self.window, self.listing_interval_s))
-        return self._prefixes[run]
+            self._prefixes[lineage] = (store, CommittedVersions(store, self.window, self.listing_interval_s))
+        return self._prefixes[lineage]
 
     def forget(self, run: str) -> None:
-        """Run `run` left the fleet: forget its prefix and what is committed there; its cached folders go with the
-        next `tidy` that finds none of them in use."""
-        entry = self._prefixes.pop(run, None)
-        if entry is not None:
-            self._leaving[run] = entry[0]
+        """Run `run` left the fleet: forget its prefix (each of its lineages) and what is committed there; its cached
+        folders go with the next `tidy` that finds none of them in use."""
+        for stem in BUCKET_STEMS:
+            entry = self._prefixes.pop((run, stem), None)
+            if entry is not None:
+                self._leaving[(run, stem)] = entry[0]
 
     def sizes(self) -> dict[str, int]:
         """Prefixes known, versions known over all of them, runs gone whose cached folders are still in use."""
         return {
-            "run_prefixes": len(self._prefixes),
+            "run_prefixes": len({run for run, _ in self._prefixes}),
             "known_versions": sum(versions.known for _, versions in self._prefixes.values()),
-            "leaving_runs": len(self._leaving),
+            "leaving_runs": len({run for run, _ in self._leaving}),
         }
 
     async def cache_usage(self) -> tuple[int, int]:
@@ -220,16 +224,17 @@ class AdapterSources:
 
     async def is_committed(self, ref: AdapterRef) -> bool:
         """Whether the bucket version `ref` is committed in its run's prefix (or the fleet's own)."""
-        return await self._prefix(ref.run)[1].is_committed(ref.version)
+        return await self._prefix(ref.run, ref.stem)[1].is_committed(ref.version)
 
     async def fetch(self, name: str, ref: str) -> tuple[str, HeldFolder]:
         """(source, verified local folder) of adapter `name` at `ref`: a bucket version, or a trusted local folder.
         A bucket version's folder is held in the cache until released (`HeldFolder.release`).
 
-        A run's adapter (`alice/policy-v3`) comes only from the run's own prefix of the bucket: its
+        A run's adapter (`alice/policy-v3`, `alice/ema-v3`) comes only from the run's own prefix of the bucket: its
         `lora_path` is resolved there (`adapters/policy-v3`, or that prefix's URL of it), never elsewhere."""
         run, local = split_run(name)
-        store, versions = self._prefix(run)
+        ref_of_name = AdapterRef.parse(name)
+        store, versions = self._prefix(run, ref_of_name.stem if ref_of_name else POLICY_STEM)
         try:
             version = store.resolve(ref)
         except InvalidName:
@@ -239,8 +244,8 @@ class AdapterSources:
                 ) from None
             other = self._other_lineage(name, ref)
             return await self._fetch(*other) if other else self._trusted_folder(name, ref)
-        if local != adapter_name(version):
-            raise BadRequest(f"lora_name {name!r} does not name the bucket version {adapter_name(version)}")
+        if local != store.key_of(version):
+            raise BadRequest(f"lora_name {name!r} does not name the bucket version {store.key_of(version)}")
         source, folder = await self._fetch(store, version)
         versions.remember(version)
         return source, folder
@@ -262,11 +267,11 @@ class AdapterSources:
             folder = await asyncio.to_thread(store.fetch_held, version)
             return store.url_of(version), folder
         except VersionNotFound:
-            raise ModelNotFound(f"{adapter_name(version)} is not committed in the bucket") from None
+            raise ModelNotFound(f"{store.key_of(version)} is not committed in the bucket") from None
         except NotSigned as e:  # planted in the lineage's prefix by another writer of the bucket
-            raise ReplicaError(f"{adapter_name(version)} refused: {e}", 403) from None
+            raise ReplicaError(f"{store.key_of(version)} refused: {e}", 403) from None
         except IntegrityError as e:
-            raise ReplicaError(f"{adapter_name(version)} failed verification: {e}", 502) from None
+            raise ReplicaError(f"{store.key_of(version)} failed verification: {e}", 502) from None
         except BucketError as e:
             raise ReplicaError(f"bucket unavailable: {e}", 503) from None
 
@@ -286,9 +291,9 @@ class AdapterSources:
         return str(folder), HeldFolder(folder)  # not the cache's: never pruned, nothing to hold
 
 
-def _tidy(kept: list[AdapterStore], leaving: dict[str, AdapterStore], keep: int) -> list[str]:
+def _tidy(kept: list[AdapterStore], leaving: dict, keep: int) -> list:
     """Prune the cache of each prefix in `kept` to the versions held plus the newest `keep`, delete what is not held
-    of each run in `leaving`; the runs of which nothing is left (blocking: a worker thread)."""
+    of each lineage of a run in `leaving`; those of which nothing is left (blocking: a worker thread)."""
     for store in kept:
         store.prune_cache(keep)
     return [run for run, store in leaving.items() if store.drop_cache()]

@@ -1,6 +1,4 @@
-"""The GPU dependency set installs: pip's resolver in dry-run mode on the `gpu` extra; and so does the `envs` extra
-(OpenEnv) beside our pins, which `make setup` installs in a second call because no one resolution holds it with vllm
-(openenv's fastmcp 3 needs mcp<2, vllm 0.32 asks mcp>=2; see pyproject.toml).
+"""The GPU dependency set installs: pip's resolver in dry-run mode on the `gpu` extra with `envs` and `tinker`.
 
 Nothing is downloaded but metadata, and nothing is installed. It runs on CPU machines (CI) so that a
 pin that cannot be resolved (vllm requiring another torch than the one we pin, a Python range that
@@ -30,6 +28,8 @@ def resolve(extra: str, report: Path, *options: str) -> dict[str, str]:
     return {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in json.loads(report.read_text())["install"]}
 
 
+# The GPU machine installs the environment libraries and the Tinker SDK beside vllm: they must resolve together.
+GPU_SET = "gpu,envs,tinker"
 PYTHON_3_12 = ("--python-version", "3.12", "--only-binary=:all:")
 
 
@@ -37,12 +37,10 @@ PYTHON_3_12 = ("--python-version", "3.12", "--only-binary=:all:")
 def resolutions(tmp_path_factory):
     """Both resolutions at once: each waits on the index more than on the CPU."""
     tmp = tmp_path_factory.mktemp("resolve")
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(2) as pool:
         yield {
-            "here": pool.submit(resolve, "gpu", tmp / "here.json"),
-            "3.12": pool.submit(resolve, "gpu", tmp / "py312.json", *PYTHON_3_12),
-            "envs": pool.submit(resolve, "envs", tmp / "envs.json"),
-            "envs 3.12": pool.submit(resolve, "envs", tmp / "envs312.json", *PYTHON_3_12),
+            "here": pool.submit(resolve, GPU_SET, tmp / "here.json"),
+            "3.12": pool.submit(resolve, GPU_SET, tmp / "py312.json", *PYTHON_3_12),
         }
 
 
@@ -58,12 +56,3 @@ def test_gpu_extra_resolves_for_python_3_12_wheels(resolutions):
     """Common GPU images ship Python 3.12: every dependency must have a 3.12 wheel at our pins."""
     versions = resolutions["3.12"].result()
     assert versions["torch"].split("+")[0] == "2.13.0"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["envs", "envs 3.12"])
-def test_envs_extra_resolves_beside_our_pins(resolutions, where):
-    """OpenEnv at its pin, with our torch, pydantic and openai as they are (here and from Python 3.12 wheels)."""
-    versions = resolutions[where].result()
-    assert versions["openenv"] == "0.10.0"
-    assert versions["torch"].split("+")[0] == "2.13.0" and versions["pydantic"] == "2.14.4"

@@ -444,16 +444,18 @@ def test_a_version_one_run_plants_in_another_runs_prefix_is_refused_and_the_othe
 
 
 def test_two_runs_self_distil_at_once_each_scoring_only_with_its_own_lineage(fleet):
-    """Two runs of the fleet, each with a live self teacher (its own newest version under a privileged prompt),
-    score their groups at the same time through the fleet, each with its token: each gets its own adapter's scores
-    (two lineages, two sets of weights), and a run whose teacher names the other's version is refused (403), which
-    costs that group, never the run; the runs' versions leave with them."""
+    """Two runs of the fleet, each with a live self teacher (its own newest version under a privileged prompt) and an
+    ema one (the average its learner publishes as `ema-vN`, a second lineage of the run), score their groups at the
+    same time through the fleet, each with its token: each gets its own adapters' scores (four lineages, four sets of
+    weights), and a run whose teacher names the other's version (policy or ema) is refused (403), which costs that
+    group, never the run; the runs' versions, ema lineages included, leave with them."""
     import asyncio
 
     from app.rollout.teacher import TeacherEndpoint, TeacherScorer
     from app.tasks.problems import Problem
     from contracts.auth import Secret
     from contracts.rollouts import Group, Sample
+    from core.bucket.store import EmaAdapterStore
 
     admin = fleet.client
     for run in admin.list_runs():  # what earlier tests left registered
@@ -463,18 +465,23 @@ def test_two_runs_self_distil_at_once_each_scoring_only_with_its_own_lineage(fle
     for seed, run in enumerate(runs, start=301):
         run_store(fleet, run).publish(random_adapter(fleet.model_path, fleet.work / f"{run}-v1", seed=seed), 1)
         admin.load_adapter(f"{run}/policy-v1", run_store(fleet, run).url_of(1))
+        policy = run_store(fleet, run)  # its ema lineage: the same prefix, signed with the same key
+        ema = EmaAdapterStore(policy.url, cache_dir=fleet.work / "cache", signing_key=policy.signing_key)
+        ema.publish(random_adapter(fleet.model_path, fleet.work / f"{run}-ema-v1", seed=seed + 10), 1)
+        # the learner asks with the run's token; this one is loaded on demand when its teacher first asks for it
     context = "{answer} {prompt}"
     problem = Problem("p-1", "x", "7")
     privileged = PROMPTS[0] + [11, 12]  # what the stand-in tokenisation gives the privileged prompt
     completion = PROMPTS[1][:6]
 
-    def scorer(run: str) -> TeacherScorer:
-        endpoint = TeacherEndpoint("self", fleet.url, "-", Secret(tokens[run]), context=context, live=True)
+    def scorer(run: str, ema: bool) -> TeacherScorer:
+        token = Secret(tokens[run])
+        endpoint = TeacherEndpoint("self", fleet.url, "-", token, context=context, live=True, ema=ema)
         return TeacherScorer(endpoint, endpoint.client(30.0, 0), lambda p: privileged)
 
-    async def score(run: str, model: str) -> list[float]:
+    async def score(run: str, model: str, ema: bool = False) -> list[float]:
         group = Group(0, problem.id, PROMPTS[0], 1, [Sample(list(completion), [-1.0] * len(completion), 0.0)])
-        teacher = scorer(run)
+        teacher = scorer(run, ema)
         try:
             await teacher.score(group, problem, model)
         finally:
@@ -482,15 +489,19 @@ def test_two_runs_self_distil_at_once_each_scoring_only_with_its_own_lineage(fle
         return group.samples[0].streams["teacher_logprobs"]
 
     async def both():
-        return await asyncio.gather(*(score(run, f"{run}/policy-v1") for run in runs))
+        scored = (score(run, f"{run}/policy-v1", ema) for ema in (False, True) for run in runs)
+        return await asyncio.gather(*scored)
 
     try:
-        a, b = asyncio.run(both())
-        assert len(a) == len(b) == len(completion) and a != b  # each its own lineage's weights
-        with pytest.raises(FleetError) as denied:  # a's teacher naming b's version
-            asyncio.run(score("sdft-a", "sdft-b/policy-v1"))
-        assert denied.value.status == 403
+        a, b, a_ema, b_ema = asyncio.run(both())  # the ema ones score with `<run>/ema-v1`, loaded on demand
+        assert len(a) == len(b) == len(a_ema) == len(b_ema) == len(completion)
+        assert len({tuple(s) for s in (a, b, a_ema, b_ema)}) == 4  # each its own lineage's weights
+        assert asyncio.run(score("sdft-a", "sdft-a/policy-v1", ema=True)) == a_ema
+        for ema in (False, True):  # a's teacher naming b's version: b's policy-v1, or b's ema-v1
+            with pytest.raises(FleetError) as denied:
+                asyncio.run(score("sdft-a", "sdft-b/policy-v1", ema))
+            assert denied.value.status == 403
     finally:
-        removed = {run: admin.remove_run(run)["unloaded"] for run in runs}
-    assert removed == {run: [f"{run}/policy-v1"] for run in runs}
+        removed = {run: sorted(admin.remove_run(run)["unloaded"]) for run in runs}
+    assert removed == {run: [f"{run}/ema-v1", f"{run}/policy-v1"] for run in runs}
     assert not [m for m in admin.models() if m["id"].startswith("sdft-")]

@@ -231,3 +231,31 @@ def test_a_folder_pruned_between_its_fetch_and_its_hold_is_fetched_again(tmp_pat
     held = store.fetch_held(1)
     assert pruned == [True] and (held.path / "adapter_model.safetensors").read_bytes() == b"weights"
     held.release()
+
+
+def test_a_runs_ema_lineage_sits_beside_its_policy_and_each_lists_collects_and_resolves_its_own(tmp_path):
+    from core.bucket.store import EmaAdapterStore, adapter_store
+
+    url = f"file://{tmp_path}/bucket"
+    policy, ema = AdapterStore(url, cache_dir=tmp_path / "cache"), EmaAdapterStore(url, cache_dir=tmp_path / "cache")
+    assert adapter_store("ema") is EmaAdapterStore and adapter_store("policy") is AdapterStore
+    folder = _ema_adapter(tmp_path)
+    for v in (1, 2, 3):
+        policy.publish(folder, v)
+        ema.publish(folder, v)
+    assert ema.url_of(2).endswith("/adapters/ema-v2") and ema.key_of(2) == "ema-v2"
+    assert ema.gc(1) == [2, 1] and ema.versions() == [3] and policy.versions() == [3, 2, 1]  # gc: its own stem
+    assert ema.resolve("adapters/ema-v3") == 3 and ema.resolve(ema.url_of(3)) == 3
+    with pytest.raises(InvalidName):
+        ema.resolve("adapters/policy-v3")
+    with pytest.raises(InvalidName):
+        policy.resolve("ema-v3")
+    assert (ema.fetch(3) / "adapter_config.json").is_file()
+
+
+def _ema_adapter(tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"r": 1, "lora_alpha": 2, "peft_type": "LORA"}')
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+    return folder

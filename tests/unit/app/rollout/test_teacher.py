@@ -316,6 +316,32 @@ def test_a_self_teacher_scores_the_completion_after_its_privileged_prompt(teache
     assert group.costs[TEACHER_TOKENS] == 9 + 10
 
 
+def test_an_ema_self_teacher_scores_with_the_newest_versions_number_of_the_runs_ema_lineage():
+    from contracts.rollouts import Group
+
+    seen = []
+
+    class Spy(FakeTeacher):
+        def do_POST(self):  # noqa: N802
+            raw = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(json.loads(raw)["model"])
+            self.rfile = io.BytesIO(raw)
+            super().do_POST()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Spy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    problem = PROBLEMS[0]
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        endpoint = TeacherEndpoint("self", url, "alice/ema-v0", context="{answer}{prompt}", live=True, ema=True)
+        scorer = TeacherScorer(endpoint, endpoint.client(5.0, 0), lambda p: [1, 2, 3])
+        for newest in ("alice/policy-v4", "alice/policy-v5"):
+            run(scorer.score(Group(0, problem.id, [1, 2, 3], 0, [Sample([5, 6], [-0.1, -0.2], 1.0)]), problem, newest))
+    finally:
+        server.shutdown()
+    assert seen == ["alice/ema-v4", "alice/ema-v5"]  # the average published beside each, never the policy itself
+
+
 def test_a_self_teacher_needs_the_students_tokenisation():
     endpoint = TeacherEndpoint("self", "http://127.0.0.1:1", "base", context="{answer}{prompt}")
     with pytest.raises(ValueError, match="need the student's tokenisation"):

@@ -249,3 +249,50 @@ def test_a_version_planted_in_a_runs_prefix_by_another_writer_of_the_bucket_is_r
             fetch(name, ref)
         assert refused.value.status == 403
     assert bob.signed(1) and not bob.signed(2) and not bob.signed(3)
+
+
+def test_a_runs_ema_lineage_loads_from_its_own_prefix_signed_with_its_key_and_leaves_with_it(tmp_path):
+    """An ema self teacher's lineage (`alice/ema-vN`, the learner's average beside `alice/policy-vN`) is a second
+    lineage of the run: loaded only from alice's prefix, only signed with alice's key, never under a policy name, loaded
+    on demand when committed, and forgotten with the run."""
+    from contracts.adapters import AdapterRef
+    from contracts.auth import lineage_key
+    from contracts.serving import ReplicaError
+    from core.bucket.store import EmaAdapterStore
+    from tests.support.replica_parts import SECRET
+
+    slots = adapter_slots(tmp_path, window=2, max_loras=5)
+    sources = slots.sources
+    url = lineage_store(sources.url, "alice").url
+    alice = lineage_store(sources.url, "alice", cache_dir=tmp_path / "cache")
+    alice_ema = EmaAdapterStore(url, signing_key=lineage_key(SECRET, "alice"), cache_dir=tmp_path / "cache")
+    alice.publish(adapter_folder(tmp_path / "policy", b"alice's policy v1"), 1)
+    alice_ema.publish(adapter_folder(tmp_path / "ema", b"alice's average v1"), 1)
+    # bob signs an ema-v2 into alice's prefix with his own key: never alice's
+    EmaAdapterStore(url, signing_key=lineage_key(SECRET, "bob"), cache_dir=tmp_path / "cache").publish(
+        adapter_folder(tmp_path / "planted", b"bob's"), 2
+    )
+    assert alice.versions() == [1] and alice_ema.versions() == [2, 1]  # each lineage lists its own stem
+
+    async def scenario():
+        assert (await slots.load("alice/ema-v1", "adapters/ema-v1")).loaded
+        for name, ref in (
+            ("alice/policy-v1", "adapters/ema-v1"),  # a policy name for the average's files
+            ("alice/ema-v1", "adapters/policy-v1"),  # and the other way round
+            ("bob/ema-v1", alice_ema.url_of(1)),  # from another run's prefix
+        ):
+            with pytest.raises(BadRequest):
+                await slots.load(name, ref)
+        with pytest.raises(ReplicaError) as planted:
+            await slots.load("alice/ema-v2", "adapters/ema-v2")
+        assert planted.value.status == 403
+        async with slots.use("alice/policy-v1") as lora:  # committed: loaded on demand, the policy's own files
+            assert lora.lora_name.startswith("alice/policy-v1@")
+        assert await sources.is_committed(AdapterRef(1, "alice", "ema"))
+        sources.forget("alice")
+        await sources.tidy()
+        assert not [run for run, _ in sources._prefixes if run == "alice"]  # both of alice's lineages went
+
+    asyncio.run(scenario())
+    held = {a.name: a.sha256 for a in slots.listing().adapters}
+    assert held["alice/ema-v1"] != held["alice/policy-v1"]
