@@ -323,3 +323,7 @@ class EpisodeRunner(Sampler):
 
     def close(self) -> None:
         self._calls.close()
+        # A factory object that holds something for its environments (an OpenEnv worker) lets it go; an environment
+        # class as the factory holds nothing (its `close` is its episodes').
+        if not isinstance(self.env_factory, type) and callable(getattr(self.env_factory, "close", None)):
+            self.env_factory.close()

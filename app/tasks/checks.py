@@ -29,23 +29,16 @@ def check_names(cfg) -> None:
 
 
 def check_openenv(oe) -> None:
-    """`env.openenv` names an installed openenv's client and Action classes that fit, and an app that imports:
-    ConfigError naming the field else (the server itself starts only with the run, `app.tasks.openenv_env`)."""
-    from app.tasks.openenv_env import resolve_classes
-    from app.tasks.registry import resolve_named
+    """`env.openenv` names client and Action classes that fit and an app that imports, resolved in the OpenEnv venv
+    as the run will (`app.tasks.openenv_env.check_classes`): ConfigError naming the field else, and one saying what
+    builds the venv where there is none (the server itself starts only with the run)."""
+    from app.tasks.openenv_env import check_classes
 
     try:
-        resolve_classes(oe)
+        check_classes(oe)
     except ValueError as e:
-        named = str(e).split(":")[0] in ("client", "action", "action_field")  # the message starts with the field
+        named = str(e).split(":")[0] in ("client", "action", "action_field", "app")  # the message starts with it
         raise ConfigError(f"env.openenv.{e}" if named else f"env.openenv: {e}") from None
-    if oe.app is not None:
-        try:
-            app = resolve_named(oe.app, {}, "app", "module:app")
-        except ValueError as e:
-            raise ConfigError(f"env.openenv.app: {e}") from None
-        if not callable(app):
-            raise ConfigError(f"env.openenv.app: {oe.app} is not an ASGI app (OpenEnv's create_app builds one)")
 
 
 def check_factories(cfg) -> None:

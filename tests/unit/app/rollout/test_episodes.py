@@ -147,6 +147,31 @@ def test_environments_are_closed_when_their_group_fails_and_a_close_that_raises_
     assert ep.solved and len(closed) == 3
 
 
+def test_closing_the_runner_closes_a_factory_that_holds_something_for_its_environments():
+    """An OpenEnv run's factory holds the client's worker process (`app.tasks.openenv_env.OpenEnvSessions`)."""
+
+    class Holding:
+        closed = 0
+
+        def __call__(self):
+            return ChainedArithmetic()
+
+        def close(self):
+            self.closed += 1
+
+    factory = Holding()
+    r = EpisodeRunner(
+        factory, encode, ScriptedFleet(["46", "53", "55"]), max_turns=4, max_episode_tokens=200, timeout_s=5.0
+    )
+    (ep,) = play(r, n=1)
+    assert ep.solved and factory.closed == 0  # a group's end closes its environments, not the factory
+    r.close()
+    assert factory.closed == 1
+    EpisodeRunner(
+        ChainedArithmetic, encode, ScriptedFleet(["46"]), max_turns=4, max_episode_tokens=200, timeout_s=5.0
+    ).close()
+
+
 def test_environments_that_hang_for_good_cost_later_episodes_nothing():
     """Every environment call of the first groups hangs for good: more hangs than the runner has threads. Later groups,
     whose environments answer, still play to the end instead of timing out in a queue behind the hung calls."""

@@ -1,52 +1,56 @@
-"""The OpenEnv adapter's pure logic: OpenEnv's `StepResult` read as spotrl's `EnvStep`, the model's turn as the
-library's Action, the causes of a lost episode, the config and its start-time checks. Served end to end:
-tests/integration/test_openenv.py."""
+"""The OpenEnv adapter's pure logic: a step's answer (OpenEnv's `StepResult` as the worker sends it) read as spotrl's
+`EnvStep`, the causes of a lost episode from the client's exception, the problem as reset's keywords, the config, and
+the one-line error of a run without the OpenEnv venv. Nothing here imports openenv (it lives in its own venv); the
+worker, the servers and the faults run in tests/integration/test_openenv.py."""
 
 import math
 
 import pytest
-from openenv.core.client_types import StepResult
-from openenv.core.generic_client import GenericEnvClient
-from websockets.exceptions import ConnectionClosedError
 
+from app.tasks import openenv_env
 from app.tasks.environments import EnvLost, EnvStep
 from app.tasks.openenv_env import (
     DISCONNECTED,
     MALFORMED,
     SERVER_ERROR,
-    _lost,
+    child_env,
     env_step,
-    make_action,
+    failure,
     reset_kwargs,
-    resolve_classes,
 )
 from app.tasks.problems import Problem
 from core.config import ConfigError, load_config
-from core.config.run import OpenEnvConfig
-from examples.openenv_arithmetic import ArithmeticAction, ArithmeticObservation
+
+
+def answer(observation=None, reward=None, done=False, metadata=None) -> dict:
+    """A step's answer as the worker writes it (`openenv_worker.result_dict`)."""
+    return {"observation": observation or {}, "reward": reward, "done": done, "metadata": metadata}
 
 
 def test_a_step_result_is_the_turns_reward_and_the_observations_text_read_next():
-    assert env_step(StepResult({"message": " Add 7. Answer: "}, 0.5, False), "message") == EnvStep(
+    assert env_step(answer({"message": " Add 7. Answer: "}, 0.5), "message") == EnvStep(
         0.5, observation=" Add 7. Answer: "
     )
-    typed = StepResult(ArithmeticObservation(message=" Add 2. Answer: "), 1, False)  # a typed client's observation
+    typed = answer({"message": " Add 2. Answer: ", "metadata": {}}, 1)  # a typed Observation, serialised
     assert env_step(typed, "message") == EnvStep(1.0, observation=" Add 2. Answer: ")
-    assert env_step(StepResult({}, None, True), "message") == EnvStep(0.0, done=True)  # done: nothing to read
-    verdict = StepResult({}, 0.5, True, metadata={"solved": False})  # the environment's verdict, where it gives one
+    assert env_step(answer(None, None, True), "message") == EnvStep(0.0, done=True)  # done: nothing to read
+    verdict = answer({}, 0.5, True, {"solved": False})  # the environment's verdict, where it gives one
     assert env_step(verdict, "message") == EnvStep(0.5, done=True, solved=False)
-    assert env_step(StepResult({}, 1.0, True, metadata={"solved": "yes"}), "message").solved is None
+    assert env_step(answer({}, 1.0, True, {"solved": "yes"}), "message").solved is None
 
 
 @pytest.mark.parametrize(
     "result",
     [
-        StepResult({"message": 12}, 1.0, False),  # not text
-        StepResult({"other": "x"}, 1.0, False),  # no such field
-        StepResult({"message": "x"}, math.nan, False),
-        StepResult({"message": "x"}, "1", False),
-        StepResult({"message": "x"}, True, False),
-        StepResult({"message": "x"}, 1.0, "yes"),
+        answer({"message": 12}, 1.0),  # not text
+        answer({"other": "x"}, 1.0),  # no such field
+        answer({"message": "x"}, "nan"),  # the worker's word for a NaN reward
+        answer({"message": "x"}, math.inf),
+        answer({"message": "x"}, "1"),
+        answer({"message": "x"}, True),
+        answer({"message": "x"}, 1.0, "yes"),
+        answer("not a dict", 1.0),
+        ["not", "a", "result"],
     ],
 )
 def test_garbage_is_a_malformed_answer(result):
@@ -55,33 +59,57 @@ def test_garbage_is_a_malformed_answer(result):
     assert lost.value.cause == MALFORMED
 
 
-def test_the_models_turn_fills_the_actions_text_field():
-    assert make_action("46", "message", None) == {"message": "46"}  # GenericEnvClient sends dicts
-    action = make_action("46", "message", ArithmeticAction)
-    assert isinstance(action, ArithmeticAction) and action.message == "46"
-
-
 def test_reset_gets_the_problem_as_keywords():
     problem = Problem("p", "Compute 12+34. Answer: ", "46", {"chain": [7]})
     assert reset_kwargs(problem) == {"prompt": "Compute 12+34. Answer: ", "answer": "46", "chain": [7]}
 
 
-def test_client_failures_are_named_by_cause():
-    assert _lost(ConnectionClosedError(None, None)).cause == DISCONNECTED
-    assert _lost(ConnectionError("Failed to connect to ws://127.0.0.1:9/ws")).cause == DISCONNECTED
-    assert _lost(ConnectionRefusedError()).cause == DISCONNECTED
-    assert _lost(RuntimeError("Server error: the environment broke (code: EXECUTION_ERROR)")).cause == SERVER_ERROR
-    assert _lost(ValueError("Expecting value: line 1 column 1")).cause == MALFORMED
-    assert _lost(TimeoutError()) is None  # a timeout is the runner's to count (step_timeout)
-    assert _lost(RuntimeError("something else")) is None
+def kinds(*names: str) -> list[str]:
+    return [*names, "Exception", "BaseException", "object"]
 
 
-def test_the_config_takes_a_url_or_an_app_and_resolves_the_librarys_classes():
+@pytest.mark.parametrize(
+    "error, cause",
+    [
+        (
+            {"kinds": kinds("ConnectionClosedError", "ConnectionClosed", "WebSocketException"), "message": ""},
+            DISCONNECTED,
+        ),
+        (
+            {"kinds": kinds("ConnectionError", "OSError"), "message": "Failed to connect to ws://127.0.0.1:9/ws"},
+            DISCONNECTED,
+        ),
+        ({"kinds": kinds("ConnectionRefusedError", "ConnectionError", "OSError"), "message": ""}, DISCONNECTED),
+        ({"kinds": kinds("RuntimeError"), "message": "Server error: it broke (code: EXECUTION_ERROR)"}, SERVER_ERROR),
+        ({"kinds": kinds("JSONDecodeError", "ValueError"), "message": "Expecting value: line 1 column 1"}, MALFORMED),
+        ({"kinds": kinds("KeyError", "LookupError"), "message": "'observation'"}, MALFORMED),
+        ({"kinds": kinds("ValidationError", "ValueError"), "message": "1 validation error"}, MALFORMED),
+    ],
+)
+def test_client_failures_are_named_by_cause(error, cause):
+    lost = failure(error)
+    assert isinstance(lost, EnvLost) and lost.cause == cause
+
+
+def test_a_client_timeout_is_the_runners_and_anything_else_is_raised_as_itself():
+    assert isinstance(failure({"kinds": kinds("TimeoutError", "OSError"), "message": ""}), TimeoutError)
+    other = failure({"kinds": kinds("RuntimeError"), "message": "something else"})
+    assert type(other) is RuntimeError and "something else" in str(other)
+    assert type(failure({})) is RuntimeError  # an error without kinds is still one
+
+
+def test_the_openenv_processes_import_from_the_working_folder_and_the_repository(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("VIRTUAL_ENV", "/the/runs/venv")
+    env = child_env(tmp_path)
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path), str(openenv_env.REPO), "/elsewhere"]
+    assert "VIRTUAL_ENV" not in env
+
+
+def test_the_config_takes_a_url_or_an_app():
     cfg = load_config(None, ["env.openenv.app=examples.openenv_arithmetic:app"])
     assert cfg.env.openenv.app == "examples.openenv_arithmetic:app" and cfg.env.multi_turn
-    assert resolve_classes(cfg.env.openenv) == (GenericEnvClient, None)
-    typed = OpenEnvConfig(url="http://127.0.0.1:8001", action="examples.openenv_arithmetic:ArithmeticAction")
-    assert resolve_classes(typed) == (GenericEnvClient, ArithmeticAction)
+    assert cfg.env.openenv.client == "openenv.core.generic_client:GenericEnvClient"
     for bad in (
         ["env.openenv.url=http://127.0.0.1:1", "env.openenv.app=examples.openenv_arithmetic:app"],  # both
         ["env.openenv.action_field=message"],  # neither
@@ -93,28 +121,13 @@ def test_the_config_takes_a_url_or_an_app_and_resolves_the_librarys_classes():
             load_config(None, bad)
 
 
-@pytest.mark.parametrize(
-    "overrides, says",
-    [
-        (["env.openenv.app=examples.nothing_here:app"], "env.openenv.app: app 'examples.nothing_here:app' cannot be"),
-        (["env.openenv.app=examples.openenv_arithmetic:ArithmeticEnvironment.nope"], "env.openenv.app:"),
-        (
-            ["env.openenv.url=http://127.0.0.1:1", "env.openenv.client=examples.openenv_arithmetic:app"],
-            "env.openenv.client:",
-        ),
-        (
-            [
-                "env.openenv.url=http://127.0.0.1:1",
-                "env.openenv.action=examples.openenv_arithmetic:ArithmeticAction",
-                "env.openenv.action_field=text",
-            ],
-            "env.openenv.action_field: examples.openenv_arithmetic:ArithmeticAction has no field 'text'",
-        ),
-    ],
-)
-def test_start_checks_name_the_field_in_one_line(overrides, says):
+def test_a_run_without_the_openenv_venv_is_refused_at_start_in_one_line_saying_what_builds_it(tmp_path, monkeypatch):
     from app.tasks.checks import check_names
 
+    monkeypatch.setattr(openenv_env, "OPENENV_VENV", tmp_path / ".venv-openenv")
     with pytest.raises(ConfigError) as refused:
-        check_names(load_config(None, overrides))
-    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+        check_names(load_config(None, ["env.openenv.url=http://127.0.0.1:1"]))
+    said = str(refused.value)
+    assert said.startswith("env.openenv: the OpenEnv venv") and "`make setup` builds it" in said and "\n" not in said
+    with pytest.raises(ValueError, match="make setup"):
+        openenv_env.OpenEnvServer("examples.openenv_arithmetic:app").start()  # nothing started either
