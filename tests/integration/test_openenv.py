@@ -160,8 +160,8 @@ def test_a_step_that_hangs_returns_garbage_or_raises_costs_only_its_episode(faul
             good = await ScriptedFleet(["ok", "ok"])(prompt_ids, model, n, *args, turn=turn, **kwargs)
             return (await super().__call__(prompt_ids, model, 1, *args, turn=turn, **kwargs)) + good[1:]
 
-    t0 = time.monotonic()
     r = runner(faults.url, Mixed([turn, "ok"]), timeout_s=1.0)
+    t0 = time.monotonic()
     bad, good = play(r, n=2)
     assert bad.env_error and math.isnan(bad.reward) and bad.turns == 1
     assert not good.env_error and good.reward == 2.0 and good.turns == 2
@@ -243,35 +243,29 @@ def test_a_worker_killed_mid_episode_costs_its_episodes_and_the_next_group_gets_
     assert sessions.worker.process is None  # closed with its sessions
 
 
-@pytest.mark.parametrize(
-    "overrides, says",
-    [
+def test_start_checks_resolve_the_classes_in_the_openenv_venv_and_name_the_field_in_one_line():
+    from app.tasks.checks import check_names
+    from core.config import ConfigError
+
+    url = "env.openenv.url=http://127.0.0.1:1"
+    typed = [url, "env.openenv.action=examples.openenv_arithmetic:ArithmeticAction"]
+    for overrides, says in [
         (
             ["env.openenv.app=examples.nothing_here:app"],
             "env.openenv.app: examples.nothing_here:app cannot be imported",
         ),
         (
-            ["env.openenv.url=http://127.0.0.1:1", "env.openenv.client=examples.openenv_arithmetic:app"],
+            [url, "env.openenv.client=examples.openenv_arithmetic:app"],
             "env.openenv.client: examples.openenv_arithmetic:app is not an openenv EnvClient class",
         ),
         (
-            [
-                "env.openenv.url=http://127.0.0.1:1",
-                "env.openenv.action=examples.openenv_arithmetic:ArithmeticAction",
-                "env.openenv.action_field=text",
-            ],
+            [*typed, "env.openenv.action_field=text"],
             "env.openenv.action_field: examples.openenv_arithmetic:ArithmeticAction has no field 'text'",
         ),
-    ],
-)
-def test_start_checks_resolve_the_classes_in_the_openenv_venv_and_name_the_field_in_one_line(overrides, says):
-    from app.tasks.checks import check_names
-    from core.config import ConfigError
-
-    with pytest.raises(ConfigError) as refused:
-        check_names(load_config(None, overrides))
-    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
-    typed = ["env.openenv.url=http://127.0.0.1:1", "env.openenv.action=examples.openenv_arithmetic:ArithmeticAction"]
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            check_names(load_config(None, overrides))
+        assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
     check_names(load_config(None, typed))  # a config that fits passes
 
 
@@ -305,7 +299,8 @@ def test_the_openenv_venv_holds_the_pinned_openenv_and_neither_spotrl_nor_torch(
     )
     probe = "import importlib.metadata as m, json; print(json.dumps(sorted(d.metadata['Name'].lower() + '==' + d.version for d in m.distributions())))"
     installed = json.loads(
-        subprocess.run([str(openenv_venv), "-c", probe], capture_output=True, text=True, check=True).stdout
+        # -I: the venv alone (not a checkout's spotrl.egg-info in the working folder)
+        subprocess.run([str(openenv_venv), "-I", "-c", probe], capture_output=True, text=True, check=True).stdout
     )
     assert pin in installed
     names = {line.split("==")[0] for line in installed}
