@@ -3,7 +3,8 @@ chained additions of `chained_arithmetic` (`Compute 12+34. Answer: 46`, then ` A
 OpenEnv's WebSocket protocol, so that a run through an OpenEnv server plays exactly the episodes the shipped
 multi-turn task plays (and its tiny model knows).
 
-    uvicorn examples.openenv_arithmetic:app --host 127.0.0.1 --port 8001    # or env.openenv.app in a run's config
+    .venv-openenv/bin/python -m uvicorn examples.openenv_arithmetic:app --host 127.0.0.1 --port 8001
+    # or env.openenv.app in a run's config; it runs in the OpenEnv venv, as openenv cannot share the run's
 
 `reset(answer=..., chain=[...])` takes the problem as spotrl sends it (the problem's answer and its columns); without
 them (OpenEnv's own clients, its web playground) it draws a problem from `seed`. Each correct answer reveals the next

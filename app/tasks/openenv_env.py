@@ -79,9 +79,10 @@ def openenv_python() -> Path:
 
 def child_env(cwd: Path) -> dict[str, str]:
     """The environment of a process of the OpenEnv venv: the config's modules (the app's, the client's) importable
-    from `cwd` and the repository, as from the driver."""
+    from `cwd` and the repository. The run's own PYTHONPATH is not passed on: an entry of it holding the run's
+    packages (a Ray worker's may) would come before the venv's and bring back the mcp the venv exists to avoid."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(cwd), str(REPO), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join((str(cwd), str(REPO)))
     env.pop("VIRTUAL_ENV", None)  # the run's venv is not this process's
     return env
 

@@ -98,11 +98,11 @@ def test_a_client_timeout_is_the_runners_and_anything_else_is_raised_as_itself()
     assert type(failure({})) is RuntimeError  # an error without kinds is still one
 
 
-def test_the_openenv_processes_import_from_the_working_folder_and_the_repository(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+def test_the_openenv_processes_import_from_the_working_folder_and_the_repository_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/the/runs/venv/lib/python3.11/site-packages")
     monkeypatch.setenv("VIRTUAL_ENV", "/the/runs/venv")
     env = child_env(tmp_path)
-    assert env["PYTHONPATH"].split(":") == [str(tmp_path), str(openenv_env.REPO), "/elsewhere"]
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path), str(openenv_env.REPO)]  # not the run's packages
     assert "VIRTUAL_ENV" not in env
 
 
