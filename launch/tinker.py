@@ -20,14 +20,16 @@ def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: fl
     from app.learner.tinker_learner import TinkerLearner
     from deployments.tinker.shell import tinker_app
 
+    # A learner whose process dies (its node preempted, a crash) is started again by Ray with the base model alone;
+    # the service restores each client from its last saved state on its next call (`TinkerApi._learner`).
     learner = (
         ray.remote(TinkerLearner)
-        .options(name=LEARNER_ACTOR, namespace=LEARNER_NAMESPACE, num_cpus=num_cpus, max_restarts=0)
+        .options(name=LEARNER_ACTOR, namespace=LEARNER_NAMESPACE, num_cpus=num_cpus, max_restarts=-1)
         .remote(settings.model_path, settings.max_models)
     )
     ray.get(learner.models.remote())  # up, with the base model loaded
     serve.run(
-        tinker_app(settings, Secret(admin_token) if admin_token else None),
+        tinker_app(settings, Secret(admin_token) if admin_token else None, learner),
         name=TINKER_APP,
         route_prefix=TINKER_ROUTE_PREFIX,
     )

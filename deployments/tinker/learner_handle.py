@@ -16,17 +16,24 @@ from contracts.tinker import LEARNER_ACTOR, LEARNER_NAMESPACE, LearnerLost
 class RayLearner:
     """Calls the named learner actor: `await learner.call("forward_backward", LossCall(...))`."""
 
-    def __init__(self, name: str = LEARNER_ACTOR, namespace: str = LEARNER_NAMESPACE):
-        self.name, self.namespace = name, namespace
+    def __init__(self, actor=None, name: str = LEARNER_ACTOR, namespace: str = LEARNER_NAMESPACE):
+        self._actor, self.name, self.namespace = actor, name, namespace
 
-    async def call(self, method: str, *args: Any) -> Any:
+    def _handle(self):
+        """The handle `launch/tinker.py` passed in, else the named actor (one started again after a loss)."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
 
+        if self._actor is not None:
+            return self._actor
         try:
-            actor = ray.get_actor(self.name, namespace=self.namespace)
+            return ray.get_actor(self.name, namespace=self.namespace)
         except ValueError:
             raise LearnerLost(f"the learner actor {self.name} is not running") from None
+
+    async def call(self, method: str, *args: Any) -> Any:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        actor = self._handle()
         try:
             return await getattr(actor, method).remote(*args)
         except RayActorError as exc:

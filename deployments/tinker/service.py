@@ -31,7 +31,7 @@ from contracts.auth import Secret, token_matches
 from contracts.tinker import AdamStep, AdapterSpec, LearnerLost
 from deployments.tinker.fleet_calls import FleetCalls, FleetRefused, Tenant
 from deployments.tinker.futures import Futures, RequestFailed, Result
-from deployments.tinker.sessions import NotFound, OverCapacity, Sessions
+from deployments.tinker.sessions import Model, NotFound, OverCapacity, Sessions
 from deployments.tinker.settings import TinkerSettings
 from deployments.tinker.wire import (
     PROTOBUF,
@@ -46,6 +46,7 @@ from deployments.tinker.wire import (
 log = logging.getLogger("ray.serve")
 
 UPKEEP_PERIOD_S = 5.0
+LEARNER_RETRY_S = 1.0  # how often a call waiting for a lost learner tries again
 
 
 class HttpError(Exception):
@@ -132,7 +133,12 @@ class TinkerApi:
 
     async def finish_session(self, request: Request, session_id: str) -> dict:
         tenant = await self.tenant(request)
-        for model_id in self.sessions.close(session_id, tenant.run):
+        await self.body(request)
+        try:
+            released = self.sessions.close(session_id, tenant.run)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+        for model_id in released:
             await self._drop(model_id)
         return {}
 
@@ -174,13 +180,34 @@ class TinkerApi:
         request_id = self.futures.submit(tenant.run, work)
         return _json(types.UntypedAPIFuture(request_id=request_id, model_id=model_id, **extra))
 
-    async def _learner(self, method: str, *args):
-        try:
-            return await self.learner.call(method, *args)
-        except LearnerLost as lost:
-            raise RequestFailed(f"the learner is unavailable: {lost}", "server") from None
-        except (ValueError, KeyError) as exc:
-            raise RequestFailed(str(exc), "user") from None
+    async def _learner(self, method: str, *args, model: Model | None = None, tenant: Tenant | None = None):
+        """A learner call, riding out a lost learner: while it is gone (a preempted node; Ray starts it again) the
+        call waits, so the client's future says `try_again`, up to `learner_wait_s`; a learner that came back
+        without this client's adapter restores it from the client's last `save_state`, then the call runs."""
+        deadline = asyncio.get_running_loop().time() + self.settings.learner_wait_s
+        restored = False
+        while True:
+            try:
+                return await self.learner.call(method, *args)
+            except LearnerLost as lost:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RequestFailed(f"the learner is unavailable: {lost}", "server") from None
+                await asyncio.sleep(LEARNER_RETRY_S)
+            except KeyError as missing:
+                if model is None or tenant is None or restored:
+                    raise RequestFailed(str(missing), "user") from None
+                if model.saved is None:
+                    raise RequestFailed(
+                        f"the learner restarted and model {model.model_id} had no saved state (save_state) to "
+                        "resume from; create a training client again",
+                        "server",
+                    ) from None
+                log.info("tinker: restoring %s from its state %d after a learner restart", model.model_id, model.saved)
+                await self.learner.call("load_state", model.model_id, await self._lineage(tenant), model.saved, True)
+                model.restores += 1
+                restored = True
+            except ValueError as exc:
+                raise RequestFailed(str(exc), "user") from None
 
     async def _drop(self, model_id: str) -> None:
         with contextlib.suppress(Exception):  # a learner that is gone holds nothing to drop
@@ -238,7 +265,7 @@ class TinkerApi:
 
         async def work() -> Result:
             async with model.turn(decoded.seq_id):
-                reply = await self._learner("forward_backward", decoded.call)
+                reply = await self._learner("forward_backward", decoded.call, model=model, tenant=tenant)
             return Result(proto=encode_forward_backward_output(reply.logprobs, reply.metrics))
 
         return self._accept(tenant, work(), model.model_id)
@@ -262,7 +289,7 @@ class TinkerApi:
 
         async def work() -> Result:
             async with model.turn(body.seq_id or 0):
-                metrics = await self._learner("optim_step", step)
+                metrics = await self._learner("optim_step", step, model=model, tenant=tenant)
             return Result(json=_json(types.OptimStepResponse(metrics=metrics)))
 
         return self._accept(tenant, work(), model.model_id)
@@ -275,7 +302,7 @@ class TinkerApi:
         async def work() -> Result:
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
-                published = await self._learner("publish", model.model_id, lineage)
+                published = await self._learner("publish", model.model_id, lineage, model=model, tenant=tenant)
             fleet_model = adapter_name(published.version, tenant.run)
             try:
                 await self.fleet.load_adapter(tenant, fleet_model, published.key)
@@ -305,7 +332,9 @@ class TinkerApi:
 
         async def work() -> Result:
             async with model.turn(body.seq_id or 0):
-                number = await self._learner("save_state", model.model_id, await self._lineage(tenant))
+                lineage = await self._lineage(tenant)
+                number = await self._learner("save_state", model.model_id, lineage, model=model, tenant=tenant)
+                model.saved = number
             path = f"tinker://{model.model_id}/weights/{body.path}"
             self.sessions.state_paths[path] = (tenant.run, number)
             return Result(json=_json(types.SaveWeightsResponse(path=path)))
@@ -342,7 +371,7 @@ class TinkerApi:
             async with turn():
                 lineage = await self._lineage(tenant)
                 spec = await self._learner("load_state", model.model_id, lineage, number, body.optimizer)
-            model.rank = spec.rank
+            model.rank, model.saved = spec.rank, number
             return Result(json=_json(types.LoadWeightsResponse(path=body.path, model_id=model.model_id)))
 
         return self._accept(tenant, work(), model.model_id)
@@ -519,8 +548,13 @@ def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = Non
     async def healthz() -> dict:
         return {"status": "ok"}
 
+    async def telemetry(request: Request) -> dict:
+        await api.body(request)  # bounded, then dropped: the SDK's telemetry stays on this machine, unread
+        return _json(types.TelemetryResponse(status="accepted"))
+
     post("client/config", config)
     post("client/dynamic_config", dynamic_config)
+    post("telemetry", telemetry)
     app.add_api_route("/v1/healthz", healthz, methods=["GET"])
     app.add_api_route("/v1/get_server_capabilities", api.capabilities, methods=["GET"])
     post("create_session", api.create_session)

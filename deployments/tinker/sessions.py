@@ -38,7 +38,8 @@ class Model:
     base_model: str
     rank: int
     next_seq: int = 1
-    failed: str | None = None
+    saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
+    restores: int = 0
     _turns: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @contextlib.asynccontextmanager

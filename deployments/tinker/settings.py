@@ -19,5 +19,8 @@ class TinkerSettings(BaseModel):
     session_idle_s: float = Field(120.0, gt=0, description="A session without a heartbeat this long is released.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body, after zstd inflation (413).")
     poll_wait_s: float = Field(20.0, gt=0, description="How long retrieve_future waits before it says try_again.")
+    learner_wait_s: float = Field(
+        300.0, gt=0, description="How long a request waits for a lost learner to come back before it fails."
+    )
     future_ttl_s: float = Field(600.0, gt=0, description="How long a finished future's result is kept for retrieval.")
     cache_dir: str = Field(description="Where the learner caches bucket files it reads.")

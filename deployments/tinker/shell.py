@@ -18,15 +18,15 @@ DEPLOYMENT = "TinkerService"
 class TinkerService:
     """A Ray Serve deployment class around `make_app`; the learner is the named actor (`RayLearner`)."""
 
-    def __init__(self, settings: dict, admin_token: Secret | None = None):
-        self._app = make_app(TinkerSettings.model_validate(settings), RayLearner(), admin_token)
+    def __init__(self, settings: dict, admin_token: Secret | None = None, learner=None):
+        self._app = make_app(TinkerSettings.model_validate(settings), RayLearner(learner), admin_token)
 
     def __serve_build_asgi_app__(self):
         return self._app
 
 
-def tinker_app(settings: TinkerSettings, admin_token: Secret | None):
-    """The Serve application (not yet running)."""
+def tinker_app(settings: TinkerSettings, admin_token: Secret | None, learner=None):
+    """The Serve application (not yet running); `learner` is the learner actor's handle (None: look it up by name)."""
     from ray import serve
 
     deployment = serve.deployment(
@@ -37,4 +37,4 @@ def tinker_app(settings: TinkerSettings, admin_token: Secret | None):
         ray_actor_options={"num_cpus": 0, "resources": dict(HEAD_NODE)},
         logging_config={"enable_access_log": False},
     )
-    return deployment.bind(settings.model_dump(), admin_token)
+    return deployment.bind(settings.model_dump(), admin_token, learner)

@@ -52,6 +52,7 @@ def client(max_models=2, max_per_tenant=1, max_body=1 << 16):
         max_models_per_tenant=max_per_tenant,
         max_body_bytes=max_body,
         poll_wait_s=2.0,
+        learner_wait_s=0.5,
     )
     learner = FakeLearner()
     app = make_app(settings, learner)
