@@ -137,7 +137,7 @@ def test_tenants_are_isolated_both_ways(service):
         from tinker.lib.public_interfaces.training_client import TrainingClient
 
         stolen = TrainingClient(bob.holder, model_seq_id=0, model_id=a_training.model_id, info=a_training.get_info())
-        with pytest.raises(ValueError, match="404"):
+        with pytest.raises(tinker.NotFoundError):
             stolen.forward(data, "cross_entropy").result()
         refused = httpx.post(
             f"{url}/v1/completions",
@@ -146,6 +146,38 @@ def test_tenants_are_isolated_both_ways(service):
             timeout=60,
         )
         assert refused.status_code == 403, refused.text
+
+
+def test_a_learner_killed_mid_session_resumes_from_the_last_saved_state(service):
+    """A preemption: the learner's process dies between two calls; Ray starts it again with the base model alone,
+    the next call waits for it (the SDK sees try_again) and the client's adapter and optimizer come back from its
+    last `save_state`: the steps after that save are lost, as a spot run loses the steps after its checkpoint."""
+    import ray
+
+    from launch.tinker import learner_actor
+
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as client:
+        training = client.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=3).result()
+        data = [sft_datum(training.get_tokenizer(), "21+21=", "42")]
+
+        def step():
+            training.forward_backward(data, "cross_entropy")
+            training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+        def logprobs():
+            return training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+        step()
+        step()
+        training.save_state("before-the-kill").result()
+        saved = logprobs()
+        step()  # lost with the learner
+        assert logprobs() != saved
+        ray.kill(learner_actor(), no_restart=False)
+        assert logprobs() == pytest.approx(saved, abs=1e-5)
+        step()  # and it trains on from there
+        assert logprobs() != saved
 
 
 def test_an_unknown_key_is_refused_in_the_sdks_terms(service):
