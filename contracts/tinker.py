@@ -103,7 +103,7 @@ class Lineage:
 
 @dataclass(frozen=True)
 class Publication:
-    """A committed version: its number in the tenant's lineage and its key inside the tenant's prefix."""
+    """A committed version: its number in the tenant's lineage and its key (`policy-vN`), as the fleet loads it."""
 
     version: int
     key: str

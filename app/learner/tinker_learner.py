@@ -199,7 +199,7 @@ class TinkerLearner:
                     version += 1
             else:
                 raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
-        return Publication(version, f"adapters/{store.key_of(version)}")
+        return Publication(version, store.key_of(version))
 
     def _states(self, lineage: Lineage):
         from core.bucket.store import CheckpointStore
