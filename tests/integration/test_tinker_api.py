@@ -25,7 +25,7 @@ def service(tmp_path_factory, tiny_model_path):
     from launch.tinker import start_tinker, stop_tinker
 
     work = tmp_path_factory.mktemp("tinker-api")
-    overrides = ["fleet.max_loras=12", "fleet.run_idle_timeout_s=600"]
+    overrides = ["fleet.max_loras=16", "fleet.run_idle_timeout_s=600"]  # 3 runs + the own lineage, 3 slots each
     with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
         settings = TinkerSettings(
             fleet_url=fleet.url,
@@ -129,10 +129,10 @@ def test_tenants_are_isolated_both_ways(service):
 
         a_path = a_training.save_weights_for_sampler("alice-only").result().path
         with pytest.raises(tinker.NotFoundError):  # bob cannot sample alice's weights...
-            bob.create_sampling_client(model_path=a_path)
+            bob.create_sampling_client(model_path=a_path).result()
         b_path = b_training.save_weights_for_sampler("bob-only").result().path
         with pytest.raises(tinker.NotFoundError):  # ...nor alice bob's
-            alice.create_sampling_client(model_path=b_path)
+            alice.create_sampling_client(model_path=b_path).result()
         # Nor can a key train another tenant's model, nor sample its lineage on the fleet behind the API's back.
         from tinker.lib.public_interfaces.training_client import TrainingClient
 
@@ -195,12 +195,14 @@ def test_an_rl_loop_written_with_the_sdk_alone_raises_heldout_accuracy(service):
     from core.config import load_config
 
     fleet, url, _ = service
-    key = httpx.post(
+    made = httpx.post(
         f"{url}/api/v1/admin/keys",
         json={"name": "carol", "lora_rank": RANK},
         headers={"Authorization": f"Bearer {TOKEN}"},
         timeout=60,
-    ).json()["api_key"]
+    )
+    assert made.status_code == 200, made.text
+    key = made.json()["api_key"]
     splits = load_task(load_config().task)
     report = rl_loop(url, key, fleet.base, splits.train, splits.heldout[:128], steps=RL_STEPS)
     print(f"tinker RL: {report['accuracy_before']:.3f} -> {report['accuracy_after']:.3f} in {RL_STEPS} steps")
