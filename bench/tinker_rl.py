@@ -80,7 +80,7 @@ def rl_loop(
     with tinker.ServiceClient(base_url=url, api_key=api_key) as service:
         training = service.create_lora_training_client(base_model=base_model, rank=8, seed=seed).result()
         tokenizer = training.get_tokenizer()
-        sampler = service.create_sampling_client(base_model=base_model)
+        sampler = service.create_sampling_client(base_model=base_model).result()
         report["accuracy_before"] = heldout_accuracy(sampler, tokenizer, heldout)
         params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
         started = time.perf_counter()
@@ -109,7 +109,7 @@ def rl_loop(
                 optim.result()
             t2 = time.perf_counter()
             path = training.save_weights_for_sampler(f"step-{step}").result().path
-            sampler = service.create_sampling_client(model_path=path)
+            sampler = service.create_sampling_client(model_path=path).result()
             t3 = time.perf_counter()
             report["steps"].append(
                 {

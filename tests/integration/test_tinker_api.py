@@ -68,7 +68,7 @@ def sft_datum(tokenizer, prompt: str, completion: str) -> types.Datum:
 def test_sft_lowers_the_loss_and_its_weights_sample_on_the_fleet(service):
     fleet, url, keys = service
     with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
-        capabilities = client.get_server_capabilities()
+        capabilities = tinker.RestClient(base_url=url, api_key=keys["alice"]).get_server_capabilities().result()
         assert [m.model_name for m in capabilities.supported_models] == [fleet.base]
         training = client.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=0).result()
         tokenizer = training.get_tokenizer()
@@ -87,7 +87,7 @@ def test_sft_lowers_the_loss_and_its_weights_sample_on_the_fleet(service):
 
         saved = training.save_weights_for_sampler("sft-final").result()
         assert saved.path.startswith("tinker://")
-        sampler = client.create_sampling_client(model_path=saved.path)
+        sampler = client.create_sampling_client(model_path=saved.path).result()
         prompt = types.ModelInput.from_ints(tokenizer.encode("12+30=", add_special_tokens=False))
         answer = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, temperature=1.0)).result()
         assert len(answer.sequences) == 2
