@@ -180,6 +180,48 @@ def test_a_learner_killed_mid_session_resumes_from_the_last_saved_state(service)
         assert logprobs() != saved
 
 
+def test_custom_losses_ppo_and_a_client_from_saved_state(service):
+    """`forward_backward_custom` as the SDK runs it (a forward, then a `cross_entropy` backward weighted by the
+    custom loss's gradient), `ppo` with its config, and `create_training_client_from_state` from `save_state`."""
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
+        training = client.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=4).result()
+        data = [sft_datum(training.get_tokenizer(), "33+44=", "77")]
+
+        def logprobs(client_):
+            return client_.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+        def weighted_nll(batch, logprobs_list):
+            pairs = zip(batch, logprobs_list, strict=True)
+            loss = -sum((lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in pairs)
+            return loss, {"weighted_nll": float(loss)}
+
+        before = logprobs(training)
+        custom = training.forward_backward_custom(data, weighted_nll).result()
+        assert len(custom.loss_fn_outputs) == 1
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after = logprobs(training)
+        completion = [i for i, w in enumerate(data[0].loss_fn_inputs["weights"].tolist()) if w > 0]
+        assert sum(after[i] for i in completion) > sum(before[i] for i in completion)  # the completion got likelier
+
+        ppo = types.Datum(
+            model_input=data[0].model_input,
+            loss_fn_inputs={
+                "target_tokens": data[0].loss_fn_inputs["target_tokens"],
+                "logprobs": after,  # sampled by these very weights: every ratio is 1
+                "advantages": [1.0] * len(after),
+            },
+        )
+        result = training.forward_backward([ppo], "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+        assert result.result().metrics["loss:sum"] == pytest.approx(-len(after), rel=1e-4)
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+        saved_path = training.save_state("mid-run").result().path
+        saved = logprobs(training)
+        restored = client.create_training_client_from_state(saved_path).result()
+        assert logprobs(restored) == pytest.approx(saved, abs=1e-5)
+
+
 def test_an_unknown_key_is_refused_in_the_sdks_terms(service):
     _, url, _ = service
     with pytest.raises(tinker.AuthenticationError):
