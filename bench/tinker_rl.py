@@ -6,12 +6,13 @@ sampler weights, scores it, turns group-centred rewards into per-token advantage
 step from those weights. Only the task (the tiny model's arithmetic: prompts, gold answers) comes from spotrl; every
 model call is the SDK's, against the Tinker API beside a real 2-replica fleet (`launch/tinker.py`).
 
-    python -m bench.tinker_rl [--steps 15] [--prompts 16] [--group 8]
+    python -m bench.tinker_rl [--steps 15] [--prompts 16] [--group 8] [--make-train]
 
 Held-out accuracy (greedy, the task's held-out split, through the fleet) before and after; per step the wall time
 of sampling, of forward_backward + optim_step, and of save_weights_for_sampler (the API's overhead against `make
-train`, whose step does the same work without HTTP, futures or a bucket commit per step). Writes
-bench/results/tinker_rl.json. `tests/integration/test_tinker_api.py` runs a short loop of it as a slow test.
+train`, whose step does the same work without HTTP, futures or a bucket commit per step). With `--make-train`, the
+same steps of `launch.train` (tiny-cpu: 16 prompts x 8 samples, the same learning rate and completion length) run
+afterwards on the same box, and the ratio of loop times is reported. Writes bench/results/tinker_rl.json. `tests/integration/test_tinker_api.py` runs a short loop of it as a slow test.
 """
 
 from __future__ import annotations
@@ -126,6 +127,29 @@ def rl_loop(
     return report
 
 
+def make_train_arm(steps: int, work: Path) -> dict:
+    """`launch.train` (tiny-cpu config, a fleet of its own) for `steps` steps: its held-out accuracy and loop time."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.fleet_helpers import REPO
+
+    sets = [f"grpo.max_steps={steps}", f"logging.output_dir={work}", "logging.run_name=make-train"]
+    sets += [f"bucket.cache_dir={work}/cache", "logging.progress_bar=false"]
+    cmd = [sys.executable, "-m", "launch.train", "--config", "configs/tiny-cpu.yaml"]
+    cmd += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, "TRACKIO_DIR": str(work / "trackio")}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    summary = json.loads((work / "make-train" / "summary.json").read_text())
+    return {
+        "accuracy_before": summary["heldout_accuracy_before"],
+        "accuracy_after": summary["heldout_accuracy_after"],
+        "loop_s": summary["loop_wall_s"],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     from bench.common import print_table, write_result
     from core.config import load_config
@@ -135,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--make-train", action="store_true", help="also run launch.train for the same steps")
     args = parser.parse_args(argv)
 
     import httpx
@@ -166,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
                 )
             finally:
                 stop_tinker()
+        if args.make_train:
+            report["make_train"] = make_train_arm(args.steps, work / "make-train-arm")
+            report["loop_ratio_vs_make_train"] = report["loop_s"] / report["make_train"]["loop_s"]
     steps = report["steps"]
     rows = [[name, f"{statistics.median(s[name] for s in steps):.2f}"] for name in ("sample_s", "train_s", "save_s")]
     print_table(["median per step", "seconds"], rows)
@@ -173,6 +201,12 @@ def main(argv: list[str] | None = None) -> None:
         f"held-out {100 * report['accuracy_before']:.1f}% -> {100 * report['accuracy_after']:.1f}% "
         f"({report['gain_points']:+.1f} points) in {args.steps} steps, loop {report['loop_s']:.0f} s"
     )
+    if "make_train" in report:
+        arm = report["make_train"]
+        print(
+            f"make train, same steps: held-out {100 * arm['accuracy_before']:.1f}% -> {100 * arm['accuracy_after']:.1f}%, "
+            f"loop {arm['loop_s']:.0f} s; the Tinker API's loop is {report['loop_ratio_vs_make_train']:.2f}x"
+        )
     write_result("tinker_rl", report)
 
 
