@@ -1,7 +1,7 @@
 """RL written with the Tinker SDK alone, on the user's own fleet: the issue's acceptance loop, and its API overhead.
 
 The loop is what a Tinker user writes (the cookbook's shape): each step samples a group per prompt from the latest
-sampler weights, scores it, turns group-centred rewards into per-token advantages, calls `forward_backward(...,
+sampler weights, scores it, turns group-normalised rewards (GRPO's `(r - mean) / std`, as `make train` does) into per-token advantages, calls `forward_backward(...,
 "importance_sampling")`, `optim_step(AdamParams)` and `save_weights_for_sampler` (every step), and samples the next
 step from those weights. Only the task (the tiny model's arithmetic: prompts, gold answers) comes from spotrl; every
 model call is the SDK's, against the Tinker API beside a real 2-replica fleet (`launch/tinker.py`).
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 MAX_TOKENS = 6
+ADVANTAGE_EPS = 1e-8
 TOKEN = "bench-tinker-rl-token-7d3e"
 
 
@@ -99,9 +100,11 @@ def rl_loop(
                 ]
                 rewards += scores
                 mean = sum(scores) / len(scores)
+                std = statistics.pstdev(scores)
                 for seq, score in zip(sequences, scores, strict=True):
-                    if score != mean and seq.tokens:  # a group that agrees teaches nothing
-                        data.append(rl_datum(ids, list(seq.tokens), list(seq.logprobs), score - mean))
+                    if std > 0 and seq.tokens:  # a group that agrees teaches nothing
+                        advantage = (score - mean) / (std + ADVANTAGE_EPS)  # GRPO's, as `make train` computes it
+                        data.append(rl_datum(ids, list(seq.tokens), list(seq.logprobs), advantage))
             t1 = time.perf_counter()
             if data:
                 fwd_bwd = training.forward_backward(data, "importance_sampling")
