@@ -1,6 +1,7 @@
 """The run's roles: what trains, above the base (`core/`) and the contracts, blind to the fleet's insides.
 
-- `app.learner`: the LoRA learner, one rank per device as Ray actors (FSDP2), its notices, checkpoints, scoring.
+- `app.learner`: the LoRA learner, one rank per device as Ray actors (FSDP2), its notices, checkpoints, scoring; and
+  the Tinker API's learner (`app.learner.tinker_learner`: one adapter per Tinker training client).
 - `app.rollout`: the rollout actor that keeps generations in flight on the fleet, samples (completions or
   multi-turn episodes), partial rollouts, the teacher's scoring, staleness rules.
 - `app.objectives`: what the learner optimises (GRPO, distillation), as annotations and losses over token streams.

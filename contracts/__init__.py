@@ -13,6 +13,7 @@ violation or on any import circle.
 - `contracts.rollouts`: samples, groups and batches, as the rollout produces and the learner trains them.
 - `contracts.auth`: which token applies and how it is checked; the fleet's signing secret and each lineage's key.
 - `contracts.retry`: who retries what, with one backoff policy.
+- `contracts.tinker`: what the Tinker API's HTTP side and its learner actor agree on (names, typed calls, losses).
 - `contracts.notices`, `contracts.notice_sources`, `contracts.notice_watcher`: spot interruption notices, where
   each cloud says one, and the watcher thread that hears them first.
 """

@@ -10,6 +10,7 @@ In wings, as the architecture picture draws it:
   (`warm_start`), a teacher deployment (`teacher`).
 - `deployments.routing`: the prefix-hash request router (`router`) and its policy (`prefix`).
 - `deployments.api`: the HTTP routes, by job; `deployments.control`: what they stand on, without HTTP.
+- `deployments.tinker`: the Tinker API, a Serve application beside the fleet's (route prefix `/api`).
 - at its root: the builder and lifecycle (`fleet`), autoscaling (`autoscaling`), a lock per key (`keyed_lock`).
 
 It imports `core/` and `contracts/` only; `serve_config.yaml` builds it through `launch.serve`.

@@ -3,6 +3,7 @@
 - `launch.train`: the driver (`make train`, `python -m launch.train`): starts or joins Ray, brings a fleet up or
   joins a shared one, starts the learner, the teacher and the rollout, runs the loop, evaluates.
 - `launch.serve`: `build_app`, what `serve run serve_config.yaml` (`make serve`) imports: a fleet on its own.
+- `launch.tinker`: the Tinker API beside a running fleet (its learner actor and its Serve application).
 
 Both build the tiny model first where it is the one served (`app.tiny_model.prepare_model`).
 """

@@ -8,6 +8,7 @@ without knowing what they mean and the learner sums losses without knowing which
 - `app.objectives.grpo`: GRPO, with TRL's AsyncGRPO semantics (the run's default);
 - `app.objectives.distill`: on-policy distillation, the reverse KL to a teacher per sampled token (Tinker's), or a
   divergence over the teacher's top k (TRL's `topk_logits`);
+- `app.objectives.tinker_losses`: the Tinker SDK's built-in losses (`cross_entropy`, `importance_sampling`, `ppo`, ...);
 - `app.objectives.combined`: `Objectives`, the run's objectives as `RunConfig.objectives` lists them.
 """
 

@@ -1,0 +1,243 @@
+"""The learner behind the Tinker API: one base model, one LoRA adapter per training client, fed clients' Datums.
+
+A Tinker training client is an adapter that a script trains step by step (`forward_backward`, `optim_step`), not a
+run with a rollout: so this learner holds no loop of its own. It is a Ray actor (`launch/tinker.py` starts it,
+named `contracts.tinker.LEARNER_ACTOR`) that keeps the base model once and one PEFT adapter per client
+(`add_adapter`), each with its own AdamW; a call names its adapter, which is made the active one, so clients never
+share a weight, a gradient or an optimizer moment. Ray runs one call at a time, and the HTTP side orders a client's
+calls by their `seq_id`.
+
+Log-probs come from `app.learner.logprobs.token_logprobs` (float32 softmax, temperature 1: the sampler's log-probs
+that the fleet returns are at the sampling temperature, which a Tinker client sets to 1 for RL); the losses are
+`app.objectives.tinker_losses`'. A sampler version is a PEFT folder committed to the tenant's prefix of the fleet's
+bucket (`core.bucket.AdapterStore`, signed with the lineage's key), exactly what `app.weight_sync` publishes for a
+run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.learner.logprobs import token_logprobs
+from app.objectives.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
+from contracts.auth import Secret
+from contracts.tinker import AdamStep, AdapterSpec, Lineage, LossCall, LossReply, Publication
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+OPTIMIZER_FILE = "optimizer.pt"
+SPEC_FILE = "tinker_spec.json"
+
+
+@dataclass
+class _Client:
+    """One training client's adapter: its PEFT name, what it was created with, its optimizer."""
+
+    adapter: str
+    spec: AdapterSpec
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+def target_modules(spec: AdapterSpec) -> list[str]:
+    """The linear layers a client's adapter covers (the output layer never: vLLM serves no LoRA on it)."""
+    modules = (ATTENTION if spec.train_attn else []) + (MLP if spec.train_mlp else [])
+    if not modules:
+        raise LossInputError("an adapter needs train_attn or train_mlp (train_unembed alone is not served)")
+    return modules
+
+
+class TinkerLearner:
+    """The base model at `model_path` with an adapter per training client (`create`, `drop`), trained by `LossCall`s
+    and `AdamStep`s, published as versions (`publish`) and saved and restored (`save_state`, `load_state`)."""
+
+    def __init__(self, model_path: str, max_models: int = 8):
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.model_path, self.max_models = model_path, max_models
+        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.base.config.use_cache = False
+        self.peft = None  # the PeftModel, from the first adapter on
+        self.clients: dict[str, _Client] = {}
+        self._counter = 0
+
+    # ---- adapters -----------------------------------------------------------------------------------
+
+    def create(self, model: str, spec: AdapterSpec) -> None:
+        """A fresh adapter for training client `model` (a no-op when it exists with the same spec)."""
+        from peft import LoraConfig, get_peft_model
+
+        if model in self.clients:
+            if self.clients[model].spec != spec:
+                raise LossInputError(f"model {model} exists with another adapter spec")
+            return
+        if len(self.clients) >= self.max_models:
+            raise LossInputError(f"the learner holds {self.max_models} adapters, its capacity")
+        config = LoraConfig(
+            r=spec.rank, lora_alpha=2 * spec.rank, target_modules=target_modules(spec), task_type="CAUSAL_LM"
+        )
+        name = f"m{self._counter}"
+        self._counter += 1
+        # A seeded client draws the same init every time; an unseeded one a fresh one.
+        generator_seed = spec.seed if spec.seed is not None else torch.seed()
+        torch.manual_seed(generator_seed)
+        if self.peft is None:
+            self.peft = get_peft_model(self.base, config, adapter_name=name)
+        else:
+            self.peft.add_adapter(name, config)
+        params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        self.clients[model] = _Client(name, spec, torch.optim.AdamW(params, lr=1e-4))
+
+    def drop(self, model: str) -> bool:
+        """Forget training client `model`'s adapter and optimizer (an idle session's, a finished one's)."""
+        client = self.clients.pop(model, None)
+        if client is None:
+            return False
+        if self.clients:
+            self.peft.delete_adapter(client.adapter)
+        else:  # PEFT cannot delete its last adapter: start again from the bare base model
+            self.base = self.peft.unload()
+            self.peft = None
+        return True
+
+    def models(self) -> list[str]:
+        return sorted(self.clients)
+
+    def _activate(self, model: str) -> _Client:
+        client = self.clients.get(model)
+        if client is None:
+            raise KeyError(f"model {model} is not on this learner (released, or the learner restarted)")
+        self.peft.set_adapter(client.adapter)
+        return client
+
+    # ---- training -----------------------------------------------------------------------------------
+
+    def forward_backward(self, call: LossCall) -> LossReply:
+        """Log-probs of every datum's targets and the batch's loss; with `call.backward`, its gradient accumulates
+        into the client's adapter until the next `optim_step`."""
+        config = check_loss(call.loss_fn, call.config)
+        for datum in call.data:
+            if len(datum.input_tokens) != len(datum.target_tokens) or not datum.input_tokens:
+                raise LossInputError(
+                    f"a datum has {len(datum.input_tokens)} input and {len(datum.target_tokens)} target tokens; "
+                    "expected as many of each, at least one"
+                )
+            check_inputs(call.loss_fn, len(datum.target_tokens), datum.inputs)
+        self._activate(call.model)
+        self.peft.train()
+        total = torch.zeros(())
+        logprobs: list[list[float]] = []
+        with torch.set_grad_enabled(call.backward):
+            for datum in call.data:
+                ids = torch.tensor([datum.input_tokens])
+                targets = torch.tensor([datum.target_tokens])
+                logits = self.peft(input_ids=ids).logits
+                logp, _ = token_logprobs(logits, targets, 1.0)
+                logp = logp[0]
+                inputs = {k: torch.tensor(v, dtype=torch.float32) for k, v in datum.inputs.items()}
+                loss = datum_loss(call.loss_fn, logp, inputs, config)
+                if call.backward:
+                    loss.backward()  # one datum at a time: memory of one sequence, gradients summed
+                total = total + loss.detach()
+                logprobs.append(logp.detach().tolist())
+        return LossReply(logprobs, {"loss:sum": float(total)})
+
+    def optim_step(self, step: AdamStep) -> dict[str, float]:
+        """One AdamW step of the client's adapter with the step's hyperparameters; its gradients are cleared."""
+        client = self._activate(step.model)
+        params = [p for group in client.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, step.grad_clip_norm if step.grad_clip_norm > 0 else float("inf")
+        )
+        for group in client.optimizer.param_groups:
+            group.update(
+                lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps, weight_decay=step.weight_decay
+            )
+        client.optimizer.step()
+        client.optimizer.zero_grad(set_to_none=True)
+        client.steps += 1
+        return {"grad_norm:mean": float(grad_norm), "step:max": float(client.steps)}
+
+    # ---- versions and states --------------------------------------------------------------------------
+
+    def _write_adapter(self, client: _Client, dest: Path) -> Path:
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        dest.mkdir(parents=True, exist_ok=True)
+        weights = get_peft_model_state_dict(self.peft, adapter_name=client.adapter, save_embedding_layers=False)
+        save_file({k: v.detach().contiguous() for k, v in weights.items()}, dest / "adapter_model.safetensors")
+        config = self.peft.peft_config[client.adapter]
+        config.base_model_name_or_path = self.model_path
+        config.save_pretrained(str(dest))
+        return dest
+
+    def publish(self, model: str, lineage: Lineage) -> Publication:
+        """Commit the client's adapter as the tenant's next `policy-vN` (signed with its lineage's key)."""
+        from core.bucket.filesystem import VersionExists
+        from core.bucket.store import AdapterStore
+
+        client = self._activate(model)
+        store = AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir, signing_key=Secret(lineage.signing_key))
+        with tempfile.TemporaryDirectory(prefix="tinker-adapter-") as tmp:
+            folder = self._write_adapter(client, Path(tmp) / "adapter")
+            version = (store.latest() or 0) + 1
+            for _ in range(8):  # another client of the same tenant may have taken the number meanwhile
+                try:
+                    store.publish(folder, version)
+                    break
+                except VersionExists:
+                    version += 1
+            else:
+                raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
+        return Publication(version, store.key_of(version))
+
+    def _states(self, lineage: Lineage):
+        from core.bucket.store import CheckpointStore
+
+        return CheckpointStore(f"{lineage.bucket_url}/tinker", cache_dir=lineage.cache_dir)
+
+    def save_state(self, model: str, lineage: Lineage) -> int:
+        """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number."""
+        client = self._activate(model)
+        states = self._states(lineage)
+        with tempfile.TemporaryDirectory(prefix="tinker-state-") as tmp:
+            folder = self._write_adapter(client, Path(tmp) / "state")
+            buffer = io.BytesIO()
+            torch.save(client.optimizer.state_dict(), buffer)
+            (folder / OPTIMIZER_FILE).write_bytes(buffer.getvalue())
+            spec = {"rank": client.spec.rank, "train_attn": client.spec.train_attn, "train_mlp": client.spec.train_mlp}
+            (folder / SPEC_FILE).write_text(json.dumps({**spec, "steps": client.steps}))
+            number = (states.latest() or 0) + 1
+            states.save(number, folder, meta={"model": model, "steps": client.steps})
+        return number
+
+    def load_state(self, model: str, lineage: Lineage, number: int, optimizer: bool) -> AdapterSpec:
+        """A new client `model` from the tenant's state `number` (its optimizer's moments too with `optimizer`)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        states = self._states(lineage)
+        with tempfile.TemporaryDirectory(prefix="tinker-load-") as tmp:
+            folder = states.load(number, Path(tmp) / "state")
+            saved = json.loads((folder / SPEC_FILE).read_text())
+            spec = AdapterSpec(saved["rank"], None, saved["train_attn"], saved["train_mlp"])
+            self.drop(model)
+            self.create(model, spec)
+            client = self.clients[model]
+            set_peft_model_state_dict(
+                self.peft, load_file(folder / "adapter_model.safetensors"), adapter_name=client.adapter
+            )
+            if optimizer:
+                client.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
+                client.steps = int(saved.get("steps", 0))
+        return spec

@@ -1,0 +1,217 @@
+"""RL written with the Tinker SDK alone, on the user's own fleet: the issue's acceptance loop, and its API overhead.
+
+The loop is what a Tinker user writes (the cookbook's shape): each step samples a group per prompt from the latest
+sampler weights, scores it, turns group-normalised rewards (GRPO's `(r - mean) / std`, as `make train` does) into per-token advantages, calls `forward_backward(...,
+"importance_sampling")`, `optim_step(AdamParams)` and `save_weights_for_sampler` (every step), and samples the next
+step from those weights. Only the task (the tiny model's arithmetic: prompts, gold answers) comes from spotrl; every
+model call is the SDK's, against the Tinker API beside a real 2-replica fleet (`launch/tinker.py`).
+
+    python -m bench.tinker_rl [--steps 15] [--prompts 16] [--group 8] [--make-train]
+
+Held-out accuracy (greedy, the task's held-out split, through the fleet) before and after; per step the wall time
+of sampling, of forward_backward + optim_step, and of save_weights_for_sampler (the API's overhead against `make
+train`, whose step does the same work without HTTP, futures or a bucket commit per step). With `--make-train`, the
+same steps of `launch.train` (tiny-cpu: 16 prompts x 8 samples, the same learning rate and completion length) run
+afterwards on the same box, and the ratio of loop times is reported. Writes bench/results/tinker_rl.json. `tests/integration/test_tinker_api.py` runs a short loop of it as a slow test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+MAX_TOKENS = 6
+ADVANTAGE_EPS = 1e-8
+TOKEN = "bench-tinker-rl-token-7d3e"
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def heldout_accuracy(sampler, tokenizer, problems) -> float:
+    """Share of held-out problems whose greedy completion is exactly the answer (all requested at once: futures)."""
+    from tinker import types
+
+    greedy = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    futures = [sampler.sample(types.ModelInput.from_ints(encode(tokenizer, p.prompt)), 1, greedy) for p in problems]
+    right = 0
+    for problem, future in zip(problems, futures, strict=True):
+        tokens = future.result().sequences[0].tokens
+        right += tokenizer.decode(tokens, skip_special_tokens=True).strip() == problem.answer
+    return right / len(problems)
+
+
+def rl_datum(prompt: list[int], tokens: list[int], logprobs: list[float], advantage: float):
+    """Tinker's RL datum: the sequence shifted by one, the sampler's log-probs and the advantage on the completion."""
+    from tinker import types
+
+    pad = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(prompt + tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": prompt[1:] + tokens,
+            "logprobs": [0.0] * pad + list(logprobs),
+            "advantages": [0.0] * pad + [advantage] * len(tokens),
+        },
+    )
+
+
+def rl_loop(
+    url: str,
+    api_key: str,
+    base_model: str,
+    train,
+    heldout,
+    steps: int,
+    prompts_per_step: int = 16,
+    group: int = 8,
+    learning_rate: float = 1e-3,
+    seed: int = 0,
+) -> dict:
+    """The loop, SDK calls only; held-out accuracy before and after, reward and timings per step."""
+    import tinker
+    from tinker import types
+
+    rng = random.Random(seed)
+    report: dict = {"steps": [], "prompts_per_step": prompts_per_step, "group": group}
+    with tinker.ServiceClient(base_url=url, api_key=api_key) as service:
+        training = service.create_lora_training_client(base_model=base_model, rank=8, seed=seed).result()
+        tokenizer = training.get_tokenizer()
+        sampler = service.create_sampling_client(base_model=base_model).result()
+        report["accuracy_before"] = heldout_accuracy(sampler, tokenizer, heldout)
+        params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
+        started = time.perf_counter()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            batch = rng.sample(train, prompts_per_step)
+            prompts = [encode(tokenizer, p.prompt) for p in batch]
+            futures = [sampler.sample(types.ModelInput.from_ints(ids), group, params) for ids in prompts]
+            data, rewards = [], []
+            for problem, ids, future in zip(batch, prompts, futures, strict=True):
+                sequences = future.result().sequences
+                scores = [
+                    float(tokenizer.decode(s.tokens, skip_special_tokens=True).strip() == problem.answer)
+                    for s in sequences
+                ]
+                rewards += scores
+                mean = sum(scores) / len(scores)
+                std = statistics.pstdev(scores)
+                for seq, score in zip(sequences, scores, strict=True):
+                    if std > 0 and seq.tokens:  # a group that agrees teaches nothing
+                        advantage = (score - mean) / (std + ADVANTAGE_EPS)  # GRPO's, as `make train` computes it
+                        data.append(rl_datum(ids, list(seq.tokens), list(seq.logprobs), advantage))
+            t1 = time.perf_counter()
+            if data:
+                fwd_bwd = training.forward_backward(data, "importance_sampling")
+                optim = training.optim_step(types.AdamParams(learning_rate=learning_rate))
+                fwd_bwd.result()
+                optim.result()
+            t2 = time.perf_counter()
+            path = training.save_weights_for_sampler(f"step-{step}").result().path
+            sampler = service.create_sampling_client(model_path=path).result()
+            t3 = time.perf_counter()
+            report["steps"].append(
+                {
+                    "reward": sum(rewards) / len(rewards),
+                    "datums": len(data),
+                    "sample_s": t1 - t0,
+                    "train_s": t2 - t1,
+                    "save_s": t3 - t2,
+                }
+            )
+        report["loop_s"] = time.perf_counter() - started
+        report["accuracy_after"] = heldout_accuracy(sampler, tokenizer, heldout)
+    report["gain_points"] = 100 * (report["accuracy_after"] - report["accuracy_before"])
+    return report
+
+
+def make_train_arm(steps: int, work: Path) -> dict:
+    """`launch.train` (tiny-cpu config, a fleet of its own) for `steps` steps: its held-out accuracy and loop time."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.fleet_helpers import REPO
+
+    sets = [f"grpo.max_steps={steps}", f"logging.output_dir={work}", "logging.run_name=make-train"]
+    sets += [f"bucket.cache_dir={work}/cache", "logging.progress_bar=false"]
+    cmd = [sys.executable, "-m", "launch.train", "--config", "configs/tiny-cpu.yaml"]
+    cmd += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, "TRACKIO_DIR": str(work / "trackio")}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    summary = json.loads((work / "make-train" / "summary.json").read_text())
+    return {
+        "accuracy_before": summary["heldout_accuracy_before"],
+        "accuracy_after": summary["heldout_accuracy_after"],
+        "loop_s": summary["loop_wall_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.common import print_table, write_result
+    from core.config import load_config
+    from tests.support.fleet_helpers import running_fleet
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--make-train", action="store_true", help="also run launch.train for the same steps")
+    args = parser.parse_args(argv)
+
+    import httpx
+
+    from app.tasks.problems import load_task
+    from app.tiny_model import prepare_model
+    from deployments.tinker.settings import TinkerSettings
+    from launch.tinker import start_tinker, stop_tinker
+
+    cfg = load_config()
+    model_path = prepare_model(cfg.model, cfg.task)
+    splits = load_task(cfg.task)
+    with tempfile.TemporaryDirectory(prefix="bench-tinker-rl-") as tmp:
+        work = Path(tmp)
+        with running_fleet(work, model_path, ["fleet.max_loras=12"], TOKEN) as fleet:
+            settings = TinkerSettings(
+                fleet_url=fleet.url, base_model=fleet.base, model_path=fleet.model_path, cache_dir=str(work / "cache")
+            )
+            url = start_tinker(settings, TOKEN)
+            try:
+                key = httpx.post(
+                    f"{url}/api/v1/admin/keys",
+                    json={"name": "bench", "lora_rank": 8},
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                    timeout=60,
+                ).json()["api_key"]
+                report = rl_loop(
+                    url, key, fleet.base, splits.train, splits.heldout, args.steps, args.prompts, args.group
+                )
+            finally:
+                stop_tinker()
+        if args.make_train:
+            report["make_train"] = make_train_arm(args.steps, work / "make-train-arm")
+            report["loop_ratio_vs_make_train"] = report["loop_s"] / report["make_train"]["loop_s"]
+    steps = report["steps"]
+    rows = [[name, f"{statistics.median(s[name] for s in steps):.2f}"] for name in ("sample_s", "train_s", "save_s")]
+    print_table(["median per step", "seconds"], rows)
+    print(
+        f"held-out {100 * report['accuracy_before']:.1f}% -> {100 * report['accuracy_after']:.1f}% "
+        f"({report['gain_points']:+.1f} points) in {args.steps} steps, loop {report['loop_s']:.0f} s"
+    )
+    if "make_train" in report:
+        arm = report["make_train"]
+        print(
+            f"make train, same steps: held-out {100 * arm['accuracy_before']:.1f}% -> {100 * arm['accuracy_after']:.1f}%, "
+            f"loop {arm['loop_s']:.0f} s; the Tinker API's loop is {report['loop_ratio_vs_make_train']:.2f}x"
+        )
+    write_result("tinker_rl", report)
+
+
+if __name__ == "__main__":
+    main()

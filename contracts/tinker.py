@@ -1,0 +1,113 @@
+"""What the Tinker API's HTTP side (`deployments/tinker/`) and its learner (`app/learner/tinker_learner.py`) agree on.
+
+The two sit in products that never import each other, so the learner is reached as a named Ray actor
+(`LEARNER_ACTOR` in `LEARNER_NAMESPACE`, started by `launch/tinker.py`) and every call crosses as one of these typed
+messages: plain lists and numbers, never the SDK's pydantic objects (the learner needs no SDK), never dicts with
+string-named fields.
+
+`LOSS_INPUTS` is the one list of the built-in losses the service accepts and the `loss_fn_inputs` each needs
+(Tinker's documented names); what each computes is `app.objectives.tinker_losses`'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LEARNER_ACTOR = "spotrl-tinker-learner"
+LEARNER_NAMESPACE = "spotrl-tinker"
+TINKER_APP = "tinker"  # the Serve application beside the fleet's
+TINKER_ROUTE_PREFIX = "/api"  # the SDK's paths are /api/v1/...
+API_KEY_PREFIX = "tml-"  # what the SDK requires of an API key; the rest is the tenant's run token
+
+# The built-in losses and the loss_fn_inputs each reads, besides `target_tokens` (every loss reads those).
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+# loss_fn_config keys each loss reads, with Tinker's defaults.
+LOSS_CONFIG: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "dro": {"beta": 0.05},
+}
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A training client's adapter: LoRA rank, seed, which layers it adapts (attention, MLP)."""
+
+    rank: int
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One sequence to score: `input_tokens` predicts `target_tokens` position by position; `inputs` are the other
+    loss_fn_inputs (`weights`, `logprobs`, `advantages`), each one value per position."""
+
+    input_tokens: list[int]
+    target_tokens: list[int]
+    inputs: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LossCall:
+    """forward (`backward=False`: log-probs and the loss, no gradients) or forward_backward (gradients accumulate
+    until the next `AdamStep`) of `model` on `data` with the built-in `loss_fn` and its `config`."""
+
+    model: str
+    data: list[Datum]
+    loss_fn: str
+    config: dict[str, float] = field(default_factory=dict)
+    backward: bool = True
+
+
+@dataclass(frozen=True)
+class LossReply:
+    """Per datum the target tokens' log-probs, and the batch's metrics (`name:reduction`, as the SDK folds them)."""
+
+    logprobs: list[list[float]]
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """One AdamW step of `model` with the SDK's `AdamParams` (grad_clip_norm 0: no clipping)."""
+
+    model: str
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Where a tenant's versions go: its prefix of the fleet's bucket, the key its versions are signed with (the
+    fleet verifies it before it loads one), and its run's name (the fleet serves `<run>/policy-vN`)."""
+
+    bucket_url: str
+    signing_key: str
+    run: str
+    cache_dir: str
+
+
+@dataclass(frozen=True)
+class Publication:
+    """A committed version: its number in the tenant's lineage and its key (`policy-vN`), as the fleet loads it."""
+
+    version: int
+    key: str
+
+
+class LearnerLost(RuntimeError):
+    """The learner actor is gone (a preempted node, a crash): the request may succeed once it is back."""

@@ -1,0 +1,109 @@
+"""What the Tinker API asks of the fleet beside it, over the fleet's own HTTP API, with the tenant's run token.
+
+Going through the fleet's front door (not around it) keeps every rule of a shared fleet in force for Tinker tenants:
+the token decides which run a request is (`deployments.api.callers`), a run samples only the base model and its own
+lineage, its generations count against its fair share, and the prefix router places them. An API key is `tml-` and a
+run token (`contracts.tinker.API_KEY_PREFIX`): the run is learnt from the fleet (`GET /v1/runs` answers a run's token
+with its own name) and remembered by the token's sha256 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from contracts.auth import token_digest
+from contracts.tinker import API_KEY_PREFIX, Lineage
+
+
+class FleetRefused(Exception):
+    """The fleet answered a 4xx/5xx: its status and message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A caller of the Tinker API: its run of the fleet and the run's token."""
+
+    run: str
+    token: str
+
+
+class FleetCalls:
+    def __init__(self, fleet_url: str, cache_dir: str, timeout_s: float = 300.0):
+        self._http = httpx.AsyncClient(base_url=fleet_url, timeout=timeout_s)
+        self.cache_dir = cache_dir
+        self._tenants: dict[str, str] = {}  # token sha256 -> run
+        self._lineages: dict[str, Lineage] = {}
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, token: str, **kwargs) -> Any:
+        try:
+            response = await self._http.request(method, path, headers={"Authorization": f"Bearer {token}"}, **kwargs)
+        except httpx.HTTPError as exc:
+            raise FleetRefused(503, f"the fleet did not answer {path}: {type(exc).__name__}") from None
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except Exception:  # noqa: BLE001 - whatever the body, its text says it
+                message = response.text[:500]
+            raise FleetRefused(response.status_code, message)
+        return response.json()
+
+    async def tenant(self, api_key: str | None) -> Tenant | None:
+        """The tenant an API key belongs to, or None (no key, not `tml-`, not a run's token)."""
+        if not api_key or not api_key.startswith(API_KEY_PREFIX):
+            return None
+        token = api_key[len(API_KEY_PREFIX) :]
+        digest = token_digest(token)
+        run = self._tenants.get(digest)
+        if run is None:
+            try:
+                runs = (await self._call("GET", "/v1/runs", token))["runs"]
+            except FleetRefused as refused:
+                if refused.status in (401, 403):
+                    return None
+                raise
+            if len(runs) != 1:  # the admin's token lists every run: it is no tenant
+                return None
+            run = self._tenants[digest] = runs[0]
+        return Tenant(run, token)
+
+    def forget(self, run: str) -> None:
+        for digest in [d for d, r in self._tenants.items() if r == run]:
+            del self._tenants[digest]
+        self._lineages.pop(run, None)
+
+    async def register(self, admin_token: str, name: str, lora_rank: int | None) -> str:
+        """A new tenant (a run of the fleet) by the admin; its API key."""
+        body: dict[str, Any] = {"name": name}
+        if lora_rank is not None:
+            body["lora_rank"] = lora_rank
+        answer = await self._call("POST", "/v1/runs", admin_token, json=body)
+        return API_KEY_PREFIX + answer["token"]
+
+    async def lineage(self, tenant: Tenant) -> Lineage:
+        """Where the tenant's versions go and the key they are signed with, as the fleet says."""
+        lineage = self._lineages.get(tenant.run)
+        if lineage is None:
+            info = await self._call("GET", f"/v1/runs/{tenant.run}", tenant.token)
+            key = await self._call("GET", "/v1/signing_key", tenant.token)
+            lineage = Lineage(info["bucket_url"], key["key"], tenant.run, self.cache_dir)
+            self._lineages[tenant.run] = lineage
+        return lineage
+
+    async def load_adapter(self, tenant: Tenant, name: str, path: str) -> None:
+        await self._call("POST", "/v1/load_lora_adapter", tenant.token, json={"lora_name": name, "lora_path": path})
+
+    async def completions(self, tenant: Tenant, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", "/v1/completions", tenant.token, json=body)
+
+    async def models(self, token: str) -> list[str]:
+        return [m["id"] for m in (await self._call("GET", "/v1/models", token))["data"]]

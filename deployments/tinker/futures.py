@@ -1,0 +1,89 @@
+"""The SDK's futures: a request is accepted at once (`UntypedAPIFuture`) and its result fetched by id.
+
+Every accepted request runs as an asyncio task of the service; `/api/v1/retrieve_future` waits for it up to
+`poll_wait_s` (a long poll, so a client asks a few times a minute, not hundreds) and then answers the SDK's
+`try_again`. A result is one of `Result`'s two forms (JSON, or protobuf for the types the SDK reads as protobuf); a
+request that failed after it was accepted is answered as the SDK's `RequestFailedResponse`, its category `user` for
+a bad request and `server` otherwise. A future belongs to the tenant that made it: another key's id is unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished request's answer: a JSON object, or a protobuf body (`ForwardBackwardOutput`, `SampleResponse`)."""
+
+    json: dict | None = None
+    proto: bytes | None = None
+
+
+class RequestFailed(Exception):
+    """A request that cannot succeed as sent (`user`) or that the service could not carry out (`server`)."""
+
+    def __init__(self, message: str, category: str = "user"):
+        super().__init__(message)
+        self.message, self.category = message, category
+
+
+@dataclass
+class _Entry:
+    tenant: str
+    task: asyncio.Task
+    done_at: float | None = None
+
+
+class Futures:
+    """The accepted requests of every tenant, by id, until retrieved (or `ttl_s` after they finish)."""
+
+    def __init__(self, ttl_s: float, clock=time.monotonic):
+        self.ttl_s, self._clock = ttl_s, clock
+        self._entries: dict[str, _Entry] = {}
+
+    def submit(self, tenant: str, work: Awaitable[Result]) -> str:
+        """Start `work` now and return the id the SDK will retrieve it by."""
+        self._expire()
+        request_id = uuid.uuid4().hex
+        task = asyncio.ensure_future(work)
+        entry = _Entry(tenant, task)
+        task.add_done_callback(lambda _: setattr(entry, "done_at", self._clock()))
+        self._entries[request_id] = entry
+        return request_id
+
+    def owned(self, request_id: str, tenant: str) -> bool:
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.tenant == tenant
+
+    async def wait(self, request_id: str, timeout_s: float) -> Result | RequestFailed | None:
+        """The request's result (or its failure), or None when it is still running after `timeout_s`."""
+        entry = self._entries[request_id]
+        await asyncio.wait({entry.task}, timeout=timeout_s)  # never raises, never cancels the task
+        if not entry.task.done():
+            return None
+        try:
+            return entry.task.result()
+        except RequestFailed as failed:
+            return failed
+        except Exception as exc:  # noqa: BLE001 - any other failure is the service's, and said so
+            return RequestFailed(f"{type(exc).__name__}: {exc}", "server")
+
+    def cancel(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            entry.task.cancel()
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for request_id in [
+            r for r, e in self._entries.items() if e.done_at is not None and now - e.done_at > self.ttl_s
+        ]:
+            del self._entries[request_id]
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,576 @@
+"""The Tinker API's HTTP routes: what the unchanged `tinker` SDK calls under `/api/v1/`, answered with its own types.
+
+Requests are parsed with the SDK's request models (`tinker.types.*Request`, strict: an unknown field is a 400) or
+its protobuf (`deployments.tinker.wire`), and replies built with its response models. Long work (the learner's, the
+fleet's) is accepted at once as a future (`deployments.tinker.futures`) and retrieved by id. Errors are JSON
+`{"detail": ...}` with the status the SDK acts on: 400 malformed, 401 unknown key, 404 not this key's, 410 a
+released session, 413 too large, 429 over capacity (the SDK backs off and retries), 503 the learner or the fleet
+unreachable (retried too).
+
+The app is independent of Ray: the learner is any object with `async call(method, *args)` (`RayLearner` in Serve, a
+fake in the unit tests) and the fleet is reached over HTTP (`FleetCalls`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from tinker import types
+from tinker.types.checkpoint import ParsedCheckpointTinkerPath
+from tinker.types.get_server_capabilities_response import SupportedModel
+
+from contracts.adapters import adapter_name
+from contracts.auth import Secret, token_matches
+from contracts.tinker import AdamStep, AdapterSpec, LearnerLost
+from deployments.tinker.fleet_calls import FleetCalls, FleetRefused, Tenant
+from deployments.tinker.futures import Futures, RequestFailed, Result
+from deployments.tinker.sessions import Model, NotFound, OverCapacity, Sessions
+from deployments.tinker.settings import TinkerSettings
+from deployments.tinker.wire import (
+    PROTOBUF,
+    Sequence,
+    WireError,
+    decode_forward_backward,
+    decompress,
+    encode_forward_backward_output,
+    encode_sample_response,
+)
+
+log = logging.getLogger("ray.serve")
+
+UPKEEP_PERIOD_S = 5.0
+LEARNER_RETRY_S = 1.0  # how often a call waiting for a lost learner tries again
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def client_config() -> types.ClientConfigResponse:
+    """The SDK's feature flags for this server: plain API keys, httpx, zstd forward_backward bodies, one
+    retrieve_future per request, custom losses on the client."""
+    return types.ClientConfigResponse(
+        pjwt_auth_enabled=False,
+        use_pyqwest_transport=False,
+        proto_compress_fwdbwd=True,
+        sample_use_retrieve_futures=False,
+        custom_loss_server_side=False,
+        sample_join_sampling_session=False,
+    )
+
+
+def _json(model: pydantic.BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json", exclude_none=True)
+
+
+class TinkerApi:
+    """The routes over the service's state; `make_app` mounts them."""
+
+    def __init__(self, settings: TinkerSettings, learner, fleet: FleetCalls, admin_token: Secret | None):
+        self.settings, self.learner, self.fleet = settings, learner, fleet
+        self.admin_token = admin_token
+        self.sessions = Sessions(settings.max_models, settings.max_models_per_tenant, settings.session_idle_s)
+        self.futures = Futures(settings.future_ttl_s)
+
+    # ---- reading a request ------------------------------------------------------------------------------
+
+    async def body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        limit = self.settings.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise HttpError(413, f"body of {length} bytes exceeds the limit of {limit}")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise HttpError(413, f"body exceeds the limit of {limit} bytes")
+        try:
+            return decompress(raw, request.headers.get("content-encoding"), limit)
+        except WireError as exc:
+            raise HttpError(400, str(exc)) from None
+
+    async def parse(self, request: Request, model: type[pydantic.BaseModel]):
+        raw = await self.body(request)
+        try:
+            return model.model_validate_json(raw or b"{}")
+        except pydantic.ValidationError as exc:
+            reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:4])
+            raise HttpError(400, f"{model.__name__}: {reasons}") from None
+
+    async def tenant(self, request: Request) -> Tenant:
+        try:
+            tenant = await self.fleet.tenant(request.headers.get("x-api-key"))
+        except FleetRefused as refused:
+            raise HttpError(503, f"the fleet could not check the API key: {refused.message}") from None
+        if tenant is None:
+            raise HttpError(401, "missing or unknown API key (X-API-Key: tml-<run token>; the admin creates keys)")
+        return tenant
+
+    # ---- service ----------------------------------------------------------------------------------------
+
+    async def create_session(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        await self.parse(request, types.CreateSessionRequest)
+        return _json(types.CreateSessionResponse(session_id=self.sessions.open(tenant.run)))
+
+    async def heartbeat(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.SessionHeartbeatRequest)
+        try:
+            self.sessions.heartbeat(body.session_id, tenant.run)
+        except NotFound as exc:
+            raise HttpError(410, str(exc)) from None
+        return _json(types.SessionHeartbeatResponse())
+
+    async def finish_session(self, request: Request, session_id: str) -> dict:
+        tenant = await self.tenant(request)
+        await self.body(request)
+        try:
+            released = self.sessions.close(session_id, tenant.run)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+        for model_id in released:
+            await self._drop(model_id)
+        return {}
+
+    async def capabilities(self, request: Request) -> dict:
+        await self.tenant(request)
+        model = SupportedModel(
+            model_name=self.settings.base_model,
+            max_context_length=self.settings.max_context,
+            trainable=True,
+            sampleable=True,
+        )
+        return _json(types.GetServerCapabilitiesResponse(supported_models=[model]))
+
+    async def create_key(self, request: Request) -> dict:
+        """`POST /api/v1/admin/keys {"name", "lora_rank"}`: the admin makes a tenant (a run of the fleet), its key."""
+        header = request.headers.get("authorization") or f"Bearer {request.headers.get('x-api-key', '')}"
+        if self.admin_token is None or not token_matches(header, self.admin_token.value):
+            raise HttpError(401, "creating an API key needs the fleet's admin token")
+        body = await self.body(request)
+        try:
+            spec = pydantic.TypeAdapter(dict[str, Any]).validate_json(body or b"{}")
+            name, rank = str(spec["name"]), spec.get("lora_rank")
+        except (pydantic.ValidationError, KeyError) as exc:
+            raise HttpError(400, f"expected {{'name': ..., 'lora_rank': ...}}: {exc}") from None
+        try:
+            key = await self.fleet.register(self.admin_token.value, name, rank)
+        except FleetRefused as refused:
+            raise HttpError(refused.status, refused.message) from None
+        return {"name": name, "api_key": key}
+
+    # ---- training ---------------------------------------------------------------------------------------
+
+    def _check_base(self, base_model: str | None) -> str:
+        if base_model not in (self.settings.base_model, None):
+            raise HttpError(400, f"base_model {base_model!r}: this server trains {self.settings.base_model!r} only")
+        return self.settings.base_model
+
+    def _accept(self, tenant: Tenant, work, model_id: str | None = None, **extra) -> dict:
+        request_id = self.futures.submit(tenant.run, work)
+        return _json(types.UntypedAPIFuture(request_id=request_id, model_id=model_id, **extra))
+
+    async def _learner(self, method: str, *args, model: Model | None = None, tenant: Tenant | None = None):
+        """A learner call, riding out a lost learner: while it is gone (a preempted node; Ray starts it again) the
+        call waits, so the client's future says `try_again`, up to `learner_wait_s`; a learner that came back
+        without this client's adapter restores it from the client's last `save_state`, then the call runs."""
+        deadline = asyncio.get_running_loop().time() + self.settings.learner_wait_s
+        restored = False
+        while True:
+            try:
+                return await self.learner.call(method, *args)
+            except LearnerLost as lost:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RequestFailed(f"the learner is unavailable: {lost}", "server") from None
+                await asyncio.sleep(LEARNER_RETRY_S)
+            except KeyError as missing:
+                if model is None or tenant is None or restored:
+                    raise RequestFailed(str(missing), "user") from None
+                if model.saved is None:
+                    raise RequestFailed(
+                        f"the learner restarted and model {model.model_id} had no saved state (save_state) to "
+                        "resume from; create a training client again",
+                        "server",
+                    ) from None
+                log.info("tinker: restoring %s from its state %d after a learner restart", model.model_id, model.saved)
+                await self.learner.call("load_state", model.model_id, await self._lineage(tenant), model.saved, True)
+                model.restores += 1
+                restored = True
+            except ValueError as exc:
+                raise RequestFailed(str(exc), "user") from None
+
+    async def _drop(self, model_id: str) -> None:
+        with contextlib.suppress(Exception):  # a learner that is gone holds nothing to drop
+            await self.learner.call("drop", model_id)
+
+    async def create_model(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.CreateModelRequest)
+        base = self._check_base(body.base_model)
+        lora = body.lora_config or types.LoraConfig(rank=32)
+        try:
+            model = self.sessions.reserve_model(body.session_id, tenant.run, body.model_seq_id, base, lora.rank)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+        except OverCapacity as exc:
+            raise HttpError(429, str(exc)) from None
+        spec = AdapterSpec(lora.rank, lora.seed, lora.train_attn, lora.train_mlp)
+
+        async def work() -> Result:
+            try:
+                await self._learner("create", model.model_id, spec)
+            except RequestFailed:
+                self.sessions.forget_model(model.model_id)
+                raise
+            return Result(json=_json(types.CreateModelResponse(model_id=model.model_id)))
+
+        return self._accept(tenant, work(), model.model_id)
+
+    async def get_info(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.GetInfoRequest)
+        model = self._model(body.model_id, tenant)
+        data = types.ModelData(arch="qwen2", model_name=model.base_model, tokenizer_id=self.settings.model_path)
+        info = types.GetInfoResponse(
+            model_data=data, model_id=model.model_id, is_lora=True, lora_rank=model.rank, model_name=model.base_model
+        )
+        return _json(info)
+
+    def _model(self, model_id: str, tenant: Tenant):
+        try:
+            return self.sessions.model(model_id, tenant.run)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+
+    async def forward_backward(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        try:
+            decoded = decode_forward_backward(await self.body(request))
+        except WireError as exc:
+            raise HttpError(400, str(exc)) from None
+        model = self._model(decoded.model_id, tenant)
+        for i, datum in enumerate(decoded.call.data):
+            if len(datum.input_tokens) > self.settings.max_context:
+                raise HttpError(400, f"data[{i}]: {len(datum.input_tokens)} tokens exceed max_context")
+
+        async def work() -> Result:
+            async with model.turn(decoded.seq_id):
+                reply = await self._learner("forward_backward", decoded.call, model=model, tenant=tenant)
+            return Result(proto=encode_forward_backward_output(reply.logprobs, reply.metrics))
+
+        return self._accept(tenant, work(), model.model_id)
+
+    async def optim_step(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.OptimStepRequest)
+        model = self._model(body.model_id, tenant)
+        params = body.optim_params
+        if not isinstance(params, types.AdamParams):
+            raise HttpError(400, f"optim_params: only AdamParams (adamw) is supported, got {type(params).__name__}")
+        step = AdamStep(
+            model.model_id,
+            params.learning_rate,
+            params.beta1,
+            params.beta2,
+            params.eps,
+            params.weight_decay,
+            params.grad_clip_norm,
+        )
+
+        async def work() -> Result:
+            async with model.turn(body.seq_id or 0):
+                metrics = await self._learner("optim_step", step, model=model, tenant=tenant)
+            return Result(json=_json(types.OptimStepResponse(metrics=metrics)))
+
+        return self._accept(tenant, work(), model.model_id)
+
+    async def save_for_sampler(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.SaveWeightsForSamplerRequest)
+        model = self._model(body.model_id, tenant)
+
+        async def work() -> Result:
+            async with model.turn(body.seq_id or 0):
+                lineage = await self._lineage(tenant)
+                published = await self._learner("publish", model.model_id, lineage, model=model, tenant=tenant)
+            fleet_model = adapter_name(published.version, tenant.run)
+            try:
+                await self.fleet.load_adapter(tenant, fleet_model, published.key)
+            except FleetRefused as refused:
+                raise RequestFailed(f"the fleet did not load {fleet_model}: {refused.message}", "server") from None
+            if body.path is None:  # save_weights_and_get_sampling_client: a sampler at once
+                sampler = self.sessions.add_sampler(tenant.run, fleet_model, model.base_model, None)
+                reply = types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler.sampler_id)
+            else:
+                path = f"tinker://{model.model_id}/sampler_weights/{body.path}"
+                self.sessions.sampler_paths[path] = (tenant.run, fleet_model)
+                reply = types.SaveWeightsForSamplerResponseInternal(path=path)
+            return Result(json=_json(reply))
+
+        return self._accept(tenant, work(), model.model_id)
+
+    async def _lineage(self, tenant: Tenant):
+        try:
+            return await self.fleet.lineage(tenant)
+        except FleetRefused as refused:
+            raise RequestFailed(f"the fleet has no lineage for run {tenant.run}: {refused.message}", "server") from None
+
+    async def save_state(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.SaveWeightsRequest)
+        model = self._model(body.model_id, tenant)
+
+        async def work() -> Result:
+            async with model.turn(body.seq_id or 0):
+                lineage = await self._lineage(tenant)
+                number = await self._learner("save_state", model.model_id, lineage, model=model, tenant=tenant)
+                model.saved = number
+            path = f"tinker://{model.model_id}/weights/{body.path}"
+            self.sessions.state_paths[path] = (tenant.run, number)
+            return Result(json=_json(types.SaveWeightsResponse(path=path)))
+
+        return self._accept(tenant, work(), model.model_id)
+
+    async def load_state(self, request: Request) -> dict:
+        """create_training_client_from_state (a new client, `session_id` + `model_seq_id`) or the deprecated
+        load_state onto an existing one (`model_id` + `seq_id`)."""
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.LoadWeightsRequest)
+        saved = self.sessions.state_paths.get(body.path)
+        if saved is None or saved[0] != tenant.run:
+            raise HttpError(404, f"path {body.path[:200]!r}: no saved state of this API key")
+        number = saved[1]
+        if body.session_id is not None:
+            self._check_base(body.base_model)
+            try:
+                model = self.sessions.reserve_model(
+                    body.session_id, tenant.run, body.model_seq_id or 0, self.settings.base_model, 0
+                )
+            except NotFound as exc:
+                raise HttpError(404, str(exc)) from None
+            except OverCapacity as exc:
+                raise HttpError(429, str(exc)) from None
+            turn = contextlib.nullcontext
+        elif body.model_id is not None:
+            model = self._model(body.model_id, tenant)
+            turn = lambda: model.turn(body.seq_id or 0)  # noqa: E731
+        else:
+            raise HttpError(400, "LoadWeightsRequest: set session_id and model_seq_id, or model_id and seq_id")
+
+        async def work() -> Result:
+            async with turn():
+                lineage = await self._lineage(tenant)
+                spec = await self._learner("load_state", model.model_id, lineage, number, body.optimizer)
+            model.rank, model.saved = spec.rank, number
+            return Result(json=_json(types.LoadWeightsResponse(path=body.path, model_id=model.model_id)))
+
+        return self._accept(tenant, work(), model.model_id)
+
+    # ---- sampling ---------------------------------------------------------------------------------------
+
+    async def create_sampling_session(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.CreateSamplingSessionRequest)
+        self._session(body.session_id, tenant)
+        if body.model_path:
+            try:
+                ParsedCheckpointTinkerPath.from_tinker_path(body.model_path)
+            except ValueError as exc:
+                raise HttpError(400, str(exc)) from None
+            saved = self.sessions.sampler_paths.get(body.model_path)
+            if saved is None or saved[0] != tenant.run:
+                raise HttpError(404, f"model_path {body.model_path[:200]!r}: no sampler weights of this API key")
+            sampler = self.sessions.add_sampler(tenant.run, saved[1], self.settings.base_model, body.model_path)
+        else:
+            base = self._check_base(body.base_model)
+            sampler = self.sessions.add_sampler(tenant.run, base, base, None)
+        return _json(types.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
+
+    def _session(self, session_id: str, tenant: Tenant) -> None:
+        try:
+            self.sessions.session(session_id, tenant.run)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+
+    async def get_sampler(self, request: Request, sampler_id: str) -> dict:
+        tenant = await self.tenant(request)
+        try:
+            sampler = self.sessions.sampler(sampler_id, tenant.run)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+        reply = types.GetSamplerResponse(
+            sampler_id=sampler.sampler_id, base_model=sampler.base_model, model_path=sampler.model_path
+        )
+        return _json(reply)
+
+    async def asample(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.SampleRequest)
+        if body.sampling_session_id is None:
+            raise HttpError(400, "SampleRequest: sampling_session_id is required here")
+        try:
+            sampler = self.sessions.sampler(body.sampling_session_id, tenant.run)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+        try:
+            prompt = body.prompt.to_ints()
+        except Exception as exc:  # noqa: BLE001 - an image chunk, say
+            raise HttpError(400, f"prompt: only token chunks are supported ({exc})") from None
+        params = body.sampling_params
+        stop = params.stop
+        if isinstance(stop, str) or (stop and isinstance(next(iter(stop)), str)):
+            raise HttpError(400, "sampling_params.stop: stop strings are not supported here; pass stop token ids")
+        fleet_body: dict[str, Any] = {
+            "model": sampler.fleet_model,
+            "prompt": prompt,
+            "n": body.num_samples,
+            "max_tokens": params.max_tokens or 16,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        if params.seed is not None:
+            fleet_body["seed"] = params.seed
+        if stop is not None:
+            fleet_body["stop_token_ids"] = list(stop)
+            if not stop:
+                fleet_body["ignore_eos"] = True
+        if body.prompt_logprobs:
+            fleet_body["prompt_logprobs"] = 0
+
+        async def work() -> Result:
+            try:
+                answer = await self.fleet.completions(tenant, fleet_body)
+            except FleetRefused as refused:
+                category = "user" if 400 <= refused.status < 500 and refused.status != 429 else "server"
+                raise RequestFailed(f"the fleet refused the sample: {refused.message}", category) from None
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            sequences = [
+                Sequence(
+                    list(c.get("token_ids") or []),
+                    list((c.get("logprobs") or {}).get("token_logprobs") or []),
+                    c.get("finish_reason") or "length",
+                )
+                for c in choices
+            ]
+            prompt_logprobs = None
+            if body.prompt_logprobs and choices:
+                listed = choices[0].get("prompt_logprobs") or []
+                prompt_logprobs = [
+                    None if entry is None else entry[str(token)]["logprob"]
+                    for token, entry in zip(prompt, listed, strict=False)
+                ]
+            return Result(proto=encode_sample_response(sequences, prompt_logprobs))
+
+        sequence_ids = [f"{uuid.uuid4().hex}" for _ in range(body.num_samples)]
+        return self._accept(tenant, work(), sample_sequence_ids=sequence_ids)
+
+    # ---- futures ----------------------------------------------------------------------------------------
+
+    async def retrieve(self, request: Request) -> Response:
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.FutureRetrieveRequest)
+        if not self.futures.owned(body.request_id, tenant.run):
+            raise HttpError(404, f"future {body.request_id[:80]!r} does not exist for this API key")
+        outcome = await self.futures.wait(body.request_id, self.settings.poll_wait_s)
+        if outcome is None:
+            pending = types.TryAgainResponse(request_id=body.request_id, queue_state="active")
+            return JSONResponse(_json(pending))
+        if isinstance(outcome, RequestFailed):
+            category = types.RequestErrorCategory(outcome.category)
+            return JSONResponse(_json(types.RequestFailedResponse(error=outcome.message, category=category)))
+        if outcome.proto is not None:
+            return Response(outcome.proto, media_type=PROTOBUF)
+        return JSONResponse(outcome.json)
+
+    async def cancel(self, request: Request) -> dict:
+        tenant = await self.tenant(request)
+        body = await self.body(request)
+        request_id = pydantic.TypeAdapter(dict[str, str]).validate_json(body or b"{}").get("request_id", "")
+        if self.futures.owned(request_id, tenant.run):
+            self.futures.cancel(request_id)
+        return {}
+
+    # ---- upkeep -----------------------------------------------------------------------------------------
+
+    async def upkeep(self) -> None:
+        """Release the sessions that went silent, and their adapters on the learner."""
+        while True:
+            await asyncio.sleep(UPKEEP_PERIOD_S)
+            for model_id in self.sessions.take_idle():
+                log.info("tinker: releasing %s (its session went silent)", model_id)
+                await self._drop(model_id)
+
+
+def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = None) -> FastAPI:
+    """The FastAPI app of the Tinker API; its paths are `/v1/...` under Serve's route prefix `/api`
+    (`contracts.tinker.TINKER_ROUTE_PREFIX`), which Serve takes off before the app sees a path."""
+    fleet = FleetCalls(settings.fleet_url, settings.cache_dir)
+    api = TinkerApi(settings, learner, fleet, admin_token)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        task = asyncio.create_task(api.upkeep())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await fleet.close()
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.api = api
+
+    @app.exception_handler(HttpError)
+    async def _http_error(_request, exc: HttpError):
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    def post(path: str, handler):
+        app.add_api_route(f"/v1/{path}", handler, methods=["POST"])
+
+    async def config(_request: Request) -> dict:
+        return _json(client_config())
+
+    async def dynamic_config(_request: Request) -> dict:
+        return _json(types.ClientDynamicConfigResponse())
+
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    async def telemetry(request: Request) -> dict:
+        await api.body(request)  # bounded, then dropped: the SDK's telemetry stays on this machine, unread
+        return _json(types.TelemetryResponse(status="accepted"))
+
+    post("client/config", config)
+    post("client/dynamic_config", dynamic_config)
+    post("telemetry", telemetry)
+    app.add_api_route("/v1/healthz", healthz, methods=["GET"])
+    app.add_api_route("/v1/get_server_capabilities", api.capabilities, methods=["GET"])
+    post("create_session", api.create_session)
+    post("session_heartbeat", api.heartbeat)
+    post("sessions/{session_id}/finish", api.finish_session)
+    post("admin/keys", api.create_key)
+    post("create_model", api.create_model)
+    post("get_info", api.get_info)
+    post("forward_backward", api.forward_backward)
+    post("optim_step", api.optim_step)
+    post("save_weights_for_sampler", api.save_for_sampler)
+    post("save_weights", api.save_state)
+    post("load_weights", api.load_state)
+    post("create_sampling_session", api.create_sampling_session)
+    app.add_api_route("/v1/samplers/{sampler_id}", api.get_sampler, methods=["GET"])
+    post("asample", api.asample)
+    post("retrieve_future", api.retrieve)
+    post("cancel_future", api.cancel)
+    return app

@@ -1,0 +1,160 @@
+"""Sessions, training clients and samplers of the Tinker API, per tenant, with the capacity they may take.
+
+A `ServiceClient` opens a session and keeps it alive with a heartbeat every 10 s; a session silent for
+`session_idle_s` is released (`take_idle`), and with it its training clients' adapters on the learner. A training
+client (`Model`) belongs to one tenant and one session; its requests run in the order of their `seq_id`
+(`Model.turn`), as the SDK numbers them, whatever order they arrive in. A sampler names what the fleet serves
+(`<run>/policy-vN`, or the base model). Ids are unguessable where they are secret-ish (sessions, samplers) and what
+the SDK expects where it computes them itself (`<session>:train:<n>`); every lookup checks the tenant: another
+key's model is not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from deployments.tinker.futures import RequestFailed
+
+
+class NotFound(Exception):
+    """A session, model or sampler this tenant does not have (404)."""
+
+
+class OverCapacity(Exception):
+    """One more training client than the service (or this tenant) may hold (429, which the SDK retries)."""
+
+
+@dataclass
+class Model:
+    """A training client: its tenant, session, base model, LoRA rank, and the next `seq_id` it runs."""
+
+    model_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    rank: int
+    next_seq: int = 1
+    saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
+    restores: int = 0
+    _turns: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, seq_id: int):
+        """Run the body when every request numbered below `seq_id` has run (the SDK numbers from 1)."""
+        async with self._turns:
+            await self._turns.wait_for(lambda: self.next_seq >= seq_id)
+        if self.next_seq > seq_id:
+            raise RequestFailed(f"seq_id {seq_id} of model {self.model_id} was already used", "user")
+        try:
+            yield
+        finally:
+            async with self._turns:
+                self.next_seq = seq_id + 1
+                self._turns.notify_all()
+
+
+@dataclass
+class Sampler:
+    """A sampling session: what the fleet serves it as, its base model, the tinker path it came from."""
+
+    sampler_id: str
+    tenant: str
+    fleet_model: str
+    base_model: str
+    model_path: str | None
+
+
+@dataclass
+class Session:
+    tenant: str
+    seen: float
+    models: set[str] = field(default_factory=set)
+
+
+class Sessions:
+    """Every tenant's sessions, training clients and samplers, and the capacity limits."""
+
+    def __init__(self, max_models: int, max_models_per_tenant: int, idle_s: float, clock=time.monotonic):
+        self.max_models, self.max_models_per_tenant, self.idle_s = max_models, max_models_per_tenant, idle_s
+        self._clock = clock
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.sampler_paths: dict[str, tuple[str, str]] = {}  # tinker path -> (tenant, fleet model)
+        self.state_paths: dict[str, tuple[str, int]] = {}  # tinker path of a saved state -> (tenant, number)
+
+    def open(self, tenant: str) -> str:
+        session_id = f"{tenant}-{uuid.uuid4().hex[:16]}"
+        self.sessions[session_id] = Session(tenant, self._clock())
+        return session_id
+
+    def session(self, session_id: str, tenant: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise NotFound(f"session {session_id[:80]!r} is not open for this API key (released after silence?)")
+        return session
+
+    def heartbeat(self, session_id: str, tenant: str) -> None:
+        self.session(session_id, tenant).seen = self._clock()
+
+    def reserve_model(self, session_id: str, tenant: str, seq: int, base_model: str, rank: int) -> Model:
+        """A new training client, or OverCapacity; its id is the SDK's `<session>:train:<seq>`."""
+        session = self.session(session_id, tenant)
+        model_id = f"{session_id}:train:{seq}"
+        if model_id in self.models:
+            return self.models[model_id]
+        if len(self.models) >= self.max_models:
+            raise OverCapacity(f"the service holds {self.max_models} training clients, its capacity; try again later")
+        mine = sum(1 for m in self.models.values() if m.tenant == tenant)
+        if mine >= self.max_models_per_tenant:
+            raise OverCapacity(
+                f"this API key holds {mine} training clients, its limit ({self.max_models_per_tenant}); "
+                "close a ServiceClient or wait for an idle session to be released"
+            )
+        model = Model(model_id, tenant, session_id, base_model, rank)
+        self.models[model_id] = model
+        session.models.add(model_id)
+        return model
+
+    def forget_model(self, model_id: str) -> None:
+        model = self.models.pop(model_id, None)
+        if model is not None and model.session_id in self.sessions:
+            self.sessions[model.session_id].models.discard(model_id)
+
+    def model(self, model_id: str, tenant: str) -> Model:
+        model = self.models.get(model_id)
+        if model is None or model.tenant != tenant:
+            raise NotFound(f"model {model_id[:120]!r} does not exist for this API key")
+        self.sessions[model.session_id].seen = self._clock()
+        return model
+
+    def add_sampler(self, tenant: str, fleet_model: str, base_model: str, model_path: str | None) -> Sampler:
+        sampler = Sampler(f"sampler-{uuid.uuid4().hex}", tenant, fleet_model, base_model, model_path)
+        self.samplers[sampler.sampler_id] = sampler
+        return sampler
+
+    def sampler(self, sampler_id: str, tenant: str) -> Sampler:
+        sampler = self.samplers.get(sampler_id)
+        if sampler is None or sampler.tenant != tenant:
+            raise NotFound(f"sampler {sampler_id[:80]!r} does not exist for this API key")
+        return sampler
+
+    def close(self, session_id: str, tenant: str) -> list[str]:
+        """End a session; the ids of its training clients, for the learner to drop."""
+        session = self.session(session_id, tenant)
+        del self.sessions[session_id]
+        for model_id in session.models:
+            self.models.pop(model_id, None)
+        return sorted(session.models)
+
+    def take_idle(self) -> list[str]:
+        """End every session silent for `idle_s`; the ids of their training clients."""
+        now = self._clock()
+        dropped: list[str] = []
+        for session_id in [s for s, v in self.sessions.items() if now - v.seen > self.idle_s]:
+            dropped += self.close(session_id, self.sessions[session_id].tenant)
+        return dropped

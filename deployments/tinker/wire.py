@@ -1,0 +1,155 @@
+"""The Tinker SDK's protobuf bodies, both ways, with the SDK's own generated messages (`tinker_public_pb2`).
+
+The SDK sends `forward_backward` as a protobuf `ForwardBackwardRequest` (zstd-compressed when the server's client
+config says so) and asks for `ForwardBackwardOutput` and `SampleResponse` results as protobuf (`Accept:
+application/x-protobuf`); it ships the encoder of the one and the decoders of the others
+(`tinker.proto.request_conv`, `tinker.proto.response_conv`). This module is their mirror on the server's side, built on
+the same generated classes, so a field the SDK renames fails here loudly instead of drifting: a request becomes a
+`contracts.tinker.LossCall` for the learner, and the learner's and the fleet's answers become the SDK's messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+from tinker.proto import tinker_public_pb2 as pb
+
+from contracts.tinker import Datum, LossCall
+
+PROTOBUF = "application/x-protobuf"
+_NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+class WireError(ValueError):
+    """A body that is not what the SDK sends (a 400 with this reason)."""
+
+
+@dataclass(frozen=True)
+class ForwardBackward:
+    """A decoded `/api/v1/forward_backward`: which client, its place in the client's order, and the call."""
+
+    model_id: str
+    seq_id: int
+    call: LossCall
+
+
+def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body as sent before `Content-Encoding: zstd`, refusing one that inflates past `limit` bytes."""
+    if not encoding or encoding.lower() == "identity":
+        return body
+    if encoding.lower() != "zstd":
+        raise WireError(f"Content-Encoding {encoding!r}: only zstd is accepted")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+    except zstandard.ZstdError as exc:
+        raise WireError(f"zstd body: {exc}") from None
+    if len(out) > limit:
+        raise WireError(f"the body inflates past {limit} bytes")
+    return out
+
+
+def tensor_values(tensor: pb.Tensor, name: str) -> np.ndarray:
+    """A dense (or CSR) `Tensor`'s values, flat."""
+    dtype = _NUMPY.get(tensor.dtype)
+    if dtype is None:
+        raise WireError(f"loss_fn_inputs[{name!r}]: dtype {tensor.dtype} is not float32 or int64")
+    if tensor.HasField("sparse_csr"):
+        shape = list(tensor.shape)
+        if len(shape) != 2:
+            raise WireError(f"loss_fn_inputs[{name!r}]: a sparse tensor must be 2-D, got shape {shape}")
+        csr = tensor.sparse_csr
+        values = np.frombuffer(csr.values, dtype=dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
+        dense = np.zeros(shape, dtype=dtype)
+        for row in range(shape[0]):
+            dense[row, cols[crow[row] : crow[row + 1]]] = values[crow[row] : crow[row + 1]]
+        return dense.reshape(-1)
+    return np.frombuffer(tensor.dense, dtype=dtype)
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackward:
+    """The SDK's protobuf `ForwardBackwardRequest` as a `LossCall` (text chunks only: the tiny models see no images)."""
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and its kin
+        raise WireError(f"not a ForwardBackwardRequest: {exc}") from None
+    if not message.model_id:
+        raise WireError("model_id: missing")
+    if not message.data:
+        raise WireError("forward_backward_input.data: no datums")
+    data = []
+    for i, datum in enumerate(message.data):
+        tokens: list[int] = []
+        for chunk in datum.model_input:
+            if chunk.WhichOneof("chunk") != "encoded_text":
+                raise WireError(f"data[{i}]: only encoded_text chunks are supported, got {chunk.WhichOneof('chunk')}")
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        inputs = {name: tensor_values(t, name) for name, t in datum.loss_fn_inputs.items()}
+        targets = inputs.pop("target_tokens", None)
+        if targets is None:
+            raise WireError(f"data[{i}]: loss_fn_inputs['target_tokens'] is missing")
+        data.append(
+            Datum(
+                input_tokens=tokens,
+                target_tokens=targets.astype(np.int64).tolist(),
+                inputs={k: v.astype(np.float32).tolist() for k, v in inputs.items()},
+            )
+        )
+    config: dict[str, float] = {}
+    for key, value in message.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise WireError(f"loss_fn_config[{key!r}]: text values are not supported")
+        config[key] = value.number
+    for key, number in message.loss_fn_config.items():
+        config.setdefault(key, number)
+    call = LossCall(message.model_id, data, message.loss_fn, config, backward=not message.forward_only)
+    return ForwardBackward(message.model_id, message.seq_id, call)
+
+
+def _batched(arrays: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
+    itemsize = np.dtype(_NUMPY[dtype]).itemsize
+    offsets = np.cumsum([0] + [len(a) * itemsize for a in arrays]).astype(np.int64)
+    data = b"".join(np.asarray(a, dtype=_NUMPY[dtype]).tobytes() for a in arrays)
+    return pb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=dtype)
+
+
+def encode_forward_backward_output(logprobs: list[list[float]], metrics: dict[str, float]) -> bytes:
+    """The SDK's protobuf `ForwardBackwardOutput`: per datum its `logprobs`, and the metrics."""
+    record = pb.ArrayRecord(
+        type_tag="ArrayRecord",
+        num_datums=len(logprobs),
+        fields={"logprobs": _batched([np.asarray(lp, dtype=np.float32) for lp in logprobs], pb.DTYPE_FLOAT32)},
+    )
+    output = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record], metrics=metrics)
+    return output.SerializeToString()
+
+
+STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One sampled sequence as the fleet answered it."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def encode_sample_response(sequences: list[Sequence], prompt_logprobs: list[float | None] | None) -> bytes:
+    """The SDK's protobuf `SampleResponse`; a prompt position without a log-prob (the first) travels as NaN, which
+    the SDK reads as None."""
+    out = pb.SampleResponse()
+    for seq in sequences:
+        item = out.sequences.add()
+        item.stop_reason = STOP_REASONS.get(seq.finish_reason, pb.STOP_REASON_LENGTH)
+        item.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
+        item.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+    if prompt_logprobs is not None:
+        values = [np.nan if v is None else v for v in prompt_logprobs]
+        out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    return out.SerializeToString()

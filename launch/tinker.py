@@ -1,0 +1,111 @@
+"""Starts the Tinker API beside a running fleet: the learner actor (`app/`) and the Serve application (`deployments/`).
+
+It sits in `launch/` because it is the one place that wires the two products together: the learner's class is the
+run side's (`app.learner.tinker_learner.TinkerLearner`), the HTTP service is the fleet's (`deployments.tinker`), and
+they meet only as a named actor and `contracts.tinker`'s messages. Afterwards `TINKER_BASE_URL` is the fleet's URL.
+"""
+
+from __future__ import annotations
+
+from contracts.auth import Secret
+from contracts.tinker import LEARNER_ACTOR, LEARNER_NAMESPACE, TINKER_APP, TINKER_ROUTE_PREFIX
+from deployments.tinker.settings import TinkerSettings
+
+_started: dict = {}  # the learner actor this process started (`learner_actor`)
+
+
+def learner_actor():
+    """The handle of the learner actor `start_tinker` started (a test kills it to play a preemption)."""
+    return _started["learner"]
+
+
+def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: float = 0) -> str:
+    """Start the learner actor and the Serve application on the connected Ray; returns the base URL for the SDK."""
+    import ray
+    from ray import serve
+
+    from app.learner.tinker_learner import TinkerLearner
+    from deployments.tinker.shell import tinker_app
+
+    # A learner whose process dies (its node preempted, a crash) is started again by Ray with the base model alone;
+    # the service restores each client from its last saved state on its next call (`TinkerApi._learner`).
+    learner = (
+        ray.remote(TinkerLearner)
+        .options(name=LEARNER_ACTOR, namespace=LEARNER_NAMESPACE, num_cpus=num_cpus, max_restarts=-1)
+        .remote(settings.model_path, settings.max_models)
+    )
+    ray.get(learner.models.remote())  # up, with the base model loaded
+    _started["learner"] = learner
+    serve.run(
+        tinker_app(settings, Secret(admin_token) if admin_token else None, learner),
+        name=TINKER_APP,
+        route_prefix=TINKER_ROUTE_PREFIX,
+    )
+    return settings.fleet_url
+
+
+def stop_tinker() -> None:
+    import ray
+    from ray import serve
+
+    serve.delete(TINKER_APP)
+    learner = _started.pop("learner", None)
+    if learner is not None:
+        ray.kill(learner, no_restart=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m launch.tinker [--config FLEET.yaml] [--set key=value ...] [--max-models N ...]`: the Tinker API
+    beside a fleet already running on this machine's Ray (`make serve`); runs until interrupted (the learner is
+    this process's actor). Then `TINKER_BASE_URL=<fleet URL>`, and an API key from `POST /api/v1/admin/keys`."""
+    import argparse
+    import signal
+    import sys
+
+    import httpx
+    import pydantic
+    import ray
+
+    from app.tiny_model import prepare_model
+    from contracts.auth import admin_token as resolve_admin_token
+    from core.config import load_fleet_config
+    from deployments.fleet import fleet_url
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--config", default=None, help="the fleet's config file (default: the tiny CPU fleet)")
+    parser.add_argument("--set", action="append", default=[], help="a fleet config override, key=value")
+    for name, field in TinkerSettings.model_fields.items():
+        if name not in ("fleet_url", "base_model", "model_path", "cache_dir"):
+            flag = f"--{name.replace('_', '-')}"
+            parser.add_argument(flag, type=type(field.default), default=field.default, help=field.description)
+    args = parser.parse_args(argv)
+    cfg = load_fleet_config(args.config, args.set)
+    model_path = prepare_model(cfg.model, cfg.tiny_task)
+    ray.init(address="auto", namespace=LEARNER_NAMESPACE)
+    url = fleet_url(cfg)
+    token = resolve_admin_token(cfg)
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=30)
+    limits = {k: v for k, v in vars(args).items() if k in TinkerSettings.model_fields}
+    try:
+        settings = TinkerSettings(
+            fleet_url=url,
+            base_model=models.json()["data"][0]["id"],
+            model_path=model_path,
+            cache_dir=str(cfg.bucket.cache_dir),
+            **limits,
+        )
+    except pydantic.ValidationError as exc:
+        print(f"tinker settings: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    start_tinker(settings, token)
+    print(f"Tinker API up: TINKER_BASE_URL={url}  (keys: POST {url}/api/v1/admin/keys with the admin token)")
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_tinker()
+
+
+if __name__ == "__main__":
+    main()

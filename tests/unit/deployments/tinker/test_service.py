@@ -1,0 +1,158 @@
+"""The Tinker API's routes with the SDK's own request and reply types, over a fake learner and a fake fleet: who may
+call, bounded and validated bodies, futures, capacity, and the SDK-shaped errors."""
+
+import zstandard
+from fastapi.testclient import TestClient
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from contracts.tinker import LearnerLost, Lineage, LossReply
+from deployments.tinker.fleet_calls import FleetCalls, Tenant
+from deployments.tinker.service import make_app
+from deployments.tinker.settings import TinkerSettings
+
+KEYS = {"tml-a": "alice", "tml-b": "bob"}
+
+
+class FakeFleet(FleetCalls):
+    async def tenant(self, api_key):
+        run = KEYS.get(api_key or "")
+        return Tenant(run, api_key) if run else None
+
+    async def lineage(self, tenant):
+        return Lineage("file:///nowhere", "00", tenant.run, "/tmp")
+
+
+class FakeLearner:
+    def __init__(self):
+        self.calls, self.lost = [], False
+
+    async def call(self, method, *args):
+        self.calls.append((method, args))
+        if self.lost:
+            raise LearnerLost("gone")
+        if method == "forward_backward":
+            call = args[0]
+            if call.loss_fn == "nonsense":
+                raise ValueError("loss_fn 'nonsense' is not supported here")
+            return LossReply([[-1.0] * len(d.target_tokens) for d in call.data], {"loss:sum": 2.0})
+        if method == "optim_step":
+            return {"grad_norm:mean": 1.0}
+        return None
+
+
+def client(max_models=2, max_per_tenant=1, max_body=1 << 16):
+    settings = TinkerSettings(
+        fleet_url="http://127.0.0.1:9",
+        base_model="tiny",
+        model_path="/models/tiny",
+        cache_dir="/tmp",
+        max_models=max_models,
+        max_models_per_tenant=max_per_tenant,
+        max_body_bytes=max_body,
+        poll_wait_s=2.0,
+        learner_wait_s=0.5,
+    )
+    learner = FakeLearner()
+    app = make_app(settings, learner)
+    app.state.api.fleet = FakeFleet("http://127.0.0.1:9", "/tmp")
+    return TestClient(app), learner
+
+
+def post(http, path, body, key="tml-a"):
+    return http.post(f"/v1/{path}", json=body.model_dump(mode="json", exclude_none=True), headers={"X-API-Key": key})
+
+
+def result(http, request_id, key="tml-a"):
+    return http.post("/v1/retrieve_future", json={"request_id": request_id}, headers={"X-API-Key": key})
+
+
+def new_model(http, key="tml-a"):
+    session = post(http, "create_session", types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="x"), key)
+    session_id = session.json()["session_id"]
+    request = types.CreateModelRequest(
+        session_id=session_id, model_seq_id=0, base_model="tiny", lora_config=types.LoraConfig(rank=8)
+    )
+    future = post(http, "create_model", request, key)
+    return session_id, future
+
+
+def test_a_model_is_created_as_a_future_and_its_info_names_the_tokenizer():
+    http, learner = client()
+    with http:
+        _, future = new_model(http)
+        assert future.status_code == 200, future.text
+        created = types.CreateModelResponse.model_validate(result(http, future.json()["request_id"]).json())
+        assert created.model_id.endswith(":train:0") and learner.calls[0][0] == "create"
+        info = post(http, "get_info", types.GetInfoRequest(model_id=created.model_id))
+        parsed = types.GetInfoResponse.model_validate(info.json())
+        assert parsed.model_data.tokenizer_id == "/models/tiny" and parsed.lora_rank == 8
+
+
+def test_forward_backward_takes_zstd_protobuf_and_answers_protobuf_the_sdk_reads():
+    http, _ = client()
+    with http:
+        _, future = new_model(http)
+        model_id = result(http, future.json()["request_id"]).json()["model_id"]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]}
+        )
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+            model_id=model_id,
+            seq_id=1,
+        )
+        body = zstandard.ZstdCompressor().compress(forward_backward_request_to_proto(request).SerializeToString())
+        headers = {"X-API-Key": "tml-a", "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+        accepted = http.post("/v1/forward_backward", content=body, headers=headers)
+        assert accepted.status_code == 200, accepted.text
+        answer = result(http, accepted.json()["request_id"])
+        assert answer.headers["content-type"] == "application/x-protobuf"
+        output = deserialize_forward_backward_output(answer.content)
+        assert output.metrics == {"loss:sum": 2.0} and output.loss_fn_outputs[0]["logprobs"].tolist() == [-1, -1]
+
+
+def test_who_may_call_and_what_they_may_see():
+    http, _ = client()
+    with http:
+        assert http.post("/v1/create_session", json={}).status_code == 401
+        assert http.post("/v1/create_session", json={}, headers={"X-API-Key": "tml-x"}).json()["detail"]
+        _, future = new_model(http)
+        request_id = future.json()["request_id"]
+        assert result(http, request_id, key="tml-b").status_code == 404  # another tenant's future
+        model_id = result(http, request_id).json()["model_id"]
+        assert post(http, "get_info", types.GetInfoRequest(model_id=model_id), key="tml-b").status_code == 404
+
+
+def test_bad_bodies_are_400_or_413_with_the_reason():
+    http, _ = client(max_body=2048)
+    with http:
+        bad = http.post("/v1/create_session", json={"tags": "not-a-list"}, headers={"X-API-Key": "tml-a"})
+        assert bad.status_code == 400 and "tags" in bad.json()["detail"]
+        extra = http.post("/v1/create_session", json={"nonsense": 1}, headers={"X-API-Key": "tml-a"})
+        assert extra.status_code == 400 and "nonsense" in extra.json()["detail"]
+        huge = http.post("/v1/create_session", content=b"{" + b" " * 4096 + b"}", headers={"X-API-Key": "tml-a"})
+        assert huge.status_code == 413
+        garbage = http.post("/v1/forward_backward", content=b"\xff\x01", headers={"X-API-Key": "tml-a"})
+        assert garbage.status_code == 400 and "ForwardBackwardRequest" in garbage.json()["detail"]
+
+
+def test_capacity_is_a_429_and_a_failed_request_is_the_sdks_request_failed():
+    http, learner = client(max_models=2, max_per_tenant=1)
+    with http:
+        new_model(http)
+        session_id, _ = new_model(http)
+        request = types.CreateModelRequest(session_id=session_id, model_seq_id=1, base_model="tiny")
+        assert post(http, "create_model", request).status_code == 429
+        learner.lost = True
+        _, future = new_model(http, key="tml-b")
+        failed = types.RequestFailedResponse.model_validate(result(http, future.json()["request_id"], "tml-b").json())
+        assert failed.category == types.RequestErrorCategory.Server and "learner" in failed.error
+
+
+def test_a_heartbeat_of_a_released_session_is_410_which_stops_the_sdks_heartbeat():
+    http, _ = client()
+    with http:
+        gone = post(http, "session_heartbeat", types.SessionHeartbeatRequest(session_id="alice-none"))
+        assert gone.status_code == 410
