@@ -28,9 +28,34 @@ from core.config.sections import (
 from core.config.teacher import SelfTeacher, TeacherConfig, size_teacher_context
 
 
+class VerifiersConfig(Section):
+    """A verifiers v1 taskset (`verifiers.v1`), run by its env with verifiers' training client pointed at the fleet
+    (`app.rollout.verifiers_episodes`); its tasks are the run's problems, its `@vf.reward`s its rewards."""
+
+    taskset: str = Field(
+        min_length=1,
+        description='The taskset: an installed verifiers taskset id, or "module:TasksetClass" (its module exports it).',
+    )
+    taskset_args: dict[str, Any] = Field(
+        default_factory=dict, description="Fields of the taskset's config (its TasksetConfig subclass), e.g. seed."
+    )
+    env_id: str = Field("", description="verifiers' env id to pair with the taskset; empty: the taskset's own env.")
+    harness: str | None = Field(
+        None, description="verifiers harness id of the agent; None: the taskset's own, else verifiers' bash."
+    )
+    runtime: str = Field(
+        "subprocess", description="verifiers runtime type of the agent (subprocess: on this machine, no tunnel)."
+    )
+    episode_timeout_s: float = Field(
+        60.0, gt=0, description="Longest episode (verifiers' env.timeout.episode); beyond, it is lost, counted."
+    )
+    max_concurrent_episodes: int = Field(64, ge=1, description="Episodes played at once by the rollout.")
+
+
 class EnvConfig(Section):
-    """The environment of multi-turn episodes: spotrl's (`name`, `app.tasks.environments`) or TRL's
-    `environment_factory` (`factory`, `app.tasks.trl_environments`); neither: single-turn completions."""
+    """The environment of multi-turn episodes: spotrl's (`name`, `app.tasks.environments`), TRL's
+    `environment_factory` (`factory`, `app.tasks.trl_environments`) or a verifiers v1 taskset (`verifiers`); none:
+    single-turn completions."""
 
     name: str | None = Field(
         None, description='Environment: a registered name (chained_arithmetic, calculator) or "module:Class".'
@@ -38,6 +63,9 @@ class EnvConfig(Section):
     factory: str | dict[str, str] | None = Field(
         None,
         description='TRL environment_factory: "module:callable", or names to factories (each problem picks by its environment column).',
+    )
+    verifiers: VerifiersConfig | None = Field(
+        None, description="A verifiers v1 taskset played by its env through verifiers' training client."
     )
     max_tool_calling_iterations: int | None = Field(
         None, ge=0, description="Most tool-calling turns of a TRL environment's episode (TRL's; None: no limit)."
@@ -77,8 +105,9 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _one_kind(self) -> EnvConfig:
-        if self.name is not None and self.factory is not None:
-            raise ValueError("env.name and env.factory: one environment or the other, not both")
+        named = [k for k in ("name", "factory", "verifiers") if getattr(self, k) is not None]
+        if len(named) > 1:
+            raise ValueError(f"env.{' and env.'.join(named)}: one environment or the other, not both")
         return self
 
 
@@ -350,6 +379,11 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> RunConfig:
+        if self.env.verifiers is not None and self.rollout.partial_rollouts:
+            raise ValueError(
+                "rollout.partial_rollouts: verifiers' training client cannot continue a generation that a weight "
+                "update cut; set it false with env.verifiers"
+            )
         if self.lora.rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"lora.rank={self.lora.rank}: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
         if self.fleet.max_lora_rank is not None and self.lora.rank > self.fleet.max_lora_rank:
