@@ -81,13 +81,20 @@ class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
         return tasks
 
 
+AGAIN = "Once more. Answer: "  # what the harness says after each reply but the last, when it plays several turns
+
+
 class ChatHarnessConfig(vf.HarnessConfig):
-    """The in-process chat loop's config: verifiers' harness config, nothing more."""
+    """The in-process chat loop's config: how many model turns it plays (more than one: it asks for the answer again,
+    and the task scores the last reply)."""
+
+    turns: int = 1
 
 
 class ChatHarness(vf.Harness[ChatHarnessConfig]):
-    """verifiers' `null` chat loop played in-process: one chat completion through the interception server per turn,
-    the task's prompt as the conversation (a Messages prompt as it is), no tools."""
+    """verifiers' `null` chat loop played in-process: chat completions through the interception server, the task's
+    prompt as the conversation (a Messages prompt as it is), no tools; `turns` model turns, each after the first
+    asked for by a user message (`AGAIN`), so that one rollout's turns are one session of several requests."""
 
     APPENDS_SYSTEM_PROMPT = True
     SUPPORTS_RESUME = True
@@ -103,9 +110,14 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         else:
             messages += [m.model_dump(exclude_none=True) for m in prompt or []]
+        content = ""
         async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-        return ProgramResult(0, reply.choices[0].message.content or "", "")
+            for turn in range(self.config.turns):
+                if turn:
+                    messages += [{"role": "assistant", "content": content}, {"role": "user", "content": AGAIN}]
+                reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+                content = reply.choices[0].message.content or ""
+        return ProgramResult(0, content, "")
 
 
 __all__ = ["ArithmeticTaskset", "ChatHarness"]

@@ -16,7 +16,7 @@ completion.
 
 What costs an episode, never the run, counted per cause in `env/errors/<cause>`: `timeout` (verifiers' episode
 deadline, `env.verifiers.episode_timeout_s`, or spotrl's guard a little past it), `task_raised` (the task's setup or a
-reward raised), `reward_malformed` (a reward returned what verifiers refuses as a score), `harness_raised`,
+reward raised), `reward_malformed` (a reward returned what verifiers refuses as a score, or NaN or infinity), `harness_raised`,
 `env_raised`, `model_call` (the model call failed: the fleet refused it or could not be reached), `raised` (any other
 error verifiers recorded), `no_tokens` (a trace with no model tokens to train), `unscored` (a reward that never ran).
 Such an episode's reward is NaN (no advantage); a group whose every episode is lost is dropped.
@@ -28,6 +28,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ API_KEY_VAR = (
     "SPOTRL_VERIFIERS_API_KEY"  # where verifiers' client reads the run's token (`BaseClientConfig.api_key_var`)
 )
 GUARD_S = 10.0  # spotrl's own deadline past verifiers' episode deadline, for an episode that ignores its own
+# What verifiers says when a reward returned no number (`Trace.record_reward` takes `float(value)`): read from its
+# error's text, the only place it says so.
+MALFORMED_SCORE = re.compile(r"scoring: (ValueError: could not convert|TypeError: float\(\) argument)")
 # verifiers' error types (`verifiers.v1.errors`) by the cause they count under.
 CAUSES = {
     "TaskError": "task_raised",
@@ -71,13 +75,15 @@ def failure_cause(episode) -> str | None:
     errors = [*episode.errors, *(e for t in traces for e in t.errors)]
     if errors:
         first = errors[0]
-        if first.type == "TaskError" and "validation error" in (first.message or "") and "score" in first.message:
+        if first.type == "TaskError" and MALFORMED_SCORE.search(first.message or ""):
             return "reward_malformed"
         return CAUSES.get(first.type, "raised")
     if not traces or not any(b.trainable and any(b.sampled_mask) for b in traces[-1].branches):
         return "no_tokens"
     if any(r is None for r in traces[-1].rewards.values()):
         return "unscored"
+    if not math.isfinite(traces[-1].reward):  # a reward of NaN or infinity: a number, but no score
+        return "reward_malformed"
     return None
 
 

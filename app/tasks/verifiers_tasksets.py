@@ -62,8 +62,9 @@ def taskset_id(spec: str) -> str:
 
 
 def env_config(vcfg) -> Any:
-    """verifiers' config of the run's env (`resolve_env_config`): the taskset with its args, the harness, the episode
-    timeout; ValueError (verifiers' validation) when the taskset's config refuses the args."""
+    """verifiers' config of the run's env (`resolve_env_config`): the taskset with its args, the agent's config (its
+    harness, its runtime: a subprocess here unless it says otherwise), the episode timeout; ValueError (verifiers'
+    validation) when the taskset's config refuses the args."""
     from verifiers.v1 import resolve_env_config
 
     raw: dict[str, Any] = {
@@ -71,9 +72,8 @@ def env_config(vcfg) -> Any:
         "taskset": {"id": taskset_id(vcfg.taskset), **vcfg.taskset_args},
         "timeout": {"episode": vcfg.episode_timeout_s},
     }
-    raw["agent"] = {"runtime": {"type": vcfg.runtime}}
-    if vcfg.harness is not None:
-        raw["agent"]["harness"] = {"id": vcfg.harness}
+    # On this machine, no tunnel: verifiers' default runtime is a remote sandbox.
+    raw["agent"] = {"runtime": {"type": "subprocess"}, **vcfg.agent}
     return resolve_env_config(raw)
 
 

@@ -40,11 +40,9 @@ class VerifiersConfig(Section):
         default_factory=dict, description="Fields of the taskset's config (its TasksetConfig subclass), e.g. seed."
     )
     env_id: str = Field("", description="verifiers' env id to pair with the taskset; empty: the taskset's own env.")
-    harness: str | None = Field(
-        None, description="verifiers harness id of the agent; None: the taskset's own, else verifiers' bash."
-    )
-    runtime: str = Field(
-        "subprocess", description="verifiers runtime type of the agent (subprocess: on this machine, no tunnel)."
+    agent: dict[str, Any] = Field(
+        default_factory=dict,
+        description="verifiers' AgentConfig of the env's agent (harness, runtime, ...); runtime defaults to subprocess.",
     )
     episode_timeout_s: float = Field(
         60.0, gt=0, description="Longest episode (verifiers' env.timeout.episode); beyond, it is lost, counted."

@@ -1,0 +1,98 @@
+"""The pure logic of `app.rollout.verifiers_episodes`: a verifiers trace as a sample (its trainable branch split at
+its first model token, only model tokens masked in, NaN log-probs and versions elsewhere, verifiers' reward), a
+group's shared prompt, and why an episode is lost. Traces and episodes are stand-ins with the attributes of
+verifiers' `Trace`, `Branch`, `Episode` and `Error` that the module reads; real ones are played in
+`tests/integration/test_verifiers.py`."""
+
+import math
+from types import SimpleNamespace
+
+from app.rollout.verifiers_episodes import common_prompt, failure_cause, lost_sample, trace_sample
+
+
+def _branch(ids, mask, logprobs, trainable=True):
+    return SimpleNamespace(token_ids=ids, sampled_mask=mask, logprobs=logprobs, trainable=trainable)
+
+
+def _trace(branches, reward=1.0, errors=(), rewards=None, timeout=False):
+    return SimpleNamespace(
+        branches=branches,
+        reward=reward,
+        is_truncated=False,
+        last_reply="46",
+        num_turns=sum(
+            1
+            for b in branches[-1:]
+            for i, m in enumerate(b.sampled_mask)
+            if m and (i == 0 or not b.sampled_mask[i - 1])
+        ),
+        errors=list(errors),
+        rewards=rewards if rewards is not None else {"correct": SimpleNamespace(score=reward)},
+        is_timeout=timeout,
+    )
+
+
+def _episode(trace, errors=(), timeout=False):
+    return SimpleNamespace(traces=[trace], errors=list(errors), is_timeout=timeout)
+
+
+def _error(kind, message="boom"):
+    return SimpleNamespace(type=kind, message=message)
+
+
+# prompt [1, 2, 3], model turn [5, 6], the user's turn [7, 8], model turn [9]
+TWO_TURNS = _branch(
+    [1, 2, 3, 5, 6, 7, 8, 9],
+    [False] * 3 + [True] * 2 + [False] * 2 + [True],
+    [0.0] * 3 + [-0.5, -1.0] + [0.0] * 2 + [-2.0],
+)
+
+
+def test_a_trace_is_its_branch_split_at_the_first_model_token():
+    converted = trace_sample(_trace([TWO_TURNS], reward=0.5), version=3)
+    sample = converted.sample
+    assert converted.prompt_ids == [1, 2, 3] and converted.lost is None
+    assert sample.completion_ids == [5, 6, 7, 8, 9] and sample.completion_mask == [1, 1, 0, 0, 1]
+    assert sample.model_token_ids() == [5, 6, 9]
+    lps, versions = sample.sampling_logprobs, sample.streams["versions"]
+    assert lps[:2] == [-0.5, -1.0] and lps[4] == -2.0 and all(math.isnan(x) for x in lps[2:4])
+    assert versions[:2] == [3.0, 3.0] and versions[4] == 3.0 and all(math.isnan(x) for x in versions[2:4])
+    assert (sample.reward, sample.num_turns, sample.turn_rewards, sample.text) == (0.5, 2, [0.0, 0.5], "46")
+
+
+def test_the_last_trainable_branch_is_the_sample():
+    untrainable = _branch([1, 2, 4], [False, False, True], [0.0, 0.0, -0.1], trainable=False)
+    assert trace_sample(_trace([TWO_TURNS, untrainable]), 1).sample.completion_ids == [5, 6, 7, 8, 9]
+
+
+def test_a_groups_prompt_is_what_its_kept_episodes_share_and_the_rest_is_context():
+    a = trace_sample(_trace([_branch([1, 2, 3, 5], [0, 0, 0, 1], [0, 0, 0, -0.5])]), 1)
+    b = trace_sample(_trace([_branch([1, 2, 4, 6], [0, 0, 0, 1], [0, 0, 0, -0.7])]), 1)
+    lost = lost_sample("timeout")
+    assert common_prompt([a, b, lost]) == [1, 2]
+    assert a.sample.completion_ids == [3, 5] and a.sample.completion_mask == [0, 1]
+    assert b.sample.completion_ids == [4, 6] and math.isnan(b.sample.sampling_logprobs[0])
+    assert math.isnan(b.sample.streams["versions"][0]) and b.sample.streams["versions"][1] == 1.0
+    assert lost.sample.completion_ids == [] and math.isnan(lost.sample.reward) and lost.sample.env_error
+
+
+def test_an_episode_is_lost_by_the_first_cause_verifiers_recorded():
+    good = _trace([TWO_TURNS])
+    assert failure_cause(_episode(good)) is None
+    assert failure_cause(_episode(good, timeout=True)) == "timeout"
+    assert failure_cause(_episode(_trace([TWO_TURNS], timeout=True))) == "timeout"
+    assert failure_cause(_episode(good, errors=[_error("EnvError")])) == "env_raised"
+    assert failure_cause(_episode(_trace([TWO_TURNS], errors=[_error("TaskError")]))) == "task_raised"
+    for said in (  # verifiers' words for a reward that returned a string, or None
+        "task ArithmeticTask scoring: ValueError: could not convert string to float: 'forty-six'",
+        "task T scoring: TypeError: float() argument must be a string or a real number, not 'NoneType'",
+    ):
+        assert failure_cause(_episode(_trace([TWO_TURNS], errors=[_error("TaskError", said)]))) == "reward_malformed"
+    raised = _error("TaskError", "task T scoring: RuntimeError: the reward's grader is down")
+    assert failure_cause(_episode(_trace([TWO_TURNS], errors=[raised]))) == "task_raised"
+    assert failure_cause(_episode(_trace([TWO_TURNS], errors=[_error("ProviderError")]))) == "model_call"
+    assert failure_cause(_episode(_trace([TWO_TURNS], errors=[_error("KeyError")]))) == "raised"
+    assert failure_cause(_episode(_trace([_branch([1, 2], [False, False], [0.0, 0.0])]))) == "no_tokens"
+    assert failure_cause(_episode(_trace([TWO_TURNS], rewards={"correct": None}))) == "unscored"
+    assert failure_cause(_episode(_trace([TWO_TURNS], reward=math.nan))) == "reward_malformed"
+    assert failure_cause(SimpleNamespace(traces=[], errors=[], is_timeout=False)) == "no_tokens"
