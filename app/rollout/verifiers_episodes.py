@@ -25,6 +25,7 @@ Such an episode's reward is NaN (no advantage); a group whose every episode is l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -163,6 +164,9 @@ class VerifiersRunner(Sampler):
         self.episode_timeout_s = episode_timeout_s
         self.gate = asyncio.Semaphore(max_concurrent)
         self.counters: Counter = Counter()
+        self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._serving_users = 0
+        self._serving_stack: contextlib.AsyncExitStack | None = None
 
     @classmethod
     def from_config(cls, cfg, tokenizer, generate, decode=None, *, fleet_url: str, token: str | None, model_path: str):
@@ -207,7 +211,7 @@ class VerifiersRunner(Sampler):
         version = version_of(model) or 0  # every token of the group: no cut is continued (partial rollouts are off)
         ctx = self.context(model, sampling)
         with self.meter.on_the_wire():
-            async with self.env.serving():
+            async with self._serving():
                 episodes = await asyncio.gather(*(self._play(slot, ctx, version) for slot in self.env.slots(task, n)))
         lost = [e.lost for e in episodes if e.lost is not None]
         for cause in lost:
@@ -218,6 +222,29 @@ class VerifiersRunner(Sampler):
         samples = [e.sample for e in episodes]
         self.meter.generated(sum(sum(s.completion_mask or []) for s in samples))
         return Sampled(samples, prompt_ids=group_prompt)
+
+    @contextlib.asynccontextmanager
+    async def _serving(self):
+        """verifiers' serving resources (its interception server), up while any group of this loop plays: the env
+        holds one set at a time (`Env.serving` sets them on the env), so groups in flight together share it, the
+        first to start brings it up and the last to finish takes it down."""
+        loop = asyncio.get_running_loop()
+        if self._serving_lock is None or self._serving_lock[0] is not loop:  # a lock binds to its loop
+            self._serving_lock = (loop, asyncio.Lock())
+        lock = self._serving_lock[1]
+        async with lock:
+            if self._serving_users == 0:
+                self._serving_stack = contextlib.AsyncExitStack()
+                await self._serving_stack.enter_async_context(self.env.serving())
+            self._serving_users += 1
+        try:
+            yield
+        finally:
+            async with lock:
+                self._serving_users -= 1
+                if self._serving_users == 0:
+                    stack, self._serving_stack = self._serving_stack, None
+                    await stack.aclose()
 
     async def _play(self, slot, ctx, version: int) -> EpisodeSample:
         """One episode, its failures its own."""
@@ -238,4 +265,4 @@ class VerifiersRunner(Sampler):
         return trace_sample(episode.traces[-1], version)
 
     def close(self) -> None:
-        """Nothing to release: each group's serving resources (verifiers' interception) close with the group."""
+        """Nothing to release: verifiers' serving resources close with the last group in flight (`_serving`)."""

@@ -4,7 +4,9 @@ group's shared prompt, and why an episode is lost. Traces and episodes are stand
 verifiers' `Trace`, `Branch`, `Episode` and `Error` that the module reads; real ones are played in
 `tests/integration/test_verifiers.py`."""
 
+import asyncio
 import math
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 from app.rollout.verifiers_episodes import common_prompt, failure_cause, lost_sample, trace_sample
@@ -96,3 +98,49 @@ def test_an_episode_is_lost_by_the_first_cause_verifiers_recorded():
     assert failure_cause(_episode(_trace([TWO_TURNS], rewards={"correct": None}))) == "unscored"
     assert failure_cause(_episode(_trace([TWO_TURNS], reward=math.nan))) == "reward_malformed"
     assert failure_cause(SimpleNamespace(traces=[], errors=[], is_timeout=False)) == "no_tokens"
+
+
+class _Env:
+    """A stand-in for verifiers' env: `serving` counted, slots played after a pause, every episode the same trace."""
+
+    def __init__(self):
+        self.entered = self.exited = 0
+        self.live = False
+
+    @asynccontextmanager
+    async def serving(self):
+        assert not self.live, "the env's serving resources are one set at a time"
+        self.entered, self.live = self.entered + 1, True
+        try:
+            yield
+        finally:
+            self.exited, self.live = self.exited + 1, False
+
+    def slots(self, task, n):
+        return [task] * n
+
+    async def run_slot(self, slot, ctx):
+        assert self.live
+        await asyncio.sleep(0.01)
+        return _episode(_trace([TWO_TURNS]))
+
+
+def test_groups_in_flight_together_share_one_serving_and_the_last_takes_it_down():
+    from app.rollout.sampling import SamplingArgs
+    from app.rollout.verifiers_episodes import VerifiersRunner
+    from app.tasks.problems import Problem
+
+    env = _Env()
+    runner = VerifiersRunner(env, ["task"], "http://127.0.0.1:1", "model", None)
+    runner.context = lambda model, sampling: None
+    problem = Problem("p", "Compute 1+2. Answer: ", "3", {"vf_index": 0})
+
+    async def groups(k):
+        return await asyncio.gather(*(runner.sample(problem, [], "policy-v2", 2, SamplingArgs(4)) for _ in range(k)))
+
+    sampled = asyncio.run(groups(3))
+    assert (env.entered, env.exited) == (1, 1) and not env.live
+    assert all(s.prompt_ids == [1, 2, 3] and len(s.samples) == 2 for s in sampled)
+    assert sampled[0].samples[0].streams["versions"][0] == 2.0
+    asyncio.run(groups(2))  # another loop (as each evaluation is): serving again, once
+    assert (env.entered, env.exited) == (2, 2)
