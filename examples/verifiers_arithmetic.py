@@ -110,14 +110,14 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         else:
             messages += [m.model_dump(exclude_none=True) for m in prompt or []]
-        content = ""
+        content = None
         async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
             for turn in range(self.config.turns):
-                if turn:
+                if turn:  # the reply exactly as it came (None when empty): verifiers' trace graph extends its branch
                     messages += [{"role": "assistant", "content": content}, {"role": "user", "content": AGAIN}]
                 reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-                content = reply.choices[0].message.content or ""
-        return ProgramResult(0, content, "")
+                content = reply.choices[0].message.content
+        return ProgramResult(0, content or "", "")
 
 
 __all__ = ["ArithmeticTaskset", "ChatHarness"]

@@ -19,7 +19,8 @@ deadline, `env.verifiers.episode_timeout_s`, or spotrl's guard a little past it)
 reward raised), `reward_malformed` (a reward returned what verifiers refuses as a score, or NaN or infinity), `harness_raised`,
 `env_raised`, `model_call` (the model call failed: the fleet refused it or could not be reached), `raised` (any other
 error verifiers recorded), `no_tokens` (a trace with no model tokens to train), `unscored` (a reward that never ran).
-Such an episode's reward is NaN (no advantage); a group whose every episode is lost is dropped.
+Such an episode's reward is NaN (no advantage); a group whose every episode is lost is dropped. A trace of several
+trainable branches (verifiers' samples) is its last one here, the others counted in `verifiers/branches_dropped`.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class EpisodeSample:
     prompt_ids: list[int]
     sample: Sample
     lost: str | None = None  # the cause, when the environment cost the episode
+    branches_dropped: int = 0  # trainable branches of its trace beside the one it is (`trace_sample`)
 
 
 def failure_cause(episode) -> str | None:
@@ -90,8 +92,13 @@ def failure_cause(episode) -> str | None:
 
 def trace_sample(trace, version: int) -> EpisodeSample:
     """A scored trace as a sample: its last trainable branch's tokens split at its first model token, the model's
-    tokens masked in with their sampling log-probs and `version`, the rest context (log-prob and version NaN)."""
-    branch = [b for b in trace.branches if b.trainable and any(b.sampled_mask)][-1]
+    tokens masked in with their sampling log-probs and `version`, the rest context (log-prob and version NaN).
+
+    verifiers makes each branch of a trace a training sample; a trace branches when its agent sends a history that
+    is not the one it was sampled (an edited or re-rendered earlier turn). One episode is one sample of its group
+    here: the last branch, whose end the reward judged, is it; the others are counted (`branches_dropped`)."""
+    branches = [b for b in trace.branches if b.trainable and any(b.sampled_mask)]
+    branch = branches[-1]
     ids, mask, logprobs = branch.token_ids, branch.sampled_mask, branch.logprobs
     first = mask.index(True)
     completion_mask = [int(m) for m in mask[first:]]
@@ -106,7 +113,7 @@ def trace_sample(trace, version: int) -> EpisodeSample:
         streams={VERSIONS: [float(version) if m else math.nan for m in completion_mask]},
     )
     sample.turn_rewards = [0.0] * (sample.num_turns - 1) + [sample.reward]
-    return EpisodeSample(ids[:first], sample)
+    return EpisodeSample(ids[:first], sample, branches_dropped=len(branches) - 1)
 
 
 def lost_sample(cause: str, feedback: str = "") -> EpisodeSample:
@@ -216,6 +223,9 @@ class VerifiersRunner(Sampler):
         lost = [e.lost for e in episodes if e.lost is not None]
         for cause in lost:
             self.counters[f"env/errors/{cause}"] += 1
+        dropped = sum(e.branches_dropped for e in episodes)
+        if dropped:
+            self.counters["verifiers/branches_dropped"] += dropped
         if len(lost) == len(episodes):
             raise RuntimeError(f"every episode of {problem.id} was lost ({', '.join(sorted(set(lost)))})")
         group_prompt = common_prompt(episodes)

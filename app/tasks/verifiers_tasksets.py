@@ -85,12 +85,15 @@ def load_env(vcfg):
 
 
 def problem_of(index: int, task) -> Problem:
-    """A verifiers task as a run's problem: its prompt (text, or messages as plain dicts), its answer where its data
-    has one, its index (`VF_INDEX`)."""
+    """A verifiers task as a run's problem: its prompt as the chat messages an agent sends (its system prompt, then
+    its prompt as a user message, or its messages as they are), so that spotrl renders it as verifiers' renderer does;
+    its answer where its data has one; its index (`VF_INDEX`)."""
     data = task.data
-    prompt = data.prompt
-    if not isinstance(prompt, str):
-        prompt = [m.model_dump(exclude_none=True) for m in prompt or []]
+    system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(data.prompt, str):
+        prompt = [*system, {"role": "user", "content": data.prompt}]
+    else:
+        prompt = [*system, *(m.model_dump(exclude_none=True) for m in data.prompt or [])]
     name = data.id or data.name or str(index)
     return Problem(f"vf-{index}-{name}", prompt, str(getattr(data, "answer", "")), {VF_INDEX: index})
 

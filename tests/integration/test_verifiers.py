@@ -111,6 +111,7 @@ def test_a_taskset_plays_token_exact_with_verifiers_rewards_and_one_replica_per_
     first_prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": task.data.prompt}])
     for episode, verifiers_reward in zip(episodes, rescored, strict=True):
         trace = episode.traces[-1]
+        assert len(trace.branches) == 1  # the harness sent each turn's history as it was sampled: one sequence
         converted = trace_sample(trace, 1)
         sample = converted.sample
         assert converted.prompt_ids == first_prompt  # the renderer's prompt is spotrl's chat-template rendering
@@ -145,6 +146,8 @@ def test_the_sampler_answers_a_scored_group_and_the_evaluation_counts_it(fleet):
     problems = load_problems(cfg)
     sampled = asyncio.run(runner.sample(problems.train[1], [], "policy-v1", G, SamplingArgs(6)))
     assert len(sampled.samples) == G and not any(s.env_error for s in sampled.samples)
+    # the problem's prompt is the task's as chat messages, which spotrl renders as verifiers' renderer did
+    assert problems.train[1].prompt == [{"role": "user", "content": runner.tasks[5].data.prompt}]
     assert sampled.prompt_ids == prompt_token_ids(fleet.tokenizer, problems.train[1].prompt)
     for s in sampled.samples:
         assert sum(s.completion_mask) == len(s.completion_ids) >= 1 and s.reward in (0.0, 1.0)

@@ -62,9 +62,13 @@ def test_a_trace_is_its_branch_split_at_the_first_model_token():
     assert (sample.reward, sample.num_turns, sample.turn_rewards, sample.text) == (0.5, 2, [0.0, 0.5], "46")
 
 
-def test_the_last_trainable_branch_is_the_sample():
+def test_the_last_trainable_branch_is_the_sample_and_the_others_are_counted():
     untrainable = _branch([1, 2, 4], [False, False, True], [0.0, 0.0, -0.1], trainable=False)
-    assert trace_sample(_trace([TWO_TURNS, untrainable]), 1).sample.completion_ids == [5, 6, 7, 8, 9]
+    converted = trace_sample(_trace([TWO_TURNS, untrainable]), 1)
+    assert converted.sample.completion_ids == [5, 6, 7, 8, 9] and converted.branches_dropped == 0
+    earlier = _branch([1, 2, 3, 4], [False] * 3 + [True], [0.0] * 3 + [-0.3])
+    converted = trace_sample(_trace([earlier, TWO_TURNS]), 1)
+    assert converted.sample.completion_ids == [5, 6, 7, 8, 9] and converted.branches_dropped == 1
 
 
 def test_a_groups_prompt_is_what_its_kept_episodes_share_and_the_rest_is_context():

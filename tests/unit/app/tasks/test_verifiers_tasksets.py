@@ -47,10 +47,12 @@ def test_the_tasksets_tasks_are_the_runs_splits_in_its_order():
     assert (len(splits.heldout), len(splits.train)) == (8, 20)
     assert [p.columns[VF_INDEX] for p in splits.heldout + splits.train] == list(range(28))
     first = splits.heldout[0]
-    assert first.prompt.startswith("Compute ") and first.answer == str(eval(first.prompt[8:].split(".")[0]))
+    (message,) = first.prompt  # the task's prompt as the one user message an agent sends
+    assert message["role"] == "user" and first.answer == str(eval(message["content"][8:].split(".")[0]))
     # Under the task's seed the taskset draws as spotrl's arithmetic does: its held-out tasks are the task's held-out
     # additions, which the tiny model's warm-up never sees.
-    assert [p.prompt for p in splits.heldout] == [p.prompt for p in make_arithmetic(2, 1, 8, 1234).heldout]
+    drawn = [p.prompt[0]["content"] for p in splits.heldout]
+    assert drawn == [p.prompt for p in make_arithmetic(2, 1, 8, 1234).heldout]
 
 
 def test_the_env_is_verifiers_single_agent_env_with_the_taskset_args_and_a_local_runtime():
