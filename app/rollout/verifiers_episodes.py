@@ -143,6 +143,17 @@ def common_prompt(episodes: list[EpisodeSample]) -> list[int]:
     return list(shared)
 
 
+def renderers_on_this_loop() -> None:
+    """A fresh `renderers.client._max_prompt_len_lock` for the running loop. renderers 0.1.12 keeps one module-level
+    asyncio lock for its first `GET /v1/models` per model, bound to the first loop that waits on it: a process that
+    plays on a second loop (the driver evaluates before and after training, each in `asyncio.run`) would have every
+    model call of a new model name fail ("bound to a different event loop"). Called when no group plays, so no
+    holder of the old lock remains."""
+    import renderers.client
+
+    renderers.client._max_prompt_len_lock = asyncio.Lock()
+
+
 class VerifiersRunner(Sampler):
     """Plays groups of a verifiers taskset's episodes against the fleet; as a sampler, answers them scored."""
 
@@ -241,6 +252,7 @@ class VerifiersRunner(Sampler):
         loop = asyncio.get_running_loop()
         if self._serving_lock is None or self._serving_lock[0] is not loop:  # a lock binds to its loop
             self._serving_lock = (loop, asyncio.Lock())
+            renderers_on_this_loop()
         lock = self._serving_lock[1]
         async with lock:
             if self._serving_users == 0:

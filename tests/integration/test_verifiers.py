@@ -111,18 +111,24 @@ def test_a_taskset_plays_token_exact_with_verifiers_rewards_and_one_replica_per_
     first_prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": task.data.prompt}])
     for episode, verifiers_reward in zip(episodes, rescored, strict=True):
         trace = episode.traces[-1]
-        assert len(trace.branches) == 1  # the harness sent each turn's history as it was sampled: one sequence
+        # Every branch of the trace (verifiers' training samples: more than one where a turn ended with the tiny
+        # model's EOS, which is not its template's end of turn, so the renderer re-rendered that turn as context for
+        # the next) is made of the fleet's replies, token for token, with their sampling log-probs.
+        for branch in trace.branches:
+            assert branch.token_ids[: len(first_prompt)] == first_prompt  # spotrl's chat-template rendering
+            for turn in _segments(branch.token_ids, branch.sampled_mask):
+                reply = by_tokens[tuple(turn)]["choices"][0]
+                assert [entry["token_id"] for entry in reply["logprobs"]["content"]] == turn
         converted = trace_sample(trace, 1)
         sample = converted.sample
-        assert converted.prompt_ids == first_prompt  # the renderer's prompt is spotrl's chat-template rendering
+        assert converted.branches_dropped == len(trace.branches) - 1
+        assert converted.prompt_ids[: len(first_prompt)] == first_prompt
         turns = _segments(sample.completion_ids, sample.completion_mask)
-        assert len(turns) == 2 and sample.num_turns == 2
+        assert 1 <= len(turns) <= 2 and (len(turns) == 2) == (len(trace.branches) == 1)
         model_logprobs = [lp for lp, m in zip(sample.sampling_logprobs, sample.completion_mask, strict=True) if m]
         expected = []
-        for turn in turns:  # each model turn is a reply of the fleet, token for token, with its sampling log-probs
-            reply = by_tokens[tuple(turn)]["choices"][0]
-            expected += [entry["logprob"] for entry in reply["logprobs"]["content"]]
-            assert [entry["token_id"] for entry in reply["logprobs"]["content"]] == turn
+        for turn in turns:  # each model turn is a reply of the fleet, with its sampling log-probs
+            expected += [entry["logprob"] for entry in by_tokens[tuple(turn)]["choices"][0]["logprobs"]["content"]]
         assert model_logprobs == expected
         assert all(
             math.isnan(lp) for lp, m in zip(sample.sampling_logprobs, sample.completion_mask, strict=True) if not m
@@ -132,6 +138,7 @@ def test_a_taskset_plays_token_exact_with_verifiers_rewards_and_one_replica_per_
         # the rule of the task, applied to the last model turn as the fleet sampled it
         last = tokenizer.decode(turns[-1], skip_special_tokens=True).strip()
         assert sample.reward == verifiers_reward == trace.reward == float(last == task.data.answer)
+    print(f"branches per trace: {[len(e.traces[-1].branches) for e in episodes]}")
 
     # the second request of each rollout named its session (the trace id): the router kept it on the first's replica
     delta = {k: after[k] - before[k] for k in ("routed", "kept", "spilled", "new")}
