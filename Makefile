@@ -4,13 +4,16 @@ DEVICE ?= cpu
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(DEVICE)
+# OpenEnv's own venv: its mcp<2 and vLLM's mcp>=2 cannot share one (requirements-openenv.txt says why).
+OPENENV_VENV := .venv-openenv
+OPENENV_STAMP := $(OPENENV_VENV)/.installed
 CONFIG ?= configs/tiny-cpu.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup train test test-fast serve bench lint tiny-model clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(OPENENV_STAMP)
 
 # Rebuilt only when pyproject.toml changes, so a second `make setup` takes no time.
 $(STAMP): pyproject.toml
@@ -22,6 +25,14 @@ ifeq ($(DEVICE),cpu)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 endif
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+# The OpenEnv venv: openenv alone, resolved by itself, and `pip check` must pass; rebuilt when its requirement changes.
+$(OPENENV_STAMP): requirements-openenv.txt
+	test -x $(OPENENV_VENV)/bin/python || $(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OPENENV_VENV)/bin/python -m pip install -q -r requirements-openenv.txt
+	$(OPENENV_VENV)/bin/python -m pip check
 	touch $@
 
 train: setup
@@ -48,4 +59,4 @@ lint: setup
 	$(PY) -m ruff format --check app bench contracts core deployments launch tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(OPENENV_VENV) .pytest_cache

@@ -4,8 +4,8 @@
 - `app.rollout`: the rollout actor that keeps generations in flight on the fleet, samples (completions or
   multi-turn episodes), partial rollouts, the teacher's scoring, staleness rules.
 - `app.objectives`: what the learner optimises (GRPO, distillation), as annotations and losses over token streams.
-- `app.tasks`: problems, rewards, environments (spotrl's, and TRL's `environment_factory` contract), and the names
-  a config gives them.
+- `app.tasks`: problems, rewards, environments (spotrl's, OpenEnv's through its own client, and TRL's
+  `environment_factory` contract), and the names a config gives them.
 - the modules at its root: the fleet's HTTP client (`fleet_client`), joining a shared fleet (`fleet_run`), weight
   sync (`weight_sync`), the teacher at start (`teacher_setup`), evaluation, the run's log and metrics, the drift
   alarm (`diagnosis`), the sizing plan (`plan`), the driver's spot notices (`spot`), the tiny model (`tiny_model`).

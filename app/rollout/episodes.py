@@ -15,7 +15,11 @@ done; one cut by `env.max_turns` or by its token budget (`env.max_episode_tokens
 truncated. The environment's `reset` and `step` run in worker threads under `env.timeout_s` (counted from when
 the call starts, not while it waits for a thread): one that raises or hangs ends its own episode with reward None
 (NaN) and `env_error`, never the group or the run, and a hung one leaves its thread behind
-(`app.tasks.timed_calls`) rather than taking one of the runner's for ever. A generation request that still fails
+(`app.tasks.timed_calls`) rather than taking one of the runner's for ever. Each loss is counted by cause in
+`env/errors/<cause>`: `reset_raised`, `reset_timeout`, `step_raised`, `step_timeout`, `step_malformed` (not an
+`EnvStep`, a reward that is not a finite number, bad token ids), or the cause an environment names itself
+(`EnvLost`: an OpenEnv server that went away, `app.tasks.openenv_env`). Every environment is closed once its group
+is over, however it ended. A generation request that still fails
 after the fleet client's retries costs the group, as in single-turn sampling. Each later turn names the model its
 group's `Flight` names now:
 the version the episode started under, or, with partial rollouts on, the newest one served (a turn
@@ -33,12 +37,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.rollout.continuation import Flight
 from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
-from app.tasks.environments import Environment, EnvStep
+from app.tasks.environments import Environment, EnvLost, EnvStep
 from app.tasks.problems import Problem
 from app.tasks.timed_calls import TimedCalls
 from contracts.rollouts import VERSIONS, Choice, Generate, Sample
@@ -47,7 +52,15 @@ log = logging.getLogger(__name__)
 
 
 class EnvFailed(Exception):
-    """The environment raised or timed out: its episode ends with reward None."""
+    """The environment raised or timed out: its episode ends with reward None; `cause` names the counter."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+class Malformed(TypeError):
+    """`step` answered something the runner cannot use (`step_malformed`)."""
 
 
 @dataclass
@@ -127,17 +140,24 @@ class EpisodeRunner(Sampler):
         self.max_turns, self.max_episode_tokens, self.timeout_s = max_turns, max_episode_tokens, timeout_s
         # Its own threads, never the reward scorer's; a call that hangs past the timeout is given up on.
         self._calls = TimedCalls(max_threads, timeout_s, "env")
-        self._env_errors = 0
+        self.counters: Counter = Counter()  # env/errors/<cause>
 
     @classmethod
     def from_config(cls, cfg, tokenizer, generate: Generate, decode=None) -> EpisodeRunner:
         """The runner of the config's environment, observations tokenised as prompts are."""
-        from app.tasks.environments import resolve_environment
         from core.models import prompt_token_ids
 
-        env_cls, kwargs = resolve_environment(cfg.env.name), dict(cfg.env.kwargs)
+        if cfg.env.openenv is not None:
+            from app.tasks.openenv_env import openenv_factory
+
+            factory = openenv_factory(cfg.env.openenv, cfg.env.timeout_s)
+        else:
+            from app.tasks.environments import resolve_environment
+
+            env_cls, kwargs = resolve_environment(cfg.env.name), dict(cfg.env.kwargs)
+            factory = lambda: env_cls(**kwargs)  # noqa: E731 - one instance per episode
         return cls(
-            lambda: env_cls(**kwargs),
+            factory,
             lambda text: prompt_token_ids(tokenizer, text),
             generate,
             max_turns=cfg.env.max_turns,
@@ -148,7 +168,12 @@ class EpisodeRunner(Sampler):
 
     @property
     def env_errors(self) -> int:
-        return self._env_errors
+        """Episodes an environment cost so far, all causes."""
+        return sum(v for k, v in self.counters.items() if k.startswith("env/errors/"))
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The episodes lost by cause, `env/errors/<cause>`."""
+        return {k: float(v) for k, v in self.counters.items()}
 
     async def sample(self, problem, prompt_ids, model, n, sampling, flight=None) -> Sampled:
         with self.meter.on_the_wire():
@@ -157,29 +182,35 @@ class EpisodeRunner(Sampler):
         self.meter.generated(sum(sum(s.completion_mask) for s in samples))
         return Sampled(samples)
 
-    async def _env_call(self, fn: Callable, *args):
-        """`fn(*args)` in a worker thread under the timeout; any failure becomes EnvFailed."""
+    async def _env_call(self, call: str, fn: Callable, *args):
+        """`fn(*args)` in a worker thread under the timeout; any failure becomes EnvFailed, its cause named after
+        `call` (`reset`, `step`) unless the environment named one (EnvLost)."""
         try:
             return await self._calls.acall(fn, *args)
         except TimeoutError as e:
-            raise EnvFailed(str(e)) from None
+            raise EnvFailed(f"{call}_timeout", str(e)) from None
+        except EnvLost as e:
+            raise EnvFailed(e.cause, f"{call}: {e}") from None
+        except Malformed as e:
+            raise EnvFailed(f"{call}_malformed", str(e)) from None
         except Exception as e:
-            raise EnvFailed(f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}: {e}") from None
+            name = getattr(fn, "__qualname__", fn)
+            raise EnvFailed(f"{call}_raised", f"{name} raised {type(e).__name__}: {e}") from None
 
     def _step_and_tokenize(self, env: Environment, text: str, token_ids: list[int]) -> tuple[EnvStep, list[int]]:
         """The environment's answer and its observation's token ids (tokenised once, here, off the event loop)."""
         step = env.step(text, list(token_ids))
         if not isinstance(step, EnvStep):
-            raise TypeError(f"step() returned {type(step).__name__}, not EnvStep")
+            raise Malformed(f"step() returned {type(step).__name__}, not EnvStep")
         if not isinstance(step.reward, int | float) or not math.isfinite(step.reward):
-            raise TypeError(f"step() returned the reward {step.reward!r}, not a finite number")
+            raise Malformed(f"step() returned the reward {step.reward!r}, not a finite number")
         obs = step.observation
         if step.done or obs is None:
             return step, []
         if isinstance(obs, str):
             return step, self.encode(obs)
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in obs):
-            raise TypeError("an observation given as token ids must be a list of non-negative ints")
+            raise Malformed("an observation given as token ids must be a list of non-negative ints")
         return step, list(obs)
 
     async def run_group(
@@ -199,7 +230,30 @@ class EpisodeRunner(Sampler):
         ends it (the fleet retires old versions, and their requests would fail anyway)."""
         flight = flight or Flight.pinned(model)
         envs = [self.env_factory() for _ in range(n)]
-        resets = await asyncio.gather(*(self._env_call(env.reset, problem) for env in envs), return_exceptions=True)
+        try:
+            return await self._play(envs, problem, prompt_ids, model, n, sampling, flight)
+        finally:  # however the group ended (done, cut, stale, a failed request, cancelled): let each go
+            await asyncio.gather(*(self._close(env) for env in envs))
+
+    async def _close(self, env: Environment) -> None:
+        try:
+            await self._calls.acall(env.close)
+        except Exception as e:  # the episode is over: a close that fails costs nothing but the log line
+            log.warning("an environment's close() failed (%s: %s)", type(e).__name__, e)
+
+    async def _play(
+        self,
+        envs: list[Environment],
+        problem: Problem,
+        prompt_ids: list[int],
+        model: str,
+        n: int,
+        sampling: SamplingArgs,
+        flight: Flight,
+    ) -> list[Episode]:
+        resets = await asyncio.gather(
+            *(self._env_call("reset", env.reset, problem) for env in envs), return_exceptions=True
+        )
         episodes = [Episode() for _ in range(n)]
         failures = [r if isinstance(r, BaseException) else None for r in resets]
         choices = await self._sample([prompt_ids], n, sampling, 1, flight)
@@ -243,7 +297,9 @@ class EpisodeRunner(Sampler):
                 episode.truncated = True
                 return False
             try:
-                step, obs_ids = await self._env_call(self._step_and_tokenize, env, choice.text, choice.token_ids)
+                step, obs_ids = await self._env_call(
+                    "step", self._step_and_tokenize, env, choice.text, choice.token_ids
+                )
             except EnvFailed as e:
                 failure = e
             else:
@@ -258,11 +314,16 @@ class EpisodeRunner(Sampler):
                     return False
                 episode.add_observation(obs_ids, step.observation if isinstance(step.observation, str) else "")
                 return True
-        self._env_errors += 1
+        cause = failure.cause if isinstance(failure, EnvFailed) else "reset_raised"
+        self.counters[f"env/errors/{cause}"] += 1
         episode.env_error = True
         episode.feedback = f"error: {failure}"
-        log.warning("environment failed, ending its episode with reward None: %s", failure)
+        log.warning("environment failed (%s), ending its episode with reward None: %s", cause, failure)
         return False
 
     def close(self) -> None:
         self._calls.close()
+        # A factory object that holds something for its environments (an OpenEnv worker) lets it go; an environment
+        # class as the factory holds nothing (its `close` is its episodes').
+        if not isinstance(self.env_factory, type) and callable(getattr(self.env_factory, "close", None)):
+            self.env_factory.close()

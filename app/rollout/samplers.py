@@ -1,5 +1,5 @@
 """The run's sampler, chosen by its config: single-turn completions scored by the task's rewards
-(`app.rollout.sampling`), episodes of spotrl's environments (`app.rollout.episodes`), of TRL's
+(`app.rollout.sampling`), episodes of spotrl's environments or OpenEnv's (`app.rollout.episodes`), of TRL's
 `environment_factory` (`app.rollout.tool_episodes`) or of a verifiers v1 taskset (`app.rollout.verifiers_episodes`).
 Apart from them, so that none imports another's kind."""
 
@@ -17,9 +17,9 @@ from contracts.rollouts import Generate
 def sampler_for(
     cfg, tokenizer, generate: Generate, *, fleet_url: str = "", token: str | None = None, model_path: str = ""
 ) -> Sampler:
-    """The run's sampler: episodes of its environment (`env.name`, TRL's `env.factory`, or a verifiers taskset, whose
-    own client reaches the fleet at `fleet_url` with `token` and renders with the tokenizer at `model_path`), else
-    completions scored by its rewards."""
+    """The run's sampler: episodes of its environment (`env.name` or `env.openenv`, TRL's `env.factory`, or a verifiers
+    taskset, whose own client reaches the fleet at `fleet_url` with `token` and renders with the tokenizer at
+    `model_path`), else completions scored by its rewards."""
     from core.models import completion_text
 
     decode = functools.partial(completion_text, tokenizer)
@@ -31,7 +31,7 @@ def sampler_for(
         )
     if cfg.env.factory is not None:
         return ToolEpisodeRunner.from_config(cfg, tokenizer, generate, decode)
-    if cfg.env.name is not None:
+    if cfg.env.multi_turn:
         return EpisodeRunner.from_config(cfg, tokenizer, generate, decode)
     scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s)
     return CompletionSampler(generate, scorer, decode)

@@ -22,12 +22,27 @@ def check_names(cfg) -> None:
             raise ConfigError(f"{field}: {e}") from None
     if cfg.env.factory is not None:
         check_factories(cfg)
+    if cfg.env.openenv is not None:
+        check_openenv(cfg.env.openenv)
     if cfg.env.verifiers is not None:
         from app.tasks.verifiers_tasksets import check_verifiers  # imports verifiers: only runs that name it pay
 
         check_verifiers(cfg)
     if cfg.task.name == "reasoning_gym":
         reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
+
+
+def check_openenv(oe) -> None:
+    """`env.openenv` names client and Action classes that fit and an app that imports, resolved in the OpenEnv venv
+    as the run will (`app.tasks.openenv_env.check_classes`): ConfigError naming the field else, and one saying what
+    builds the venv where there is none (the server itself starts only with the run)."""
+    from app.tasks.openenv_env import check_classes
+
+    try:
+        check_classes(oe)
+    except ValueError as e:
+        named = str(e).split(":")[0] in ("client", "action", "action_field", "app")  # the message starts with it
+        raise ConfigError(f"env.openenv.{e}" if named else f"env.openenv: {e}") from None
 
 
 def check_factories(cfg) -> None:

@@ -9,7 +9,9 @@ state in `self`. Environments are named in the config like reward functions: a r
 
 The rollout (`app.rollout.episodes`) runs `reset` and `step` in a worker thread with a timeout: an
 environment that raises or hangs ends only its own episode, whose reward becomes None (NaN: no
-advantage), counted in `env/errors`, never the run.
+advantage), counted in `env/errors/<cause>`, never the run. An environment that knows why it failed raises
+`EnvLost` to name the cause (an OpenEnv server that went away, `app.tasks.openenv_env`). `close` runs once its
+episode is over, however it ended, so an environment holding a connection or a process lets it go.
 
 A complete environment:
 
@@ -49,6 +51,14 @@ class EnvStep:
     solved: bool | None = None  # at the end: did the episode succeed (held-out accuracy); None: reward > 0
 
 
+class EnvLost(Exception):
+    """An environment's own account of why its episode is lost: `cause` names the counter, `env/errors/<cause>`."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
 class Environment:
     """One episode's environment. Subclasses implement `reset` and `step`; constructor keywords come from
     `env.kwargs`."""
@@ -60,6 +70,9 @@ class Environment:
     def step(self, text: str, token_ids: list[int]) -> EnvStep:
         """React to the model's turn (`text` decoded from `token_ids`, special tokens skipped)."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """The episode is over (done, cut, or lost): release what it held. Nothing by default."""
 
 
 class ChainedArithmetic(Environment):

@@ -28,6 +28,56 @@ from core.config.sections import (
 from core.config.teacher import SelfTeacher, TeacherConfig, size_teacher_context
 
 
+class OpenEnvConfig(Section):
+    """An OpenEnv environment (PyPI `openenv`), played over OpenEnv's own WebSocket client (`app.tasks.openenv_env`):
+    a server already running (`url`), or an app that the run serves itself on 127.0.0.1 for its duration (`app`).
+    Both run in the OpenEnv venv, `.venv-openenv` (`make setup`), where the classes named here are imported."""
+
+    url: str | None = Field(
+        None, description="A running OpenEnv server (http:// or ws://), e.g. http://127.0.0.1:8001."
+    )
+    app: str | None = Field(
+        None, description='"module:app": an ASGI app built by OpenEnv\'s create_app, served by the run on 127.0.0.1.'
+    )
+    client: str = Field(
+        "openenv.core.generic_client:GenericEnvClient",
+        description="module:Class of the environment's EnvClient; the default, OpenEnv's generic one, sends dicts.",
+    )
+    action: str | None = Field(
+        None,
+        description="module:Class of the Action to build (a typed client's); None: a dict, as GenericEnvClient takes.",
+    )
+    action_field: str = Field("message", description="The Action's text field that the model's turn fills.")
+    observation_field: str = Field(
+        "message", description="The Observation's text field rendered as the model's next turn (the next user turn)."
+    )
+    start_timeout_s: float = Field(
+        180.0,
+        gt=0,
+        description="Longest wait for a served app's /health, or the OpenEnv client's process (imports take ~15 s).",
+    )
+
+    @field_validator("app", "client", "action")
+    @classmethod
+    def _module_path(cls, path: str | None) -> str | None:
+        if path is not None and ":" not in path:
+            raise ValueError("expected module:name")
+        return path
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str | None) -> str | None:
+        if url is not None and url.split("://")[0] not in ("http", "https", "ws", "wss"):
+            raise ValueError("expected http(s):// or ws(s)://")
+        return url
+
+    @model_validator(mode="after")
+    def _one_source(self) -> OpenEnvConfig:
+        if (self.url is None) == (self.app is None):
+            raise ValueError("a url or an app to serve, exactly one")
+        return self
+
+
 class VerifiersConfig(Section):
     """A verifiers v1 taskset (`verifiers.v1`), run by its env with verifiers' training client pointed at the fleet
     (`app.rollout.verifiers_episodes`); its tasks are the run's problems, its `@vf.reward`s its rewards."""
@@ -51,9 +101,9 @@ class VerifiersConfig(Section):
 
 
 class EnvConfig(Section):
-    """The environment of multi-turn episodes: spotrl's (`name`, `app.tasks.environments`), TRL's
-    `environment_factory` (`factory`, `app.tasks.trl_environments`) or a verifiers v1 taskset (`verifiers`); none:
-    single-turn completions."""
+    """The environment of multi-turn episodes: spotrl's (`name`, `app.tasks.environments`), an OpenEnv server's
+    (`openenv`, `app.tasks.openenv_env`), TRL's `environment_factory` (`factory`, `app.tasks.trl_environments`) or a
+    verifiers v1 taskset (`verifiers`); none: single-turn completions."""
 
     name: str | None = Field(
         None, description='Environment: a registered name (chained_arithmetic, calculator) or "module:Class".'
@@ -61,6 +111,9 @@ class EnvConfig(Section):
     factory: str | dict[str, str] | None = Field(
         None,
         description='TRL environment_factory: "module:callable", or names to factories (each problem picks by its environment column).',
+    )
+    openenv: OpenEnvConfig | None = Field(
+        None, description="An OpenEnv environment: {url: ...} or {app: module:app}, played over OpenEnv's client."
     )
     verifiers: VerifiersConfig | None = Field(
         None, description="A verifiers v1 taskset played by its env through verifiers' training client."
@@ -103,10 +156,15 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _one_kind(self) -> EnvConfig:
-        named = [k for k in ("name", "factory", "verifiers") if getattr(self, k) is not None]
+        named = [k for k in ("name", "factory", "openenv", "verifiers") if getattr(self, k) is not None]
         if len(named) > 1:
-            raise ValueError(f"env.{' and env.'.join(named)}: one environment or the other, not both")
+            raise ValueError(f"env.{', env.'.join(named)}: one environment, not several")
         return self
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes against spotrl's runner (`app.rollout.episodes`): a named environment or an OpenEnv one."""
+        return self.name is not None or self.openenv is not None
 
 
 class GRPOConfig(Section):

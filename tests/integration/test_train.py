@@ -57,10 +57,12 @@ def run_train(tmp_path: Path, steps: int, *extra: str, config: str = "configs/ti
     return summary, metrics, proc.stderr + proc.stdout
 
 
-@pytest.mark.slow
-def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
-    steps = 20
-    summary, metrics, output = run_train(tmp_path, steps)
+def assert_a_healthy_run(tmp_path: Path, summary: dict, metrics: list[dict], output: str, steps: int) -> None:
+    """What every finished run of the embedded default shows: each step's samples trained once, newer versions
+    sampled and trained within the staleness bound, the importance ratio at 1, its metrics and summary complete, the
+    verdict printed, versions in the bucket."""
+    from core.bucket.store import AdapterStore
+
     assert summary["samples_trained"] == steps * 16 * 8
     assert summary["policy_version"] >= 2
     assert max(m["sample/version_max"] for m in metrics) >= 2  # groups sampled under newer versions were trained
@@ -92,11 +94,7 @@ def test_smoke_run_makes_real_progress(tmp_path, tiny_model_path):
         "staleness_mean",
     ):
         assert summary[key] is not None, key
-
     assert "bottleneck:" in output or "drift alarm:" in output  # the verdict, printed when it changes and at the end
-
-    from core.bucket.store import AdapterStore
-
     assert len(AdapterStore(f"file://{tmp_path}/bucket").versions()) >= 2
 
 
@@ -136,7 +134,8 @@ def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_com
     with a checkpoint, exit code 0 and one line, and leaves no process of it behind (Ray, its workers, the vLLM
     engines: the same unwinding as a Ctrl-C, whose exit code 130 `test_shared_training.py` checks); the same command
     resumes from that step, trains each step and each group once, and once finished is reported in one line without
-    starting anything or touching its files."""
+    starting anything or touching its files. Across the two starts it is a healthy run (`assert_a_healthy_run`): the
+    embedded default's smoke test, which no longer costs a run of its own."""
     from core.bucket.store import CheckpointStore
 
     steps, env = 8, {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
@@ -171,6 +170,9 @@ def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_com
     summary_file = tmp_path / "smoke" / "summary.json"
     summary = json.loads(summary_file.read_text())
     assert summary["heldout_accuracy_before"] is not None  # the run's own baseline, kept from its first start
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, steps + 1))
+    assert_a_healthy_run(tmp_path, summary, logged, resumed.stderr + resumed.stdout, steps)
     kept = summary_file.read_bytes(), summary_file.stat().st_mtime_ns
 
     t0 = time.monotonic()

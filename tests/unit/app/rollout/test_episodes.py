@@ -8,47 +8,13 @@ import pytest
 
 from app.rollout.episodes import EpisodeRunner
 from app.rollout.sampling import SamplingArgs
-from app.tasks.environments import Calculator, ChainedArithmetic, Environment, EnvStep, calculate
+from app.tasks.environments import Calculator, ChainedArithmetic, Environment, EnvLost, EnvStep, calculate
 from app.tasks.problems import Problem
 from contracts.rollouts import Choice
+from tests.support.scripted_fleet import EOS, ScriptedFleet, encode
 
-EOS = 0
 PROBLEM = Problem("p", "Compute 12+34. Answer: ", "46", {"chain": [7, 2]})
 PROMPT = [101, 102, 103]
-
-
-def encode(text: str) -> list[int]:
-    """A toy tokenizer: one id per character (ids >= 1000), so observations are easy to find in a sequence."""
-    return [1000 + ord(c) for c in text]
-
-
-def decode(ids: list[int]) -> str:
-    return "".join(chr(i - 1000) for i in ids if i >= 1000)
-
-
-class ScriptedFleet:
-    """Answers turn k of every episode with `answers[k - 1]` (text, tokenised and closed by EOS), recording each
-    prompt as a call (`requests` counts the requests: a batch of prompts is one)."""
-
-    def __init__(self, answers, finish_reason="stop"):
-        self.answers, self.finish_reason = answers, finish_reason
-        self.calls: list[dict] = []
-        self.requests = 0
-
-    async def __call__(self, prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
-        self.requests += 1
-        prompts = prompt_ids if prompt_ids and isinstance(prompt_ids[0], list) else [prompt_ids]
-        out = []
-        for prompt in prompts:
-            self.calls.append({"prompt": list(prompt), "n": n, "max_tokens": max_tokens, "turn": turn})
-            ids = (encode(self.answers[turn - 1]) + [EOS])[:max_tokens]
-            finish = "length" if len(ids) == max_tokens and ids[-1] != EOS else self.finish_reason
-            # Distinct log-probs per prompt and position, so a misplaced one is visible.
-            out += [
-                Choice(i, list(ids), [-(len(self.calls) + j / 10) for j in range(len(ids))], decode(ids), finish)
-                for i in range(n)
-            ]
-        return out
 
 
 def runner(fleet, env=ChainedArithmetic, max_turns=4, max_episode_tokens=200, timeout_s=2.0):
@@ -126,15 +92,84 @@ class Exploding(Environment):
         raise ValueError("bad step")
 
 
-@pytest.mark.parametrize("env", [Exploding("reset"), Exploding("step"), Exploding("step", hang_s=1.5)])
-def test_an_environment_that_raises_or_hangs_ends_only_its_episode(env):
+@pytest.mark.parametrize(
+    "env, cause",
+    [
+        (Exploding("reset"), "reset_raised"),
+        (Exploding("step"), "step_raised"),
+        (Exploding("step", 1.5), "step_timeout"),
+    ],
+)
+def test_an_environment_that_raises_or_hangs_ends_only_its_episode(env, cause):
     made = iter([env, ChainedArithmetic()])
     r = runner(ScriptedFleet(["46", "53", "55"]), env=lambda: next(made), timeout_s=0.5)
     bad, good = play(r, n=2)
     assert bad.env_error and math.isnan(bad.reward) and bad.turns == 1 and not bad.succeeded
     assert math.isnan(bad.sample().reward) and bad.sample().env_error
     assert good.solved and good.reward == pytest.approx(1.0)
-    assert r.env_errors == 1
+    assert r.env_errors == 1 and r.reward_metrics() == {f"env/errors/{cause}": 1.0}
+
+
+def test_an_environment_names_the_cause_of_its_lost_episode_and_every_environment_is_closed():
+    closed = []
+
+    class Named(ChainedArithmetic):
+        def step(self, text, token_ids):
+            if text.strip() == "53":
+                raise EnvLost("server_gone", "the far end went away")
+            return super().step(text, token_ids)
+
+        def close(self):
+            closed.append(self)
+
+    r = runner(ScriptedFleet(["46", "53", "55"]), env=Named)
+    episodes = play(r, n=3)
+    assert all(ep.env_error and ep.turns == 2 for ep in episodes)
+    assert r.reward_metrics() == {"env/errors/server_gone": 3.0} and r.env_errors == 3
+    assert len(closed) == 3 and len(set(map(id, closed))) == 3
+
+
+def test_environments_are_closed_when_their_group_fails_and_a_close_that_raises_costs_nothing():
+    closed = []
+
+    class Closing(ChainedArithmetic):
+        def close(self):
+            closed.append(self)
+            raise OSError("already gone")
+
+    async def broken_fleet(*args, **kwargs):
+        raise ConnectionError("the fleet is down")
+
+    with pytest.raises(ConnectionError):
+        play(runner(broken_fleet, env=Closing), n=2)
+    assert len(closed) == 2
+    (ep,) = play(runner(ScriptedFleet(["46", "53", "55"]), env=Closing), n=1)  # a close that raises: still solved
+    assert ep.solved and len(closed) == 3
+
+
+def test_closing_the_runner_closes_a_factory_that_holds_something_for_its_environments():
+    """An OpenEnv run's factory holds the client's worker process (`app.tasks.openenv_env.OpenEnvSessions`)."""
+
+    class Holding:
+        closed = 0
+
+        def __call__(self):
+            return ChainedArithmetic()
+
+        def close(self):
+            self.closed += 1
+
+    factory = Holding()
+    r = EpisodeRunner(
+        factory, encode, ScriptedFleet(["46", "53", "55"]), max_turns=4, max_episode_tokens=200, timeout_s=5.0
+    )
+    (ep,) = play(r, n=1)
+    assert ep.solved and factory.closed == 0  # a group's end closes its environments, not the factory
+    r.close()
+    assert factory.closed == 1
+    EpisodeRunner(
+        ChainedArithmetic, encode, ScriptedFleet(["46"]), max_turns=4, max_episode_tokens=200, timeout_s=5.0
+    ).close()
 
 
 def test_environments_that_hang_for_good_cost_later_episodes_nothing():
@@ -190,7 +225,7 @@ def test_an_environment_returning_garbage_is_an_environment_error(answer):
 
     r = runner(ScriptedFleet(["1", "2"]), env=Garbage)
     (ep,) = play(r, n=1)
-    assert ep.env_error and r.env_errors == 1
+    assert ep.env_error and r.env_errors == 1 and r.reward_metrics() == {"env/errors/step_malformed": 1.0}
 
 
 def test_a_prompt_longer_than_the_episode_budget_is_refused_before_sampling():

@@ -178,7 +178,7 @@ def test_a_config_naming_factories_is_checked_at_start():
             check_names(RunConfig(env={"factory": factory}))
     with pytest.raises(ConfigError, match="no reward source"):
         check_names(RunConfig(env={"factory": f"{__name__}:Plain"}, task={"reward_funcs": []}))
-    with pytest.raises(ValidationError, match="not both"):
+    with pytest.raises(ValidationError, match="one environment, not several"):
         RunConfig(env={"factory": "examples.trl_calculator:CalculatorEnv", "name": "calculator"})
     with pytest.raises(ValidationError, match="module:callable"):
         RunConfig(env={"factory": "CalculatorEnv"})

@@ -77,7 +77,7 @@ def test_a_taskset_that_cannot_run_is_a_config_error_at_start(verifiers, field):
 
 
 def test_the_config_takes_one_environment_and_no_partial_rollouts_with_verifiers():
-    with pytest.raises(ValueError, match="one environment or the other"):
+    with pytest.raises(ValueError, match="one environment, not several"):
         _cfg().model_validate(_cfg().model_dump() | {"env": {"name": "calculator", "verifiers": {"taskset": EXAMPLE}}})
     with pytest.raises(ValueError, match="rollout.partial_rollouts"):
         RunConfig.model_validate(_cfg().model_dump() | {"rollout": {"partial_rollouts": True}})
