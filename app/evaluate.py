@@ -63,15 +63,17 @@ def evaluate(
     privileged prompt `context` renders where one is given (a self teacher); its client and sampler are closed when
     done (the driver evaluates twice a run, a long-lived caller many times)."""
     from app.tasks.privileged import privileged_problem
-    from app.tasks.problems import load_task
+    from app.tasks.verifiers_tasksets import load_problems
     from core.models import load_tokenizer
 
-    problems = load_task(cfg.task).heldout
+    problems = load_problems(cfg).heldout
     if context is not None:
         problems = [privileged_problem(context, p) for p in problems]
     tokenizer = load_tokenizer(model_path)
     with contextlib.closing(FleetClient(base_url, token)) as client:
-        sampler = sampler_for(cfg, tokenizer, client.acompletions)
+        sampler = sampler_for(
+            cfg, tokenizer, client.acompletions, fleet_url=base_url, token=token, model_path=model_path
+        )
 
         async def run() -> dict:
             try:

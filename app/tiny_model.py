@@ -40,7 +40,7 @@ from app.tasks.privileged import privileged_problem
 from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
 from app.tasks.rewards import RewardScorer, reward_columns
 from core.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
-from core.models import load_tokenizer, resolve_model_path, tiny_model_folder
+from core.models import load_tokenizer, prompt_token_ids, resolve_model_path, tiny_model_folder
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
@@ -208,17 +208,34 @@ def reference_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]
     return p_ids + c_ids, [0] * len(p_ids) + [1] * len(c_ids)
 
 
-def fresh_addition(rng: random.Random, limit: int, avoid: set[str]) -> Problem | None:
-    """A fresh addition, or None when it is held out."""
+def fresh_addition(rng: random.Random, limit: int, avoid: set[str], render=None) -> Problem | None:
+    """A fresh addition (its prompt as `render` lays it out, if given), or None when it is held out."""
     a, b = rng.randrange(limit), rng.randrange(limit)
-    prompt = arithmetic_prompt(a, b)
+    prompt = arithmetic_prompt(a, b) if render is None else render(arithmetic_prompt(a, b))
     return None if prompt in avoid else Problem("", prompt, str(a + b))
 
 
-def addition_example(tokenizer, rng: random.Random, limit: int, avoid: set[str]) -> tuple[list[int], list[int]] | None:
+def addition_example(
+    tokenizer, rng: random.Random, limit: int, avoid: set[str], render=None
+) -> tuple[list[int], list[int]] | None:
     """One supervised single-turn example of a fresh addition (token ids, loss mask), or None when it is held out."""
-    problem = fresh_addition(rng, limit, avoid)
+    problem = fresh_addition(rng, limit, avoid, render)
     return None if problem is None else reference_example(tokenizer, problem)
+
+
+def chat_rendered(tokenizer):
+    """A prompt as the chat template lays it out as one user message with the assistant's turn opened: the text whose
+    tokens are exactly the ids of `apply_chat_template` (checked), so that a warm-up on it sees the prompt that a
+    client rendering chat messages (verifiers' `renderers`) sends."""
+
+    def render(prompt: str) -> str:
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if _encode(tokenizer, text) != prompt_token_ids(tokenizer, messages):
+            raise ValueError("the chat template's text does not tokenize to its own ids")
+        return text
+
+    return render
 
 
 def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
@@ -291,7 +308,13 @@ class WarmUpPlan:
 
 
 def warmup_plan(
-    tokenizer, tiny: TinyModelConfig, task: TaskConfig, heldout: list[Problem], pool: list[Problem], judge: Judge
+    tokenizer,
+    tiny: TinyModelConfig,
+    task: TaskConfig,
+    heldout: list[Problem],
+    pool: list[Problem],
+    judge: Judge,
+    render=None,
 ) -> WarmUpPlan:
     """Chains: correctly played episodes of a train split of the warm-up's own seed, judged whole. A task with
     reference answers (`pool`, drawn from its generators, none held out): its problems and reference completions,
@@ -316,7 +339,7 @@ def warmup_plan(
         )
     limit, avoid = 10**task.digits, {p.prompt for p in heldout}
     return WarmUpPlan(
-        lambda rng: addition_example(tokenizer, rng, limit, avoid),
+        lambda rng: addition_example(tokenizer, rng, limit, avoid, render),
         lambda model: greedy_accuracy(model, tokenizer, heldout, max_new_tokens=task.digits + 2),
     )
 
@@ -414,10 +437,17 @@ def _warmed_up(model_cfg: ModelConfig, task_cfg: TaskConfig, log) -> tuple[objec
     if pool:
         check_context(tokenizer, model_cfg, heldout + train + pool)
     model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
+    render = None
+    if tiny.warmup_chat:  # additions under the chat template, held out ones too (`chat_rendered`)
+        if pool or task_cfg.name != "arithmetic":
+            raise ValueError("model.tiny.warmup_chat: the chat warm-up is arithmetic's (task.name: arithmetic)")
+        render = chat_rendered(tokenizer)
+        heldout = [Problem(p.id, render(p.prompt), p.answer) for p in heldout]
     # A task with reference answers is judged by its reward functions, as evaluation judges it.
     scorer = RewardScorer.from_names(task_cfg.reward_funcs, task_cfg.reward_timeout_s) if pool else None
     try:
-        plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, rewarded(scorer) if scorer else exactly_the_answer)
+        judge = rewarded(scorer) if scorer else exactly_the_answer
+        plan = warmup_plan(tokenizer, tiny, task_cfg, heldout, pool, judge, render)
         acc, steps = warm_up(model, tokenizer, tiny, plan, log=log)
     finally:
         if scorer is not None:

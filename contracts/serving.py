@@ -78,13 +78,15 @@ class GenerateRequest:
 
     The router's contract: it hashes `prompt_ids` (never text: the engine caches token blocks) in
     the namespace `model`, the base model's canonical name or an adapter's, and counts its decision
-    under `turn` too when the client said which turn of an episode the request is.
+    under `turn` too when the client said which turn of an episode the request is. A request of a `session` (a
+    client's `X-Session-ID`: one rollout's turns) goes where the session's earlier requests went.
     """
 
     prompt_ids: list[int]
     model: str
     sampling: Sampling
     turn: int | None = None  # a multi-turn episode's turn (1-based) that this request continues, for per-turn stats
+    session: str | None = None  # the client's session (verifiers' X-Session-ID), kept on one replica by the router
 
 
 @dataclass

@@ -31,13 +31,15 @@ def tiny_model_folder(model_cfg: ModelConfig, task_cfg: TaskConfig) -> Path:
     its shape, its warm-up and the held-out split it avoids."""
     spec = {
         "v": TINY_BUILD_VERSION,
-        "tiny": model_cfg.tiny.model_dump(exclude={"warmup_context", "warmup_context_accuracy"}),
+        "tiny": model_cfg.tiny.model_dump(exclude={"warmup_context", "warmup_context_accuracy", "warmup_chat"}),
         "task": [task_cfg.digits, task_cfg.seed, task_cfg.num_heldout],
     }
     if (
         model_cfg.tiny.warmup_context is not None
     ):  # also taught to read a self teacher's context (the key without stays)
         spec["context"] = [model_cfg.tiny.warmup_context, model_cfg.tiny.warmup_context_accuracy]
+    if model_cfg.tiny.warmup_chat:  # warmed up on chat-rendered prompts (the key without stays as it was)
+        spec["chat"] = True
     if task_cfg.name == "chained_arithmetic":  # warmed up on episodes instead (the single-turn key stays as it was)
         spec["episodes"] = [task_cfg.chain_min, task_cfg.chain_max, task_cfg.chain_operand_max]
     if task_cfg.name == "reasoning_gym":
@@ -175,7 +177,8 @@ def prompt_token_ids(tokenizer, prompt) -> list[int]:
     """Token ids of a prompt: plain text as is, chat messages through the model's template."""
     if isinstance(prompt, str):
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+    # return_dict=False: transformers 5 answers a BatchEncoding by default, whose list() is its keys, not the ids.
+    return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 # Texts two tokenizers must split into the same ids to be one (a teacher's and its student's): digits, words,

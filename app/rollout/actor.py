@@ -55,7 +55,7 @@ class RolloutActor:
         # Where a distilling run's teacher scores, or its several teachers by name (`app.teacher_setup`).
         teacher: TeacherEndpoint | dict[str, TeacherEndpoint] | None = None,
     ):
-        from app.tasks.problems import load_task
+        from app.tasks.verifiers_tasksets import load_problems
         from core.models import load_tokenizer, prompt_token_ids
 
         logging.basicConfig(level=logging.WARNING)
@@ -74,9 +74,16 @@ class RolloutActor:
 
         self.producer = GroupProducer(
             cfg,
-            load_task(cfg.task).train,
+            load_problems(cfg).train,
             prompt_ids,
-            sampler_for(cfg, tokenizer, self.client.acompletions),
+            sampler_for(
+                cfg,
+                tokenizer,
+                self.client.acompletions,
+                fleet_url=fleet_url,
+                token=run_token.value if run_token is not None else admin_token(cfg),
+                model_path=model_path,
+            ),
             resume=resume,
             retries_done=lambda: self.client.retries_done,
             cut=self.client.acut,

@@ -24,6 +24,10 @@ def check_names(cfg) -> None:
         check_factories(cfg)
     if cfg.env.openenv is not None:
         check_openenv(cfg.env.openenv)
+    if cfg.env.verifiers is not None:
+        from app.tasks.verifiers_tasksets import check_verifiers  # imports verifiers: only runs that name it pay
+
+        check_verifiers(cfg)
     if cfg.task.name == "reasoning_gym":
         reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
 

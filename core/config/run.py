@@ -78,10 +78,32 @@ class OpenEnvConfig(Section):
         return self
 
 
+class VerifiersConfig(Section):
+    """A verifiers v1 taskset (`verifiers.v1`), run by its env with verifiers' training client pointed at the fleet
+    (`app.rollout.verifiers_episodes`); its tasks are the run's problems, its `@vf.reward`s its rewards."""
+
+    taskset: str = Field(
+        min_length=1,
+        description='The taskset: an installed verifiers taskset id, or "module:TasksetClass" (its module exports it).',
+    )
+    taskset_args: dict[str, Any] = Field(
+        default_factory=dict, description="Fields of the taskset's config (its TasksetConfig subclass), e.g. seed."
+    )
+    env_id: str = Field("", description="verifiers' env id to pair with the taskset; empty: the taskset's own env.")
+    agent: dict[str, Any] = Field(
+        default_factory=dict,
+        description="verifiers' AgentConfig of the env's agent (harness, runtime, ...); runtime defaults to subprocess.",
+    )
+    episode_timeout_s: float = Field(
+        60.0, gt=0, description="Longest episode (verifiers' env.timeout.episode); beyond, it is lost, counted."
+    )
+    max_concurrent_episodes: int = Field(64, ge=1, description="Episodes played at once by the rollout.")
+
+
 class EnvConfig(Section):
     """The environment of multi-turn episodes: spotrl's (`name`, `app.tasks.environments`), an OpenEnv server's
-    (`openenv`, `app.tasks.openenv_env`) or TRL's `environment_factory` (`factory`, `app.tasks.trl_environments`);
-    none: single-turn completions."""
+    (`openenv`, `app.tasks.openenv_env`), TRL's `environment_factory` (`factory`, `app.tasks.trl_environments`) or a
+    verifiers v1 taskset (`verifiers`); none: single-turn completions."""
 
     name: str | None = Field(
         None, description='Environment: a registered name (chained_arithmetic, calculator) or "module:Class".'
@@ -92,6 +114,9 @@ class EnvConfig(Section):
     )
     openenv: OpenEnvConfig | None = Field(
         None, description="An OpenEnv environment: {url: ...} or {app: module:app}, played over OpenEnv's client."
+    )
+    verifiers: VerifiersConfig | None = Field(
+        None, description="A verifiers v1 taskset played by its env through verifiers' training client."
     )
     max_tool_calling_iterations: int | None = Field(
         None, ge=0, description="Most tool-calling turns of a TRL environment's episode (TRL's; None: no limit)."
@@ -131,8 +156,9 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _one_kind(self) -> EnvConfig:
-        if sum(x is not None for x in (self.name, self.factory, self.openenv)) > 1:
-            raise ValueError("env.name, env.factory and env.openenv: one environment, not several")
+        named = [k for k in ("name", "factory", "openenv", "verifiers") if getattr(self, k) is not None]
+        if len(named) > 1:
+            raise ValueError(f"env.{', env.'.join(named)}: one environment, not several")
         return self
 
     @property
@@ -409,6 +435,11 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> RunConfig:
+        if self.env.verifiers is not None and self.rollout.partial_rollouts:
+            raise ValueError(
+                "rollout.partial_rollouts: verifiers' training client cannot continue a generation that a weight "
+                "update cut; set it false with env.verifiers"
+            )
         if self.lora.rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"lora.rank={self.lora.rank}: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
         if self.fleet.max_lora_rank is not None and self.lora.rank > self.fleet.max_lora_rank:

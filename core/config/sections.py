@@ -50,6 +50,10 @@ class TinyModelConfig(Section):
         0.45, gt=0, lt=1, description="Stop the warm-up once held-out greedy accuracy reaches this."
     )
     seed: int = Field(0, description="Seed of weight init, data and warm-up.")
+    warmup_chat: bool = Field(
+        False,
+        description="Warm up on prompts rendered by the chat template as one user message (what verifiers' renderer sends).",
+    )
     warmup_context: str | None = Field(
         None,
         description="A self teacher's template the warm-up goes on with after the model without it, to read answers so.",

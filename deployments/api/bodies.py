@@ -147,13 +147,13 @@ TokenIds = list[StrictInt]  # each checked against the vocabulary (`deployments.
 PRINTABLE = r"^[^\x00-\x1f\x7f]+$"
 
 
-class _SamplingBody(BaseModel):
-    """Sampling fields shared by completions and chat completions (vLLM's names, defaults and ranges)."""
+class _SamplingFields(BaseModel):
+    """Sampling fields shared by completions, chat completions and vLLM's token generation (vLLM's names, defaults and
+    ranges): at the top of an OpenAI body, under `sampling_params` of `/inference/v1/generate`."""
 
     # Like vLLM: unknown OpenAI fields (user, ...) are ignored. Every float is finite.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str = Field(min_length=1, max_length=4096)
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -203,6 +203,12 @@ class _SamplingBody(BaseModel):
         )
 
 
+class _SamplingBody(_SamplingFields):
+    """An OpenAI body: the sampling fields and the model."""
+
+    model: str = Field(min_length=1, max_length=4096)
+
+
 class CompletionBody(_SamplingBody):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1)
@@ -222,6 +228,71 @@ class CompletionBody(_SamplingBody):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) or not prompts:
             return [prompts]
         return list(prompts)
+
+
+# How a client names its session (verifiers' `SESSION_ID_HEADER`, a rollout's trace id): its turns go to one replica.
+SESSION_HEADER = "x-session-id"
+SESSION_PATTERN = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,256}$")
+
+
+class TokenSamplingParams(_SamplingFields):
+    """`sampling_params` of vLLM's `/inference/v1/generate` (vLLM's `SamplingParams` by its JSON names)."""
+
+    max_tokens: int | None = Field(None, ge=1)  # None: all the room the context leaves (vLLM's server default)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the sampled token's, and the top k alternatives
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # the route returns token ids, never text: nothing to skip
+    detokenize: bool = True
+
+
+class TokenGenerateBody(BaseModel):
+    """`POST /inference/v1/generate` (vLLM 0.32's tokens-in, tokens-out route, `GenerateRequest` of
+    `vllm.entrypoints.scale_out.token_in_token_out.protocol`): what verifiers' `TrainClient` sends (through
+    `renderers.client.generate`); the fields the fleet does not do (multimodal input, streaming, text output,
+    cache salts, priorities, disaggregated KV transfer) are refused by name rather than dropped."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=PRINTABLE)
+    model: str | None = Field(None, min_length=1, max_length=4096)  # None: the base model
+    token_ids: TokenIds = Field(min_length=1)
+    sampling_params: TokenSamplingParams
+    return_token_ids: bool | None = None
+    output_mode: str = "tokens"
+    stream: bool | None = False
+    features: Any = None
+    content_parts: Any = None
+    cache_salt: Any = None
+    priority: int = 0
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first field asked for that the fleet does not do."""
+        refused = {
+            "output_mode": self.output_mode != "tokens",
+            "stream": bool(self.stream),
+            "features": self.features is not None,
+            "content_parts": self.content_parts is not None,
+            "cache_salt": self.cache_salt is not None,
+            "priority": self.priority != 0,
+            "kv_transfer_params": self.kv_transfer_params is not None,
+            "ec_transfer_params": self.ec_transfer_params is not None,
+            "sampling_params.prompt_logprobs": self.sampling_params.prompt_logprobs is not None,
+        }
+        field = next((name for name, asked in refused.items() if asked), None)
+        if field is not None:
+            raise ApiError(400, f"{field}: not supported by the fleet's /inference/v1/generate (token ids in and out)")
+
+
+def session_id(headers: Any) -> str | None:
+    """The request's `X-Session-ID`, checked (printable, at most 256 characters); None when it sends none."""
+    value = headers.get(SESSION_HEADER)
+    if value is None:
+        return None
+    if not SESSION_PATTERN.match(value):
+        raise ApiError(400, "x-session-id: expected 1 to 256 characters of [A-Za-z0-9._:@/+=-]")
+    return value
 
 
 class TokenizeBody(BaseModel):

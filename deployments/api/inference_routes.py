@@ -1,9 +1,12 @@
-"""OpenAI's inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize`.
+"""OpenAI's inference routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, and vLLM's `/tokenize` and
+`/inference/v1/generate`.
 
 They speak what TRL's AsyncGRPOTrainer (`trl.experimental.async_grpo`) and the `openai` client send:
 token-id or text prompts, `return_token_ids` and `logprobs`; and what a teacher is asked (TRL's
 AsyncDistillationTrainer, spotrl's distill objective): `prompt_logprobs` with `max_tokens: 1` scores a
-token-id sequence, and `/tokenize` lets a client compare tokenizers. Open to anyone unless `protect_inference` puts
+token-id sequence, and `/tokenize` lets a client compare tokenizers; and what verifiers' `TrainClient` sends (vLLM's
+`/inference/v1/generate`: rendered token ids in, token ids and sampling log-probs out, a rollout's turns on one replica
+by its `X-Session-ID`). Open to anyone unless `protect_inference` puts
 them behind the token; a run's token reaches the base model and its own adapters only (`Caller`). Each
 generation waits for places in the fleet, one per sequence (`deployments.control.fair_share`; a batch of prompts is
 one generation per prompt, prompts x n places in all), then goes to the backend;
@@ -24,7 +27,7 @@ from fastapi.responses import JSONResponse
 
 from contracts.control import ListAdapters
 from contracts.serving import Generated, GenerateRequest
-from deployments.api.bodies import ChatCompletionBody, CompletionBody, TokenizeBody
+from deployments.api.bodies import ChatCompletionBody, CompletionBody, TokenGenerateBody, TokenizeBody, session_id
 from deployments.api.callers import Caller, Callers
 from deployments.api.intake import read_json
 from deployments.api.prompts import Prompts
@@ -35,6 +38,7 @@ from deployments.api.replies import (
     chat_choice,
     completion_choice,
     replica_header,
+    token_choice,
     token_id_placeholder,
     usage,
 )
@@ -161,6 +165,30 @@ class InferenceRoutes(Routes):
         }
         if body.return_token_ids:
             reply["prompt_token_ids"] = ids
+        return FiniteJSONResponse(reply, headers=replica_header([result]))
+
+    @route("POST", "/inference/v1/generate")
+    async def generate_tokens(self, request: Request) -> JSONResponse:
+        """vLLM's tokens-in, tokens-out route (`output_mode` "tokens"), as verifiers' `TrainClient` calls it."""
+        caller = self.callers.authorize(request)
+        body = await read_json(request, TokenGenerateBody, self.settings.limits)
+        body.refuse_unsupported()
+        session = session_id(request.headers)
+        model = body.model or self.settings.base_model
+        self.check_use(caller, model)
+        self.settings.limits.check_fanout(1, body.sampling_params.n)
+        job = await offload(self.prompts.token_job, body, session)
+        result = await self.generate(job, caller)
+        with_logprobs = job.sampling.logprobs is not None
+        reply = {
+            "request_id": body.request_id or uuid.uuid4().hex,
+            "output_mode": "tokens",
+            "model": model,
+            "created": int(time.time()),
+            "choices": [token_choice(c, with_logprobs) for c in result.choices],
+            "usage": usage(len(job.prompt_ids), result.choices),
+            "prompt_token_ids": job.prompt_ids if body.return_token_ids else None,
+        }
         return FiniteJSONResponse(reply, headers=replica_header([result]))
 
     @route("POST", "/tokenize")

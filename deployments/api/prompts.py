@@ -10,7 +10,7 @@ work: the routes call these methods in a worker thread (`deployments.control.off
 from __future__ import annotations
 
 from contracts.serving import SCORING_ROOM, GenerateRequest
-from deployments.api.bodies import ChatCompletionBody, CompletionBody
+from deployments.api.bodies import ChatCompletionBody, CompletionBody, TokenGenerateBody
 from deployments.api.settings import ApiSettings
 from deployments.control.errors import ApiError
 
@@ -83,3 +83,13 @@ class Prompts:
             raise ApiError(400, f"messages: cannot apply the chat template ({type(e).__name__}: {e})") from None
         max_tokens = self.room(ids, body.max_completion_tokens or body.max_tokens)
         return GenerateRequest(ids, self.resolve_model(body.model), body.sampling(max_tokens, body.top_alternatives()))
+
+    def token_job(self, body: TokenGenerateBody, session: str | None) -> GenerateRequest:
+        """The engine's request for vLLM's `/inference/v1/generate`: the client's token ids as they are (it rendered
+        them), checked; `session` (its `X-Session-ID`) keeps its turns on one replica."""
+        params = body.sampling_params
+        self.check_vocabulary(params.stop_token_ids or [], "sampling_params.stop_token_ids")
+        self.check_vocabulary(body.token_ids, "token_ids")
+        model = self.resolve_model(body.model or self.settings.base_model)
+        sampling = params.sampling(self.room(body.token_ids, params.max_tokens), params.logprobs)
+        return GenerateRequest(body.token_ids, model, sampling, session=session)

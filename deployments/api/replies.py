@@ -157,3 +157,37 @@ def usage(prompt_tokens: int, choices: list[SampledChoice]) -> dict[str, int]:
 def replica_header(results: list[Generated]) -> dict[str, str]:
     """`x-spotrl-replica`: the replicas that served a reply, each named once."""
     return {"x-spotrl-replica": ",".join(dict.fromkeys(r.replica for r in results))}
+
+
+def token_choice(choice: SampledChoice, with_logprobs: bool) -> dict[str, Any]:
+    """A choice of vLLM's `/inference/v1/generate` in `output_mode` "tokens" (`GenerateTokensChoice`): token ids and,
+    when asked, per token `{token_id, logprob, rank, top_logprobs}` as vLLM 0.32 answers it, plus `token` ("token_id:N",
+    vLLM's placeholder for a token it does not decode), which the `renderers` client of verifiers reads instead of
+    `token_id` (`renderers.client._parse_completion_logprobs`): both clients parse the same reply."""
+    logprobs = None
+    if with_logprobs:
+        top = choice.top_logprobs or [{}] * len(choice.token_ids)
+        logprobs = {
+            "content": [
+                {
+                    "token_id": token,
+                    "token": token_id_placeholder(token),
+                    "logprob": finite_logprob(lp),
+                    "rank": None,
+                    "top_logprobs": [
+                        {"token_id": t, "token": token_id_placeholder(t), "logprob": finite_logprob(v), "rank": None}
+                        for t, v in alt.items()
+                    ],
+                }
+                for token, lp, alt in zip(choice.token_ids, choice.logprobs or [], top, strict=False)
+            ]
+        }
+    return {
+        "index": choice.index,
+        "finish_reason": choice.finish_reason or "stop",
+        "stop_reason": choice.stop_reason,
+        "token_ids": choice.token_ids,
+        "logprobs": logprobs,
+        "routed_experts": None,
+        "sampling_mask": None,
+    }

@@ -15,7 +15,10 @@ Rules, in the words of the design:
   so it does not count towards a match;
 - the longest specific match wins, unless that replica has more than `spill_threshold` requests in
   flight beyond the least loaded one: then the request spills to the least loaded;
-- no match goes to the least loaded replica (ties broken at random, so groups spread evenly).
+- no match goes to the least loaded replica (ties broken at random, so groups spread evenly);
+- a request that names its session (a client's `X-Session-ID`, one rollout's turns) goes where its session's last
+  request went, as if that replica held its longest match (`SessionTable`, spill rule alike): a session's turns meet
+  their KV blocks whatever their prompts' hashes say (a client that re-renders a turn's prompt, say).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from typing import Literal
 
 Outcome = Literal["affinity", "spilled", "unmatched"]
 OUTCOMES: tuple[Outcome, ...] = ("affinity", "spilled", "unmatched")
+# What became of a request that named its session: it stayed on the session's replica, spilled off it (overloaded),
+# or started the session (its first request, or its replica left the fleet).
+SessionOutcome = Literal["kept", "spilled", "new"]
+SESSION_OUTCOMES: tuple[SessionOutcome, ...] = ("kept", "spilled", "new")
+# A session's replica counts as a match deeper than any prompt's blocks.
+SESSION_DEPTH = 1 << 40
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, namespace: str) -> list[int]:
@@ -114,6 +123,43 @@ class PrefixTable:
             held -= gone
             if not held:
                 del self._table[h]
+
+
+class SessionTable:
+    """Which replica served each session last: a bounded LRU map `session -> replica`, as `PrefixTable` is for blocks."""
+
+    def __init__(self, max_entries: int):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._table: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def replica(self, session: str) -> str | None:
+        held = self._table.get(session)
+        if held is not None:
+            self._table.move_to_end(session)
+        return held
+
+    def record(self, session: str, replica: str) -> None:
+        self._table[session] = replica
+        self._table.move_to_end(session)
+        while len(self._table) > self.max_entries:
+            self._table.popitem(last=False)
+
+    def forget(self, replicas: Iterable[str]) -> None:
+        gone = set(replicas)
+        for session in [s for s, r in self._table.items() if r in gone]:
+            del self._table[session]
+
+
+def session_outcome(held: str | None, loads: Mapping[str, int], decision: Decision) -> SessionOutcome:
+    """What became of a session's request whose session was last on `held` (None: never seen)."""
+    if held is None or held not in loads:
+        return "new"
+    return "kept" if decision.replica == held else "spilled"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ Settings (block size, spill threshold, table bound) come from the replicas' own 
 replicas take from the run config: the block size is then by construction the engines' KV block
 size, and `serve_config.yaml` need only name this class. Explicit `request_router_kwargs` win.
 
+A request that names its session (verifiers' `X-Session-ID`) goes to the replica of its session's last request
+(`deployments.routing.prefix.SessionTable`), counted under `sessions` (kept / spilled / new) besides the outcomes.
+
 Counters (routed / affinity / spilled / unmatched, per replica) are Ray metrics and, for
 `GET /router/stats`, a snapshot that the ingress reads in-process: the router lives inside the
 ingress replica, as part of its handle to the vLLM deployment. A replica that leaves takes its row
@@ -35,7 +38,17 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from contracts.serving import GENERATE_METHOD, GenerateRequest
 from core.config import RouterConfig
-from deployments.routing.prefix import OUTCOMES, Decision, PrefixTable, block_hashes, decide
+from deployments.routing.prefix import (
+    OUTCOMES,
+    SESSION_DEPTH,
+    SESSION_OUTCOMES,
+    Decision,
+    PrefixTable,
+    SessionTable,
+    block_hashes,
+    decide,
+    session_outcome,
+)
 
 log = logging.getLogger("ray.serve")
 
@@ -75,6 +88,8 @@ class PrefixHashRouter(RequestRouter):
         }
         self._settings = {**DEFAULT_SETTINGS, **self._explicit}
         self._table = PrefixTable(self._settings["max_table_entries"])
+        self._sessions = SessionTable(self._settings["max_table_entries"])
+        self._session_counts: dict[str, int] = dict.fromkeys(("routed", *SESSION_OUTCOMES), 0)
         self._rng = random.Random(seed)
         self._inflight: dict[str, int] = {}
         self._draining: set[str] = set()  # replicas whose node is going: routed nothing while another is live
@@ -124,9 +139,17 @@ class PrefixHashRouter(RequestRouter):
         # The adapter name seeds the chain: a prefix cached under policy-v3 is no match for policy-v4.
         hashes = block_hashes(request.prompt_ids, self._settings["block_size"], request.model)
         depths = self._table.match(hashes, loads)
+        held = self._sessions.replica(request.session) if request.session is not None else None
+        if held in loads:  # the session's replica holds its turns so far: the deepest match there is
+            depths = {**depths, held: SESSION_DEPTH}
         decision = decide(depths, loads, self._settings["spill_threshold"], self._rng)
         self._table.record(hashes, decision.replica)
+        if request.session is not None:
+            self._sessions.record(request.session, decision.replica)
         with self._lock:
+            if request.session is not None:
+                self._session_counts["routed"] += 1
+                self._session_counts[session_outcome(held, loads, decision)] += 1
             counts = self._counts.setdefault(decision.replica, dict.fromkeys(("routed", *OUTCOMES), 0))
             counts["routed"] += 1
             counts[decision.outcome] += 1
@@ -181,6 +204,7 @@ class PrefixHashRouter(RequestRouter):
         if not gone:
             return
         self._table.forget(gone)
+        self._sessions.forget(gone)
         self._draining -= gone
         with self._lock:
             for rid in gone:
@@ -219,6 +243,7 @@ class PrefixHashRouter(RequestRouter):
                 for rid, counts in self._counts.items()
             }
             turns = {k: dict(v) for k, v in self._turns.items()}
+            sessions = {**self._session_counts, "table_entries": len(self._sessions)}
             retired = dict(self._retired)
         for rid in live - set(replicas):
             replicas[rid] = {
@@ -233,6 +258,7 @@ class PrefixHashRouter(RequestRouter):
             "replicas": replicas,
             "retired": retired,
             "turns": turns,
+            "sessions": sessions,
         }
 
 
@@ -286,8 +312,11 @@ def router_stats() -> dict[str, Any]:
     merged: dict[str, Any] = {"router": "PrefixHashRouter", "settings": None, "table_entries": 0, "replicas": {}}
     retired = dict.fromkeys(("routed", *OUTCOMES), 0)
     turns: dict[int, dict[str, int]] = {}
+    sessions = dict.fromkeys(("routed", *SESSION_OUTCOMES, "table_entries"), 0)
     for router in list(_ROUTERS):
         snap = router.stats()
+        for key in sessions:
+            sessions[key] += snap["sessions"][key]
         merged["settings"] = snap["settings"]
         merged["table_entries"] += snap["table_entries"]
         for key in retired:
@@ -316,4 +345,8 @@ def router_stats() -> dict[str, Any]:
         str(turn): {**counts, "affinity_share": counts["affinity"] / counts["routed"]}
         for turn, counts in sorted(turns.items())
     }
+    # Requests that named their session (X-Session-ID): the share that stayed on their session's replica, of those
+    # whose session had one (its first request has none to stay on).
+    continued = sessions["kept"] + sessions["spilled"]
+    merged["sessions"] = {**sessions, "kept_share": sessions["kept"] / continued if continued else 0.0}
     return merged

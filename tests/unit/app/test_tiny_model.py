@@ -177,3 +177,22 @@ def test_the_context_part_of_the_warm_up_shows_the_answer_under_the_teachers_tem
     chained = cfg.task.model_copy(update={"name": "chained_arithmetic"})
     with pytest.raises(ConfigError, match="single-turn tasks only"):
         context_plan(arithmetic, template, chained, heldout, [], exactly_the_answer)
+
+
+def test_a_chat_warm_up_sees_an_addition_as_verifiers_renderer_sends_it():
+    import random
+
+    from renderers import create_renderer
+
+    from app.tiny_model import addition_example, chat_rendered, fresh_addition
+
+    tokenizer = build_tokenizer(2, 0)
+    plain = fresh_addition(random.Random(3), 100, set())
+    ids, mask = addition_example(tokenizer, random.Random(3), 100, set(), chat_rendered(tokenizer))
+    prompt, completion = ids[: mask.index(1)], ids[mask.index(1) :]
+    messages = [{"role": "user", "content": plain.prompt}]
+    assert prompt == prompt_token_ids(tokenizer, messages)
+    assert prompt == create_renderer(tokenizer, None).render(messages, add_generation_prompt=True).token_ids
+    assert tokenizer.decode(completion) == plain.answer + EOS
+    cfg = load_config(None, ["model.tiny.warmup_chat=true"])
+    assert tiny_model_folder(cfg.model, cfg.task) != tiny_model_folder(load_config(None, []).model, cfg.task)

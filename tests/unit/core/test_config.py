@@ -79,6 +79,8 @@ def test_malformed_yaml_and_bad_shapes(tmp_path):
         (["--set", "bogus.key=1"], "bogus"),
         (["--config", "MALFORMED"], "malformed YAML"),
         (["--set", "env.factory=no_such_module_xyz:Env"], "env.factory"),
+        (["--set", "env.verifiers={taskset: 'no_such_module_xyz:Taskset'}"], "env.verifiers.taskset"),
+        (["--set", "env.verifiers={taskset: no-such-taskset-v1}"], "env.verifiers.taskset"),
     ],
 )
 def test_train_cli_exits_2_with_one_line(args, needle, tmp_path):

@@ -155,3 +155,23 @@ def test_chat_completions_never_answer_5xx(client, raw):
 )
 def test_admin_calls_never_answer_5xx(client, path, raw, mode):
     assert_no_server_error(post(client, path, raw, mode=mode))
+
+
+TOKEN_GENERATE = {
+    "token_ids": st.one_of(token_lists, json_values),
+    "sampling_params": st.one_of(
+        st.fixed_dictionaries({}, optional={**SAMPLING, "max_tokens": hostile(1, 16, None), "logprobs": hostile(1)}),
+        json_values,
+    ),
+    "return_token_ids": hostile(True, None),
+    "request_id": hostile("r1", "\x00"),
+}
+
+
+@FUZZ
+@given(raw=bodies(TOKEN_GENERATE), session=st.one_of(st.none(), st.sampled_from(["s1", "x" * 300, "a b", "é"])))
+def test_token_generation_never_answers_5xx(client, raw, session):
+    headers = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    if session is not None:
+        headers["X-Session-ID"] = session.encode("utf-8")  # bytes: a header is not ASCII text whatever a client sends
+    assert_no_server_error(client.post("/inference/v1/generate", content=raw.encode("utf-8"), headers=headers))

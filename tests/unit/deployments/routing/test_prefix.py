@@ -109,3 +109,28 @@ def test_a_group_of_g_lands_on_one_replica_and_the_next_group_balances():
     assert all(len(replicas) == 1 for replicas in placed.values())
     assert outcomes.count("affinity") == 6 * (G - 1) and outcomes.count("unmatched") == 6
     assert abs(loads["a"] - loads["b"]) <= G  # groups alternate to the less loaded replica
+
+
+def test_a_session_table_is_a_bounded_lru_that_forgets_replicas_that_left():
+    from deployments.routing.prefix import SessionTable
+
+    table = SessionTable(max_entries=2)
+    table.record("s1", "a")
+    table.record("s2", "b")
+    assert table.replica("s1") == "a"  # s1 used last: s2 is the oldest now
+    table.record("s3", "a")
+    assert (table.replica("s2"), len(table)) == (None, 2)
+    table.forget({"a"})
+    assert (table.replica("s1"), table.replica("s3"), len(table)) == (None, None, 0)
+    with pytest.raises(ValueError):
+        SessionTable(0)
+
+
+def test_a_sessions_outcome_says_whether_it_stayed_spilled_or_began():
+    from deployments.routing.prefix import Decision, session_outcome
+
+    loads = {"a": 0, "b": 0}
+    assert session_outcome("a", loads, Decision("a", "affinity")) == "kept"
+    assert session_outcome("a", loads, Decision("b", "spilled")) == "spilled"
+    assert session_outcome(None, loads, Decision("b", "unmatched")) == "new"
+    assert session_outcome("gone", loads, Decision("b", "unmatched")) == "new"  # its replica left the fleet

@@ -35,11 +35,11 @@ def _router(**kwargs):
     return router
 
 
-def _pending(prompt, model="policy-v1", method=GENERATE_METHOD, by_keyword=False, turn=None):
+def _pending(prompt, model="policy-v1", method=GENERATE_METHOD, by_keyword=False, turn=None, session=None):
     """What Serve hands the router for `handle.options(method_name=method).remote(GenerateRequest(...))`."""
     from ray.serve._private.request_router.common import RequestRoutingContext
 
-    request = GenerateRequest(prompt, model, Sampling(n=1, max_tokens=4), turn)
+    request = GenerateRequest(prompt, model, Sampling(n=1, max_tokens=4), turn, session)
     return SimpleNamespace(
         args=[] if by_keyword else [request],
         kwargs={"request": request} if by_keyword else {},
@@ -221,3 +221,46 @@ async def _draining_replica():
     router.update_replicas([a, b, c])
     router.update_replicas([r for r in (a, b, c) if r is not first])  # it left: forgotten
     assert first.replica_id.unique_id not in router._draining
+
+
+def test_a_sessions_requests_stay_on_its_replica_whatever_their_prompts_and_are_counted(patched_replicas):
+    asyncio.run(_sessions_stay())
+
+
+async def _sessions_stay():
+    from deployments.routing.router import router_stats
+
+    router = _router(spill_threshold=2)
+    a, b = _FakeReplica("a", {"router": {"block_size": 16}}), _FakeReplica("b", {"router": {"block_size": 16}})
+    router.update_replicas([a, b])
+
+    async def send(prompt, session):
+        (first, *_), *_ = await router.choose_replicas([a, b], _pending(prompt, session=session))
+        router.on_send_request(first.replica_id)
+        return first.replica_id.unique_id
+
+    # Two sessions whose turns share no block (a client that re-renders its prompt): each stays where it began.
+    homes = {s: await send(list(range(100 * k, 100 * k + 20)), s) for k, s in enumerate(("s1", "s2"), start=1)}
+    for turn in range(3):
+        for k, s in enumerate(("s1", "s2"), start=1):
+            assert await send(list(range(1000 * k + turn, 1000 * k + turn + 40)), s) == homes[s]
+    # The session's replica far busier than the other: its next request spills, and the session follows it.
+    busy = homes["s1"]
+    other = "b" if busy == "a" else "a"
+    for _ in range(5):
+        router.on_send_request(_FakeReplica(busy).replica_id)
+    assert await send([7] * 40, "s1") == other
+    assert await send([8] * 40, None) in ("a", "b")  # a request without a session is counted as before only
+    sessions = router.stats()["sessions"]
+    assert {k: sessions[k] for k in ("routed", "kept", "spilled", "new", "table_entries")} == {
+        "routed": 9,
+        "kept": 6,
+        "spilled": 1,
+        "new": 2,
+        "table_entries": 2,
+    }
+    merged = router_stats()["sessions"]
+    assert merged["kept_share"] == pytest.approx(6 / 7)
+    # A replica that leaves takes its sessions with it: their next request starts afresh.
+    router.update_replicas([_FakeReplica(other, {"router": {"block_size": 16}})])
+    assert router.stats()["sessions"]["table_entries"] == 1 + (homes["s2"] == other)  # s1 moved to `other`
