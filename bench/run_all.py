@@ -20,6 +20,7 @@ BENCHMARKS = [
     "partial_rollouts",
     "distill",
     "self_distill",
+    "tinker_rl",
 ]
 
 
