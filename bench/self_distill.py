@@ -28,9 +28,8 @@ fleet listen on 127.0.0.1 only.
 
     python -m bench.self_distill [--steps 60] [--every 12]
 
-60 steps by default, for all three arms alike, not the shipped config's 150: on the shared 2-core box TRL's trainer
-took 3-8 s a step (transformers' generate, then the student's and the teacher's forward in turn), and the three arms
-of 150 steps would not fit `make bench`'s budget (about 25 minutes a benchmark).
+60 steps by default, the shipped config's, for all three arms alike: on the shared 2-core box TRL's trainer took 3-8 s
+a step (transformers' generate, then the student's and the teacher's forward in turn).
 
 Writes bench/results/self_distill.json.
 """
