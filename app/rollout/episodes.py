@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -140,7 +139,6 @@ class EpisodeRunner(Sampler):
         self.max_turns, self.max_episode_tokens, self.timeout_s = max_turns, max_episode_tokens, timeout_s
         # Its own threads, never the reward scorer's; a call that hangs past the timeout is given up on.
         self._calls = TimedCalls(max_threads, timeout_s, "env")
-        self.counters: Counter = Counter()  # env/errors/<cause>
 
     @classmethod
     def from_config(cls, cfg, tokenizer, generate: Generate, decode=None) -> EpisodeRunner:
@@ -165,15 +163,6 @@ class EpisodeRunner(Sampler):
             timeout_s=cfg.env.timeout_s,
             decode=decode,
         )
-
-    @property
-    def env_errors(self) -> int:
-        """Episodes an environment cost so far, all causes."""
-        return sum(v for k, v in self.counters.items() if k.startswith("env/errors/"))
-
-    def reward_metrics(self) -> dict[str, float]:
-        """The episodes lost by cause, `env/errors/<cause>`."""
-        return {k: float(v) for k, v in self.counters.items()}
 
     async def sample(self, problem, prompt_ids, model, n, sampling, flight=None) -> Sampled:
         with self.meter.on_the_wire():

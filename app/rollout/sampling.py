@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -100,6 +100,7 @@ class Sampler(ABC):
         self.generate = generate
         self.continuation = Continuation(generate, decode)
         self.meter = RequestMeter()
+        self.counters: Counter = Counter()  # a sampler's own: `env/errors/<cause>`, tool calls, dropped branches
 
     @abstractmethod
     async def sample(
@@ -118,13 +119,13 @@ class Sampler(ABC):
 
     def reward_metrics(self) -> dict[str, float]:
         """The reward functions' failures so far, as `reward/errors/<name>` (none where the environment rewards), and
-        a sampler's own counters where it keeps some (a TRL environment's losses by cause and tool calls)."""
-        return {}
+        the sampler's own counters (an environment's losses by cause, a TRL environment's tool calls)."""
+        return {k: float(v) for k, v in self.counters.items()}
 
     @property
     def env_errors(self) -> int:
-        """Episodes an environment ended by raising or timing out so far (none without an environment)."""
-        return 0
+        """Episodes an environment ended by raising or timing out so far, all causes (none without an environment)."""
+        return sum(v for k, v in self.counters.items() if k.startswith("env/errors/"))
 
     @abstractmethod
     def close(self) -> None:

@@ -30,7 +30,6 @@ import functools
 import inspect
 import logging
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -122,7 +121,6 @@ class ToolEpisodeRunner(Sampler):
             )
         self.scorer = RewardScorer(funcs, reward_timeout_s)
         self._calls = TimedCalls(max_threads, timeout_s, "env")
-        self.counters: Counter = Counter()
 
     @classmethod
     def from_config(cls, cfg, tokenizer, generate: Generate, decode=None) -> ToolEpisodeRunner:
@@ -149,7 +147,7 @@ class ToolEpisodeRunner(Sampler):
 
     def reward_metrics(self) -> dict[str, float]:
         """The reward functions' failures, and the episodes' own counters: losses by cause, tool calls."""
-        return self.scorer.metrics() | {k: float(v) for k, v in self.counters.items()}
+        return self.scorer.metrics() | super().reward_metrics()
 
     async def sample(self, problem, prompt_ids, model, n, sampling, flight=None) -> Sampled:
         """`n` scored episodes of `problem`; `prompt_ids` is not used: the environment's reset and tools make the

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import re
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -181,7 +180,6 @@ class VerifiersRunner(Sampler):
             os.environ[API_KEY_VAR] = token  # read by verifiers' client when it is built (`resolve_api_key`)
         self.episode_timeout_s = episode_timeout_s
         self.gate = asyncio.Semaphore(max_concurrent)
-        self.counters: Counter = Counter()
         self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._serving_users = 0
         self._serving_stack: contextlib.AsyncExitStack | None = None
@@ -214,13 +212,6 @@ class VerifiersRunner(Sampler):
             temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_completion_length, **extra
         )
         return ModelContext(model=model, client=client, sampling=knobs)
-
-    @property
-    def env_errors(self) -> int:
-        return sum(v for k, v in self.counters.items() if k.startswith("env/errors/"))
-
-    def reward_metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.counters.items()}
 
     async def sample(self, problem, prompt_ids, model, n, sampling, flight=None) -> Sampled:
         """`n` episodes of `problem`'s task played by verifiers under `model`, scored by its rewards; the group's
