@@ -93,10 +93,12 @@ class Sessions:
         return session_id
 
     def session(self, session_id: str, tenant: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None or session.tenant != tenant:
-            raise NotFound(f"session {session_id[:80]!r} is not open for this API key (released after silence?)")
-        return session
+        return _owned(
+            self.sessions,
+            session_id,
+            tenant,
+            f"session {session_id[:80]!r} is not open for this API key (released after silence?)",
+        )
 
     def heartbeat(self, session_id: str, tenant: str) -> None:
         self.session(session_id, tenant).seen = self._clock()
@@ -126,9 +128,7 @@ class Sessions:
             self.sessions[model.session_id].models.discard(model_id)
 
     def model(self, model_id: str, tenant: str) -> Model:
-        model = self.models.get(model_id)
-        if model is None or model.tenant != tenant:
-            raise NotFound(f"model {model_id[:120]!r} does not exist for this API key")
+        model = _owned(self.models, model_id, tenant, f"model {model_id[:120]!r} does not exist for this API key")
         self.sessions[model.session_id].seen = self._clock()
         return model
 
@@ -138,10 +138,7 @@ class Sessions:
         return sampler
 
     def sampler(self, sampler_id: str, tenant: str) -> Sampler:
-        sampler = self.samplers.get(sampler_id)
-        if sampler is None or sampler.tenant != tenant:
-            raise NotFound(f"sampler {sampler_id[:80]!r} does not exist for this API key")
-        return sampler
+        return _owned(self.samplers, sampler_id, tenant, f"sampler {sampler_id[:80]!r} does not exist for this API key")
 
     def close(self, session_id: str, tenant: str) -> list[str]:
         """End a session; the ids of its training clients, for the learner to drop."""
@@ -158,3 +155,12 @@ class Sessions:
         for session_id in [s for s, v in self.sessions.items() if now - v.seen > self.idle_s]:
             dropped += self.close(session_id, self.sessions[session_id].tenant)
         return dropped
+
+
+def _owned(table: dict, key: str, tenant: str, missing: str):
+    """`table[key]` where it belongs to `tenant`; NotFound(`missing`) else: another tenant's session, model or sampler
+    is not there for this key, the same answer as one that never was."""
+    item = table.get(key)
+    if item is None or item.tenant != tenant:
+        raise NotFound(missing)
+    return item
