@@ -268,11 +268,13 @@ class FleetClient:
         *,
         max_staleness: int | None = None,
         lora_rank: int | None = None,
+        lineages: int | None = None,
     ) -> dict[str, Any]:
         """Register a run on a shared fleet (admin token), with its `weight` in the fair share, the staleness window
-        its versions pin and the LoRA rank it trains (each else the fleet's default): `{"name", "token", "weight",
-        "max_staleness", "lora_rank"}`, the run's token shown this once."""
-        terms = {"weight": weight, "max_staleness": max_staleness, "lora_rank": lora_rank}
+        its versions pin, the LoRA rank it trains and the lineages it publishes (2 with an ema average; each else
+        the fleet's default): `{"name", "token", "weight", "max_staleness", "lora_rank", "lineages"}`, the run's
+        token shown this once."""
+        terms = {"weight": weight, "max_staleness": max_staleness, "lora_rank": lora_rank, "lineages": lineages}
         body = {"name": name, **{k: v for k, v in terms.items() if v is not None}}
         return self._request("POST", "/v1/runs", json=body)
 

@@ -81,9 +81,9 @@ def join(cfg, model_path: str) -> FleetRun:
             )
         with contextlib.closing(FleetClient(url, token=admin)) as client:
             token = _call(
-                lambda: client.register_run(name, max_staleness=cfg.grpo.max_staleness, lora_rank=cfg.lora.rank)[
-                    "token"
-                ],
+                lambda: client.register_run(
+                    name, max_staleness=cfg.grpo.max_staleness, lora_rank=cfg.lora.rank, lineages=cfg.lineages
+                )["token"],
                 f"registering run {name!r} on {url}",
             )
         registered_with = Secret(admin)
@@ -111,9 +111,9 @@ def check_base_model(client: FleetClient, model_path: str, revision: str | None)
 
 
 def check_terms(cfg, info: dict, url: str) -> None:
-    """SystemExit when the run was registered (by the admin, for a handed-over token) with a staleness window or a
-    LoRA rank smaller than this run's config: the fleet would unpin versions its samples still use, or refuse
-    its adapters."""
+    """SystemExit when the run was registered (by the admin, for a handed-over token) with a staleness window, a
+    LoRA rank or lineages smaller than this run's config: the fleet would unpin versions its samples still use,
+    refuse its adapters, or count no slots for its ema average."""
     registered = info.get("max_staleness")
     if registered is not None and cfg.grpo.max_staleness > registered:
         raise SystemExit(
@@ -124,6 +124,12 @@ def check_terms(cfg, info: dict, url: str) -> None:
     if rank is not None and cfg.lora.rank > rank:
         raise SystemExit(
             f"lora.rank={cfg.lora.rank}: run {cfg.logging.run_name!r} is registered on {url} with lora_rank {rank}"
+        )
+    lineages = info.get("lineages")
+    if lineages is not None and cfg.lineages > lineages:
+        raise SystemExit(
+            f"distill: an ema teacher publishes a second lineage, but run {cfg.logging.run_name!r} is registered on "
+            f"{url} with lineages {lineages}; have the admin register it with lineages {cfg.lineages}"
         )
 
 

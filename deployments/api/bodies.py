@@ -383,3 +383,4 @@ class RunBody(BaseModel):
     weight: float | None = Field(None, gt=0, le=1e6)  # share of in-flight generations (`fair_share`)
     max_staleness: int | None = Field(None, ge=0, le=1024)  # its window (+ 1) of pinned versions; None: the fleet's
     lora_rank: int | None = Field(None, ge=1, le=512)  # the rank it trains; None: unstated
+    lineages: int | None = Field(None, ge=1, le=2)  # 2: it also publishes an ema average (`ema-vN`); None: 1

@@ -30,7 +30,7 @@ class RunRoutes(Routes):
     async def register_run(self, request: Request) -> dict[str, Any]:
         self.callers.authorize(request, admin_call=True).check_admin("registering a run")
         body = await read_json(request, RunBody, self.limits)
-        token = await self.tenancy.register(body.name, body.weight, body.max_staleness, body.lora_rank)
+        token = await self.tenancy.register(body.name, body.weight, body.max_staleness, body.lora_rank, body.lineages)
         return {"name": body.name, "token": token, **self.run_terms(body.name)}
 
     @route("GET", "/v1/runs")
@@ -56,11 +56,13 @@ class RunRoutes(Routes):
         }
 
     def run_terms(self, name: str) -> dict[str, Any]:
-        """What run `name` registered with, as the fleet applies it: weight, staleness window, LoRA rank."""
+        """What run `name` registered with, as the fleet applies it: weight, staleness window, LoRA rank, and the
+        lineages whose windows it pins."""
         return {
             "weight": self.runs.weight(name),
             "max_staleness": self.runs.window(name) - 1,
             "lora_rank": self.runs.registration(name).lora_rank,
+            "lineages": self.runs.lineages(name),
         }
 
     @route("DELETE", "/v1/runs/{name}")

@@ -14,10 +14,11 @@ A run that says nothing for `fleet.run_idle_timeout_s` (no request that uses the
 life: resolving a token (`run_of`) changes nothing, and the routes say when a run was heard of
 (`heard_from`).
 
-A run states its LoRA rank and its staleness window when it registers (`POST /v1/runs {"name",
-"lora_rank", "max_staleness"}`; the fleet's `max_staleness` when it says none): a rank above the fleet's
-`max_lora_rank` is refused (400), and so is a run whose window would no longer fit: the windows of every
-run, plus the fleet's own `policy-vN` lineage's if it has a committed version (a fleet that nobody trains under
+A run states its LoRA rank, its staleness window and how many lineages it publishes when it registers
+(`POST /v1/runs {"name", "lora_rank", "max_staleness", "lineages"}`; the fleet's `max_staleness` when it says
+none; one lineage, its policy, when it says none, two when its learner also publishes an `ema-vN` average for a
+self-distilling teacher): a rank above the fleet's `max_lora_rank` is refused (400), and so is a run whose windows
+would no longer fit: a window per lineage of every run, plus the fleet's own `policy-vN` lineage's if it has a committed version (a fleet that nobody trains under
 itself pins nothing for it), plus one slot to load into, must fit `max_loras` (`core.config.slots_needed`; 409 of
 type `conflict`, with the arithmetic). Better a clear refusal than runs that evict each other's live versions on
 every request.
@@ -47,13 +48,14 @@ class Registration:
     weight: float | None = None  # None: the fleet's default weight, whatever it is when asked
     max_staleness: int | None = None  # None: the fleet's own max_staleness
     lora_rank: int | None = None  # None: not stated (any rank up to the fleet's max_lora_rank)
+    lineages: int | None = None  # None: one (its policy); two with its ema average (`contracts.adapters.EMA_STEM`)
 
     def as_record(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_record(cls, record: dict) -> Registration:
-        return cls(**{k: record.get(k) for k in ("token_sha256", "weight", "max_staleness", "lora_rank")})
+        return cls(**{k: record.get(k) for k in ("token_sha256", "weight", "max_staleness", "lora_rank", "lineages")})
 
 
 class Runs:
@@ -103,6 +105,10 @@ class Runs:
         staleness = self._runs[name].max_staleness
         return (self.max_staleness if staleness is None else staleness) + 1
 
+    def lineages(self, name: str) -> int:
+        """The lineages of adapter versions run `name` publishes, each pinning its window of slots."""
+        return self._runs[name].lineages or 1
+
     def register(
         self,
         name: str,
@@ -110,6 +116,7 @@ class Runs:
         max_staleness: int | None = None,
         lora_rank: int | None = None,
         own_lineage: bool = True,
+        lineages: int | None = None,
     ) -> str:
         """Register run `name` and return its token (the only time anyone sees it). `own_lineage`: whether the
         fleet's own `policy-vN` lineage has a committed version, and so pins its window too."""
@@ -127,25 +134,32 @@ class Runs:
                 f"lora_rank: {lora_rank} exceeds the fleet's max_lora_rank {self.max_lora_rank} (its engines' LoRA "
                 "buffers are sized for it); train a smaller rank or redeploy the fleet with a larger fleet.max_lora_rank",
             )
-        registration = Registration("", weight, max_staleness, lora_rank)
+        if lineages is not None and lineages not in (1, 2):  # the API's schema says so too; Python callers
+            raise ApiError(400, f"lineages: {lineages}, expected 1 (its policy) or 2 (its policy and its ema average)")
+        registration = Registration("", weight, max_staleness, lora_rank, lineages)
         self._check_fits(name, registration, own_lineage)
         token = mint_run_token()
-        self._runs[name] = Registration(token_digest(token), weight, max_staleness, lora_rank)
+        self._runs[name] = Registration(token_digest(token), weight, max_staleness, lora_rank, lineages)
         self._seen[name] = self._clock()
         return token
 
     def _check_fits(self, name: str, registration: Registration, own_lineage: bool) -> None:
         """409 (conflict) with the arithmetic when one more run of this window would overflow the slots."""
         staleness = self.max_staleness if registration.max_staleness is None else registration.max_staleness
-        windows = {**{run: self.window(run) for run in self._runs}, name: staleness + 1}
+        windows = {
+            **{run: (self.window(run), self.lineages(run)) for run in self._runs},
+            name: (staleness + 1, registration.lineages or 1),
+        }
         own = self.max_staleness + 1 if own_lineage else 0  # the fleet's own learner (`policy-vN` at the bucket's root)
-        needed = slots_needed([*windows.values(), own])
+        needed = slots_needed([*(w * n for w, n in windows.values()), own])
         if needed > self.max_loras:
-            pins = ", ".join(f"{run} {w}" for run, w in sorted(windows.items()))
+            pins = ", ".join(
+                f"{run} {w}" + (f" x {n} lineages" if n > 1 else "") for run, (w, n) in sorted(windows.items())
+            )
             lineage = f"the fleet's own lineage {own}" if own else "the fleet's own lineage none (nothing committed)"
             raise ApiError(
                 409,
-                f"run {name!r} would not fit: runs pin their windows (max_staleness + 1: {pins}) and {lineage}, "
+                f"run {name!r} would not fit: runs pin a window per lineage (max_staleness + 1: {pins}) and {lineage}, "
                 f"{needed} LoRA slots per engine with one to load into, more than fleet.max_loras={self.max_loras}; "
                 "remove a run, register with a smaller max_staleness, or redeploy with more slots",
             )

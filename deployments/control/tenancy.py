@@ -60,7 +60,14 @@ class Tenancy:
         self._names = KeyedLock()  # one join or leave of a name at a time
         self._leaving: dict[str, set[str]] = {}  # runs gone from the registry: what of their leaving is left to do
 
-    async def register(self, name: str, weight: float | None, max_staleness: int | None, lora_rank: int | None) -> str:
+    async def register(
+        self,
+        name: str,
+        weight: float | None,
+        max_staleness: int | None,
+        lora_rank: int | None,
+        lineages: int | None = None,
+    ) -> str:
         """Register and record run `name`; its token (the only time anyone sees it)."""
         async with self._names.hold(name):
             if name in self._leaving and not await self._leave(name):
@@ -73,7 +80,7 @@ class Tenancy:
                     own = await offload(self.own_lineage)
                 except Exception as e:  # the records could not be written either: say so now
                     raise ApiError(503, f"the fleet's bucket could not be listed: {e}") from None
-            token = self.runs.register(name, weight, max_staleness, lora_rank, own)
+            token = self.runs.register(name, weight, max_staleness, lora_rank, own, lineages)
             if self.records is not None:
                 try:
                     await offload(self.records.save, name, self.runs.registration(name).as_record())

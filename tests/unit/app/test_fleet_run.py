@@ -98,6 +98,22 @@ def test_a_run_states_its_rank_and_window_and_a_registration_that_cannot_hold_th
         _admin(url).remove_run("alice")
 
 
+def test_a_run_with_an_ema_teacher_registers_two_lineages_and_a_token_registered_for_one_is_refused(fleet, monkeypatch):
+    """An `ema` self teacher's learner publishes `ema-vN` beside `policy-vN`: the driver registers both lineages'
+    windows, and a token the admin registered for one would leave the average's slots uncounted."""
+    url, _, _ = fleet
+    ema = "objectives=[{kind: distill, teacher: {self: {model: ema, context: '{answer} {prompt}'}}}]"
+    monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
+    monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
+    cfg = load_config(None, [f"join.url={url}", "logging.run_name=alice", "grpo.max_staleness=1", ema])
+    run = fleet_run.join(cfg, BASE)
+    assert FleetClient(url, token=run.token.value).run_info("alice")["lineages"] == 2
+    fleet_run.leave(run)
+    monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, _admin(url).register_run("alice", max_staleness=1)["token"])
+    with pytest.raises(SystemExit, match="registered .* with lineages 1; have the admin register it with lineages 2"):
+        fleet_run.join(cfg, BASE)
+
+
 def test_joining_without_a_token_or_with_a_name_taken_says_what_to_do(fleet, monkeypatch):
     url, _, _ = fleet
     monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)

@@ -70,6 +70,7 @@ def test_a_run_learns_its_prefix_of_the_fleets_bucket_and_nobody_elses(tmp_path)
         "weight": 1.0,
         "max_staleness": 1,
         "lora_rank": None,
+        "lineages": 1,
     }
     assert client.get("/v1/runs/alice", headers=ADMIN).json() == info
     r = client.get("/v1/runs/alice", headers=bearer(bob))

@@ -45,6 +45,32 @@ def test_a_run_registers_with_its_own_window_and_rank_and_the_fleet_checks_both(
     assert client.get("/v1/runs/bob", headers=ADMIN).json()["max_staleness"] == 1
 
 
+def test_a_run_with_an_ema_average_pins_a_window_per_lineage_and_says_so_when_it_does_not_fit():
+    """A self-distilling run whose learner publishes `ema-vN` beside `policy-vN` registers two lineages: both
+    windows count against the slots, so its versions and another run's do not evict each other."""
+    client = TestClient(make_app(FakeBackend(), api_settings(max_loras=9, max_staleness=1)))
+    r = client.post("/v1/runs", json={"name": "alice", "lineages": 2}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["lineages"] == 2
+    assert client.get("/v1/runs/alice", headers=ADMIN).json()["lineages"] == 2
+    # alice 2 x 2 + the fleet's own lineage 2 + one to load into = 7 of 9: a one-lineage run of window 2 fits ...
+    r = client.post("/v1/runs", json={"name": "bob", "lineages": 2}, headers=ADMIN)
+    assert r.status_code == 409
+    message = r.json()["error"]["message"]
+    assert "alice 2 x 2 lineages, bob 2 x 2 lineages" in message and "11 LoRA slots" in message, message
+    r = client.post("/v1/runs", json={"name": "bob", "lineages": 3}, headers=ADMIN)
+    assert r.status_code == 400 and "lineages" in r.json()["error"]["message"]
+    r = client.post("/v1/runs", json={"name": "bob"}, headers=ADMIN)  # ... and says it has one
+    assert r.status_code == 200 and r.json()["lineages"] == 1
+
+
+def test_a_registration_recorded_before_runs_stated_lineages_is_read_as_one():
+    from deployments.control.runs import Registration
+
+    old = {"token_sha256": "ab", "weight": None, "max_staleness": 1, "lora_rank": 8}  # a record of the last release
+    assert Registration.from_record(old).lineages is None
+    assert Registration.from_record(Registration("ab", lineages=2).as_record()).lineages == 2
+
+
 def test_the_shipped_fleet_hosts_two_runs_as_shipped_and_refuses_a_third_as_a_conflict_with_the_arithmetic(tmp_path):
     """`make serve` (serve_config.yaml's fleet) then docs/shared-fleet.md's `POST /v1/runs {"name": ...}` twice: both
     fit, since the fleet's own `policy-vN` lineage pins no slot while nothing of it is committed. Once a version of it
