@@ -218,9 +218,9 @@ class AdapterSources:
         self._retry = None
         self.tidy_soon()
 
-    async def to_serve(self) -> list[int]:
-        """The fleet's own versions a replica serves from its start (listed afresh), oldest first."""
-        return await self._prefix(None)[1].to_serve()
+    async def to_serve(self, stem: str = POLICY_STEM) -> list[int]:
+        """The fleet's own versions of lineage `stem` a replica serves from its start (listed afresh), oldest first."""
+        return await self._prefix(None, stem)[1].to_serve()
 
     async def is_committed(self, ref: AdapterRef) -> bool:
         """Whether the bucket version `ref` is committed in its run's prefix (or the fleet's own)."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from contracts.adapters import run_prefix
+from contracts.adapters import POLICY_STEM, run_prefix
 from contracts.auth import lineage_key, signing_secret
-from core.bucket.store import AdapterStore
+from core.bucket.store import AdapterStore, adapter_store
 from core.config import BucketConfig
 from deployments.replica.adapter_slots import AdapterSlots
 from deployments.replica.adapter_sources import AdapterSources
@@ -19,10 +19,10 @@ BASE_MODEL = "base"
 SECRET = signing_secret("unit-test-admin-token")  # the fleet's, which the replicas verify every lineage's versions by
 
 
-def lineage_store(bucket_url: str, run: str | None = None, **kwargs) -> AdapterStore:
-    """The store of run `run`'s lineage (None: the fleet's own) in the fleet's bucket, signing with its key, as that
-    run's learner publishes."""
-    return AdapterStore(run_prefix(bucket_url, run), signing_key=lineage_key(SECRET, run), **kwargs)
+def lineage_store(bucket_url: str, run: str | None = None, stem: str = POLICY_STEM, **kwargs) -> AdapterStore:
+    """The store of run `run`'s lineage `stem` (policy, ema; run None: the fleet's own) in the fleet's bucket,
+    signing with its key, as that run's learner publishes."""
+    return adapter_store(stem)(run_prefix(bucket_url, run), signing_key=lineage_key(SECRET, run), **kwargs)
 
 
 class StandInLLM:

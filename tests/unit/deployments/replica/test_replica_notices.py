@@ -135,16 +135,25 @@ def test_a_new_replica_loads_every_lineages_pinned_versions_before_it_takes_traf
     from tests.support.replica_parts import adapter_folder, lineage_store
 
     url = f"file://{tmp_path}/bucket"
-    cfg = load_fleet_config(None, [f"bucket.url={url}", "fleet.max_staleness=1", "fleet.max_loras=8"])
-    slots = adapter_slots(tmp_path, window=2, max_loras=8)
+    cfg = load_fleet_config(None, [f"bucket.url={url}", "fleet.max_staleness=1", "fleet.max_loras=10"])
+    slots = adapter_slots(tmp_path, window=2, max_loras=10)
     for v in (1, 2, 3):
         slots.sources.store.publish(adapter_folder(tmp_path / f"own{v}", f"own {v}".encode()), v)
     alice = lineage_store(url, "alice", cache_dir=tmp_path / "cache")
     for v in (4, 5, 6):
         alice.publish(adapter_folder(tmp_path / f"alice{v}", f"alice {v}".encode()), v)
+    for v in (2, 3):  # the average an `ema` self teacher's learner publishes beside each version
+        lineage_store(url, stem="ema", cache_dir=tmp_path / "cache").publish(
+            adapter_folder(tmp_path / f"own-ema{v}", f"own ema {v}".encode()), v
+        )
+    carol, carol_ema = (lineage_store(url, "carol", stem, cache_dir=tmp_path / "cache") for stem in ("policy", "ema"))
+    for v in (1, 2):
+        carol.publish(adapter_folder(tmp_path / f"carol{v}", f"carol {v}".encode()), v)
+        carol_ema.publish(adapter_folder(tmp_path / f"carol-ema{v}", f"carol ema {v}".encode()), v)
     records = RunRecords.from_config(cfg, url)
     records.save("alice", {"token_sha256": "x", "max_staleness": 2})
     records.save("bob", {"token_sha256": "y"})  # registered, nothing published yet
+    records.save("carol", {"token_sha256": "z", "max_staleness": 0, "lineages": 2})  # self-distils from its average
 
     async def scenario():
         wanted = await adapters_to_serve(cfg, slots.sources, url)
@@ -156,9 +165,13 @@ def test_a_new_replica_loads_every_lineages_pinned_versions_before_it_takes_traf
     assert [name for name, _ in wanted] == [
         "policy-v2",
         "policy-v3",
+        "ema-v2",
+        "ema-v3",
         "alice/policy-v4",
         "alice/policy-v5",
         "alice/policy-v6",
+        "carol/policy-v2",
+        "carol/ema-v2",
     ]
     assert slots.names == tuple(sorted(name for name, _ in wanted))
 
