@@ -11,7 +11,7 @@ CONFIG ?= configs/tiny-cpu.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test test-fast serve bench lint tiny-model clean
+.PHONY: setup train test test-all serve bench lint tiny-model clean
 
 setup: $(STAMP) $(OPENENV_STAMP)
 
@@ -41,12 +41,13 @@ train: setup
 tiny-model: setup
 	$(PY) -m app.tiny_model --config $(CONFIG)
 
+# What CI runs: every unit and integration test, fault and spot legs included, but the long runs marked `slow`.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
-
-# Skips the slow end-to-end tests that `make test` and CI still run.
-test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Everything, the long runs marked `slow` too (learning curves, soaks, several runs at once): before a release.
+test-all: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 serve: setup
 	bash ops/serve_local.sh serve_config.yaml

@@ -19,8 +19,9 @@ def learner_actor():
     return _started["learner"]
 
 
-def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: float = 0) -> str:
-    """Start the learner actor and the Serve application on the connected Ray; returns the base URL for the SDK."""
+def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: float = 0, spot=None) -> str:
+    """Start the learner actor and the Serve application on the connected Ray; returns the base URL for the SDK.
+    `spot` (`core.config.SpotConfig`): how the learner watches its node for notices (None: it does not)."""
     import ray
     from ray import serve
 
@@ -28,11 +29,12 @@ def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: fl
     from deployments.tinker.shell import tinker_app
 
     # A learner whose process dies (its node preempted, a crash) is started again by Ray with the base model alone;
-    # the service restores each client from its last saved state on its next call (`TinkerApi._learner`).
+    # the service restores each client from its last saved state on its next call (`TinkerApi._learner`); after a
+    # notice for its node, that state is the one after the client's last optimizer step.
     learner = (
         ray.remote(TinkerLearner)
         .options(name=LEARNER_ACTOR, namespace=LEARNER_NAMESPACE, num_cpus=num_cpus, max_restarts=-1)
-        .remote(settings.model_path, settings.max_models)
+        .remote(settings.model_path, settings.max_models, spot)
     )
     ray.get(learner.models.remote())  # up, with the base model loaded
     _started["learner"] = learner
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     except pydantic.ValidationError as exc:
         print(f"tinker settings: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    start_tinker(settings, token)
+    start_tinker(settings, token, spot=cfg.spot)
     print(f"Tinker API up: TINKER_BASE_URL={url}  (keys: POST {url}/api/v1/admin/keys with the admin token)")
     try:
         signal.pause()

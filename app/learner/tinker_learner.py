@@ -12,6 +12,11 @@ that the fleet returns are at the sampling temperature, which a Tinker client se
 `app.objectives.tinker_losses`'. A sampler version is a PEFT folder committed to the tenant's prefix of the fleet's
 bucket (`core.bucket.AdapterStore`, signed with the lineage's key), exactly what `app.weight_sync` publishes for a
 run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`.
+
+A spot notice for the learner's node (`contracts.notices`: the cloud's metadata, a scheduler's file or SIGTERM, Ray
+draining the node) is heard by a watcher of its own (`notice`); the service then saves every client's state after
+each of its optimizer steps (`deployments.tinker.service`), so the learner that Ray starts again elsewhere restores
+each client where it stopped.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class TinkerLearner:
     """The base model at `model_path` with an adapter per training client (`create`, `drop`), trained by `LossCall`s
     and `AdamStep`s, published as versions (`publish`) and saved and restored (`save_state`, `load_state`)."""
 
-    def __init__(self, model_path: str, max_models: int = 8):
+    def __init__(self, model_path: str, max_models: int = 8, spot=None):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -67,6 +72,12 @@ class TinkerLearner:
         self.peft = None  # the PeftModel, from the first adapter on
         self.clients: dict[str, _Client] = {}
         self._counter = 0
+        self._notices = _watch(spot) if spot is not None and spot.watch else None
+
+    def notice(self) -> str | None:
+        """The interruption notice heard for this learner's node, in words; None while there is none."""
+        binding = self._notices.binding if self._notices is not None else None
+        return binding.describe() if binding is not None else None
 
     # ---- adapters -----------------------------------------------------------------------------------
 
@@ -241,3 +252,25 @@ class TinkerLearner:
                 client.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
                 client.steps = int(saved.get("steps", 0))
         return spec
+
+
+def _watch(spot):
+    """A watcher of this process's node (`core.config.SpotConfig`): the clouds' metadata, the scheduler's file,
+    SIGTERM, Ray's drain; an interruption drains the node in Ray, so that Ray starts the learner again elsewhere."""
+    from contracts.notice_sources import RayDrain, cloud_sources
+    from contracts.notice_watcher import NoticeWatcher
+    from contracts.notices import drain_this_node
+
+    def heard(notice) -> None:
+        if notice.binding and spot.drain_node and notice.drains_node:
+            drain_this_node(notice)
+
+    return NoticeWatcher(
+        [heard],
+        interval_s=spot.poll_interval_s,
+        probe_timeout_s=spot.probe_timeout_s,
+        notice_file=spot.notice_file,
+        sources=[*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)],
+        sigterm_grace_s=spot.sigterm_grace_s,
+        chain_sigterm=False,
+    ).start()

@@ -80,6 +80,7 @@ class TinkerApi:
         self.admin_token = admin_token
         self.sessions = Sessions(settings.max_models, settings.max_models_per_tenant, settings.session_idle_s)
         self.futures = Futures(settings.future_ttl_s)
+        self.tenants: dict[str, Tenant] = {}  # the latest caller of each run: whom a spot notice's saves are for
 
     # ---- reading a request ------------------------------------------------------------------------------
 
@@ -113,6 +114,7 @@ class TinkerApi:
             raise HttpError(503, f"the fleet could not check the API key: {refused.message}") from None
         if tenant is None:
             raise HttpError(401, "missing or unknown API key (X-API-Key: tml-<run token>; the admin creates keys)")
+        self.tenants[tenant.run] = tenant
         return tenant
 
     # ---- service ----------------------------------------------------------------------------------------
@@ -209,6 +211,32 @@ class TinkerApi:
             except ValueError as exc:
                 raise RequestFailed(str(exc), "user") from None
 
+    async def _notice(self) -> str | None:
+        """The spot notice the learner's node has, in words; None without one, or with no learner to ask."""
+        try:
+            return await self.learner.call("notice")
+        except Exception:  # noqa: BLE001 - a learner that is gone has no notice; its calls wait for the next one
+            return None
+
+    async def _keep(self, model: Model, tenant: Tenant) -> None:
+        """Save `model`'s state (adapter and optimizer) as the one a restarted learner restores it from, unseen by
+        the user's saved paths: after a spot notice, the learner Ray starts again elsewhere loses no step."""
+        lineage = await self._lineage(tenant)
+        model.saved = await self._learner("save_state", model.model_id, lineage, model=model, tenant=tenant)
+        model.trained = False
+
+    async def keep_everyone(self, notice: str) -> None:
+        """A spot notice for the learner's node: save every client that trained since its last saved state."""
+        for model in [m for m in self.sessions.models.values() if m.trained]:
+            tenant = self.tenants.get(model.tenant)
+            if tenant is None:
+                continue
+            try:
+                await self._keep(model, tenant)
+                log.warning("tinker: %s; %s saved, to be restored where it stopped", notice, model.model_id)
+            except Exception as exc:  # noqa: BLE001 - the next optimizer step saves it again, while the notice lasts
+                log.warning("tinker: %s; %s could not be saved: %s", notice, model.model_id, exc)
+
     async def _drop(self, model_id: str) -> None:
         with contextlib.suppress(Exception):  # a learner that is gone holds nothing to drop
             await self.learner.call("drop", model_id)
@@ -290,6 +318,9 @@ class TinkerApi:
         async def work() -> Result:
             async with model.turn(body.seq_id or 0):
                 metrics = await self._learner("optim_step", step, model=model, tenant=tenant)
+                model.trained = True
+                if await self._notice() is not None:  # the node is going: this step must survive it
+                    await self._keep(model, tenant)
             return Result(json=_json(types.OptimStepResponse(metrics=metrics)))
 
         return self._accept(tenant, work(), model.model_id)
@@ -334,7 +365,7 @@ class TinkerApi:
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
                 number = await self._learner("save_state", model.model_id, lineage, model=model, tenant=tenant)
-                model.saved = number
+                model.saved, model.trained = number, False
             path = f"tinker://{model.model_id}/weights/{body.path}"
             self.sessions.state_paths[path] = (tenant.run, number)
             return Result(json=_json(types.SaveWeightsResponse(path=path)))
@@ -371,7 +402,7 @@ class TinkerApi:
             async with turn():
                 lineage = await self._lineage(tenant)
                 spec = await self._learner("load_state", model.model_id, lineage, number, body.optimizer)
-            model.rank, model.saved = spec.rank, number
+            model.rank, model.saved, model.trained = spec.rank, number, False
             return Result(json=_json(types.LoadWeightsResponse(path=body.path, model_id=model.model_id)))
 
         return self._accept(tenant, work(), model.model_id)
@@ -506,12 +537,18 @@ class TinkerApi:
     # ---- upkeep -----------------------------------------------------------------------------------------
 
     async def upkeep(self) -> None:
-        """Release the sessions that went silent, and their adapters on the learner."""
+        """Release the sessions that went silent, and their adapters on the learner; on a spot notice for the
+        learner's node, save the clients that trained since their last state (those stepping save after each step)."""
         while True:
             await asyncio.sleep(UPKEEP_PERIOD_S)
             for model_id in self.sessions.take_idle():
                 log.info("tinker: releasing %s (its session went silent)", model_id)
                 await self._drop(model_id)
+            holding = {m.tenant for m in self.sessions.models.values()}
+            self.tenants = {run: t for run, t in self.tenants.items() if run in holding}
+            notice = await self._notice()
+            if notice is not None:
+                await self.keep_everyone(notice)
 
 
 def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = None) -> FastAPI:

@@ -39,6 +39,7 @@ class Model:
     rank: int
     next_seq: int = 1
     saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
+    trained: bool = False  # optimizer steps since that state: what a spot notice's save keeps
     restores: int = 0
     _turns: asyncio.Condition = field(default_factory=asyncio.Condition)
 

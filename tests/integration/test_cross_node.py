@@ -31,8 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 HEAD_LOOPBACK = "127.0.0.2"  # the head's own 127.0.0.1, as nothing on another node can reach it
 STEPS = 2
 
-pytestmark = pytest.mark.slow
-
 
 def _overrides(tmp: Path, port: int) -> list[str]:
     # No task.* or tiny.* setting: those name another tiny model, which the driver would warm up for minutes.

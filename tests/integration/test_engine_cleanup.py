@@ -15,7 +15,6 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from tests.support.fleet_helpers import free_port, process_tree
 
@@ -53,7 +52,6 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-@pytest.mark.slow
 def test_engines_die_with_their_replica_when_ray_is_killed_hard(tmp_path, tiny_model_path):
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(tmp_path), tiny_model_path, str(free_port())],

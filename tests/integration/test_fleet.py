@@ -362,7 +362,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
 def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_live_adapters(fleet):
     import ray
 

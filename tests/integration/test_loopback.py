@@ -16,8 +16,6 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import pytest
-
 from deployments.replica.engine_watchdog import terminate
 from tests.support.fleet_helpers import free_port, is_loopback, listening_sockets, process_tree
 
@@ -66,7 +64,6 @@ def test_s3_server_listens_on_loopback_only(tmp_path):
     assert {s3.base_port + offset for offset in range(4)} <= {port for _, port, *_ in sockets}
 
 
-@pytest.mark.slow
 def test_make_train_listens_on_loopback_only(tmp_path, tiny_model_path):
     """`make train`'s embedded default: the driver's Ray (`start_ray(None)`) and a fleet (`deploy_fleet`),
     one replica instead of two (the same processes, one engine fewer)."""
@@ -133,7 +130,6 @@ def _serve_config(path: Path, http_port: int) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_make_serve_head_listens_on_loopback_only(tmp_path):
     """`make serve` (`ops/serve_local.sh`): its `ray start --head`, then `serve run` of a one-replica app.
 

@@ -355,7 +355,6 @@ def test_registered_runs_survive_a_restart_of_the_ingress(fleet):
     admin.remove_run("gina")
 
 
-@pytest.mark.slow
 def test_trls_async_grpo_trainer_is_served_exactly_the_adapters_it_wrote_also_when_a_second_run_reuses_the_folder(
     fleet, tmp_path
 ):

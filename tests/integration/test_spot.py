@@ -52,8 +52,6 @@ SPOT = (
     "model.max_model_len=256",  # room for generations long enough to be in flight when the replica goes
 )
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def spot(tmp_path_factory):

@@ -19,7 +19,14 @@ RANK = 8
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, tiny_model_path):
+def notice_file(tmp_path_factory):
+    """A scheduler's notice file for the learner's node (`spot.notice_file`): its appearance is a spot notice."""
+    return tmp_path_factory.mktemp("tinker-spot") / "notice"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, tiny_model_path, notice_file):
+    from core.config import SpotConfig
     from deployments.tinker.settings import TinkerSettings
     from launch.tinker import start_tinker, stop_tinker
 
@@ -33,11 +40,11 @@ def service(tmp_path_factory, tiny_model_path):
             base_model=fleet.base,
             model_path=fleet.model_path,
             cache_dir=str(work / "tinker-cache"),
-            max_models=4,
-            max_models_per_tenant=3,  # the isolation test holds one per tenant, the RL tests one more each
+            max_models=6,
+            max_models_per_tenant=4,  # the isolation test holds one per tenant, the others one more each
             poll_wait_s=5.0,
         )
-        url = start_tinker(settings, TOKEN)
+        url = start_tinker(settings, TOKEN, spot=SpotConfig(notice_file=str(notice_file), poll_interval_s=0.5))
         keys = {}
         for name in ("alice", "bob"):
             reply = httpx.post(
@@ -181,6 +188,43 @@ def test_a_learner_killed_mid_session_resumes_from_the_last_saved_state(service)
         assert logprobs() != saved
 
 
+def test_after_a_spot_notice_for_the_learners_node_a_loop_that_never_saves_loses_no_step(service, notice_file):
+    """The learner's node gets a notice (a scheduler's file; the clouds' metadata alike): from then on the service
+    saves each client after every optimizer step, so when the node goes and Ray starts the learner again, the client
+    comes back exactly where it stopped, though its loop never called `save_state`."""
+    import time
+
+    import ray
+
+    from launch.tinker import learner_actor
+
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
+        training = client.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=5).result()
+        data = [sft_datum(training.get_tokenizer(), "33+9=", "42")]
+
+        def step():
+            training.forward_backward(data, "cross_entropy")
+            training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+        def logprobs():
+            return training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+        step()
+        notice_file.write_text('{"in_s": 120}')
+        deadline = time.monotonic() + 30
+        while ray.get(learner_actor().notice.remote()) is None:
+            assert time.monotonic() < deadline, "the learner never heard the notice"
+            time.sleep(0.2)
+        step()  # saved after it, the node having a notice
+        kept = logprobs()
+        notice_file.unlink()  # the learner's replacement runs on a machine without a notice
+        ray.kill(learner_actor(), no_restart=False)
+        assert logprobs() == pytest.approx(kept, abs=1e-5)
+        step()
+        assert logprobs() != kept
+
+
 def test_custom_losses_ppo_and_a_client_from_saved_state(service):
     """`forward_backward_custom` as the SDK runs it (a forward, then a `cross_entropy` backward weighted by the
     custom loss's gradient), `ppo` with its config, and `create_training_client_from_state` from `save_state`."""
@@ -283,4 +327,6 @@ def test_an_rl_loop_written_with_the_sdk_alone_raises_held_out_accuracy_by_20_po
     fleet, url, keys = service
     splits = load_task(load_config().task)
     report = rl_loop(url, keys["bob"], fleet.base, splits.train, splits.heldout, steps=50)
+    before, after = 100 * report["accuracy_before"], 100 * report["accuracy_after"]
+    print(f"\n[tinker rl] held-out {before:.1f}% -> {after:.1f}% in 50 steps, loop {report['loop_s']:.0f} s")
     assert report["gain_points"] >= 20, report

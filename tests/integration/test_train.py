@@ -127,7 +127,6 @@ def test_the_calculator_tool_environment_runs_end_to_end(tmp_path):
     assert 0.99 <= summary["ratio_mean"] <= 1.01
 
 
-@pytest.mark.slow
 def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_command_resumes_then_says_finished(
     tmp_path, tiny_model_path
 ):

@@ -25,8 +25,6 @@ from core.config import RunConfig, load_config
 from core.models import load_tokenizer, prompt_token_ids
 from tests.support.fleet_helpers import running_fleet
 
-pytestmark = pytest.mark.slow
-
 TOKEN = "verifiers-test-token-7f3a2c"
 TASKSET = "examples.verifiers_arithmetic:ArithmeticTaskset"
 HARNESS = "spotrl_vf__examples__verifiers_arithmetic"  # the example module, as verifiers is given it

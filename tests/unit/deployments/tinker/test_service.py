@@ -27,6 +27,8 @@ class FakeFleet(FleetCalls):
 class FakeLearner:
     def __init__(self):
         self.calls, self.lost = [], False
+        self.notice: str | None = None  # what `notice` answers: a spot notice for the learner's node
+        self.saves = 0
 
     async def call(self, method, *args):
         self.calls.append((method, args))
@@ -39,6 +41,11 @@ class FakeLearner:
             return LossReply([[-1.0] * len(d.target_tokens) for d in call.data], {"loss:sum": 2.0})
         if method == "optim_step":
             return {"grad_norm:mean": 1.0}
+        if method == "notice":
+            return self.notice
+        if method == "save_state":
+            self.saves += 1
+            return self.saves
         return None
 
 
@@ -156,3 +163,34 @@ def test_a_heartbeat_of_a_released_session_is_410_which_stops_the_sdks_heartbeat
     with http:
         gone = post(http, "session_heartbeat", types.SessionHeartbeatRequest(session_id="alice-none"))
         assert gone.status_code == 410
+
+
+def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_each_of_its_steps():
+    """The learner's node got a notice: the upkeep saves each client that trained since its last state, and every
+    optimizer step from then on is followed by a save, so the learner Ray starts again restores it where it stopped.
+    Without a notice nothing is saved behind the user's back."""
+    import asyncio
+
+    http, learner = client()
+    with http:
+        _, future = new_model(http)
+        model_id = types.CreateModelResponse.model_validate(result(http, future.json()["request_id"]).json()).model_id
+        api = http.app.state.api
+
+        def step(seq):
+            request = types.OptimStepRequest(adam_params=types.AdamParams(), model_id=model_id, seq_id=seq)
+            assert result(http, post(http, "optim_step", request).json()["request_id"]).status_code == 200
+
+        step(1)
+        assert learner.saves == 0 and api.sessions.models[model_id].trained
+        learner.notice = "an AWS interruption notice for this node (120 s)"
+        asyncio.run(api.keep_everyone(learner.notice))  # what the upkeep does on its next round
+        model = api.sessions.models[model_id]
+        assert (learner.saves, model.saved, model.trained) == (1, 1, False)
+        asyncio.run(api.keep_everyone(learner.notice))  # nothing trained since: nothing saved again
+        assert learner.saves == 1
+        step(2)
+        assert (learner.saves, model.saved, model.trained) == (2, 2, False)
+        learner.notice = None  # a learner started again elsewhere: no notice there
+        step(3)
+        assert (learner.saves, model.trained) == (2, True)
