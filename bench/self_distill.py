@@ -26,9 +26,9 @@ greedy held-out accuracy through the fleet (`bench.vs_trl.evaluate_folder`, `app
 time in the training loop (spotrl: the driver's loop; TRL: from `on_train_begin`). Nothing is downloaded; Ray and the
 fleet listen on 127.0.0.1 only.
 
-    python -m bench.self_distill [--steps 60] [--every 12]
+    python -m bench.self_distill [--steps 30] [--every 6]
 
-60 steps by default, the shipped config's, for all three arms alike: on the shared 2-core box TRL's trainer took 3-8 s
+30 steps by default, the shipped config's, for all three arms alike: on the shared 2-core box TRL's trainer took 3-8 s
 a step (transformers' generate, then the student's and the teacher's forward in turn).
 
 Writes bench/results/self_distill.json.
@@ -297,8 +297,8 @@ def table_rows(arms: dict[str, dict]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--every", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--save-at", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)

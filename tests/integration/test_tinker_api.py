@@ -73,6 +73,22 @@ def sft_datum(tokenizer, prompt: str, completion: str) -> types.Datum:
     )
 
 
+def one_datum_client(client, base_model: str, seed: int, prompt: str, completion: str):
+    """A training client on one SFT datum: (client, `step()`: forward_backward then optim_step, `logprobs()`: the
+    datum's log-probs under its weights now)."""
+    training = client.create_lora_training_client(base_model=base_model, rank=RANK, seed=seed).result()
+    data = [sft_datum(training.get_tokenizer(), prompt, completion)]
+
+    def step():
+        training.forward_backward(data, "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+    def logprobs():
+        return training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+
+    return training, step, logprobs
+
+
 def test_sft_lowers_the_loss_and_its_weights_sample_on_the_fleet(service):
     fleet, url, keys = service
     with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
@@ -166,16 +182,7 @@ def test_a_learner_killed_mid_session_resumes_from_the_last_saved_state(service)
 
     fleet, url, keys = service
     with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as client:
-        training = client.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=3).result()
-        data = [sft_datum(training.get_tokenizer(), "21+21=", "42")]
-
-        def step():
-            training.forward_backward(data, "cross_entropy")
-            training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-
-        def logprobs():
-            return training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-
+        training, step, logprobs = one_datum_client(client, fleet.base, 3, "21+21=", "42")
         step()
         step()
         training.save_state("before-the-kill").result()
@@ -200,16 +207,7 @@ def test_after_a_spot_notice_for_the_learners_node_a_loop_that_never_saves_loses
 
     fleet, url, keys = service
     with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
-        training = client.create_lora_training_client(base_model=fleet.base, rank=RANK, seed=5).result()
-        data = [sft_datum(training.get_tokenizer(), "33+9=", "42")]
-
-        def step():
-            training.forward_backward(data, "cross_entropy")
-            training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-
-        def logprobs():
-            return training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-
+        _, step, logprobs = one_datum_client(client, fleet.base, 5, "33+9=", "42")
         step()
         notice_file.write_text('{"in_s": 120}')
         deadline = time.monotonic() + 30
