@@ -244,7 +244,7 @@ def run_fleet_arm(
                 print(f"TRL step {step}: held-out {acc:.3f}, loop {trl['wall'][step]:.1f} s", flush=True)
             result["trl_points"] = points
         t0 = time.time()
-        result["points"] = run_spotrl(cfg, url, model_path, steps)
+        result["points"] = run_spotrl(cfg, url, model_path, steps, Path(cfg.logging.output_dir).name)  # the arm
         result["train_s"] = round(time.time() - t0, 1)
     finally:
         shutdown_fleet(cfg, stop_serve=False)

@@ -99,8 +99,8 @@ def evaluate_folder(cfg, url: str, model_path: str, name: str, folder: Path) -> 
 # ---- spotrl side ----------------------------------------------------------------------------------------
 
 
-def run_spotrl(cfg, url: str, model_path: str, steps: list[int]) -> dict[int, dict]:
-    """`launch.train.train` on the running fleet, then evaluate its bucket versions at `steps`."""
+def run_spotrl(cfg, url: str, model_path: str, steps: list[int], label: str = "spotrl") -> dict[int, dict]:
+    """`launch.train.train` on the running fleet, then evaluate its bucket versions at `steps` (printed as `label`'s)."""
     import core.local_ray
     from launch.train import train
 
@@ -116,7 +116,7 @@ def run_spotrl(cfg, url: str, model_path: str, steps: list[int]) -> dict[int, di
         folder = adapter_folder(adapters / f"policy-v{step}")
         acc = evaluate_folder(cfg, url, model_path, f"spotrl-step-{step}", folder)
         points[step] = {"accuracy": acc, "wall_s": round(wall, 1), "samples": step * samples_per_step(cfg)}
-        print(f"spotrl step {step}: held-out {acc:.3f}, loop {wall:.1f} s", flush=True)
+        print(f"{label} step {step}: held-out {acc:.3f}, loop {wall:.1f} s", flush=True)
     return points
 
 
