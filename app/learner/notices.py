@@ -57,28 +57,13 @@ class LearnerNotices:
         """Watch this rank's node (rank 0), or take a first SIGTERM as a notice rank 0 acts on (the others).
         `on_notice` runs in the watcher's thread once a notice has been handled (the rank checkpoints an idle
         learner there)."""
-        from contracts.notice_sources import RayDrain, cloud_sources
-        from contracts.notice_watcher import NoticeWatcher
         from contracts.notices import on_head_node
 
         spot = self.spot
         if spot is None or not spot.watch or on_head_node():  # the head's notices are the driver's (`app.spot`)
             return self
         self._on_notice = on_notice
-        sources = (
-            [*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)]
-            if rank == 0
-            else []
-        )
-        self._watcher = NoticeWatcher(
-            [self._heard] if rank == 0 else [],
-            interval_s=spot.poll_interval_s,
-            probe_timeout_s=spot.probe_timeout_s,
-            notice_file=spot.notice_file if rank == 0 else None,
-            sources=sources,
-            sigterm_grace_s=spot.sigterm_grace_s,
-            chain_sigterm=False,
-        )
+        self._watcher = node_watcher(spot, [self._heard], sources=rank == 0)
         if rank == 0:
             self._watcher.start()
         return self
@@ -92,10 +77,7 @@ class LearnerNotices:
             log.warning("spot: %s; the learner checkpoints when the interruption itself comes", notice.describe())
             return
         self.heard(notice)
-        if self.spot.drain_node and notice.drains_node:
-            from contracts.notices import drain_this_node
-
-            drain_this_node(notice)
+        drain_if_asked(self.spot, notice)
         if self._on_notice is not None:
             self._on_notice()
 
@@ -146,3 +128,32 @@ class LearnerNotices:
         if self.notice is not None:
             metrics["spot/noticed"] = 1.0
         return metrics
+
+
+def node_watcher(spot, handlers: list[Callable[[Notice], None]], sources: bool = True):
+    """A learner process's `NoticeWatcher` (not started) for its node (`core.config.SpotConfig`): with `sources`, the
+    clouds' metadata, the scheduler's file and Ray's drain, reported to `handlers`; either way a first SIGTERM is a
+    notice and not the end of the process (the learner must checkpoint first), the second one is."""
+    from contracts.notice_sources import RayDrain, cloud_sources
+    from contracts.notice_watcher import NoticeWatcher
+
+    return NoticeWatcher(
+        handlers if sources else [],
+        interval_s=spot.poll_interval_s,
+        probe_timeout_s=spot.probe_timeout_s,
+        notice_file=spot.notice_file if sources else None,
+        sources=[*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)]
+        if sources
+        else [],
+        sigterm_grace_s=spot.sigterm_grace_s,
+        chain_sigterm=False,
+    )
+
+
+def drain_if_asked(spot, notice: Notice) -> None:
+    """Drain the noticed node in Ray (`spot.drain_node`), so that nothing new, the learner's replacement included, is
+    scheduled on it; not for a notice that comes from Ray's drain or a SIGTERM (`Notice.drains_node`)."""
+    if spot.drain_node and notice.drains_node:
+        from contracts.notices import drain_this_node
+
+        drain_this_node(notice)

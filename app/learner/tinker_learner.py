@@ -255,22 +255,12 @@ class TinkerLearner:
 
 
 def _watch(spot):
-    """A watcher of this process's node (`core.config.SpotConfig`): the clouds' metadata, the scheduler's file,
+    """A started watcher of this process's node (`core.config.SpotConfig`): the clouds' metadata, the scheduler's file,
     SIGTERM, Ray's drain; an interruption drains the node in Ray, so that Ray starts the learner again elsewhere."""
-    from contracts.notice_sources import RayDrain, cloud_sources
-    from contracts.notice_watcher import NoticeWatcher
-    from contracts.notices import drain_this_node
+    from app.learner.notices import drain_if_asked, node_watcher
 
     def heard(notice) -> None:
-        if notice.binding and spot.drain_node and notice.drains_node:
-            drain_this_node(notice)
+        if notice.binding:
+            drain_if_asked(spot, notice)
 
-    return NoticeWatcher(
-        [heard],
-        interval_s=spot.poll_interval_s,
-        probe_timeout_s=spot.probe_timeout_s,
-        notice_file=spot.notice_file,
-        sources=[*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)],
-        sigterm_grace_s=spot.sigterm_grace_s,
-        chain_sigterm=False,
-    ).start()
+    return node_watcher(spot, [heard]).start()
