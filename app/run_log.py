@@ -1,5 +1,9 @@
 """What a run records: its numbers step by step (metrics, the audit trail of trained groups, the progress bar,
-the verdicts) and the summary at the end, so that the loop and the summary read the same figures."""
+the verdicts) and the summary at the end, so that the loop and the summary read the same figures.
+
+A run resumed after a spot notice or a crash is one run: its summary counts the steps the earlier processes
+trained too, read back from `metrics.jsonl` (`previous_steps`); only the timings (loop, idle shares, wall time)
+are the finishing process's own."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import math
 import statistics
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 from app.messages import RolloutStats, StepResult
 from core.config import RunConfig
@@ -27,7 +32,8 @@ class Run:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.history: list[dict] = []
-        self.staleness: list[int] = []
+        self.own_from = 0  # history[own_from:] are this process's steps, the rest an earlier process's (`restore`)
+        self.stale_sum, self.stale_groups, self.stale_max = 0, 0, None  # of the trained groups' staleness
         self.samples_trained = 0
         self.partial_samples = 0  # trained samples whose tokens span more than one version
         self.t0 = time.time()
@@ -55,10 +61,27 @@ class Run:
         }
         self.history.append(metrics)
         if result.batch:
-            self.staleness.extend(result.batch.staleness)
-            self.samples_trained += result.batch.num_samples
-            self.partial_samples += result.batch.num_partial
+            batch = result.batch
+            self.samples_trained += batch.num_samples
+            self.partial_samples += batch.num_partial
+            if batch.staleness:
+                self.stale_sum += sum(batch.staleness)
+                self.stale_groups += len(batch.staleness)
+                self.stale_max = max(self.stale_max or 0, max(batch.staleness))
         return metrics
+
+    def restore(self, records: list[dict]) -> None:
+        """The steps an earlier process of this run trained (`previous_steps`), counted as if recorded here."""
+        for m in records:
+            samples = int(m.get("samples", 0))
+            self.samples_trained += samples
+            self.partial_samples += round(m.get("sample/partial_share", 0.0) * samples)
+            if groups := int(m.get("sample/groups", 0)):  # the step's mean and max are what the summary needs
+                self.stale_sum += m["sample/staleness_mean"] * groups
+                self.stale_groups += groups
+                self.stale_max = max(self.stale_max or 0, int(m["sample/staleness_max"]))
+        self.history = records + self.history
+        self.own_from += len(records)
 
     def summary(self, before: dict | None, after: dict | None, rollout: RolloutStats, router: dict | None) -> dict:
         rewards = [m["reward"] for m in self.history if "reward" in m]
@@ -77,8 +100,8 @@ class Run:
             "affinity_share": router_affinity(router),
             **episode_summary(self.history, rollout, router),
             **distill_summary(self.history, rollout, self.teacher_heldout, self.teachers_heldout),
-            "staleness_mean": statistics.fmean(self.staleness) if self.staleness else None,
-            "staleness_max": max(self.staleness) if self.staleness else None,
+            "staleness_mean": self.stale_sum / self.stale_groups if self.stale_groups else None,
+            "staleness_max": self.stale_max,
             "dropped_stale_share": rollout.dropped_stale_share,
             "partial_share": self.partial_samples / self.samples_trained if self.samples_trained else None,
             "cut_share": rollout.cut_share,
@@ -87,7 +110,7 @@ class Run:
             "ratio_mean": statistics.fmean(ratios) if ratios else None,
             "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
             "loop_wall_s": round(self.loop_s, 1),
-            "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history) / self.loop_s
+            "trainer_idle_share": sum(m["perf/rollout_wait_s"] for m in self.history[self.own_from :]) / self.loop_s
             if self.loop_s
             else None,
             "generation_idle_share": (rollout.idle_s - self.idle_at_loop_start) / self.loop_s if self.loop_s else None,
@@ -199,3 +222,20 @@ def progress_bar(cfg: RunConfig, initial: int):
         disable=not cfg.logging.progress_bar,
         dynamic_ncols=True,
     )
+
+
+def previous_steps(run_dir: Path, resumed_step: int) -> list[dict]:
+    """The metrics of steps 1..`resumed_step` as earlier processes of the run logged them (`metrics.jsonl`): a step
+    logged twice (trained again after a crash lost it) counts as its last line, the one the checkpoint descends from."""
+    path = run_dir / "metrics.jsonl"
+    if resumed_step <= 0 or not path.exists():
+        return []
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the process that died writing it
+            continue
+        if 0 < record.get("step", 0) <= resumed_step:
+            by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]

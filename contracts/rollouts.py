@@ -255,6 +255,7 @@ class BatchStats:
         if self.staleness:
             out["sample/staleness_mean"] = statistics.fmean(self.staleness)
             out["sample/staleness_max"] = max(self.staleness)
+            out["sample/groups"] = len(self.staleness)
         if self.episodes:
             out.update(self.episodes.metrics())
         out.update(self.costs)

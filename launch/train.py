@@ -20,7 +20,7 @@ import time
 from contextlib import ExitStack
 
 from app.messages import ResumePoint
-from app.run_log import Run, StepLog
+from app.run_log import Run, StepLog, previous_steps
 from app.spot import DriverNotices, Preempted, finished_line, preempted_line, resumed_line
 from app.tasks.checks import check_names
 from app.tasks.openenv_env import serve_openenv
@@ -234,6 +234,7 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
             cfg, run, fleet, model_path, evaluation, token or admin_token(cfg), resume.policy_version
         )
         rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token, teacher)
+        run.restore(previous_steps(cfg.run_dir, resume.step))  # a resumed run's summary is the whole run's
         steps = StepLog(stack, run, resume.step)
         version = loop(cfg, run, steps, learner, rollout, resume, notices)
         return finish(cfg, run, steps, rollout, fleet, evaluation, before, version)
