@@ -33,8 +33,14 @@ def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: fl
     # notice for its node, that state is the one after the client's last optimizer step.
     learner = (
         ray.remote(TinkerLearner)
-        .options(name=LEARNER_ACTOR, namespace=LEARNER_NAMESPACE, num_cpus=num_cpus, max_restarts=-1)
-        .remote(settings.model_path, settings.max_models, spot)
+        .options(
+            name=LEARNER_ACTOR,
+            namespace=LEARNER_NAMESPACE,
+            num_cpus=num_cpus,
+            num_gpus=1 if settings.learner_device == "cuda" else 0,
+            max_restarts=-1,
+        )
+        .remote(settings.model_path, settings.max_models, spot, settings.learner_device, settings.learner_dtype)
     )
     ray.get(learner.models.remote())  # up, with the base model loaded
     _started["learner"] = learner

@@ -7,11 +7,18 @@ named `contracts.tinker.LEARNER_ACTOR`) that keeps the base model once and one P
 share a weight, a gradient or an optimizer moment. Ray runs one call at a time, and the HTTP side orders a client's
 calls by their `seq_id`.
 
+Precision and device follow the run learner's (`app.learner.model`): on the CPU float32; on a GPU (`device: cuda`,
+the one Ray gives the actor) the frozen base may be bfloat16 while every adapter keeps fp32 masters and fp32 AdamW
+moments (PEFT casts adapter weights up), the forward running under bfloat16 autocast. No FSDP here: one base and many
+small adapters fit one device, and a Tinker step is one client's few datums.
+
 Log-probs come from `app.learner.logprobs.token_logprobs` (float32 softmax, temperature 1: the sampler's log-probs
 that the fleet returns are at the sampling temperature, which a Tinker client sets to 1 for RL); the losses are
 `app.objectives.tinker_losses`'. A sampler version is a PEFT folder committed to the tenant's prefix of the fleet's
 bucket (`core.bucket.AdapterStore`, signed with the lineage's key), exactly what `app.weight_sync` publishes for a
-run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`.
+run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`. The tinker path a user
+was given for either is recorded beside them (`tinker/paths/` of the tenant's prefix, `recall`), so that a service
+that restarted, knowing no path any more, finds them again.
 
 A spot notice for the learner's node (`contracts.notices`: the cloud's metadata, a scheduler's file or SIGTERM, Ray
 draining the node) is heard by a watcher of its own (`notice`); the service then saves every client's state after
@@ -21,6 +28,7 @@ each client where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tempfile
@@ -30,6 +38,7 @@ from pathlib import Path
 import torch
 
 from app.learner.logprobs import token_logprobs
+from app.learner.model import DTYPES
 from app.objectives.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 from contracts.auth import Secret
 from contracts.tinker import AdamStep, AdapterSpec, Lineage, LossCall, LossReply, Publication
@@ -38,6 +47,7 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 OPTIMIZER_FILE = "optimizer.pt"
 SPEC_FILE = "tinker_spec.json"
+PATHS = "tinker/paths"  # under a tenant's prefix: one small JSON per tinker path the service handed out
 
 
 @dataclass
@@ -62,12 +72,18 @@ class TinkerLearner:
     """The base model at `model_path` with an adapter per training client (`create`, `drop`), trained by `LossCall`s
     and `AdamStep`s, published as versions (`publish`) and saved and restored (`save_state`, `load_state`)."""
 
-    def __init__(self, model_path: str, max_models: int = 8, spot=None):
+    def __init__(self, model_path: str, max_models: int = 8, spot=None, device: str = "cpu", dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("the Tinker learner was asked for device cuda and this process sees no GPU")
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.model_path, self.max_models = model_path, max_models
-        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.device = torch.device("cuda" if device == "cuda" else "cpu")  # Ray shows the actor its own GPU only
+        self.dtype = DTYPES[dtype]
+        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
         self.base.config.use_cache = False
         self.peft = None  # the PeftModel, from the first adapter on
         self.clients: dict[str, _Client] = {}
@@ -145,16 +161,20 @@ class TinkerLearner:
             check_inputs(call.loss_fn, len(datum.target_tokens), datum.inputs)
         self._activate(call.model)
         self.peft.train()
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         logprobs: list[list[float]] = []
+        # Half-precision bases compute in their dtype; the adapters' fp32 masters are cast on the fly (as FSDP2's
+        # mixed precision does for the run learner), and log-probs are taken in float32 (`token_logprobs`).
+        autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
         with torch.set_grad_enabled(call.backward):
             for datum in call.data:
-                ids = torch.tensor([datum.input_tokens])
-                targets = torch.tensor([datum.target_tokens])
-                logits = self.peft(input_ids=ids).logits
+                ids = torch.tensor([datum.input_tokens], device=self.device)
+                targets = torch.tensor([datum.target_tokens], device=self.device)
+                with autocast:
+                    logits = self.peft(input_ids=ids).logits
                 logp, _ = token_logprobs(logits, targets, 1.0)
                 logp = logp[0]
-                inputs = {k: torch.tensor(v, dtype=torch.float32) for k, v in datum.inputs.items()}
+                inputs = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in datum.inputs.items()}
                 loss = datum_loss(call.loss_fn, logp, inputs, config)
                 if call.backward:
                     loss.backward()  # one datum at a time: memory of one sequence, gradients summed
@@ -186,14 +206,15 @@ class TinkerLearner:
 
         dest.mkdir(parents=True, exist_ok=True)
         weights = get_peft_model_state_dict(self.peft, adapter_name=client.adapter, save_embedding_layers=False)
-        save_file({k: v.detach().contiguous() for k, v in weights.items()}, dest / "adapter_model.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, dest / "adapter_model.safetensors")
         config = self.peft.peft_config[client.adapter]
         config.base_model_name_or_path = self.model_path
         config.save_pretrained(str(dest))
         return dest
 
-    def publish(self, model: str, lineage: Lineage) -> Publication:
-        """Commit the client's adapter as the tenant's next `policy-vN` (signed with its lineage's key)."""
+    def publish(self, model: str, lineage: Lineage, path: str | None = None) -> Publication:
+        """Commit the client's adapter as the tenant's next `policy-vN` (signed with its lineage's key); `path`, the
+        tinker path the user is given for it, is recorded (`recall`)."""
         from core.bucket.filesystem import VersionExists
         from core.bucket.store import AdapterStore
 
@@ -210,6 +231,8 @@ class TinkerLearner:
                     version += 1
             else:
                 raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
+        if path is not None:
+            _remember(lineage, path, version)
         return Publication(version, store.key_of(version))
 
     def _states(self, lineage: Lineage):
@@ -217,8 +240,9 @@ class TinkerLearner:
 
         return CheckpointStore(f"{lineage.bucket_url}/tinker", cache_dir=lineage.cache_dir)
 
-    def save_state(self, model: str, lineage: Lineage) -> int:
-        """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number."""
+    def save_state(self, model: str, lineage: Lineage, path: str | None = None) -> int:
+        """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number. `path`, the
+        tinker path the user is given for it, is recorded (`recall`); the service's own saves after a notice have none."""
         client = self._activate(model)
         states = self._states(lineage)
         with tempfile.TemporaryDirectory(prefix="tinker-state-") as tmp:
@@ -230,7 +254,23 @@ class TinkerLearner:
             (folder / SPEC_FILE).write_text(json.dumps({**spec, "steps": client.steps}))
             number = (states.latest() or 0) + 1
             states.save(number, folder, meta={"model": model, "steps": client.steps})
+        if path is not None:
+            _remember(lineage, path, number)
         return number
+
+    def recall(self, lineage: Lineage, path: str) -> int | None:
+        """The state number or sampler version the tenant's tinker `path` names, as recorded when it was saved; None
+        for a path this tenant never saved (another tenant's records lie in another prefix)."""
+        fs, record = _path_record(lineage, path)
+        try:
+            saved = json.loads(_bucket_call(fs.cat_file, record))
+        except Exception as exc:
+            from core.bucket.filesystem import is_missing
+
+            if is_missing(exc):
+                return None
+            raise
+        return int(saved["number"]) if saved.get("path") == path else None
 
     def load_state(self, model: str, lineage: Lineage, number: int, optimizer: bool) -> AdapterSpec:
         """A new client `model` from the tenant's state `number` (its optimizer's moments too with `optimizer`)."""
@@ -246,12 +286,37 @@ class TinkerLearner:
             self.create(model, spec)
             client = self.clients[model]
             set_peft_model_state_dict(
-                self.peft, load_file(folder / "adapter_model.safetensors"), adapter_name=client.adapter
+                self.peft,
+                load_file(folder / "adapter_model.safetensors", device=str(self.device)),
+                adapter_name=client.adapter,
             )
             if optimizer:
-                client.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
+                moments = torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location=self.device)
+                client.optimizer.load_state_dict(moments)
                 client.steps = int(saved.get("steps", 0))
         return spec
+
+
+def _path_record(lineage: Lineage, path: str):
+    """The filesystem and the object that records tinker `path` in the tenant's prefix (named by its hash: a path is
+    the user's text)."""
+    from core.bucket.filesystem import make_filesystem
+
+    fs, root = make_filesystem(lineage.bucket_url)
+    return fs, f"{root.rstrip('/')}/{PATHS}/{hashlib.sha256(path.encode()).hexdigest()}.json"
+
+
+def _bucket_call(fn, *args):
+    """`fn(*args)` against the bucket, retried with backoff while the bucket's errors are transient."""
+    from contracts.retry import Backoff, retry
+    from core.bucket.filesystem import is_transient
+
+    return retry(lambda: fn(*args), Backoff(attempts=5, first_s=0.2), is_transient)
+
+
+def _remember(lineage: Lineage, path: str, number: int) -> None:
+    fs, record = _path_record(lineage, path)
+    _bucket_call(fs.pipe_file, record, json.dumps({"path": path, "number": number}).encode())
 
 
 def _watch(spot):

@@ -134,12 +134,14 @@ class TinkerApi:
         return _json(types.SessionHeartbeatResponse())
 
     async def finish_session(self, request: Request, session_id: str) -> dict:
+        """The SDK's `close`. A session that is not open for the key (released after silence, or opened with a service
+        that has since restarted) is finished already: the SDK's close succeeds, and nothing of anyone's is touched."""
         tenant = await self.tenant(request)
         await self.body(request)
         try:
             released = self.sessions.close(session_id, tenant.run)
-        except NotFound as exc:
-            raise HttpError(404, str(exc)) from None
+        except NotFound:
+            return {}
         for model_id in released:
             await self._drop(model_id)
         return {}
@@ -241,6 +243,17 @@ class TinkerApi:
         with contextlib.suppress(Exception):  # a learner that is gone holds nothing to drop
             await self.learner.call("drop", model_id)
 
+    async def drop_orphans(self) -> None:
+        """Drop the learner's adapters that no session of this service holds: a service started again (its node
+        lost) knows none of the sessions before it, whose adapters would otherwise hold the learner's capacity."""
+        try:
+            held = await self.learner.call("models") or []
+        except Exception:  # noqa: BLE001 - a learner that is gone holds nothing; the next round asks again
+            return
+        for model_id in set(held) - set(self.sessions.models):
+            log.info("tinker: releasing %s (no session of this service holds it)", model_id)
+            await self._drop(model_id)
+
     async def create_model(self, request: Request) -> dict:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.CreateModelRequest)
@@ -331,24 +344,39 @@ class TinkerApi:
         model = self._model(body.model_id, tenant)
 
         async def work() -> Result:
+            path = None if body.path is None else f"tinker://{model.model_id}/sampler_weights/{body.path}"
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
-                published = await self._learner("publish", model.model_id, lineage, model=model, tenant=tenant)
+                published = await self._learner("publish", model.model_id, lineage, path, model=model, tenant=tenant)
             fleet_model = adapter_name(published.version, tenant.run)
             try:
                 await self.fleet.load_adapter(tenant, fleet_model, published.key)
             except FleetRefused as refused:
                 raise RequestFailed(f"the fleet did not load {fleet_model}: {refused.message}", "server") from None
-            if body.path is None:  # save_weights_and_get_sampling_client: a sampler at once
+            if path is None:  # save_weights_and_get_sampling_client: a sampler at once
                 sampler = self.sessions.add_sampler(tenant.run, fleet_model, model.base_model, None)
                 reply = types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler.sampler_id)
             else:
-                path = f"tinker://{model.model_id}/sampler_weights/{body.path}"
-                self.sessions.sampler_paths[path] = (tenant.run, fleet_model)
+                self.sessions.sampler_paths[path] = (tenant.run, published.version)
                 reply = types.SaveWeightsForSamplerResponseInternal(path=path)
             return Result(json=_json(reply))
 
         return self._accept(tenant, work(), model.model_id)
+
+    async def _recall(self, tenant: Tenant, path: str, paths: dict[str, tuple[str, int]]) -> int | None:
+        """The state number or sampler version that this tenant's tinker `path` names: remembered here, else read back
+        from the tenant's prefix of the bucket, where the learner recorded it (so a service that restarted knows the
+        paths it handed out before); None for a path the tenant never saved."""
+        saved = paths.get(path)
+        if saved is not None:
+            return saved[1] if saved[0] == tenant.run else None
+        try:
+            number = await self._learner("recall", await self._lineage(tenant), path)
+        except RequestFailed as failed:
+            raise HttpError(503, f"path {path[:200]!r}: {failed.message}") from None
+        if number is not None:
+            paths[path] = (tenant.run, number)
+        return number
 
     async def _lineage(self, tenant: Tenant):
         try:
@@ -362,11 +390,11 @@ class TinkerApi:
         model = self._model(body.model_id, tenant)
 
         async def work() -> Result:
+            path = f"tinker://{model.model_id}/weights/{body.path}"
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
-                number = await self._learner("save_state", model.model_id, lineage, model=model, tenant=tenant)
+                number = await self._learner("save_state", model.model_id, lineage, path, model=model, tenant=tenant)
                 model.saved, model.trained = number, False
-            path = f"tinker://{model.model_id}/weights/{body.path}"
             self.sessions.state_paths[path] = (tenant.run, number)
             return Result(json=_json(types.SaveWeightsResponse(path=path)))
 
@@ -377,10 +405,9 @@ class TinkerApi:
         load_state onto an existing one (`model_id` + `seq_id`)."""
         tenant = await self.tenant(request)
         body = await self.parse(request, types.LoadWeightsRequest)
-        saved = self.sessions.state_paths.get(body.path)
-        if saved is None or saved[0] != tenant.run:
+        number = await self._recall(tenant, body.path, self.sessions.state_paths)
+        if number is None:
             raise HttpError(404, f"path {body.path[:200]!r}: no saved state of this API key")
-        number = saved[1]
         if body.session_id is not None:
             self._check_base(body.base_model)
             try:
@@ -418,10 +445,11 @@ class TinkerApi:
                 ParsedCheckpointTinkerPath.from_tinker_path(body.model_path)
             except ValueError as exc:
                 raise HttpError(400, str(exc)) from None
-            saved = self.sessions.sampler_paths.get(body.model_path)
-            if saved is None or saved[0] != tenant.run:
+            version = await self._recall(tenant, body.model_path, self.sessions.sampler_paths)
+            if version is None:
                 raise HttpError(404, f"model_path {body.model_path[:200]!r}: no sampler weights of this API key")
-            sampler = self.sessions.add_sampler(tenant.run, saved[1], self.settings.base_model, body.model_path)
+            fleet_model = adapter_name(version, tenant.run)
+            sampler = self.sessions.add_sampler(tenant.run, fleet_model, self.settings.base_model, body.model_path)
         else:
             base = self._check_base(body.base_model)
             sampler = self.sessions.add_sampler(tenant.run, base, base, None)
@@ -538,12 +566,14 @@ class TinkerApi:
 
     async def upkeep(self) -> None:
         """Release the sessions that went silent, and their adapters on the learner; on a spot notice for the
-        learner's node, save the clients that trained since their last state (those stepping save after each step)."""
+        learner's node, save the clients that trained since their last state (those stepping save after each step).
+        Adapters on the learner that no session holds (a service's before this one) are released too."""
         while True:
             await asyncio.sleep(UPKEEP_PERIOD_S)
             for model_id in self.sessions.take_idle():
                 log.info("tinker: releasing %s (its session went silent)", model_id)
                 await self._drop(model_id)
+            await self.drop_orphans()
             holding = {m.tenant for m in self.sessions.models.values()}
             self.tenants = {run: t for run, t in self.tenants.items() if run in holding}
             notice = await self._notice()

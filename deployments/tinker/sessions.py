@@ -85,7 +85,7 @@ class Sessions:
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.sampler_paths: dict[str, tuple[str, str]] = {}  # tinker path -> (tenant, fleet model)
+        self.sampler_paths: dict[str, tuple[str, int]] = {}  # tinker path of sampler weights -> (tenant, version)
         self.state_paths: dict[str, tuple[str, int]] = {}  # tinker path of a saved state -> (tenant, number)
 
     def open(self, tenant: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -24,3 +26,10 @@ class TinkerSettings(BaseModel):
     )
     future_ttl_s: float = Field(600.0, gt=0, description="How long a finished future's result is kept for retrieval.")
     cache_dir: str = Field(description="Where the learner caches bucket files it reads.")
+    learner_device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the learner trains: cpu, or cuda (its actor then asks Ray for one GPU)."
+    )
+    learner_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="The frozen base's dtype on the learner (adapters and AdamW stay fp32); bfloat16 on GPUs.",
+    )

@@ -223,6 +223,55 @@ def test_after_a_spot_notice_for_the_learners_node_a_loop_that_never_saves_loses
         assert logprobs() != kept
 
 
+def test_a_service_started_again_knows_the_paths_it_handed_out_and_frees_what_it_forgot(service):
+    """The service's node goes (its Serve replica killed; Serve starts another): sessions and training clients are gone
+    with its memory, the saved paths are not (the learner recorded them in the tenant's prefix of the bucket): a client
+    from the saved state has the same log-probs, the sampler path samples, and the new service releases the adapter
+    the old one left on the learner."""
+    import time
+
+    import ray
+
+    from launch.tinker import learner_actor
+
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as client:
+        training, step, logprobs = one_datum_client(client, fleet.base, 6, "50+8=", "58")
+        step()
+        state_path = training.save_state("kept").result().path
+        sampler_path = training.save_weights_for_sampler("kept").result().path
+        saved = logprobs()
+        assert training.model_id in ray.get(learner_actor().models.remote())
+        actors = ray.util.list_named_actors(all_namespaces=True)
+        (replica,) = [a["name"] for a in actors if "#TinkerService#" in a["name"]]
+        ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+        deadline = time.monotonic() + 180
+        while True:  # Serve starts the service again
+            names = [
+                a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#TinkerService#" in a["name"]
+            ]
+            try:
+                if names and names != [replica] and httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"no new service replica: {names}"
+            time.sleep(1)
+
+    with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as client:
+        restored = client.create_training_client_from_state(state_path).result()
+        data = [sft_datum(restored.get_tokenizer(), "50+8=", "58")]
+        again = restored.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert again == pytest.approx(saved, abs=1e-5)
+        sampler = client.create_sampling_client(model_path=sampler_path).result()
+        prompt = types.ModelInput.from_ints(restored.get_tokenizer().encode("50+8=", add_special_tokens=False))
+        assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+        deadline = time.monotonic() + 30
+        while training.model_id in ray.get(learner_actor().models.remote()):  # the upkeep's next round
+            assert time.monotonic() < deadline, "the old service's adapter was never released"
+            time.sleep(0.5)
+
+
 def test_custom_losses_ppo_and_a_client_from_saved_state(service):
     """`forward_backward_custom` as the SDK runs it (a forward, then a `cross_entropy` backward weighted by the
     custom loss's gradient), `ppo` with its config, and `create_training_client_from_state` from `save_state`."""

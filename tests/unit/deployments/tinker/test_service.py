@@ -7,7 +7,8 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from contracts.tinker import LearnerLost, Lineage, LossReply
+from contracts.adapters import adapter_name
+from contracts.tinker import AdapterSpec, LearnerLost, Lineage, LossReply, Publication
 from deployments.tinker.fleet_calls import FleetCalls, Tenant
 from deployments.tinker.service import make_app
 from deployments.tinker.settings import TinkerSettings
@@ -23,12 +24,17 @@ class FakeFleet(FleetCalls):
     async def lineage(self, tenant):
         return Lineage("file:///nowhere", "00", tenant.run, "/tmp")
 
+    async def load_adapter(self, tenant, model, key):
+        return None
+
 
 class FakeLearner:
     def __init__(self):
         self.calls, self.lost = [], False
         self.notice: str | None = None  # what `notice` answers: a spot notice for the learner's node
         self.saves = 0
+        self.held: list[str] = []  # what `models` answers: the adapters on the learner
+        self.bucket: dict[tuple[str, str], int] = {}  # (tenant, tinker path) -> number: the records in the bucket
 
     async def call(self, method, *args):
         self.calls.append((method, args))
@@ -45,11 +51,27 @@ class FakeLearner:
             return self.notice
         if method == "save_state":
             self.saves += 1
+            self._record(args[1:], self.saves)
             return self.saves
+        if method == "publish":
+            self._record(args[1:], 7)
+            return Publication(7, "alice/policy-v7")
+        if method == "models":
+            return self.held
+        if method == "load_state":
+            return AdapterSpec(8)
+        if method == "recall":
+            lineage, path = args
+            return self.bucket.get((lineage.run, path))
         return None
 
+    def _record(self, lineage_and_path, number):
+        lineage, path = (*lineage_and_path, None)[:2]
+        if path is not None:
+            self.bucket[(lineage.run, path)] = number
 
-def client(max_models=2, max_per_tenant=1, max_body=1 << 16):
+
+def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None):
     settings = TinkerSettings(
         fleet_url="http://127.0.0.1:9",
         base_model="tiny",
@@ -61,7 +83,7 @@ def client(max_models=2, max_per_tenant=1, max_body=1 << 16):
         poll_wait_s=2.0,
         learner_wait_s=0.5,
     )
-    learner = FakeLearner()
+    learner = learner or FakeLearner()
     app = make_app(settings, learner)
     app.state.api.fleet = FakeFleet("http://127.0.0.1:9", "/tmp")
     return TestClient(app), learner
@@ -158,11 +180,18 @@ def test_capacity_is_a_429_and_a_failed_request_is_the_sdks_request_failed():
         assert failed.category == types.RequestErrorCategory.Server and "learner" in failed.error
 
 
-def test_a_heartbeat_of_a_released_session_is_410_which_stops_the_sdks_heartbeat():
-    http, _ = client()
+def test_a_heartbeat_of_a_released_session_is_410_which_stops_the_sdks_heartbeat_and_closing_it_succeeds():
+    http, learner = client()
     with http:
         gone = post(http, "session_heartbeat", types.SessionHeartbeatRequest(session_id="alice-none"))
         assert gone.status_code == 410
+        closed = http.post(
+            "/v1/sessions/alice-none/finish", json={"reason": {"type": "success"}}, headers={"X-API-Key": "tml-a"}
+        )
+        assert closed.status_code == 200 and not learner.calls  # finished already: nothing to do
+        session_id, _ = new_model(http)
+        other = http.post(f"/v1/sessions/{session_id}/finish", json={}, headers={"X-API-Key": "tml-b"})
+        assert other.status_code == 200 and session_id in http.app.state.api.sessions.sessions  # alice's stays open
 
 
 def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_each_of_its_steps():
@@ -194,3 +223,47 @@ def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_
         learner.notice = None  # a learner started again elsewhere: no notice there
         step(3)
         assert (learner.saves, model.trained) == (2, True)
+
+
+def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
+    """Saved states and sampler weights are recorded by the learner in the tenant's prefix: a new service process
+    (the head's node lost) restores a client from a path it never saw and samples from one, for their tenant only,
+    and releases the adapters the old one left on the learner."""
+    import asyncio
+
+    learner = FakeLearner()
+    http, _ = client(learner=learner)
+    with http:
+        _, future = new_model(http)
+        model_id = result(http, future.json()["request_id"]).json()["model_id"]
+        saved = post(http, "save_weights", types.SaveWeightsRequest(model_id=model_id, path="step-1", seq_id=1))
+        state_path = result(http, saved.json()["request_id"]).json()["path"]
+        request = types.SaveWeightsForSamplerRequest(model_id=model_id, path="s-1", seq_id=2)
+        sampler_path = result(http, post(http, "save_weights_for_sampler", request).json()["request_id"]).json()["path"]
+    assert state_path.startswith("tinker://") and sampler_path.endswith("/sampler_weights/s-1")
+
+    http, _ = client(max_per_tenant=2, learner=learner)  # the service again, with nothing in memory
+    with http:
+        session_id, _ = new_model(http)
+        load = types.LoadWeightsRequest(path=state_path, session_id=session_id, model_seq_id=1, optimizer=True)
+        loaded = result(http, post(http, "load_weights", load).json()["request_id"])
+        assert loaded.status_code == 200 and loaded.json()["path"] == state_path, loaded.text
+        assert learner.calls[-1][0] == "load_state" and learner.calls[-1][1][2] == 1  # the state saved before
+        sampling = types.CreateSamplingSessionRequest(
+            session_id=session_id, sampling_session_seq_id=0, model_path=sampler_path
+        )
+        sampler_id = post(http, "create_sampling_session", sampling).json()["sampling_session_id"]
+        assert http.app.state.api.sessions.samplers[sampler_id].fleet_model == adapter_name(7, "alice")
+
+        bob_session = post(
+            http, "create_session", types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="x"), "tml-b"
+        )
+        bob = bob_session.json()["session_id"]
+        stolen = types.LoadWeightsRequest(path=state_path, session_id=bob, model_seq_id=0, optimizer=True)
+        assert post(http, "load_weights", stolen, key="tml-b").status_code == 404
+        peek = types.CreateSamplingSessionRequest(session_id=bob, sampling_session_seq_id=0, model_path=sampler_path)
+        assert post(http, "create_sampling_session", peek, key="tml-b").status_code == 404
+
+        learner.held = [model_id, *http.app.state.api.sessions.models]  # the first service's client is still there
+        asyncio.run(http.app.state.api.drop_orphans())
+        assert [args for method, args in learner.calls if method == "drop"] == [(model_id,)]

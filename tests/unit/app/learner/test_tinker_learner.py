@@ -1,0 +1,71 @@
+"""The Tinker learner on the tiny model at small shapes: its precision path (a bfloat16 base under fp32 adapters, what it
+runs on a GPU) computes what the float32 one does, trains, and saves and restores fp32 adapters and moments; the
+tinker paths it saved are found again by path."""
+
+import pytest
+import torch
+
+from app.learner.tinker_learner import TinkerLearner
+from contracts.tinker import AdamStep, AdapterSpec, Datum, Lineage, LossCall
+
+TOKENS = [5, 9, 14, 3, 7, 11, 2]
+
+
+def _call(model: str, backward: bool = True) -> LossCall:
+    datum = Datum(TOKENS[:-1], TOKENS[1:], {"weights": [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]})
+    return LossCall(model, [datum], "cross_entropy", backward=backward)
+
+
+def _step(model: str) -> AdamStep:
+    return AdamStep(model, 1e-2, 0.9, 0.999, 1e-8, 0.0, 1.0)
+
+
+@pytest.fixture(scope="module")
+def learners(tiny_model_path):
+    return {dtype: TinkerLearner(tiny_model_path, max_models=3, dtype=dtype) for dtype in ("float32", "bfloat16")}
+
+
+def test_a_bfloat16_base_keeps_fp32_adapters_and_agrees_with_float32(learners):
+    for learner in learners.values():
+        learner.create("a", AdapterSpec(rank=4, seed=0))
+    half = learners["bfloat16"]
+    trainable = [p for p in half.peft.parameters() if p.requires_grad]
+    frozen = [p for p in half.peft.parameters() if not p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    assert all(p.dtype == torch.bfloat16 for p in frozen if p.is_floating_point())
+
+    full = learners["float32"].forward_backward(_call("a", backward=False)).logprobs[0]
+    approx = half.forward_backward(_call("a", backward=False)).logprobs[0]
+    assert len(full) == len(approx) == len(TOKENS) - 1
+    assert max(abs(x - y) for x, y in zip(full, approx, strict=True)) < 0.15  # bfloat16's ~3 significant digits
+
+
+def test_the_bfloat16_learner_trains_and_restores_its_state(learners, tmp_path):
+    learner = learners["bfloat16"]
+    learner.create("b", AdapterSpec(rank=4, seed=1))
+    before = learner.forward_backward(_call("b")).metrics["loss:sum"]
+    for _ in range(5):
+        learner.optim_step(_step("b"))
+        learner.forward_backward(_call("b"))
+    after = learner.forward_backward(_call("b", backward=False)).metrics["loss:sum"]
+    assert after < before
+
+    lineage = Lineage(f"file://{tmp_path}/bucket", "k" * 32, "alice", str(tmp_path / "cache"))
+    path = "tinker://alice-1:train:0/weights/step-5"
+    number = learner.save_state("b", lineage, path)
+    assert learner.recall(lineage, path) == number  # a service that restarted finds the path again
+    assert learner.recall(lineage, path + "x") is None
+    bob = Lineage(f"file://{tmp_path}/bucket/bob", "k" * 32, "bob", str(tmp_path / "cache"))
+    assert learner.recall(bob, path) is None  # the record lies in alice's prefix only
+    moments = learner.clients["b"].optimizer.state_dict()["state"]
+    learner.load_state("c", lineage, number, optimizer=True)
+    restored = learner.clients["c"].optimizer.state_dict()["state"]
+    assert all(t.dtype == torch.float32 for s in restored.values() for t in s.values() if t.dim())
+    assert torch.equal(moments[0]["exp_avg"], restored[0]["exp_avg"])
+    again = learner.forward_backward(_call("c", backward=False)).metrics["loss:sum"]
+    assert again == pytest.approx(after, abs=1e-6)
+
+
+def test_a_dtype_it_does_not_know_is_refused(tiny_model_path):
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        TinkerLearner(tiny_model_path, dtype="int8")
