@@ -87,6 +87,7 @@ def test_batch_stats_are_what_the_driver_logged():
         "reward_std": pytest.approx(0.4330127),
         "sample/staleness_mean": 1.0,
         "sample/staleness_max": 2,
+        "sample/groups": 2,
         "sample/version_min": 2,
         "sample/version_max": 4,
         "sample/versions_per_sample": 1.0,
