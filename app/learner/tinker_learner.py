@@ -32,6 +32,7 @@ import hashlib
 import io
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,6 +273,13 @@ class TinkerLearner:
             raise
         return int(saved["number"]) if saved.get("path") == path else None
 
+    def checkpoints(self, lineage: Lineage) -> list[dict]:
+        """Every tinker path the tenant was given, as recorded (`path`, `number`, `time`), newest first: what the SDK's
+        checkpoint listings show."""
+        fs, folder = _paths_folder(lineage)
+        records = [json.loads(_bucket_call(fs.cat_file, name)) for name in _bucket_call(fs.glob, f"{folder}/*.json")]
+        return sorted(records, key=lambda r: r.get("time", 0.0), reverse=True)
+
     def load_state(self, model: str, lineage: Lineage, number: int, optimizer: bool) -> AdapterSpec:
         """A new client `model` from the tenant's state `number` (its optimizer's moments too with `optimizer`)."""
         from peft import set_peft_model_state_dict
@@ -297,13 +305,18 @@ class TinkerLearner:
         return spec
 
 
-def _path_record(lineage: Lineage, path: str):
-    """The filesystem and the object that records tinker `path` in the tenant's prefix (named by its hash: a path is
-    the user's text)."""
+def _paths_folder(lineage: Lineage):
+    """The filesystem and the folder of the tenant's prefix where the tinker paths it was given are recorded."""
     from core.bucket.filesystem import make_filesystem
 
     fs, root = make_filesystem(lineage.bucket_url)
-    return fs, f"{root.rstrip('/')}/{PATHS}/{hashlib.sha256(path.encode()).hexdigest()}.json"
+    return fs, f"{root.rstrip('/')}/{PATHS}"
+
+
+def _path_record(lineage: Lineage, path: str):
+    """The filesystem and the object that records tinker `path` (named by its hash: a path is the user's text)."""
+    fs, folder = _paths_folder(lineage)
+    return fs, f"{folder}/{hashlib.sha256(path.encode()).hexdigest()}.json"
 
 
 def _bucket_call(fn, *args):
@@ -316,7 +329,7 @@ def _bucket_call(fn, *args):
 
 def _remember(lineage: Lineage, path: str, number: int) -> None:
     fs, record = _path_record(lineage, path)
-    _bucket_call(fs.pipe_file, record, json.dumps({"path": path, "number": number}).encode())
+    _bucket_call(fs.pipe_file, record, json.dumps({"path": path, "number": number, "time": time.time()}).encode())
 
 
 def _watch(spot):

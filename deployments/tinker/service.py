@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pydantic
@@ -47,6 +48,7 @@ log = logging.getLogger("ray.serve")
 
 UPKEEP_PERIOD_S = 5.0
 LEARNER_RETRY_S = 1.0  # how often a call waiting for a lost learner tries again
+MAX_LISTED = 1000  # checkpoints one listing page may hold
 
 
 class HttpError(Exception):
@@ -461,6 +463,49 @@ class TinkerApi:
         except NotFound as exc:
             raise HttpError(404, str(exc)) from None
 
+    # ---- checkpoint listings ---------------------------------------------------------------------------
+
+    async def list_user_checkpoints(self, request: Request) -> dict:
+        """`RestClient.list_user_checkpoints(limit, offset)`: the key's saved states and sampler weights, newest first."""
+        tenant = await self.tenant(request)
+        try:
+            limit = int(request.query_params.get("limit", 100))
+            offset = int(request.query_params.get("offset", 0))
+        except ValueError:
+            raise HttpError(400, "limit and offset must be integers") from None
+        if not (1 <= limit <= MAX_LISTED and offset >= 0):
+            raise HttpError(400, f"limit must be 1..{MAX_LISTED} and offset at least 0")
+        checkpoints = await self._checkpoints(tenant)
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(checkpoints))
+        return _json(types.CheckpointsListResponse(checkpoints=checkpoints[offset : offset + limit], cursor=cursor))
+
+    async def list_checkpoints(self, request: Request, training_run_id: str) -> dict:
+        """`RestClient.list_checkpoints(training_run_id)`: those of one training client (a model id); another key's
+        lists nothing, since a key's records lie in its own prefix."""
+        tenant = await self.tenant(request)
+        checkpoints = [
+            c for c in await self._checkpoints(tenant) if c.tinker_path.startswith(f"tinker://{training_run_id}/")
+        ]
+        return _json(types.CheckpointsListResponse(checkpoints=checkpoints))
+
+    async def _checkpoints(self, tenant: Tenant) -> list[types.Checkpoint]:
+        try:
+            records = await self._learner("checkpoints", await self._lineage(tenant))
+        except RequestFailed as failed:
+            raise HttpError(503, f"checkpoints: {failed.message}") from None
+        listed = []
+        for record in records:
+            parsed = ParsedCheckpointTinkerPath.from_tinker_path(record["path"])
+            listed.append(
+                types.Checkpoint(
+                    checkpoint_id=parsed.checkpoint_id,
+                    checkpoint_type=parsed.checkpoint_type,
+                    time=datetime.fromtimestamp(record["time"], UTC),
+                    tinker_path=record["path"],
+                )
+            )
+        return listed
+
     async def get_sampler(self, request: Request, sampler_id: str) -> dict:
         tenant = await self.tenant(request)
         try:
@@ -637,6 +682,8 @@ def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = Non
     post("load_weights", api.load_state)
     post("create_sampling_session", api.create_sampling_session)
     app.add_api_route("/v1/samplers/{sampler_id}", api.get_sampler, methods=["GET"])
+    app.add_api_route("/v1/checkpoints", api.list_user_checkpoints, methods=["GET"])
+    app.add_api_route("/v1/training_runs/{training_run_id}/checkpoints", api.list_checkpoints, methods=["GET"])
     post("asample", api.asample)
     post("retrieve_future", api.retrieve)
     post("cancel_future", api.cancel)

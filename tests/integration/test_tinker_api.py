@@ -226,8 +226,8 @@ def test_after_a_spot_notice_for_the_learners_node_a_loop_that_never_saves_loses
 def test_a_service_started_again_knows_the_paths_it_handed_out_and_frees_what_it_forgot(service):
     """The service's node goes (its Serve replica killed; Serve starts another): sessions and training clients are gone
     with its memory, the saved paths are not (the learner recorded them in the tenant's prefix of the bucket): a client
-    from the saved state has the same log-probs, the sampler path samples, and the new service releases the adapter
-    the old one left on the learner."""
+    from the saved state has the same log-probs, the sampler path samples, the SDK's checkpoint listing shows both,
+    and the new service releases the adapter the old one left on the learner."""
     import time
 
     import ray
@@ -264,6 +264,8 @@ def test_a_service_started_again_knows_the_paths_it_handed_out_and_frees_what_it
         again = restored.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         assert again == pytest.approx(saved, abs=1e-5)
         sampler = client.create_sampling_client(model_path=sampler_path).result()
+        listed = client.create_rest_client().list_checkpoints(training.model_id).result().checkpoints
+        assert {c.tinker_path for c in listed} == {state_path, sampler_path}
         prompt = types.ModelInput.from_ints(restored.get_tokenizer().encode("50+8=", add_special_tokens=False))
         assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
         deadline = time.monotonic() + 30

@@ -57,6 +57,8 @@ def test_the_bfloat16_learner_trains_and_restores_its_state(learners, tmp_path):
     assert learner.recall(lineage, path + "x") is None
     bob = Lineage(f"file://{tmp_path}/bucket/bob", "k" * 32, "bob", str(tmp_path / "cache"))
     assert learner.recall(bob, path) is None  # the record lies in alice's prefix only
+    assert [(r["path"], r["number"]) for r in learner.checkpoints(lineage)] == [(path, number)]
+    assert learner.checkpoints(bob) == []
     moments = learner.clients["b"].optimizer.state_dict()["state"]
     learner.load_state("c", lineage, number, optimizer=True)
     restored = learner.clients["c"].optimizer.state_dict()["state"]

@@ -63,6 +63,9 @@ class FakeLearner:
         if method == "recall":
             lineage, path = args
             return self.bucket.get((lineage.run, path))
+        if method == "checkpoints":
+            mine = [(path, n) for (run, path), n in self.bucket.items() if run == args[0].run]
+            return [{"path": p, "number": n, "time": 1.8e9 + i} for i, (p, n) in enumerate(mine)][::-1]
         return None
 
     def _record(self, lineage_and_path, number):
@@ -227,8 +230,8 @@ def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_
 
 def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
     """Saved states and sampler weights are recorded by the learner in the tenant's prefix: a new service process
-    (the head's node lost) restores a client from a path it never saw and samples from one, for their tenant only,
-    and releases the adapters the old one left on the learner."""
+    (the head's node lost) restores a client from a path it never saw, samples from one and lists them, for their
+    tenant only, and releases the adapters the old one left on the learner."""
     import asyncio
 
     learner = FakeLearner()
@@ -263,6 +266,20 @@ def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
         assert post(http, "load_weights", stolen, key="tml-b").status_code == 404
         peek = types.CreateSamplingSessionRequest(session_id=bob, sampling_session_seq_id=0, model_path=sampler_path)
         assert post(http, "create_sampling_session", peek, key="tml-b").status_code == 404
+
+        listed = types.CheckpointsListResponse.model_validate(
+            http.get("/v1/checkpoints", headers={"X-API-Key": "tml-a"}).json()
+        )
+        assert [c.tinker_path for c in listed.checkpoints] == [sampler_path, state_path]  # newest first
+        assert [c.checkpoint_type for c in listed.checkpoints] == ["sampler", "training"]
+        assert listed.cursor.total_count == 2
+        page = http.get("/v1/checkpoints?limit=1&offset=1", headers={"X-API-Key": "tml-a"}).json()
+        assert [c["tinker_path"] for c in page["checkpoints"]] == [state_path]
+        by_run = http.get(f"/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": "tml-a"}).json()
+        assert len(by_run["checkpoints"]) == 2
+        bob_lists = http.get(f"/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": "tml-b"})
+        assert bob_lists.json()["checkpoints"] == []
+        assert http.get("/v1/checkpoints?limit=0", headers={"X-API-Key": "tml-a"}).status_code == 400
 
         learner.held = [model_id, *http.app.state.api.sessions.models]  # the first service's client is still there
         asyncio.run(http.app.state.api.drop_orphans())
