@@ -22,12 +22,18 @@ The GPU run, from a copy of the repository's working tree on the GPU box (nothin
 carry beyond the tree: app/ and bench/ are all it imports). Expected to take 2-3 minutes on an H200
 (imports, a 3 GB model built and loaded, 6 steps of ~154k tokens); the timeout keeps it under 8:
 
-    timeout 470 python3 -m bench.learner_gpu --out "$OUT"      # then copy $OUT/learner_gpu.json to bench/results/
+    timeout 470 python3 -m bench.learner_gpu --out "$OUT"      # then copy $OUT/*.json to bench/results/
 
 Writes DIR/learner_gpu.json (default bench/results; `--small` writes learner_gpu_small.json, so CPU
 figures never land where the GPU's belong) and prints a table. Without CUDA and without `--small` it
 prints "no CUDA device: skipped" and writes nothing (that is what `make bench` does on a CPU box).
 MFU is quoted against the spec-sheet dense bf16 peak of the GPU it finds (`app.learner.perf`).
+
+Then, on the same model folder, the Tinker API's learner (`app.learner.tinker_learner`, what `python -m launch.tinker
+--learner-device cuda --learner-dtype bfloat16` runs): one client's `forward_backward` (`importance_sampling`) over 8
+datums of 950-1,450 tokens and its `optim_step`, LoRA rank 32; written as tinker_learner_gpu.json (`--small`:
+tinker_learner_gpu_small.json). It runs after learner_gpu.json is written, and an error in it is written as its result
+instead of ending the run.
 """
 
 from __future__ import annotations
@@ -97,6 +103,10 @@ SMALL_MODEL = {
 SEED_STEP = {"prompts": 16, "group_size": 8, "prompt_tokens": 200, "completion_tokens": (750, 1250)}
 SMALL_STEP = {"prompts": 2, "group_size": 4, "prompt_tokens": 16, "completion_tokens": (24, 72)}
 SMALL_TOKEN_BUDGET = 256
+# The Tinker API's learner: one client's forward_backward (`importance_sampling`) over an RL step's datums, then its
+# optim_step; rank 32, the SDK's default.
+TINKER_STEP = {"datums": 8, "tokens": (950, 1450), "rank": 32}
+SMALL_TINKER_STEP = {"datums": 2, "tokens": (40, 88), "rank": 8}
 
 
 SEED_OBJECTIVES = [{"kind": "grpo", "weight": 1.0}]  # the seed recipe's `objectives` (the default)
@@ -263,7 +273,89 @@ def main(argv: list[str] | None = None) -> None:
             summary = summarize(runs, learner)
         finally:
             learner.close()
-    report(args, learner, shape, step, steps, summary, {"build_model_s": build_s, "load_and_shard_s": load_s})
+        report(args, learner, shape, step, steps, summary, {"build_model_s": build_s, "load_and_shard_s": load_s})
+        del learner
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        tinker_leg(args, model_path, device, dtype, shape["vocab_size"], steps)
+
+
+def tinker_leg(args, model_path: str, device: str, dtype: str, vocab: int, steps: int) -> None:
+    """The Tinker API's learner (`app.learner.tinker_learner`: a bfloat16 base under fp32 adapters on a GPU) on the
+    same model, written as a result of its own. It runs after the learner's result is written, and whatever goes
+    wrong in it is printed and written as its result: the one GPU run must never lose the learner's figures to it."""
+    name = "tinker_learner_gpu_small" if args.small else "tinker_learner_gpu"
+    step = SMALL_TINKER_STEP if args.small else TINKER_STEP
+    try:
+        data = run_tinker_steps(model_path, device, dtype, vocab, step, args.warmup, steps)
+    except Exception as exc:  # noqa: BLE001 - reported, see above
+        print(f"tinker learner: {type(exc).__name__}: {exc}")
+        data = {"error": f"{type(exc).__name__}: {exc}"}
+    data = {"device": device, "dtype": dtype, "step": step, "steps": steps, "versions": versions(), **data}
+    print(f"wrote {write_result(name, data, Path(args.out) if args.out else None)}")
+
+
+def run_tinker_steps(model_path: str, device: str, dtype: str, vocab: int, step: dict, warmup: int, steps: int) -> dict:
+    """Warm-up steps, then timed ones of one Tinker client: `forward_backward` then `optim_step`, random datums."""
+    import torch
+
+    from app.learner.tinker_learner import TinkerLearner
+    from contracts.tinker import AdamStep, AdapterSpec, Datum, LossCall
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t0 = time.perf_counter()
+    learner = TinkerLearner(model_path, max_models=1, device=device, dtype=dtype)
+    learner.create("bench", AdapterSpec(rank=step["rank"], seed=0))
+    load_s = time.perf_counter() - t0
+    rng, logp = random.Random(7), -math.log(vocab)
+    runs = []
+    for i in range(-warmup, steps):
+        data = []
+        for d in range(step["datums"]):
+            n = rng.randint(*step["tokens"])
+            tokens = [rng.randrange(1, vocab) for _ in range(n + 1)]
+            inputs = {"logprobs": [logp] * n, "advantages": [1.0 if d % 2 else -1.0] * n}
+            data.append(Datum(tokens[:-1], tokens[1:], inputs))
+        if i == 0 and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        t0 = time.perf_counter()
+        reply = learner.forward_backward(LossCall("bench", data, "importance_sampling"))
+        sync()
+        t1 = time.perf_counter()
+        learner.optim_step(AdamStep("bench", 4e-5, 0.9, 0.95, 1e-8, 0.0, 1.0))
+        sync()
+        t2 = time.perf_counter()
+        print(f"  tinker {'warm-up' if i < 0 else f'step {i + 1}/{steps}'}: {fmt_seconds(t2 - t0)}", flush=True)
+        if i >= 0:
+            tokens = sum(len(d.input_tokens) for d in data)
+            runs.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "tok_s": tokens / (t2 - t0), "loss": reply.metrics})
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    summary = {
+        "load_s": load_s,
+        "step_s": statistics.median(r["step_s"] for r in runs),
+        "step_s_all": [r["step_s"] for r in runs],
+        "fwd_bwd_s": statistics.median(r["fwd_bwd_s"] for r in runs),
+        "tok_s": statistics.median(r["tok_s"] for r in runs),
+        "loss": [r["loss"]["loss:sum"] for r in runs],
+        "peak_memory_bytes": peak,
+        "memory_measure": "torch.cuda.max_memory_allocated" if cuda else "peak RSS of the process",
+    }
+    print_table(
+        ["step", "fwd+bwd", "tok/s", "peak memory"],
+        [
+            [
+                fmt_seconds(summary["step_s"]),
+                fmt_seconds(summary["fwd_bwd_s"]),
+                f"{summary['tok_s']:.0f}",
+                fmt_bytes(peak),
+            ]
+        ],
+        title=f"Tinker learner on {device} ({dtype} base, fp32 LoRA r{step['rank']}): one client, "
+        f"{step['datums']} datums of {step['tokens'][0]}-{step['tokens'][1]} tokens (median of {steps} steps)",
+    )
+    return summary
 
 
 def report(args, learner, shape: dict, step: dict, steps: int, summary: dict, setup_s: dict) -> None:

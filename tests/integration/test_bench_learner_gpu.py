@@ -45,6 +45,10 @@ def test_small_run_needs_no_ray_vllm_or_pydantic(tmp_path):
     assert result["samples"] == step["prompts"] * step["group_size"] and result["microbatches"] > 1
     assert result["step_s"] > 0 and result["trained_tok_s"] > 0 and result["peak_memory_bytes"] > 0
     assert len(result["step_s_all"]) == 2 and result["mfu_step_percent"] > 0
+    tinker = json.loads((tmp_path / "tinker_learner_gpu_small.json").read_text())  # the Tinker learner's leg
+    assert "error" not in tinker, tinker["error"]
+    assert tinker["device"] == "cpu" and len(tinker["step_s_all"]) == 2 and tinker["tok_s"] > 0
+    assert all(loss == loss for loss in tinker["loss"])  # no NaN
 
 
 def test_without_cuda_the_full_run_is_skipped_and_writes_nothing(tmp_path, capsys):
