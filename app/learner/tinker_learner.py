@@ -49,6 +49,9 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 OPTIMIZER_FILE = "optimizer.pt"
 SPEC_FILE = "tinker_spec.json"
 PATHS = "tinker/paths"  # under a tenant's prefix: one small JSON per tinker path the service handed out
+# Padded tokens of one forward: a call's datums go through the model in right-padded rows up to this many (at least
+# one datum a forward), so an RL step's 128 short datums cost one forward, and a GPU's long ones bound the logits.
+BATCH_TOKENS = 8192
 
 
 @dataclass
@@ -168,20 +171,39 @@ class TinkerLearner:
         # mixed precision does for the run learner), and log-probs are taken in float32 (`token_logprobs`).
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
         with torch.set_grad_enabled(call.backward):
-            for datum in call.data:
-                ids = torch.tensor([datum.input_tokens], device=self.device)
-                targets = torch.tensor([datum.target_tokens], device=self.device)
+            for rows in batches(call.data, BATCH_TOKENS):
+                ids, targets, mask = self._padded(rows)
                 with autocast:
-                    logits = self.peft(input_ids=ids).logits
-                logp, _ = token_logprobs(logits, targets, 1.0)
-                logp = logp[0]
-                inputs = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in datum.inputs.items()}
-                loss = datum_loss(call.loss_fn, logp, inputs, config)
+                    logits = self.peft(input_ids=ids, attention_mask=mask).logits
+                logp_rows, _ = token_logprobs(logits, targets, 1.0)
+                del logits
+                losses = []
+                for datum, logp in zip(rows, logp_rows, strict=True):
+                    logp = logp[: len(datum.target_tokens)]  # right padding: the real positions come first
+                    inputs = {
+                        k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in datum.inputs.items()
+                    }
+                    losses.append(datum_loss(call.loss_fn, logp, inputs, config))
+                    logprobs.append(logp.detach().tolist())
+                loss = torch.stack(losses).sum()
                 if call.backward:
-                    loss.backward()  # one datum at a time: memory of one sequence, gradients summed
+                    loss.backward()  # gradients of every batch summed into the adapter until optim_step
                 total = total + loss.detach()
-                logprobs.append(logp.detach().tolist())
         return LossReply(logprobs, {"loss:sum": float(total)})
+
+    def _padded(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input ids, targets, attention mask) of `rows`' datums, right-padded to the longest (pads masked: causal
+        attention keeps the real tokens' positions and values exactly as unpadded)."""
+        width = max(len(d.input_tokens) for d in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        targets = torch.zeros_like(ids)
+        mask = torch.zeros_like(ids)
+        for r, datum in enumerate(rows):
+            n = len(datum.input_tokens)
+            ids[r, :n] = torch.tensor(datum.input_tokens)
+            targets[r, :n] = torch.tensor(datum.target_tokens)
+            mask[r, :n] = 1
+        return ids.to(self.device), targets.to(self.device), mask.to(self.device)
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         """One AdamW step of the client's adapter with the step's hyperparameters; its gradients are cleared."""
@@ -303,6 +325,22 @@ class TinkerLearner:
                 client.optimizer.load_state_dict(moments)
                 client.steps = int(saved.get("steps", 0))
         return spec
+
+
+def batches(data: list, budget: int) -> list[list]:
+    """`data`'s datums in order, cut into runs whose padded size (rows x the longest) stays within `budget` tokens;
+    a datum longer than the budget goes alone."""
+    out: list[list] = []
+    width = 0
+    for datum in data:
+        n = len(datum.input_tokens)
+        if out and (len(out[-1]) + 1) * max(width, n) <= budget:
+            out[-1].append(datum)
+            width = max(width, n)
+        else:
+            out.append([datum])
+            width = n
+    return out
 
 
 def _paths_folder(lineage: Lineage):

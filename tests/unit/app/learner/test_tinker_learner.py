@@ -1,11 +1,12 @@
 """The Tinker learner on the tiny model at small shapes: its precision path (a bfloat16 base under fp32 adapters, what it
 runs on a GPU) computes what the float32 one does, trains, and saves and restores fp32 adapters and moments; the
-tinker paths it saved are found again by path."""
+tinker paths it saved are found again by path; datums batched in padded rows compute what one at a time does."""
 
 import pytest
 import torch
 
-from app.learner.tinker_learner import TinkerLearner
+from app.learner import tinker_learner
+from app.learner.tinker_learner import TinkerLearner, batches
 from contracts.tinker import AdamStep, AdapterSpec, Datum, Lineage, LossCall
 
 TOKENS = [5, 9, 14, 3, 7, 11, 2]
@@ -71,3 +72,42 @@ def test_the_bfloat16_learner_trains_and_restores_its_state(learners, tmp_path):
 def test_a_dtype_it_does_not_know_is_refused(tiny_model_path):
     with pytest.raises(ValueError, match="dtype 'int8'"):
         TinkerLearner(tiny_model_path, dtype="int8")
+
+
+def test_datums_in_padded_batches_give_the_log_probs_and_gradients_of_one_at_a_time(learners, monkeypatch):
+    learner = learners["float32"]
+    learner.create("g", AdapterSpec(rank=4, seed=2))
+    for p in learner.peft.parameters():  # a trained adapter: B away from zero, so every LoRA weight has a gradient
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    data = [
+        Datum(TOKENS[: n - 1], TOKENS[1:n], {"logprobs": [-2.0] * (n - 1), "advantages": [0.5 - k] * (n - 1)})
+        for k, n in enumerate([7, 3, 5, 2])
+    ]
+    call = LossCall("g", data, "importance_sampling")
+
+    def run(budget):
+        monkeypatch.setattr(tinker_learner, "BATCH_TOKENS", budget)
+        reply = learner.forward_backward(call)
+        grads = {n: p.grad.clone() for n, p in learner.peft.named_parameters() if p.grad is not None}
+        learner.clients["g"].optimizer.zero_grad(set_to_none=True)
+        return reply, grads
+
+    alone, alone_grads = run(1)  # every datum a forward of its own
+    together, together_grads = run(1 << 20)  # all four in one padded batch
+    assert [len(x) for x in together.logprobs] == [6, 2, 4, 1]
+    for a, b in zip(alone.logprobs, together.logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert together.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], abs=1e-5)
+    assert alone_grads.keys() == together_grads.keys() and alone_grads
+    for name, grad in alone_grads.items():
+        assert torch.allclose(grad, together_grads[name], atol=1e-5), name
+
+
+def test_batches_keep_the_order_and_the_padded_budget():
+    def datum(n):
+        return Datum([1] * n, [1] * n)
+
+    cut = batches([datum(n) for n in [3, 3, 4, 9, 2, 2]], budget=12)
+    assert [[len(d.input_tokens) for d in rows] for rows in cut] == [[3, 3, 4], [9], [2, 2]]
+    assert batches([datum(20)], budget=8)[0][0].input_tokens == [1] * 20  # longer than the budget: alone
