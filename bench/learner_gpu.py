@@ -188,20 +188,10 @@ def run_steps(learner, step: dict, vocab: int, warmup: int, steps: int) -> list[
 
 
 def summarize(runs: list[dict], learner) -> dict:
-    import torch
 
     def median(key: str) -> float:
         return statistics.median(m[key] for m in runs)
 
-    if learner.device.type == "cuda":
-        memory = {
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(),
-            "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(),
-            "memory_measure": "torch.cuda.max_memory_allocated over the timed steps",
-        }
-    else:
-        memory = {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        memory["memory_measure"] = "peak RSS of the process"
     return {
         "step_s": median("perf/step_s"),
         "step_s_all": [m["perf/step_s"] for m in runs],
@@ -218,7 +208,24 @@ def summarize(runs: list[dict], learner) -> dict:
         "row_fill_frac": median("batch/row_fill_frac"),
         "loss": [m["loss"] for m in runs],
         "ratio": median("ratio"),
-        **memory,
+        **peak_memory(learner.device.type == "cuda"),
+    }
+
+
+def peak_memory(cuda: bool) -> dict:
+    """The peak since the timed steps began (CUDA's allocator, its stats reset at the first timed step), or the
+    process's peak RSS on the CPU."""
+    import torch
+
+    if cuda:
+        return {
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(),
+            "peak_memory_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "memory_measure": "torch.cuda.max_memory_allocated over the timed steps",
+        }
+    return {
+        "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "memory_measure": "peak RSS of the process",
     }
 
 
@@ -331,7 +338,6 @@ def run_tinker_steps(model_path: str, device: str, dtype: str, vocab: int, step:
         if i >= 0:
             tokens = sum(len(d.input_tokens) for d in data)
             runs.append({"step_s": t2 - t0, "fwd_bwd_s": t1 - t0, "tok_s": tokens / (t2 - t0), "loss": reply.metrics})
-    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     summary = {
         "load_s": load_s,
         "step_s": statistics.median(r["step_s"] for r in runs),
@@ -339,8 +345,7 @@ def run_tinker_steps(model_path: str, device: str, dtype: str, vocab: int, step:
         "fwd_bwd_s": statistics.median(r["fwd_bwd_s"] for r in runs),
         "tok_s": statistics.median(r["tok_s"] for r in runs),
         "loss": [r["loss"]["loss:sum"] for r in runs],
-        "peak_memory_bytes": peak,
-        "memory_measure": "torch.cuda.max_memory_allocated" if cuda else "peak RSS of the process",
+        **peak_memory(cuda),
     }
     print_table(
         ["step", "fwd+bwd", "tok/s", "peak memory"],
@@ -349,7 +354,7 @@ def run_tinker_steps(model_path: str, device: str, dtype: str, vocab: int, step:
                 fmt_seconds(summary["step_s"]),
                 fmt_seconds(summary["fwd_bwd_s"]),
                 f"{summary['tok_s']:.0f}",
-                fmt_bytes(peak),
+                fmt_bytes(summary["peak_memory_bytes"]),
             ]
         ],
         title=f"Tinker learner on {device} ({dtype} base, fp32 LoRA r{step['rank']}): one client, "

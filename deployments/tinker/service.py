@@ -372,13 +372,18 @@ class TinkerApi:
         saved = paths.get(path)
         if saved is not None:
             return saved[1] if saved[0] == tenant.run else None
-        try:
-            number = await self._learner("recall", await self._lineage(tenant), path)
-        except RequestFailed as failed:
-            raise HttpError(503, f"path {path[:200]!r}: {failed.message}") from None
+        number = await self._from_bucket(tenant, f"path {path[:200]!r}", "recall", path)
         if number is not None:
             paths[path] = (tenant.run, number)
         return number
+
+    async def _from_bucket(self, tenant: Tenant, what: str, method: str, *args):
+        """A learner call that reads the tenant's prefix of the bucket, from a route that answers at once (no future):
+        a learner or fleet that cannot answer is a 503 naming `what`."""
+        try:
+            return await self._learner(method, await self._lineage(tenant), *args)
+        except RequestFailed as failed:
+            raise HttpError(503, f"{what}: {failed.message}") from None
 
     async def _lineage(self, tenant: Tenant):
         try:
@@ -489,10 +494,7 @@ class TinkerApi:
         return _json(types.CheckpointsListResponse(checkpoints=checkpoints))
 
     async def _checkpoints(self, tenant: Tenant) -> list[types.Checkpoint]:
-        try:
-            records = await self._learner("checkpoints", await self._lineage(tenant))
-        except RequestFailed as failed:
-            raise HttpError(503, f"checkpoints: {failed.message}") from None
+        records = await self._from_bucket(tenant, "checkpoints", "checkpoints")
         listed = []
         for record in records:
             parsed = ParsedCheckpointTinkerPath.from_tinker_path(record["path"])
