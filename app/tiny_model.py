@@ -39,24 +39,24 @@ import torch
 from app.tasks.privileged import privileged_problem
 from app.tasks.problems import Problem, arithmetic_prompt, make_arithmetic
 from app.tasks.rewards import RewardScorer, reward_columns
+from app.tiny_templates import CHAT_TEMPLATE, END_OF_TURN, EOS, TOOL_CHAT_TEMPLATE
 from core.config import ConfigError, ModelConfig, TaskConfig, TinyModelConfig, add_config_args, config_from_args
 from core.models import load_tokenizer, prompt_token_ids, resolve_model_path, tiny_model_folder
 
-EOS = "<|endoftext|>"
-SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
+SPECIAL_TOKENS = [EOS, "<|im_start|>", END_OF_TURN]
 # Qwen2's pre-tokenizer: digits split one by one, so numbers are sequences of digit tokens.
 QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
 # Problems of a task with reference answers whose text the tokenizer learns its pieces from, and that the
 # warm-up draws from (a pool reused across steps, as arithmetic's fresh additions are not).
 CORPUS_PROBLEMS, WARMUP_POOL = 2000, 16384
+# Demonstrated tool episodes a tool warm-up draws from (each played through its environment once, at build).
+TOOL_POOL = 4096
+# The draft tokenizer knows few pieces of the tool format: room for its episodes, which only give the corpus text.
+DRAFT_EPISODE_TOKENS = 4096
 
 
 def _tokenizer_corpus(rng: random.Random, digits: int, texts: list[str] | None = None) -> list[str]:
@@ -74,10 +74,11 @@ def _tokenizer_corpus(rng: random.Random, digits: int, texts: list[str] | None =
     return texts
 
 
-def build_tokenizer(digits: int, seed: int, vocab_size: int = 384, texts: list[str] | None = None):
+def build_tokenizer(digits: int, seed: int, vocab_size: int = 384, texts: list[str] | None = None, tools: bool = False):
     """A byte-level BPE tokenizer in Qwen2's shape, trained on the task's text: `texts` (its prompts and reference
     completions) or, without them, generated additions (another `vocab_size` merges another set of pieces: a
-    tokenizer that gives other ids, as a teacher must not)."""
+    tokenizer that gives other ids, as a teacher must not). With `tools`, the tool chat template, `<|im_end|>` as
+    its end of sequence and TRL's Qwen response template, that parses its turns (`app.tiny_templates`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -97,11 +98,23 @@ def build_tokenizer(digits: int, seed: int, vocab_size: int = 384, texts: list[s
         show_progress=False,
     )
     tok.train_from_iterator(_tokenizer_corpus(random.Random(seed), digits, texts), trainer)
+    if not tools:
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token=EOS,
+            pad_token=EOS,
+            chat_template=CHAT_TEMPLATE,
+            model_max_length=4096,
+            clean_up_tokenization_spaces=False,
+        )
+    from trl.chat_template_utils import qwen3_template
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token=EOS,
-        chat_template=CHAT_TEMPLATE,
+        eos_token=END_OF_TURN,
+        pad_token=END_OF_TURN,
+        chat_template=TOOL_CHAT_TEMPLATE,
+        response_template=qwen3_template,
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
@@ -428,10 +441,37 @@ def _task_data(task_cfg: TaskConfig, tiny: TinyModelConfig) -> tuple[list[Proble
     return splits.heldout, splits.train, pool
 
 
+def tool_plan(tiny: TinyModelConfig, task: TaskConfig, heldout: list[Problem]) -> tuple[object, WarmUpPlan]:
+    """The tokenizer and warm-up of a tiny model that calls tools (`tiny.warmup_tools`): the tool chat template, its
+    pieces learned from demonstrated episodes (played first under a draft tokenizer of the same template), examples
+    from a pool of fresh additions' demonstrations, judged by greedy episodes of the held-out problems
+    (`app.tiny_tools`)."""
+    from app.tiny_tools import ToolPlay
+
+    if task.name != "arithmetic":
+        raise ConfigError("model.tiny.warmup_tools: the tool warm-up demonstrates additions (task.name: arithmetic)")
+    rng, limit, avoid = random.Random(tiny.seed + 11), 10**task.digits, {p.prompt for p in heldout}
+    problems = [p for p in (fresh_addition(rng, limit, avoid) for _ in range(TOOL_POOL)) if p is not None]
+    draft = build_tokenizer(task.digits, tiny.seed, tools=True)
+    demonstrated = ToolPlay(draft, tiny.warmup_tools, task, DRAFT_EPISODE_TOKENS).demonstrations(
+        problems[: CORPUS_PROBLEMS // 4]
+    )
+    texts = [draft.decode(ids) for ids, _ in demonstrated]
+    tokenizer = build_tokenizer(task.digits, tiny.seed, texts=texts, tools=True)
+    play = ToolPlay(tokenizer, tiny.warmup_tools, task, tiny.max_position_embeddings)
+    pool = play.demonstrations(problems)
+    return tokenizer, WarmUpPlan(lambda rng: rng.choice(pool), lambda model: play.greedy_accuracy(model, heldout))
+
+
 def _warmed_up(model_cfg: ModelConfig, task_cfg: TaskConfig, log) -> tuple[object, object, dict]:
     """A tiny model built from scratch and warmed up on the task: (model, tokenizer, what the build measured)."""
     tiny = model_cfg.tiny
     heldout, train, pool = _task_data(task_cfg, tiny)
+    if tiny.warmup_tools is not None:
+        tokenizer, plan = tool_plan(tiny, task_cfg, heldout)
+        model = build_model(tiny, len(tokenizer), tokenizer.eos_token_id, tiny.max_position_embeddings)
+        acc, steps = warm_up(model, tokenizer, tiny, plan, log=log)
+        return model, tokenizer, {"heldout_accuracy": acc, "warmup_steps": steps}
     corpus = [p.prompt + p.reference for p in pool[:CORPUS_PROBLEMS]] if pool else None
     tokenizer = build_tokenizer(task_cfg.digits, tiny.seed, texts=corpus)
     if pool:

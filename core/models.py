@@ -31,7 +31,9 @@ def tiny_model_folder(model_cfg: ModelConfig, task_cfg: TaskConfig) -> Path:
     its shape, its warm-up and the held-out split it avoids."""
     spec = {
         "v": TINY_BUILD_VERSION,
-        "tiny": model_cfg.tiny.model_dump(exclude={"warmup_context", "warmup_context_accuracy", "warmup_chat"}),
+        "tiny": model_cfg.tiny.model_dump(
+            exclude={"warmup_context", "warmup_context_accuracy", "warmup_chat", "warmup_tools"}
+        ),
         "task": [task_cfg.digits, task_cfg.seed, task_cfg.num_heldout],
     }
     if (
@@ -40,6 +42,8 @@ def tiny_model_folder(model_cfg: ModelConfig, task_cfg: TaskConfig) -> Path:
         spec["context"] = [model_cfg.tiny.warmup_context, model_cfg.tiny.warmup_context_accuracy]
     if model_cfg.tiny.warmup_chat:  # warmed up on chat-rendered prompts (the key without stays as it was)
         spec["chat"] = True
+    if model_cfg.tiny.warmup_tools is not None:  # a tool template, warmed up on played tool episodes
+        spec["tools"] = model_cfg.tiny.warmup_tools.model_dump()
     if task_cfg.name == "chained_arithmetic":  # warmed up on episodes instead (the single-turn key stays as it was)
         spec["episodes"] = [task_cfg.chain_min, task_cfg.chain_max, task_cfg.chain_operand_max]
     if task_cfg.name == "reasoning_gym":

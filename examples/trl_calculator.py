@@ -6,8 +6,11 @@ Nothing here knows spotrl: pass `CalculatorEnv` to TRL's `GRPOTrainer(environmen
 
 The model gets the problem, may `add` numbers as often as it likes, and `submit`s its answer; `get_reward` scores
 the submission (TRL's extra reward source named after the class), and `submitted` is what a reward function can read
-from the episode's instance (`environments=`).
+from the episode's instance (`environments=`). `demonstration` is a right play, for a model that has never called a
+tool to be warmed up on.
 """
+
+import re
 
 
 class CalculatorEnv:
@@ -46,3 +49,19 @@ class CalculatorEnv:
 
     def get_reward(self) -> float:
         return float(self.submitted == self.answer)
+
+
+def demonstration(row: dict) -> list[dict]:
+    """A right play of a row's episode as the assistant's messages: add the problem's two numbers, submit the sum,
+    say it. What a small model is first taught to call the tools on (spotrl's `model.tiny.warmup_tools`), as a
+    dataset of worked traces would teach a real one; the environment answers each call when it is played."""
+    a, b = map(int, re.search(r"(\d+)\+(\d+)", row["prompt"][-1]["content"]).groups())
+
+    def call(name: str, **arguments) -> dict:
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+        }
+
+    return [call("add", a=a, b=b), call("submit", answer=a + b), {"role": "assistant", "content": str(a + b)}]

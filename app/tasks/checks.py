@@ -61,6 +61,15 @@ def check_factories(cfg) -> None:
             kinds.append(probe(name, factory))
         except ValueError as e:
             raise ConfigError(f"env.factory{'' if name is None else '.' + name}: {e}") from None
+    tools = cfg.model.tiny.warmup_tools if cfg.model.name_or_path == "tiny" else None
+    if tools is not None:  # the tiny model's warm-up plays its demonstrations (`app.tiny_tools`)
+        from app.tasks.registry import resolve_named
+
+        try:
+            if not callable(resolve_named(tools.demonstration, {}, "demonstration", "module:callable")):
+                raise ValueError(f"{tools.demonstration!r} is not callable")
+        except ValueError as e:
+            raise ConfigError(f"model.tiny.warmup_tools.demonstration: {e}") from None
     if not cfg.task.reward_funcs and not any(k.owns_reward for k in kinds):
         raise ConfigError(
             "task.reward_funcs: no reward source: name reward functions, or give the environment a get_reward()"

@@ -41,6 +41,7 @@ from core.config.sections import (
     SpotConfig,
     TaskConfig,
     TinyModelConfig,
+    ToolWarmupConfig,
     vllm_rank_for,
 )
 
@@ -71,6 +72,7 @@ __all__ = [
     "TaskConfig",
     "NO_REASONING_GYM",
     "TinyModelConfig",
+    "ToolWarmupConfig",
     "add_config_args",
     "config_from_args",
     "load_config",

@@ -493,6 +493,12 @@ class RunConfig(Section):
         if self.task.chain_min > self.task.chain_max:
             raise ValueError("task.chain_min must not exceed task.chain_max")
         self._check_staleness_rule()
+        tools = self.model.tiny.warmup_tools
+        if tools is not None and self.env.factory != tools.environment:
+            raise ValueError(
+                f"model.tiny.warmup_tools.environment={tools.environment!r}: the tiny model is warmed up in the "
+                f"run's own environment, env.factory={self.env.factory!r}"
+            )
         if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > self.model.max_model_len:
             raise ValueError(
                 f"env.max_episode_tokens={self.env.max_episode_tokens} exceeds model.max_model_len={self.model.max_model_len}"

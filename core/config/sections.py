@@ -34,6 +34,25 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class ToolWarmupConfig(Section):
+    """A warm-up on played tool episodes: the tiny model gets a chat template that renders tools (`app.tiny_tools`)."""
+
+    environment: str = Field(
+        ...,
+        description='The TRL environment factory the episodes are played in, "module:callable" (the run\'s env.factory).',
+    )
+    demonstration: str = Field(
+        ..., description='"module:callable": a dataset row -> the assistant messages (tool calls) of a right play.'
+    )
+
+    @field_validator("environment", "demonstration")
+    @classmethod
+    def _importable_name(cls, path: str) -> str:
+        if ":" not in path:
+            raise ValueError(f"{path!r}: expected module:callable")
+        return path
+
+
 class TinyModelConfig(Section):
     """Shape and warm-up of the locally built tiny Qwen2 model (the embedded default)."""
 
@@ -60,6 +79,9 @@ class TinyModelConfig(Section):
     )
     warmup_context_accuracy: float = Field(
         0.9, gt=0, lt=1, description="With warmup_context: train on it until held-out accuracy shown so reaches this."
+    )
+    warmup_tools: ToolWarmupConfig | None = Field(
+        None, description="Make the model call tools: a tool chat template and a warm-up on demonstrated episodes."
     )
 
     @field_validator("warmup_context")

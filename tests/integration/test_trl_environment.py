@@ -10,7 +10,8 @@ _AsyncRolloutLoop`): its `_generate_loop` resets the environments and folds thei
 runs the tools, and `_score_group` scores with `get_reward` and lays out the training rows. The two things replaced
 are the HTTP call to vLLM (`_generate_one_turn`), which answers fixed completions, and the endless cycle over the
 dataset (`_repeat_iterator`), which yields one group; spotrl's side gets the same completions
-from a scripted fleet. Both use the tiny model's tokenizer made able to call tools (`tool_tokenizer`).
+from a scripted fleet. Both use the tiny model's tokenizer made able to call tools (`tool_tokenizer`: TRL's Qwen2.5
+template on the plain tiny tokenizer), and again the tool template of the tiny model built to call tools.
 """
 
 import asyncio
@@ -33,30 +34,37 @@ from app.rollout.tool_episodes import ToolEpisodeRunner  # noqa: E402
 from app.tasks.problems import Problem  # noqa: E402
 from app.tasks.trl_environments import ToolChat, tool_tokenizer  # noqa: E402
 from app.tiny_model import build_tokenizer, random_qwen2  # noqa: E402
+from app.tiny_tools import turn_ids  # noqa: E402
 from contracts.rollouts import Choice  # noqa: E402
 from examples.trl_calculator import CalculatorEnv  # noqa: E402
 
-# The model's turns, in order: a tool call, two calls at once, an answer without a call.
+
+def call(name: str, **arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# The model's turns, in order: a tool call, two calls at once, an answer without a call; each sampled as the
+# tokenizer's template renders it (`turn_ids`), as a model trained on that template samples it.
 TURNS = [
-    '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 34}}\n</tool_call><|im_end|>',
-    '<tool_call>\n{"name": "add", "arguments": {"a": 46, "b": 0}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "submit", "arguments": {"answer": 46}}\n</tool_call><|im_end|>',
-    "The answer is 46.<|im_end|>",
+    {"role": "assistant", "content": "", "tool_calls": [call("add", a=12, b=34)]},
+    {"role": "assistant", "content": "", "tool_calls": [call("add", a=46, b=0), call("submit", answer=46)]},
+    {"role": "assistant", "content": "The answer is 46."},
 ]
 ROW = {"prompt": [{"role": "user", "content": "Compute 12+34."}], "answer": "46"}
 PROBLEM = Problem("p", "Compute 12+34.", "46")
 G = 3
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tool_tokenizer(build_tokenizer(2, 0))
+@pytest.fixture(scope="module", params=["qwen2.5", "tiny-tools"])
+def tokenizer(request):
+    """TRL's Qwen2.5 template on the plain tiny tokenizer, and the tool template of the tiny model that calls tools."""
+    return tool_tokenizer(build_tokenizer(2, 0, tools=request.param == "tiny-tools"))
 
 
 def scripted_turn(tokenizer, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
     """The fixed completion of the turn this prompt asks for (its count of assistant headers), and log-probs."""
     turn = tokenizer.decode(prompt_ids).count("<|im_start|>assistant")
-    ids = tokenizer(TURNS[turn - 1], add_special_tokens=False)["input_ids"]
+    ids = turn_ids(tokenizer, TURNS[turn - 1])
     return ids, [-0.01 * (k + 1) for k in range(len(ids))]
 
 

@@ -182,6 +182,15 @@ def test_a_config_naming_factories_is_checked_at_start():
         RunConfig(env={"factory": "examples.trl_calculator:CalculatorEnv", "name": "calculator"})
     with pytest.raises(ValidationError, match="module:callable"):
         RunConfig(env={"factory": "CalculatorEnv"})
+    calc = "examples.trl_calculator:CalculatorEnv"
+
+    def with_demonstration(name: str) -> RunConfig:
+        tools = {"environment": calc, "demonstration": name}
+        return RunConfig(model={"tiny": {"warmup_tools": tools}}, env={"factory": calc}, task={"reward_funcs": []})
+
+    check_names(with_demonstration("examples.trl_calculator:demonstration"))
+    with pytest.raises(ConfigError, match="^model.tiny.warmup_tools.demonstration: .*cannot be imported"):
+        check_names(with_demonstration("examples.trl_calculator:nothing"))
 
 
 class Plain(CalculatorEnv):
