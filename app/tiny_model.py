@@ -98,25 +98,18 @@ def build_tokenizer(digits: int, seed: int, vocab_size: int = 384, texts: list[s
         show_progress=False,
     )
     tok.train_from_iterator(_tokenizer_corpus(random.Random(seed), digits, texts), trainer)
-    if not tools:
-        return PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            eos_token=EOS,
-            pad_token=EOS,
-            chat_template=CHAT_TEMPLATE,
-            model_max_length=4096,
-            clean_up_tokenization_spaces=False,
-        )
-    from trl.chat_template_utils import qwen3_template
+    chat = {"eos_token": EOS, "pad_token": EOS, "chat_template": CHAT_TEMPLATE}
+    if tools:
+        from trl.chat_template_utils import qwen3_template
 
+        chat = {
+            "eos_token": END_OF_TURN,
+            "pad_token": END_OF_TURN,
+            "chat_template": TOOL_CHAT_TEMPLATE,
+            "response_template": qwen3_template,
+        }
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=END_OF_TURN,
-        pad_token=END_OF_TURN,
-        chat_template=TOOL_CHAT_TEMPLATE,
-        response_template=qwen3_template,
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
+        tokenizer_object=tok, model_max_length=4096, clean_up_tokenization_spaces=False, **chat
     )
 
 

@@ -143,3 +143,20 @@ def test_a_tool_warm_up_must_be_played_in_the_runs_own_environment_and_has_a_cac
         RunConfig(model={"tiny": {"warmup_tools": tools}}, task={"reward_funcs": []})
     with pytest.raises(ValueError, match="expected module:callable"):
         ToolWarmupConfig(environment="examples.trl_calculator", demonstration=TOOLS.demonstration)
+
+
+def test_the_tool_warm_ups_tokenizer_learns_the_format_so_a_whole_episode_fits_the_tiny_models_context(monkeypatch):
+    import app.tiny_model as tiny_model
+    from core.config import TinyModelConfig
+
+    monkeypatch.setattr(tiny_model, "TOOL_POOL", 64)
+    tiny = TinyModelConfig(warmup_tools=TOOLS)
+    heldout = additions(8, seed=2)
+    tokenizer, plan = tiny_model.tool_plan(tiny, TASK, heldout)
+    examples = [plan.example(random.Random(k)) for k in range(16)]
+    assert all(len(ids) <= 160 < tiny.max_position_embeddings for ids, _ in examples)  # ~130 tokens
+    assert all(tokenizer.decode(ids).count("<tool_call>") == 2 for ids, _ in examples)
+    held = {p.prompt for p in heldout}
+    assert not any(p in tokenizer.decode(ids) for ids, _ in examples for p in held)  # held-out problems unseen
+    with pytest.raises(ValueError, match="demonstrates additions"):
+        tiny_model.tool_plan(tiny, TaskConfig(name="chained_arithmetic"), heldout)
