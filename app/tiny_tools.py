@@ -173,7 +173,8 @@ class ToolPlay:
         return examples
 
     def greedy_accuracy(self, model, problems: list[Problem]) -> float:
-        """Share of `problems` whose greedy episode the environment rewards, `model` answering in this process."""
+        """Share of `problems` whose greedy episode the environment rewards, `model` answering in this process, each
+        turn given the longest demonstrated turn (`demonstrations` first) and two tokens more."""
         runner = self._runner(LocalGreedy(model, self.tokenizer.eos_token_id))
         turn = SamplingArgs(self.longest_turn + 2, temperature=0.0)
 
