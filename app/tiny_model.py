@@ -269,6 +269,7 @@ def episode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
 def greedy_episode_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int) -> float:
     """Share of chained episodes played right to the end greedily (plain PyTorch, the rollout's token layout)."""
     from app.tasks.environments import ChainedArithmetic
+    from app.tiny_tools import greedy_continuations
 
     model.eval()
     eos = tokenizer.eos_token_id
@@ -280,17 +281,7 @@ def greedy_episode_accuracy(model, tokenizer, problems: list[Problem], max_new_t
     seqs = [_encode(tokenizer, p.prompt) for p in problems]
     active, solved = list(range(len(problems))), 0
     while active:
-        width = max(len(seqs[i]) for i in active)
-        ids = torch.tensor([[eos] * (width - len(seqs[i])) + seqs[i] for i in active])
-        attn = torch.tensor([[0] * (width - len(seqs[i])) + [1] * len(seqs[i]) for i in active])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=eos,
-            eos_token_id=eos,
-        )[:, width:].tolist()
+        out = greedy_continuations(model, [seqs[i] for i in active], max_new_tokens, eos, batch_size=len(active))
         still = []
         for i, new in zip(active, out, strict=True):
             turn = new[: new.index(eos) + 1] if eos in new else new

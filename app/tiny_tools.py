@@ -42,6 +42,30 @@ def turn_ids(tokenizer, message: dict) -> list[int]:
     return rest[: rest.index(tokenizer.eos_token_id) + 1]
 
 
+@torch.no_grad()
+def greedy_continuations(
+    model, rows: list[list[int]], max_new_tokens: int, eos_id: int, batch_size: int = 256
+) -> list[list[int]]:
+    """Each row's greedy continuation by a transformers model (`max_new_tokens` long, EOS-padded after an EOS), the
+    rows left-padded with EOS into batches of `batch_size`."""
+    out = []
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[eos_id] * (width - len(r)) + r for r in chunk])
+        attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk])
+        new = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=eos_id,
+            eos_token_id=eos_id,
+        )[:, width:]
+        out += new.tolist()
+    return out
+
+
 class ScriptedTurns:
     """A `Generate` that answers from scripts: the model name picks an episode's script, the turn its next message."""
 
@@ -95,24 +119,8 @@ class LocalGreedy:
                 choices += [Choice(len(choices) + j, list(ids), [0.0] * len(ids), "", reason) for j in range(n)]
             future.set_result(choices)
 
-    @torch.no_grad()
     def _generate(self, rows: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        out = []
-        for i in range(0, len(rows), self.batch_size):
-            chunk = rows[i : i + self.batch_size]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[self.eos_id] * (width - len(r)) + r for r in chunk])
-            attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in chunk])
-            new = self.model.generate(
-                input_ids=ids,
-                attention_mask=attn,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=self.eos_id,
-                eos_token_id=self.eos_id,
-            )[:, width:]
-            out += new.tolist()
-        return out
+        return greedy_continuations(self.model, rows, max_new_tokens, self.eos_id, self.batch_size)
 
 
 class ToolPlay:

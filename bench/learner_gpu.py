@@ -188,7 +188,6 @@ def run_steps(learner, step: dict, vocab: int, warmup: int, steps: int) -> list[
 
 
 def summarize(runs: list[dict], learner) -> dict:
-
     def median(key: str) -> float:
         return statistics.median(m[key] for m in runs)
 

@@ -64,13 +64,14 @@ def test_a_demonstration_is_laid_out_as_the_template_renders_the_whole_conversat
     problems = additions(3)
     for problem, (ids, mask) in zip(problems, play.demonstrations(problems), strict=True):
         a, b = map(int, problem.id[1:].split("+"))
+        add, submit, say = demonstration({"prompt": [{"role": "user", "content": problem.prompt}]})
         conversation = [
             {"role": "user", "content": problem.prompt + " Use the tools, then submit."},
-            *demonstration({"prompt": [{"role": "user", "content": problem.prompt}]})[:1],
+            add,
             {"role": "tool", "name": "add", "content": str(a + b)},
-            demonstration({"prompt": [{"role": "user", "content": problem.prompt}]})[1],
+            submit,
             {"role": "tool", "name": "submit", "content": "submitted"},
-            {"role": "assistant", "content": str(a + b)},
+            say,
         ]
         rendered = tokenizer.apply_chat_template(
             conversation, tools=tool_methods(CalculatorEnv()), tokenize=True, return_dict=False
