@@ -5,7 +5,7 @@ tool-call format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` in th
 as `<tool_response>...</tool_response>` in a user turn, `<|im_end|>` closing every turn), so that TRL's own Qwen
 response template (`trl.chat_template_utils.qwen3_template`) parses the model's turns. It lists the tools in one
 short line (`Tools: add(a,b) submit(answer)`) where Qwen2.5's preamble gives their JSON schemas in about 1,000 of the
-tiny tokenizer's tokens, four times the model's context. A modules that compares a tokenizer's template with these
+tiny tokenizer's tokens, four times the model's context. A module that compares a tokenizer's template with these
 imports them from here, not from the builder.
 """
 
