@@ -1,4 +1,5 @@
-"""bench.learner_gpu runs where the GPU benchmark runs: no Ray, no vLLM, no pydantic; and it runs the seed recipe.
+"""bench.learner_gpu (and its profile) run where the GPU benchmark runs: no Ray, no vLLM, no pydantic; and it runs the
+seed recipe.
 
 The GPU box has torch, transformers, peft, accelerate, safetensors and numpy only. Here the bench runs
 at its small shape on the CPU in a fresh interpreter where those modules (and a few more this venv has
@@ -18,18 +19,19 @@ from bench import learner_gpu
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCKED = ("ray", "vllm", "pydantic", "pydantic_core", "s3fs", "trackio", "datasets", "trl")
-WRAPPER = f"""
+WRAPPER = """
 import runpy, sys
-for name in {BLOCKED!r}:
+for name in {blocked!r}:
     sys.modules[name] = None  # as if not installed
-runpy.run_module("bench.learner_gpu", run_name="__main__", alter_sys=True)
-assert all(sys.modules[name] is None for name in {BLOCKED!r})
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+assert all(sys.modules[name] is None for name in {blocked!r})
 """
 
 
-def test_small_run_needs_no_ray_vllm_or_pydantic(tmp_path):
+def run_blocked(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module args` in a fresh interpreter where BLOCKED cannot be imported; it must succeed."""
     proc = subprocess.run(
-        [sys.executable, "-c", WRAPPER, "--small", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, "-c", WRAPPER.format(blocked=BLOCKED, module=module), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -37,6 +39,11 @@ def test_small_run_needs_no_ray_vllm_or_pydantic(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_small_run_needs_no_ray_vllm_or_pydantic(tmp_path):
+    proc = run_blocked("bench.learner_gpu", "--small", "--device", "cpu", "--out", str(tmp_path))
     assert "MFU" in proc.stdout
     result = json.loads((tmp_path / "learner_gpu_small.json").read_text())
     assert not (tmp_path / "learner_gpu.json").exists()  # small figures never stand for the GPU run's
@@ -49,6 +56,13 @@ def test_small_run_needs_no_ray_vllm_or_pydantic(tmp_path):
     assert "error" not in tinker, tinker["error"]
     assert tinker["device"] == "cpu" and len(tinker["step_s_all"]) == 2 and tinker["tok_s"] > 0
     assert all(loss == loss for loss in tinker["loss"])  # no NaN
+
+
+def test_the_profile_runs_without_ray_vllm_or_pydantic_and_names_where_the_step_went(tmp_path):
+    proc = run_blocked("bench.learner_gpu_profile", "--small", "--rows", "5", "--out", str(tmp_path))
+    text = (tmp_path / "learner_gpu_profile.txt").read_text()
+    assert text in proc.stdout and "profiled step" in text and "aten::mm" in text
+    assert "'enable_gqa': 0." in text  # the attention probe timed sdpa with grouped KV heads
 
 
 def test_without_cuda_the_full_run_is_skipped_and_writes_nothing(tmp_path, capsys):

@@ -218,3 +218,16 @@ def test_packing_lays_out_whatever_streams_the_samples_carry_and_refuses_samples
     groups[1].samples[2].streams["teacher_logprobs"] = [0.0]
     with pytest.raises(ValueError, match="values of teacher_logprobs"):
         samples_from_groups(groups)
+
+
+def test_segments_on_cuda_never_take_cudnn_attention_which_replans_for_every_sample_length():
+    from app.learner.packing import _segment_backends
+
+    # sdpa's backend switches are process-wide flags, settable without a GPU: what a CUDA forward would see.
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with _segment_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with _segment_backends(torch.device("cpu")):  # the CPU keeps sdpa's own choice
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
