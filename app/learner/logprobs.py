@@ -278,3 +278,22 @@ class LogProbHead(torch.nn.Module):
             chunk_tokens=self.chunk_tokens,
         )
         return torch.stack([logp, entropy])
+
+
+def forward_scores(model, head: LogProbHead, mb, temperature: float, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward of micro-batch `mb` (`app.learner.packing.MicroBatch`) through `model`, whose output layer is `head`:
+    `[2, M]` (each target's log-prob, with gradient, and entropy) or `[2 + k, M]` with `ids` (`[M, k]`).
+
+    No attention mask: packed rows pass their sample boundaries instead, padded rows are right-padded (see
+    `app.learner.packing`); position_ids restart at every packed sample, for the rotary embedding.
+    """
+    extra = {"packed_cu_seqlens": mb.cu_seqlens} if mb.cu_seqlens is not None else {}
+    with head.scoring(mb.target_rows, mb.target_cols, mb.targets, temperature, ids):
+        out = model(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            logits_to_keep=mb.logits_to_keep,
+            use_cache=False,
+            **extra,
+        )
+    return out.logits

@@ -98,13 +98,15 @@ class TrainSample:
 
     A multi-turn episode's completion interleaves model turns and observations: only the positions
     `completion_mask` marks are targets (scored, trained, counted in the normaliser); observations are
-    context, forwarded like the prompt."""
+    context, forwarded like the prompt. A completion token's target is the token itself (what the sampler drew),
+    unless `target_ids` names others: the Tinker API's datums say what each position predicts."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     streams: dict[str, list[float]]  # per completion token, by name (observation tokens' are never read)
     origin: tuple[int, int]  # (its group's index among the groups packed, its index in the group)
     completion_mask: list[int] | None = None  # 1: a model token, trained; None: every completion token
+    target_ids: list[int] | None = None  # what completion position j is scored on; None: completion_ids[j]
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -224,7 +226,7 @@ def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool
             trained = s.target_offsets()
             t_rows += [r] * len(trained)
             t_pos += (first + j for j in trained)
-            targets += (s.completion_ids[j] for j in trained)
+            targets += ((s.target_ids or s.completion_ids)[j] for j in trained)
             for name, values in s.streams.items():
                 streams[name] += (values[j] for j in trained)
             t_sample += [index] * len(trained)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from app.learner.ema import AdapterEma
+from app.learner.logprobs import forward_scores
 from app.learner.model import (
     build_lora_model,
     build_optimizer,
@@ -221,20 +222,9 @@ class LearnerRank:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`_forward`, and the log-probs (with gradient) at `ids` (`[targets, k]`) at each target's position, at
         the same temperature, computed in the same chunks (`[targets, k]`; None without ids)."""
-        # No attention mask: packed rows pass their sample boundaries instead, padded rows are right-padded
-        # (see app.learner.packing); position_ids restart at every packed sample, for the rotary embedding.
-        extra = {"packed_cu_seqlens": mb.cu_seqlens} if mb.cu_seqlens is not None else {}
-        with self.head.scoring(mb.target_rows, mb.target_cols, mb.targets, self.cfg.grpo.temperature, ids):
-            out = self.model(
-                input_ids=mb.input_ids,
-                position_ids=mb.position_ids,
-                logits_to_keep=mb.logits_to_keep,
-                use_cache=False,
-                **extra,
-            )
-        # [2, targets] (or [2 + k, targets] with ids): what LogProbHead returns in place of the logits
-        logp, entropy = out.logits[0], out.logits[1]
-        return logp, entropy.detach(), None if ids is None else out.logits[2:].T
+        scores = forward_scores(self.model, self.head, mb, self.cfg.grpo.temperature, ids)
+        logp, entropy = scores[0], scores[1]
+        return logp, entropy.detach(), None if ids is None else scores[2:].T
 
     def forward_backward(self, groups: list[Group], stop: Callable[[], bool] | None = None) -> dict:
         """Accumulate the gradient of the objectives' loss over these groups into `.grad` (no optimizer step).

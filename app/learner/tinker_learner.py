@@ -12,8 +12,11 @@ the one Ray gives the actor) the frozen base may be bfloat16 while every adapter
 moments (PEFT casts adapter weights up), the forward running under bfloat16 autocast. No FSDP here: one base and many
 small adapters fit one device, and a Tinker step is one client's few datums.
 
-Log-probs come from `app.learner.logprobs.token_logprobs` (float32 softmax, temperature 1: the sampler's log-probs
-that the fleet returns are at the sampling temperature, which a Tinker client sets to 1 for RL); the losses are
+A call's datums go through the model as the run learner's groups do (`app.learner.packing`): packed end to end in rows
+of up to `BATCH_TOKENS` tokens, attention kept inside each datum without a mask, and log-probs taken chunk by chunk in
+the output layer (`app.learner.logprobs.LogProbHead`: float32 softmax, never the `[tokens x vocab]` logits; temperature
+1, since the sampler's log-probs that the fleet returns are at the sampling temperature, which a Tinker client sets to
+1 for RL). A datum's targets are its own (`target_tokens`, not necessarily the next inputs). The losses are
 `app.objectives.tinker_losses`'. A sampler version is a PEFT folder committed to the tenant's prefix of the fleet's
 bucket (`core.bucket.AdapterStore`, signed with the lineage's key), exactly what `app.weight_sync` publishes for a
 run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`. The tinker path a user
@@ -38,8 +41,9 @@ from pathlib import Path
 
 import torch
 
-from app.learner.logprobs import token_logprobs
+from app.learner.logprobs import LogProbHead, forward_scores
 from app.learner.model import DTYPES
+from app.learner.packing import TrainSample, pack, register_packed_attention
 from app.objectives.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 from contracts.auth import Secret
 from contracts.tinker import AdamStep, AdapterSpec, Lineage, LossCall, LossReply, Publication
@@ -49,8 +53,8 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 OPTIMIZER_FILE = "optimizer.pt"
 SPEC_FILE = "tinker_spec.json"
 PATHS = "tinker/paths"  # under a tenant's prefix: one small JSON per tinker path the service handed out
-# Padded tokens of one forward: a call's datums go through the model in right-padded rows up to this many (at least
-# one datum a forward), so an RL step's 128 short datums cost one forward, and a GPU's long ones bound the logits.
+# Tokens of one forward: a call's datums are packed in rows of up to this many (a longer datum gets a row of its own),
+# so an RL step's 128 short datums cost one forward, and a GPU's long ones bound the activations.
 BATCH_TOKENS = 8192
 
 
@@ -87,8 +91,14 @@ class TinkerLearner:
         self.model_path, self.max_models = model_path, max_models
         self.device = torch.device("cuda" if device == "cuda" else "cpu")  # Ray shows the actor its own GPU only
         self.dtype = DTYPES[dtype]
-        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        self.base = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.dtype, attn_implementation=register_packed_attention()
+        ).to(self.device)
         self.base.config.use_cache = False
+        # The adapters cover named attention and MLP layers only, never this wrapped output layer.
+        self.head = LogProbHead(self.base.get_output_embeddings())
+        self.base.set_output_embeddings(self.head)
+        self.pad_id = self.base.config.pad_token_id if self.base.config.pad_token_id is not None else 0
         self.peft = None  # the PeftModel, from the first adapter on
         self.clients: dict[str, _Client] = {}
         self._counter = 0
@@ -166,44 +176,28 @@ class TinkerLearner:
         self._activate(call.model)
         self.peft.train()
         total = torch.zeros((), device=self.device)
-        logprobs: list[list[float]] = []
+        logprobs: list[list[float]] = [[] for _ in call.data]
         # Half-precision bases compute in their dtype; the adapters' fp32 masters are cast on the fly (as FSDP2's
-        # mixed precision does for the run learner), and log-probs are taken in float32 (`token_logprobs`).
+        # mixed precision does for the run learner), and log-probs are taken in float32 (`LogProbHead`).
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
         with torch.set_grad_enabled(call.backward):
-            for rows in batches(call.data, BATCH_TOKENS):
-                ids, targets, mask = self._padded(rows)
+            for mb in pack([train_sample(i, d) for i, d in enumerate(call.data)], BATCH_TOKENS, self.pad_id):
+                mb = mb.to(self.device)
                 with autocast:
-                    logits = self.peft(input_ids=ids, attention_mask=mask).logits
-                logp_rows, _ = token_logprobs(logits, targets, 1.0)
-                del logits
+                    logp = forward_scores(self.peft, self.head, mb, 1.0)[0]
+                # A row's datums, each one's targets together, in the order they were laid out.
+                order, counts = torch.unique_consecutive(mb.target_sample, return_counts=True)
                 losses = []
-                for datum, logp in zip(rows, logp_rows, strict=True):
-                    logp = logp[: len(datum.target_tokens)]  # right padding: the real positions come first
-                    inputs = {
-                        k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in datum.inputs.items()
-                    }
-                    losses.append(datum_loss(call.loss_fn, logp, inputs, config))
-                    logprobs.append(logp.detach().tolist())
+                for index, datum_logp in zip(order.tolist(), logp.split(counts.tolist()), strict=True):
+                    inputs = call.data[index].inputs
+                    inputs = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in inputs.items()}
+                    losses.append(datum_loss(call.loss_fn, datum_logp, inputs, config))
+                    logprobs[index] = datum_logp.detach().tolist()
                 loss = torch.stack(losses).sum()
                 if call.backward:
-                    loss.backward()  # gradients of every batch summed into the adapter until optim_step
+                    loss.backward()  # gradients of every row summed into the adapter until optim_step
                 total = total + loss.detach()
         return LossReply(logprobs, {"loss:sum": float(total)})
-
-    def _padded(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input ids, targets, attention mask) of `rows`' datums, right-padded to the longest (pads masked: causal
-        attention keeps the real tokens' positions and values exactly as unpadded)."""
-        width = max(len(d.input_tokens) for d in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        targets = torch.zeros_like(ids)
-        mask = torch.zeros_like(ids)
-        for r, datum in enumerate(rows):
-            n = len(datum.input_tokens)
-            ids[r, :n] = torch.tensor(datum.input_tokens)
-            targets[r, :n] = torch.tensor(datum.target_tokens)
-            mask[r, :n] = 1
-        return ids.to(self.device), targets.to(self.device), mask.to(self.device)
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         """One AdamW step of the client's adapter with the step's hyperparameters; its gradients are cleared."""
@@ -327,20 +321,14 @@ class TinkerLearner:
         return spec
 
 
-def batches(data: list, budget: int) -> list[list]:
-    """`data`'s datums in order, cut into runs whose padded size (rows x the longest) stays within `budget` tokens;
-    a datum longer than the budget goes alone."""
-    out: list[list] = []
-    width = 0
-    for datum in data:
-        n = len(datum.input_tokens)
-        if out and (len(out[-1]) + 1) * max(width, n) <= budget:
-            out[-1].append(datum)
-            width = max(width, n)
-        else:
-            out.append([datum])
-            width = n
-    return out
+def train_sample(index: int, datum) -> TrainSample:
+    """Datum `index` as the packer lays samples out: position j of its inputs is scored on `target_tokens[j]`.
+
+    A sample's position j + 1 - len(prompt) predicts its completion token j; a datum's first input is the prompt,
+    the rest its completion, and one more token (the last target; never attended by a scored position) gives its
+    last position a completion slot."""
+    inputs, targets = list(datum.input_tokens), list(datum.target_tokens)
+    return TrainSample(inputs[:1], inputs[1:] + targets[-1:], {}, (index, 0), target_ids=targets)
 
 
 def _paths_folder(lineage: Lineage):

@@ -1,12 +1,13 @@
 """The Tinker learner on the tiny model at small shapes: its precision path (a bfloat16 base under fp32 adapters, what it
 runs on a GPU) computes what the float32 one does, trains, and saves and restores fp32 adapters and moments; the
-tinker paths it saved are found again by path; datums batched in padded rows compute what one at a time does."""
+tinker paths it saved are found again by path; datums packed in rows compute what one at a time does, and what a plain
+forward's full logits give at whatever targets a datum names."""
 
 import pytest
 import torch
 
 from app.learner import tinker_learner
-from app.learner.tinker_learner import TinkerLearner, batches
+from app.learner.tinker_learner import TinkerLearner, train_sample
 from contracts.tinker import AdamStep, AdapterSpec, Datum, Lineage, LossCall
 
 TOKENS = [5, 9, 14, 3, 7, 11, 2]
@@ -74,7 +75,7 @@ def test_a_dtype_it_does_not_know_is_refused(tiny_model_path):
         TinkerLearner(tiny_model_path, dtype="int8")
 
 
-def test_datums_in_padded_batches_give_the_log_probs_and_gradients_of_one_at_a_time(learners, monkeypatch):
+def test_datums_packed_in_rows_give_the_log_probs_and_gradients_of_one_at_a_time(learners, monkeypatch):
     learner = learners["float32"]
     learner.create("g", AdapterSpec(rank=4, seed=2))
     for p in learner.peft.parameters():  # a trained adapter: B away from zero, so every LoRA weight has a gradient
@@ -94,7 +95,7 @@ def test_datums_in_padded_batches_give_the_log_probs_and_gradients_of_one_at_a_t
         return reply, grads
 
     alone, alone_grads = run(1)  # every datum a forward of its own
-    together, together_grads = run(1 << 20)  # all four in one padded batch
+    together, together_grads = run(1 << 20)  # all four in one packed row
     assert [len(x) for x in together.logprobs] == [6, 2, 4, 1]
     for a, b in zip(alone.logprobs, together.logprobs, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
@@ -104,10 +105,30 @@ def test_datums_in_padded_batches_give_the_log_probs_and_gradients_of_one_at_a_t
         assert torch.allclose(grad, together_grads[name], atol=1e-5), name
 
 
-def test_batches_keep_the_order_and_the_padded_budget():
-    def datum(n):
-        return Datum([1] * n, [1] * n)
+def test_a_datum_is_scored_at_its_own_targets_as_a_plain_forward_of_it_alone_scores_them(learners):
+    learner = learners["float32"]
+    learner.create("t", AdapterSpec(rank=4, seed=3))
+    for p in learner.peft.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+    shifted = Datum(TOKENS[:-1], TOKENS[1:], {"weights": [1.0] * 6})
+    own = Datum(
+        [4, 8, 15, 16], [23, 42, 4, 8], {"weights": [1.0, 0.0, 2.0, 1.0]}
+    )  # targets that are not the next inputs
+    reply = learner.forward_backward(LossCall("t", [shifted, own], "cross_entropy", backward=False))
+    for datum, logprobs in zip([shifted, own], reply.logprobs, strict=True):
+        with torch.no_grad():  # outside scoring the head is the plain output layer: full logits, one causal row
+            logits = learner.peft(input_ids=torch.tensor([datum.input_tokens])).logits[0]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(datum.target_tokens).unsqueeze(-1)).squeeze(-1)
+        assert logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+    data, logps = [shifted, own], reply.logprobs
+    weighted = [
+        sum(w * x for w, x in zip(d.inputs["weights"], lp, strict=True)) for d, lp in zip(data, logps, strict=True)
+    ]
+    assert reply.metrics["loss:sum"] == pytest.approx(-sum(weighted), abs=1e-5)  # cross_entropy: -sum(weights * logp)
 
-    cut = batches([datum(n) for n in [3, 3, 4, 9, 2, 2]], budget=12)
-    assert [[len(d.input_tokens) for d in rows] for rows in cut] == [[3, 3, 4], [9], [2, 2]]
-    assert batches([datum(20)], budget=8)[0][0].input_tokens == [1] * 20  # longer than the budget: alone
+
+def test_a_datum_becomes_a_sample_whose_scored_positions_are_its_inputs_and_targets_its_own():
+    sample = train_sample(3, Datum([4, 8, 15], [23, 42, 7]))
+    assert sample.input_ids[:3] == [4, 8, 15] and len(sample) == 4  # one slot more: the last position's target
+    assert sample.num_targets == 3 and sample.target_ids == [23, 42, 7] and sample.origin == (3, 0)
