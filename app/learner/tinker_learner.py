@@ -32,7 +32,6 @@ each client where it stopped.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import tempfile
 import time
@@ -51,6 +50,7 @@ from contracts.tinker import AdamStep, AdapterSpec, Lineage, LossCall, LossReply
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 OPTIMIZER_FILE = "optimizer.pt"
+GRADIENT_FILE = "gradient.pt"  # a state the service kept mid-step: the adapter's gradient, in its optimizer's order
 SPEC_FILE = "tinker_spec.json"
 PATHS = "tinker/paths"  # under a tenant's prefix: one small JSON per tinker path the service handed out
 # Tokens of one forward: a call's datums are packed in rows of up to this many (a longer datum gets a row of its own),
@@ -202,7 +202,7 @@ class TinkerLearner:
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         """One AdamW step of the client's adapter with the step's hyperparameters; its gradients are cleared."""
         client = self._activate(step.model)
-        params = [p for group in client.optimizer.param_groups for p in group["params"]]
+        params = _params(client)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             params, step.grad_clip_norm if step.grad_clip_norm > 0 else float("inf")
         )
@@ -249,7 +249,7 @@ class TinkerLearner:
             else:
                 raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
         if path is not None:
-            _remember(lineage, path, version)
+            _paths(lineage).put(_record_name(path), _record(path, version, model, client.spec))
         return Publication(version, store.key_of(version))
 
     def _states(self, lineage: Lineage):
@@ -257,44 +257,57 @@ class TinkerLearner:
 
         return CheckpointStore(f"{lineage.bucket_url}/tinker", cache_dir=lineage.cache_dir)
 
-    def save_state(self, model: str, lineage: Lineage, path: str | None = None) -> int:
+    def save_state(self, model: str, lineage: Lineage, path: str | None = None, gradient: bool = False) -> int:
         """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number. `path`, the
-        tinker path the user is given for it, is recorded (`recall`); the service's own saves after a notice have none."""
+        tinker path the user is given for it, is recorded (`recall`); the service's own saves after a notice have none,
+        and keep with `gradient` what `forward_backward` accumulated and no `optim_step` applied yet."""
         client = self._activate(model)
         states = self._states(lineage)
         with tempfile.TemporaryDirectory(prefix="tinker-state-") as tmp:
             folder = self._write_adapter(client, Path(tmp) / "state")
-            buffer = io.BytesIO()
-            torch.save(client.optimizer.state_dict(), buffer)
-            (folder / OPTIMIZER_FILE).write_bytes(buffer.getvalue())
+            torch.save(client.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+            grads = [p.grad for p in _params(client)]
+            if gradient and any(g is not None for g in grads):
+                torch.save(grads, folder / GRADIENT_FILE)
             spec = {"rank": client.spec.rank, "train_attn": client.spec.train_attn, "train_mlp": client.spec.train_mlp}
             (folder / SPEC_FILE).write_text(json.dumps({**spec, "steps": client.steps}))
             number = (states.latest() or 0) + 1
             states.save(number, folder, meta={"model": model, "steps": client.steps})
         if path is not None:
-            _remember(lineage, path, number)
+            _paths(lineage).put(_record_name(path), _record(path, number, model, client.spec))
         return number
 
     def recall(self, lineage: Lineage, path: str) -> int | None:
         """The state number or sampler version the tenant's tinker `path` names, as recorded when it was saved; None
         for a path this tenant never saved (another tenant's records lie in another prefix)."""
-        fs, record = _path_record(lineage, path)
-        try:
-            saved = json.loads(_bucket_call(fs.cat_file, record))
-        except Exception as exc:
-            from core.bucket.filesystem import is_missing
-
-            if is_missing(exc):
-                return None
-            raise
-        return int(saved["number"]) if saved.get("path") == path else None
+        saved = _paths(lineage).get(_record_name(path))
+        return int(saved["number"]) if saved is not None and saved.get("path") == path else None
 
     def checkpoints(self, lineage: Lineage) -> list[dict]:
-        """Every tinker path the tenant was given, as recorded (`path`, `number`, `time`), newest first: what the SDK's
-        checkpoint listings show."""
-        fs, folder = _paths_folder(lineage)
-        records = [json.loads(_bucket_call(fs.cat_file, name)) for name in _bucket_call(fs.glob, f"{folder}/*.json")]
-        return sorted(records, key=lambda r: r.get("time", 0.0), reverse=True)
+        """Every tinker path the tenant was given, as recorded (`path`, `number`, `time`, `model`, and the adapter's
+        `rank`, `train_attn`, `train_mlp`; records written before carry no model or adapter), newest first: what the
+        SDK's checkpoint and training-run listings show."""
+        return sorted(_paths(lineage).all(), key=lambda r: r.get("time", 0.0), reverse=True)
+
+    def forget(self, lineage: Lineage, path: str, sampler: bool) -> bool:
+        """Delete what the tenant's tinker `path` names (a saved state, or with `sampler` a sampler version) from the
+        bucket, then its record; whether there was one. A fleet that loaded the version keeps serving it until it
+        unloads it; no new sampling client can name the path.
+
+        The tenant's newest sampler version stays (ValueError): the next one takes the number after the newest
+        committed, and the fleet names what it serves by that number, so deleting the newest would hand its number,
+        and its name on the fleet, to other weights."""
+        from core.bucket.store import AdapterStore
+
+        number = self.recall(lineage, path)
+        if number is None:
+            return False
+        store = AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir) if sampler else self._states(lineage)
+        if sampler and store.latest() == number:
+            raise ValueError(f"{path} is the newest sampler weights of this key: save newer ones before deleting it")
+        store.delete(number)
+        _paths(lineage).delete(_record_name(path))
+        return True
 
     def load_state(self, model: str, lineage: Lineage, number: int, optimizer: bool) -> AdapterSpec:
         """A new client `model` from the tenant's state `number` (its optimizer's moments too with `optimizer`)."""
@@ -318,7 +331,16 @@ class TinkerLearner:
                 moments = torch.load(folder / OPTIMIZER_FILE, weights_only=True, map_location=self.device)
                 client.optimizer.load_state_dict(moments)
                 client.steps = int(saved.get("steps", 0))
+            if (folder / GRADIENT_FILE).exists():  # a notice's save between forward_backward and optim_step
+                grads = torch.load(folder / GRADIENT_FILE, weights_only=True, map_location=self.device)
+                for p, grad in zip(_params(client), grads, strict=True):
+                    p.grad = grad
         return spec
+
+
+def _params(client: _Client) -> list[torch.Tensor]:
+    """The client's adapter weights in its optimizer's order: the same order for every adapter of one spec."""
+    return [p for group in client.optimizer.param_groups for p in group["params"]]
 
 
 def train_sample(index: int, datum) -> TrainSample:
@@ -331,31 +353,21 @@ def train_sample(index: int, datum) -> TrainSample:
     return TrainSample(inputs[:1], inputs[1:] + targets[-1:], {}, (index, 0), target_ids=targets)
 
 
-def _paths_folder(lineage: Lineage):
-    """The filesystem and the folder of the tenant's prefix where the tinker paths it was given are recorded."""
-    from core.bucket.filesystem import make_filesystem
+def _paths(lineage: Lineage):
+    """The records of the tinker paths the tenant was given, in its prefix of the bucket (`tinker/paths/`)."""
+    from contracts.retry import Backoff
+    from core.bucket.records import JsonRecords
 
-    fs, root = make_filesystem(lineage.bucket_url)
-    return fs, f"{root.rstrip('/')}/{PATHS}"
-
-
-def _path_record(lineage: Lineage, path: str):
-    """The filesystem and the object that records tinker `path` (named by its hash: a path is the user's text)."""
-    fs, folder = _paths_folder(lineage)
-    return fs, f"{folder}/{hashlib.sha256(path.encode()).hexdigest()}.json"
+    return JsonRecords(lineage.bucket_url, PATHS, backoff=Backoff(attempts=5, first_s=0.2))
 
 
-def _bucket_call(fn, *args):
-    """`fn(*args)` against the bucket, retried with backoff while the bucket's errors are transient."""
-    from contracts.retry import Backoff, retry
-    from core.bucket.filesystem import is_transient
-
-    return retry(lambda: fn(*args), Backoff(attempts=5, first_s=0.2), is_transient)
+def _record_name(path: str) -> str:
+    return hashlib.sha256(path.encode()).hexdigest()  # a path is the user's text: never a name in the bucket
 
 
-def _remember(lineage: Lineage, path: str, number: int) -> None:
-    fs, record = _path_record(lineage, path)
-    _bucket_call(fs.pipe_file, record, json.dumps({"path": path, "number": number, "time": time.time()}).encode())
+def _record(path: str, number: int, model: str, spec: AdapterSpec) -> dict:
+    adapter = {"rank": spec.rank, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp}
+    return {"path": path, "number": number, "time": time.time(), "model": model, **adapter}
 
 
 def _watch(spot):

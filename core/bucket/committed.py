@@ -327,6 +327,18 @@ class CommittedStore(abc.ABC):
             raise NotSigned(f"{op} {redact(url)}: not signed with this lineage's key; refused, whoever wrote it")
         return manifest, raw
 
+    def _delete(self, op: str, number: int) -> None:
+        url = self._url_of(number)
+        with self._errors(op, url):
+            # Manifest first: from this moment no reader starts on it, and fetches under way
+            # notice the missing files and report the version as collected, not corrupt.
+            self._remove(op, url, self._path(number, MANIFEST), recursive=False)
+            self._remove(op, url, self._path(number), recursive=True)
+
+    def delete(self, number: int) -> None:
+        """Remove `number` (manifest first, as gc does); removing one that is not there is no error."""
+        self._delete("delete", self._check_number(number))
+
     def _gc(self, op: str, keep: int) -> list[int]:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
@@ -334,12 +346,7 @@ class CommittedStore(abc.ABC):
         ordered = sorted(committed, reverse=True)
         doomed = ordered[keep:]
         for number in doomed:
-            url = self._url_of(number)
-            with self._errors(op, url):
-                # Manifest first: from this moment no reader starts on it, and fetches under way
-                # notice the missing files and report the version as collected, not corrupt.
-                self._remove(op, url, self._path(number, MANIFEST), recursive=False)
-                self._remove(op, url, self._path(number), recursive=True)
+            self._delete(op, number)
         # Uploads that never committed (a publisher died or lost a race), older than anything kept;
         # newer ones may be a publish in progress.
         kept = ordered[:keep]

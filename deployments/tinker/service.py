@@ -51,6 +51,32 @@ LEARNER_RETRY_S = 1.0  # how often a call waiting for a lost learner tries again
 MAX_LISTED = 1000  # checkpoints one listing page may hold
 
 
+class WeightsInfoRequest(pydantic.BaseModel):
+    """The body `RestClient.get_weights_info_by_tinker_path` posts (the SDK sends a plain dict, it has no type)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    tinker_path: str = pydantic.Field(description="The saved path to describe.")
+
+
+def _page(request: Request) -> tuple[int, int]:
+    """A listing's `limit` and `offset` query parameters, checked."""
+    try:
+        limit = int(request.query_params.get("limit", 100))
+        offset = int(request.query_params.get("offset", 0))
+    except ValueError:
+        raise HttpError(400, "limit and offset must be integers") from None
+    if not (1 <= limit <= MAX_LISTED and offset >= 0):
+        raise HttpError(400, f"limit must be 1..{MAX_LISTED} and offset at least 0")
+    return limit, offset
+
+
+def _parsed_path(path: str) -> ParsedCheckpointTinkerPath:
+    try:
+        return ParsedCheckpointTinkerPath.from_tinker_path(path)
+    except ValueError as exc:
+        raise HttpError(400, f"tinker path {path[:200]!r}: {exc}") from None
+
+
 class HttpError(Exception):
     def __init__(self, status: int, detail: str):
         super().__init__(detail)
@@ -223,10 +249,11 @@ class TinkerApi:
             return None
 
     async def _keep(self, model: Model, tenant: Tenant) -> None:
-        """Save `model`'s state (adapter and optimizer) as the one a restarted learner restores it from, unseen by
-        the user's saved paths: after a spot notice, the learner Ray starts again elsewhere loses no step."""
+        """Save `model`'s state (adapter, optimizer and a gradient not yet applied) as the one a restarted learner
+        restores it from, unseen by the user's saved paths: after a spot notice, the learner Ray starts again elsewhere
+        loses no step and no `forward_backward`."""
         lineage = await self._lineage(tenant)
-        model.saved = await self._learner("save_state", model.model_id, lineage, model=model, tenant=tenant)
+        model.saved = await self._learner("save_state", model.model_id, lineage, None, True, model=model, tenant=tenant)
         model.trained = False
 
     async def keep_everyone(self, notice: str) -> None:
@@ -309,6 +336,10 @@ class TinkerApi:
         async def work() -> Result:
             async with model.turn(decoded.seq_id):
                 reply = await self._learner("forward_backward", decoded.call, model=model, tenant=tenant)
+                if decoded.call.backward:
+                    model.pending = model.trained = True
+                    if await self._notice() is not None:  # the node is going: the gradient must survive it too
+                        await self._keep(model, tenant)
             return Result(proto=encode_forward_backward_output(reply.logprobs, reply.metrics))
 
         return self._accept(tenant, work(), model.model_id)
@@ -333,7 +364,7 @@ class TinkerApi:
         async def work() -> Result:
             async with model.turn(body.seq_id or 0):
                 metrics = await self._learner("optim_step", step, model=model, tenant=tenant)
-                model.trained = True
+                model.trained, model.pending = True, False
                 if await self._notice() is not None:  # the node is going: this step must survive it
                     await self._keep(model, tenant)
             return Result(json=_json(types.OptimStepResponse(metrics=metrics)))
@@ -401,7 +432,8 @@ class TinkerApi:
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
                 number = await self._learner("save_state", model.model_id, lineage, path, model=model, tenant=tenant)
-                model.saved, model.trained = number, False
+                # A user's state holds no gradient: one accumulated and not yet applied is still unsaved.
+                model.saved, model.trained = number, model.pending
             self.sessions.state_paths[path] = (tenant.run, number)
             return Result(json=_json(types.SaveWeightsResponse(path=path)))
 
@@ -436,7 +468,7 @@ class TinkerApi:
             async with turn():
                 lineage = await self._lineage(tenant)
                 spec = await self._learner("load_state", model.model_id, lineage, number, body.optimizer)
-            model.rank, model.saved, model.trained = spec.rank, number, False
+            model.rank, model.saved, model.trained, model.pending = spec.rank, number, False, False
             return Result(json=_json(types.LoadWeightsResponse(path=body.path, model_id=model.model_id)))
 
         return self._accept(tenant, work(), model.model_id)
@@ -468,19 +500,13 @@ class TinkerApi:
         except NotFound as exc:
             raise HttpError(404, str(exc)) from None
 
-    # ---- checkpoint listings ---------------------------------------------------------------------------
+    # ---- checkpoints and training runs -------------------------------------------------------------
 
     async def list_user_checkpoints(self, request: Request) -> dict:
         """`RestClient.list_user_checkpoints(limit, offset)`: the key's saved states and sampler weights, newest first."""
         tenant = await self.tenant(request)
-        try:
-            limit = int(request.query_params.get("limit", 100))
-            offset = int(request.query_params.get("offset", 0))
-        except ValueError:
-            raise HttpError(400, "limit and offset must be integers") from None
-        if not (1 <= limit <= MAX_LISTED and offset >= 0):
-            raise HttpError(400, f"limit must be 1..{MAX_LISTED} and offset at least 0")
-        checkpoints = await self._checkpoints(tenant)
+        limit, offset = _page(request)
+        checkpoints = [checkpoint for _, checkpoint in await self._checkpoints(tenant)]
         cursor = types.Cursor(offset=offset, limit=limit, total_count=len(checkpoints))
         return _json(types.CheckpointsListResponse(checkpoints=checkpoints[offset : offset + limit], cursor=cursor))
 
@@ -489,23 +515,102 @@ class TinkerApi:
         lists nothing, since a key's records lie in its own prefix."""
         tenant = await self.tenant(request)
         checkpoints = [
-            c for c in await self._checkpoints(tenant) if c.tinker_path.startswith(f"tinker://{training_run_id}/")
+            c for _, c in await self._checkpoints(tenant) if c.tinker_path.startswith(f"tinker://{training_run_id}/")
         ]
         return _json(types.CheckpointsListResponse(checkpoints=checkpoints))
 
-    async def _checkpoints(self, tenant: Tenant) -> list[types.Checkpoint]:
+    async def delete_checkpoint(self, request: Request, training_run_id: str, checkpoint_id: str) -> dict:
+        """`RestClient.delete_checkpoint(training_run_id, checkpoint_id)`: the saved state or sampler weights leave the
+        bucket, and the path can no longer be loaded or sampled. 404 for a path this key was never given; 400 for the
+        key's newest sampler weights (`TinkerLearner.forget` says why; the SDK retries a 409)."""
+        tenant = await self.tenant(request)
+        path = f"tinker://{training_run_id}/{checkpoint_id}"
+        parsed = _parsed_path(path)
+        sampler = parsed.checkpoint_type == "sampler"
+        try:
+            deleted = await self._learner("forget", await self._lineage(tenant), path, sampler)
+        except RequestFailed as failed:
+            raise HttpError(400 if failed.category == "user" else 503, f"{path}: {failed.message}") from None
+        if not deleted:
+            raise HttpError(404, f"{path}: no such checkpoint for this API key")
+        (self.sessions.sampler_paths if sampler else self.sessions.state_paths).pop(path, None)
+        return {}
+
+    async def weights_info(self, request: Request) -> dict:
+        """`RestClient.get_weights_info_by_tinker_path(path)`: the base model and adapter a saved path holds."""
+        tenant = await self.tenant(request)
+        body = await self.parse(request, WeightsInfoRequest)
+        _parsed_path(body.tinker_path)
+        record = next((r for r, c in await self._checkpoints(tenant) if c.tinker_path == body.tinker_path), None)
+        if record is None:
+            raise HttpError(404, f"{body.tinker_path}: no such checkpoint for this API key")
+        info = types.WeightsInfoResponse(
+            base_model=self.settings.base_model,
+            is_lora=True,
+            lora_rank=record.get("rank"),
+            train_attn=record.get("train_attn"),
+            train_mlp=record.get("train_mlp"),
+            train_unembed=False,
+        )
+        return _json(info)
+
+    async def list_training_runs(self, request: Request) -> dict:
+        """`RestClient.list_training_runs(limit, offset)`: the key's training clients, those of its open sessions and
+        those its saved paths name (gone ones too), the most recently used first."""
+        tenant = await self.tenant(request)
+        limit, offset = _page(request)
+        runs = await self._training_runs(tenant)
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(runs))
+        return _json(types.TrainingRunsResponse(training_runs=runs[offset : offset + limit], cursor=cursor))
+
+    async def get_training_run(self, request: Request, training_run_id: str) -> dict:
+        """`RestClient.get_training_run(id)`: one of them; another key's is not there (404)."""
+        tenant = await self.tenant(request)
+        run = next((r for r in await self._training_runs(tenant) if r.training_run_id == training_run_id), None)
+        if run is None:
+            raise HttpError(404, f"training run {training_run_id[:120]!r} does not exist for this API key")
+        return _json(run)
+
+    async def _training_runs(self, tenant: Tenant) -> list[types.TrainingRun]:
+        runs: dict[str, dict[str, Any]] = {
+            m.model_id: {"rank": m.rank, "time": m.touched}
+            for m in self.sessions.models.values()
+            if m.tenant == tenant.run
+        }
+        for record, checkpoint in reversed(await self._checkpoints(tenant)):  # oldest first: the newest wins
+            run = runs.setdefault(_parsed_path(checkpoint.tinker_path).training_run_id, {"time": 0.0})
+            run.setdefault("rank", record.get("rank"))
+            run["time"] = max(run["time"], record["time"])
+            run["sampler" if checkpoint.checkpoint_type == "sampler" else "state"] = checkpoint
+        listed = [
+            types.TrainingRun(
+                training_run_id=run_id,
+                base_model=self.settings.base_model,
+                model_owner=tenant.run,
+                is_lora=True,
+                corrupted=False,
+                lora_rank=run.get("rank"),
+                last_request_time=datetime.fromtimestamp(run["time"], UTC),
+                last_checkpoint=run.get("state"),
+                last_sampler_checkpoint=run.get("sampler"),
+            )
+            for run_id, run in runs.items()
+        ]
+        return sorted(listed, key=lambda r: r.last_request_time, reverse=True)
+
+    async def _checkpoints(self, tenant: Tenant) -> list[tuple[dict, types.Checkpoint]]:
+        """The key's saved paths, newest first: each as the learner recorded it and as the SDK lists it."""
         records = await self._from_bucket(tenant, "checkpoints", "checkpoints")
         listed = []
         for record in records:
             parsed = ParsedCheckpointTinkerPath.from_tinker_path(record["path"])
-            listed.append(
-                types.Checkpoint(
-                    checkpoint_id=parsed.checkpoint_id,
-                    checkpoint_type=parsed.checkpoint_type,
-                    time=datetime.fromtimestamp(record["time"], UTC),
-                    tinker_path=record["path"],
-                )
+            checkpoint = types.Checkpoint(
+                checkpoint_id=parsed.checkpoint_id,
+                checkpoint_type=parsed.checkpoint_type,
+                time=datetime.fromtimestamp(record["time"], UTC),
+                tinker_path=record["path"],
             )
+            listed.append((record, checkpoint))
         return listed
 
     async def get_sampler(self, request: Request, sampler_id: str) -> dict:
@@ -686,6 +791,14 @@ def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = Non
     app.add_api_route("/v1/samplers/{sampler_id}", api.get_sampler, methods=["GET"])
     app.add_api_route("/v1/checkpoints", api.list_user_checkpoints, methods=["GET"])
     app.add_api_route("/v1/training_runs/{training_run_id}/checkpoints", api.list_checkpoints, methods=["GET"])
+    app.add_api_route(
+        "/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}",
+        api.delete_checkpoint,
+        methods=["DELETE"],
+    )
+    app.add_api_route("/v1/training_runs", api.list_training_runs, methods=["GET"])
+    app.add_api_route("/v1/training_runs/{training_run_id}", api.get_training_run, methods=["GET"])
+    post("weights_info", api.weights_info)
     post("asample", api.asample)
     post("retrieve_future", api.retrieve)
     post("cancel_future", api.cancel)

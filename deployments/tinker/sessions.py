@@ -39,8 +39,10 @@ class Model:
     rank: int
     next_seq: int = 1
     saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
-    trained: bool = False  # optimizer steps since that state: what a spot notice's save keeps
+    trained: bool = False  # changed since that state (a step, or a gradient accumulated): what a notice's save keeps
+    pending: bool = False  # a gradient accumulated (forward_backward) and not yet applied (optim_step)
     restores: int = 0
+    touched: float = field(default_factory=time.time)  # wall-clock time of its last request (training-run listings)
     _turns: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     @contextlib.asynccontextmanager
@@ -131,6 +133,7 @@ class Sessions:
     def model(self, model_id: str, tenant: str) -> Model:
         model = _owned(self.models, model_id, tenant, f"model {model_id[:120]!r} does not exist for this API key")
         self.sessions[model.session_id].seen = self._clock()
+        model.touched = time.time()
         return model
 
     def add_sampler(self, tenant: str, fleet_model: str, base_model: str, model_path: str | None) -> Sampler:

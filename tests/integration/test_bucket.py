@@ -330,6 +330,34 @@ def test_gc_sweeps_uploads_that_never_committed(bucket_url, tmp_path, cache):
     assert remote_files(store, 5) != []  # newer than anything kept: may be a publish in progress
 
 
+def test_one_version_is_deleted_manifest_first_and_deleting_it_again_is_no_error(bucket_url, tmp_path, cache):
+    store = AdapterStore(bucket_url, cache_dir=cache)
+    for v in (1, 2, 3):
+        store.publish(make_adapter(tmp_path / f"a{v}", seed=v), v)
+    store.delete(2)
+    assert store.versions() == [3, 1] and remote_files(store, 2) == []
+    with pytest.raises(VersionNotFound):
+        store.fetch(2)
+    store.delete(2)  # gone already: as a racing gc would have left it
+    with pytest.raises(InvalidName):
+        store.delete(-1)
+
+
+def test_json_records_are_written_read_listed_and_removed_whole(bucket_url):
+    from contracts.retry import Backoff
+    from core.bucket.records import JsonRecords
+
+    records = JsonRecords(bucket_url, "tinker/paths", backoff=Backoff(attempts=2, first_s=0.0))
+    assert records.all() == [] and records.get("a") is None  # no folder yet
+    records.delete("a")  # nothing to remove is no error
+    records.put("a", {"n": 1})
+    records.put("b", {"n": 2})
+    records.put("a", {"n": 3})  # the newest write of a name wins
+    assert records.get("a") == {"n": 3} and sorted(r["n"] for r in records.all()) == [2, 3]
+    records.delete("a")
+    assert records.get("a") is None and records.all() == [{"n": 2}]
+
+
 def test_checkpoints_save_load_gc_with_the_same_commit_rule(bucket_url, tmp_path, cache):
     store = CheckpointStore(bucket_url, cache_dir=cache)
     state = tmp_path / "ckpt"

@@ -197,30 +197,44 @@ def test_a_learner_killed_mid_session_resumes_from_the_last_saved_state(service)
 
 def test_after_a_spot_notice_for_the_learners_node_a_loop_that_never_saves_loses_no_step(service, notice_file):
     """The learner's node gets a notice (a scheduler's file; the clouds' metadata alike): from then on the service
-    saves each client after every optimizer step, so when the node goes and Ray starts the learner again, the client
-    comes back exactly where it stopped, though its loop never called `save_state`."""
+    saves each client after every optimizer step and every `forward_backward` (its gradient too), so when the node goes
+    and Ray starts the learner again, the client comes back exactly where it stopped, though its loop never called
+    `save_state`: even between a `forward_backward` and its `optim_step`, it ends where a twin that lost nothing does."""
     import time
 
     import ray
 
     from launch.tinker import learner_actor
 
-    fleet, url, keys = service
-    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
-        _, step, logprobs = one_datum_client(client, fleet.base, 5, "33+9=", "42")
-        step()
+    def notice_heard():
         notice_file.write_text('{"in_s": 120}')
         deadline = time.monotonic() + 30
         while ray.get(learner_actor().notice.remote()) is None:
             assert time.monotonic() < deadline, "the learner never heard the notice"
             time.sleep(0.2)
-        step()  # saved after it, the node having a notice
-        kept = logprobs()
+
+    def node_lost():
         notice_file.unlink()  # the learner's replacement runs on a machine without a notice
         ray.kill(learner_actor(), no_restart=False)
-        assert logprobs() == pytest.approx(kept, abs=1e-5)
+
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
+        training, step, logprobs = one_datum_client(client, fleet.base, 5, "33+9=", "42")
         step()
-        assert logprobs() != kept
+        notice_heard()
+        step()  # saved after it, the node having a notice
+        kept = logprobs()
+        node_lost()
+        assert logprobs() == pytest.approx(kept, abs=1e-5)
+        notice_heard()
+        data = [sft_datum(training.get_tokenizer(), "33+9=", "42")]
+        training.forward_backward(data, "cross_entropy").result()  # saved with its gradient, not yet applied
+        node_lost()
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        _, twin_step, twin_logprobs = one_datum_client(client, fleet.base, 5, "33+9=", "42")
+        for _ in range(3):
+            twin_step()
+        assert logprobs() == pytest.approx(twin_logprobs(), abs=1e-5) and logprobs() != kept
 
 
 def test_a_service_started_again_knows_the_paths_it_handed_out_and_frees_what_it_forgot(service):
@@ -314,6 +328,57 @@ def test_custom_losses_ppo_and_a_client_from_saved_state(service):
         saved = logprobs(training)
         restored = client.create_training_client_from_state(saved_path).result()
         assert logprobs(restored) == pytest.approx(saved, abs=1e-5)
+
+
+def test_training_runs_weights_info_and_deleted_checkpoints_through_the_rest_client(service):
+    """`RestClient`'s training-run listings, weights info and checkpoint deletion, each for its own key only: a deleted
+    state can no longer start a client, deleted sampler weights no longer sample, the key's newest sampler weights stay
+    (their number names them on the fleet), and another key's paths are not there to delete."""
+    fleet, url, keys = service
+    with (
+        tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice,
+        tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob,
+    ):
+        training, step, _ = one_datum_client(alice, fleet.base, 7, "21+21=", "42")
+        step()
+        state = training.save_state("runs-state").result().path
+        first = training.save_weights_for_sampler("runs-first").result().path
+        step()
+        newest = training.save_weights_for_sampler("runs-newest").result().path
+        rest, bob_rest = alice.create_rest_client(), bob.create_rest_client()
+
+        runs = {r.training_run_id: r for r in rest.list_training_runs(limit=50).result().training_runs}
+        run = runs[training.model_id]
+        assert run.lora_rank == RANK and run.base_model == fleet.base and run.is_lora
+        assert run.last_checkpoint.tinker_path == state and run.last_sampler_checkpoint.tinker_path == newest
+        assert rest.get_training_run(training.model_id).result().training_run_id == training.model_id
+        assert training.model_id not in {
+            r.training_run_id for r in bob_rest.list_training_runs().result().training_runs
+        }
+        with pytest.raises(tinker.NotFoundError):
+            bob_rest.get_training_run(training.model_id).result()
+        info = rest.get_weights_info_by_tinker_path(state).result()
+        assert info.lora_rank == RANK and info.base_model == fleet.base and info.is_lora
+        with pytest.raises(tinker.NotFoundError):
+            bob_rest.get_weights_info_by_tinker_path(state).result()
+
+        with pytest.raises(tinker.NotFoundError):  # bob cannot delete alice's weights
+            bob_rest.delete_checkpoint_from_tinker_path(first).result()
+        with pytest.raises(tinker.BadRequestError, match="newest sampler weights"):
+            rest.delete_checkpoint_from_tinker_path(newest).result()
+        rest.delete_checkpoint_from_tinker_path(first).result()
+        rest.delete_checkpoint_from_tinker_path(state).result()
+        with pytest.raises(tinker.NotFoundError):
+            rest.delete_checkpoint_from_tinker_path(first).result()
+        listed = {c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+        assert listed == {newest}
+        with pytest.raises(tinker.NotFoundError):
+            alice.create_sampling_client(model_path=first).result()
+        with pytest.raises(tinker.NotFoundError):
+            alice.create_training_client_from_state(state).result()
+        prompt = types.ModelInput.from_ints(training.get_tokenizer().encode("21+21=", add_special_tokens=False))
+        sampler = alice.create_sampling_client(model_path=newest).result()
+        assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
 
 
 def test_an_unknown_key_is_refused_in_the_sdks_terms(service):

@@ -24,7 +24,7 @@ def _step(model: str) -> AdamStep:
 
 @pytest.fixture(scope="module")
 def learners(tiny_model_path):
-    return {dtype: TinkerLearner(tiny_model_path, max_models=3, dtype=dtype) for dtype in ("float32", "bfloat16")}
+    return {dtype: TinkerLearner(tiny_model_path, max_models=8, dtype=dtype) for dtype in ("float32", "bfloat16")}
 
 
 def test_a_bfloat16_base_keeps_fp32_adapters_and_agrees_with_float32(learners):
@@ -132,3 +132,45 @@ def test_a_datum_becomes_a_sample_whose_scored_positions_are_its_inputs_and_targ
     sample = train_sample(3, Datum([4, 8, 15], [23, 42, 7]))
     assert sample.input_ids[:3] == [4, 8, 15] and len(sample) == 4  # one slot more: the last position's target
     assert sample.num_targets == 3 and sample.target_ids == [23, 42, 7] and sample.origin == (3, 0)
+
+
+def test_forgetting_a_path_deletes_what_it_names_but_never_the_newest_sampler_version(learners, tmp_path):
+    learner = learners["float32"]
+    learner.create("f", AdapterSpec(rank=4, seed=4))
+    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    state = "tinker://f/weights/s"
+    older, newest = "tinker://f/sampler_weights/a", "tinker://f/sampler_weights/b"
+    number = learner.save_state("f", lineage, state)
+    first = learner.publish("f", lineage, older).version
+    learner.publish("f", lineage, newest)
+    records = {r["path"]: r for r in learner.checkpoints(lineage)}
+    assert records[state]["rank"] == 4 and records[older]["model"] == "f" and records[newest]["train_mlp"] is True
+
+    with pytest.raises(ValueError, match="newest sampler weights"):
+        learner.forget(lineage, newest, sampler=True)
+    assert learner.forget(lineage, older, sampler=True) is True
+    assert learner.recall(lineage, older) is None and learner.forget(lineage, older, sampler=True) is False
+    from core.bucket.store import AdapterStore
+
+    assert first not in AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).versions()
+    assert learner.forget(lineage, state, sampler=False) is True
+    assert number not in learner._states(lineage).steps()
+    assert {r["path"] for r in learner.checkpoints(lineage)} == {newest}
+
+
+def test_a_state_kept_mid_step_restores_the_gradient_not_yet_applied_and_a_users_state_holds_none(learners, tmp_path):
+    learner = learners["float32"]
+    learner.create("k", AdapterSpec(rank=4, seed=5))
+    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    learner.forward_backward(_call("k"))  # accumulated; no optim_step yet
+    kept = learner.save_state("k", lineage, gradient=True)
+    users = learner.save_state("k", lineage, "tinker://k/weights/mid")
+    learner.optim_step(_step("k"))  # what the client's optim_step does where nothing is lost
+    expected = learner.forward_backward(_call("k", backward=False)).logprobs[0]
+
+    learner.load_state("k2", lineage, kept, optimizer=True)
+    assert all(p.grad is not None for p in tinker_learner._params(learner.clients["k2"]))
+    learner.optim_step(_step("k2"))
+    assert learner.forward_backward(_call("k2", backward=False)).logprobs[0] == pytest.approx(expected, abs=1e-6)
+    learner.load_state("k3", lineage, users, optimizer=True)
+    assert all(p.grad is None for p in tinker_learner._params(learner.clients["k3"]))

@@ -122,23 +122,29 @@ def test_a_model_is_created_as_a_future_and_its_info_names_the_tokenizer():
         assert parsed.model_data.tokenizer_id == "/models/tiny" and parsed.lora_rank == 8
 
 
+def forward_backward(http, model_id: str, seq_id: int):
+    """A `forward_backward` of one datum as the SDK sends it (zstd protobuf); the accepted future's response."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]}
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    body = zstandard.ZstdCompressor().compress(forward_backward_request_to_proto(request).SerializeToString())
+    headers = {"X-API-Key": "tml-a", "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    accepted = http.post("/v1/forward_backward", content=body, headers=headers)
+    assert accepted.status_code == 200, accepted.text
+    return accepted
+
+
 def test_forward_backward_takes_zstd_protobuf_and_answers_protobuf_the_sdk_reads():
     http, _ = client()
     with http:
         _, future = new_model(http)
         model_id = result(http, future.json()["request_id"]).json()["model_id"]
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3], "weights": [1, 1]}
-        )
-        request = types.ForwardBackwardRequest(
-            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-            model_id=model_id,
-            seq_id=1,
-        )
-        body = zstandard.ZstdCompressor().compress(forward_backward_request_to_proto(request).SerializeToString())
-        headers = {"X-API-Key": "tml-a", "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
-        accepted = http.post("/v1/forward_backward", content=body, headers=headers)
-        assert accepted.status_code == 200, accepted.text
+        accepted = forward_backward(http, model_id, 1)
         answer = result(http, accepted.json()["request_id"])
         assert answer.headers["content-type"] == "application/x-protobuf"
         output = deserialize_forward_backward_output(answer.content)
@@ -223,9 +229,14 @@ def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_
         assert learner.saves == 1
         step(2)
         assert (learner.saves, model.saved, model.trained) == (2, 2, False)
+        # A gradient accumulated under the notice is saved too, gradient and all: the optim_step after a restart
+        # applies it, where a state without it would step on nothing.
+        assert result(http, forward_backward(http, model_id, 3).json()["request_id"]).status_code == 200
+        assert (learner.saves, model.pending, model.trained) == (3, True, False)
+        assert learner.calls[-1][0] == "save_state" and learner.calls[-1][1][2:] == (None, True)
         learner.notice = None  # a learner started again elsewhere: no notice there
-        step(3)
-        assert (learner.saves, model.trained) == (2, True)
+        step(4)
+        assert (learner.saves, model.trained, model.pending) == (3, True, False)
 
 
 def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
