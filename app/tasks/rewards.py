@@ -17,6 +17,7 @@ keep their scores and the run goes on.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import functools
 import logging
@@ -121,6 +122,8 @@ def boxed_math(completions, prompts, completion_ids, answer, truncated=None, **_
     global _verifier
     if _verifier is None:
         _verifier = MathVerifier()
+        # Shut its pool down before the interpreter tears its modules down, or the pool's own exit hook finds them gone.
+        atexit.register(_verifier.close)
     truncated = truncated or [False] * len(completions)
     boxed = [None if t else last_boxed(c) for c, t in zip(completions, truncated, strict=True)]
     return _verifier.check([str(a) for a in answer], boxed)
