@@ -52,6 +52,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    stop: list[str] | None = None  # stop strings: the engine detokenizes the requests that carry them (and only those)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -91,7 +92,8 @@ class GenerateRequest:
 
 @dataclass
 class SampledChoice:
-    """One completion as the engine produced it: token ids and their log-probs, never text."""
+    """One completion as the engine produced it: token ids and their log-probs, never text. A completion that a stop
+    string ended carries that string as its `stop_reason`, and its tokens up to the one that completed it."""
 
     index: int
     token_ids: list[int]

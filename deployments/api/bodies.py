@@ -35,6 +35,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
 MAX_LOGPROBS = 20  # the engine's default max_logprobs
 MAX_TURN = 1024  # bounds the router's per-turn counters
+MAX_STOP_STRINGS = 16  # stop strings a request may carry (OpenAI allows 4; vLLM sets no bound)
+MAX_STOP_CHARS = 1024  # the length of one: the engine searches every new piece of text for each
 GREEDY_TEMPERATURE = 1e-5  # _SAMPLING_EPS: below it vLLM samples greedily, and refuses n > 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -176,10 +178,9 @@ class _SamplingFields(BaseModel):
         """The engine's sampling parameters, for a prompt that leaves room for `max_tokens`."""
         if self.stream:
             raise ApiError(400, "stream: streaming responses are not supported")
-        if self.stop:
-            raise ApiError(
-                400, "stop: stop strings are not supported (the engine never detokenizes); use stop_token_ids"
-            )
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (len(stop) > MAX_STOP_STRINGS or not all(0 < len(s) <= MAX_STOP_CHARS for s in stop)):
+            raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters")
         if self.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens: {self.min_tokens} exceeds max_tokens {max_tokens}")
         if self.temperature < GREEDY_TEMPERATURE and self.n > 1:
@@ -196,6 +197,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            stop=stop or None,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,

@@ -36,6 +36,7 @@ from deployments.api.replies import (
     TokenText,
     cached_token_text,
     chat_choice,
+    choice_text,
     completion_choice,
     replica_header,
     token_choice,
@@ -127,7 +128,7 @@ class InferenceRoutes(Routes):
             completion_choice(
                 p * body.n + c.index,
                 c,
-                self.settings.decode(c.token_ids),
+                choice_text(c, self.settings.decode),
                 token_text,
                 ids if body.return_token_ids else None,
                 prompt_token_text,
@@ -151,7 +152,7 @@ class InferenceRoutes(Routes):
 
         def choices() -> list[dict[str, Any]]:
             return [
-                chat_choice(c, self.settings.decode(c.token_ids), token_text, body.return_token_ids)
+                chat_choice(c, choice_text(c, self.settings.decode), token_text, body.return_token_ids)
                 for c in result.choices
             ]
 

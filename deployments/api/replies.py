@@ -52,6 +52,17 @@ def finite_logprob(logprob: float) -> float:
 TokenText = Callable[[int], str]  # a token id's string in log-prob listings
 
 
+def choice_text(choice: SampledChoice, decode: Callable[[list[int]], str]) -> str:
+    """A completion's text as vLLM's server writes it: its tokens decoded, and for one a stop string ended, cut before
+    that string (the tokens keep it, up to the one that completed it; the text never holds it)."""
+    text = decode(choice.token_ids)
+    if isinstance(choice.stop_reason, str):
+        at = text.find(choice.stop_reason)  # the first: the engine would have stopped at any earlier one
+        if at >= 0:
+            text = text[:at]
+    return text
+
+
 def cached_token_text(decode: Callable[[list[int]], str]) -> TokenText:
     """`decode([token])`, once per token id: a vocabulary is finite, and a listing repeats tokens."""
     return functools.lru_cache(maxsize=None)(lambda token: decode([token]))

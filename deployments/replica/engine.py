@@ -136,7 +136,8 @@ def allow_scoring_room(args: dict[str, Any]) -> None:
 
 
 def sampling_params(sampling: Sampling):
-    """The request's sampling as vLLM's SamplingParams: final outputs only, no detokenization (the ingress decodes).
+    """The request's sampling as vLLM's SamplingParams: final outputs only, no detokenization (the ingress decodes)
+    unless the request has stop strings, which vLLM can only find in text.
 
     The one conversion: `Sampling`'s fields are SamplingParams' own, under the same names.
     """
@@ -145,7 +146,9 @@ def sampling_params(sampling: Sampling):
 
     try:
         # The default cumulative stream drops samples that stopped early when n > 1.
-        return SamplingParams(**asdict(sampling), output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        return SamplingParams(
+            **asdict(sampling), output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(sampling.stop)
+        )
     except Exception as e:
         refusal = engine_refusal(e, "invalid sampling parameters: ")
         if refusal is None:

@@ -638,9 +638,8 @@ class TinkerApi:
         except Exception as exc:  # noqa: BLE001 - an image chunk, say
             raise HttpError(400, f"prompt: only token chunks are supported ({exc})") from None
         params = body.sampling_params
-        stop = params.stop
-        if isinstance(stop, str) or (stop and isinstance(next(iter(stop)), str)):
-            raise HttpError(400, "sampling_params.stop: stop strings are not supported here; pass stop token ids")
+        stop = [params.stop] if isinstance(params.stop, str) else params.stop
+        strings = bool(stop) and isinstance(next(iter(stop)), str)
         fleet_body: dict[str, Any] = {
             "model": sampler.fleet_model,
             "prompt": prompt,
@@ -654,7 +653,9 @@ class TinkerApi:
         }
         if params.seed is not None:
             fleet_body["seed"] = params.seed
-        if stop is not None:
+        if strings:  # the fleet stops at them as vLLM does: the sequence's tokens end with the one completing it
+            fleet_body["stop"] = list(stop)
+        elif stop is not None:
             fleet_body["stop_token_ids"] = list(stop)
             if not stop:
                 fleet_body["ignore_eos"] = True

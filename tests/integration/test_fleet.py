@@ -215,6 +215,30 @@ def test_the_openai_client_speaks_to_the_fleet(fleet):
     assert chat.usage.completion_tokens > 0
 
 
+def test_a_stop_string_ends_a_generation_where_vllm_would_and_its_text_stops_before_it(fleet):
+    """vLLM's semantics through the fleet (the engine detokenizes these requests only): a choice a stop string
+    ended has finish_reason `stop` with the string as `stop_reason`, its tokens up to the one that completed the
+    string and no further, and text that stops before the string; a choice that never met it runs its full length."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(fleet.model_path)
+    body = {"model": fleet.base, "prompt": "Compute 12+34. Answer: ", "max_tokens": 8, "n": 16, "seed": 3}
+    body |= {"temperature": 1.0, "ignore_eos": True, "return_token_ids": True, "stop": ["2", "4"]}
+    reply = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    stopped = 0
+    for choice in reply.json()["choices"]:
+        ids, text = choice["token_ids"], tokenizer.decode(choice["token_ids"])
+        if choice["finish_reason"] == "stop":
+            stopped += 1
+            stop = choice["stop_reason"]
+            assert stop in ("2", "4") and stop in text and not any(s in tokenizer.decode(ids[:-1]) for s in "24")
+            assert choice["text"] == text[: text.index(stop)]
+        else:
+            assert choice["finish_reason"] == "length" and len(ids) == 8 and not any(s in text for s in "24")
+    assert stopped > 0  # digits are what the tiny model writes after "Answer: "
+
+
 def hostile_requests(fleet) -> list[tuple[str, bytes, dict[str, str], int]]:
     """(path, body, headers, the status it must get): each would crash, stall or open a fleet that trusted it."""
     bearer = {"Authorization": f"Bearer {TOKEN}"}

@@ -118,6 +118,11 @@ def test_sft_lowers_the_loss_and_its_weights_sample_on_the_fleet(service):
         for seq in answer.sequences:
             assert 1 <= len(seq.tokens) <= 4 and len(seq.logprobs) == len(seq.tokens)
             assert all(lp <= 0 for lp in seq.logprobs)
+        # Stop strings end a sequence as vLLM ends it: nothing sampled after the token that completes one.
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=["2", "4"], seed=5)
+        stopped = sampler.sample(prompt, 8, params).result().sequences
+        assert all(not any(s in tokenizer.decode(seq.tokens[:-1]) for s in "24") for seq in stopped)
+        assert any(seq.stop_reason == "stop" and tokenizer.decode(seq.tokens[-1:]) in "24" for seq in stopped)
 
         # compute_logprobs on the fleet agrees with the learner's forward of the same weights.
         datum = data[0]

@@ -53,11 +53,14 @@ def test_the_edges_of_vllms_ranges_are_accepted(client, backend):
         {"seed": -1},
         {"temperature": 2.0, "presence_penalty": -2.0, "frequency_penalty": 2.0, "min_p": 1.0},
         {"temperature": 0.0, "n": 1, "min_tokens": 2},
-        {"stop_token_ids": [0, 63]},
+        {"stop": "\n"},
+        {"stop_token_ids": [0, 63], "stop": ["x" * 1024] * 16},
     ):
         r = client.post("/v1/completions", json={**body, **extra})
         assert r.status_code == 200, (extra, r.text)
-    assert backend.calls[-1][1].sampling.stop_token_ids == [0, 63]
+    sampling = backend.calls[-1][1].sampling
+    assert sampling.stop_token_ids == [0, 63] and sampling.stop == ["x" * 1024] * 16
+    assert backend.calls[-2][1].sampling.stop == ["\n"]  # one string is a list of one, as vLLM takes it
 
 
 def test_prompts_completions_and_text_per_request_are_limited(backend):

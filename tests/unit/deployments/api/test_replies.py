@@ -94,3 +94,17 @@ def test_no_response_holds_nan_or_infinity(backend):
     assert content[0]["top_logprobs"][1]["logprob"] == -9999.0
     stats = client.get("/engine/stats")
     assert stats.status_code == 200 and _strict_json(stats.text)["replicas"][0]["prefix_cache_hit_rate"] is None
+
+
+def test_a_choice_a_stop_string_ended_keeps_its_tokens_and_its_text_stops_before_the_string():
+    from contracts.serving import SampledChoice
+    from deployments.api.replies import choice_text
+
+    def decode(ids):
+        return "".join({1: "ab", 2: "c\n", 3: "\nd"}[i] for i in ids)
+
+    stopped = SampledChoice(0, [1, 2, 3], None, None, "stop", "\n")
+    assert choice_text(stopped, decode) == "abc"  # vLLM's text: up to the stop string, whatever the token held after it
+    by_token = SampledChoice(0, [1, 2], None, None, "stop", 2)  # a stop token id: the text is the tokens'
+    assert choice_text(by_token, decode) == "abc\n"
+    assert choice_text(SampledChoice(0, [1, 3], None, None, "length", None), decode) == "ab\nd"

@@ -66,7 +66,7 @@ def test_defaults_the_base_model_all_the_room_and_no_session(client, backend):
         ({"sampling_params": None}, "sampling_params"),
         ({"sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
         ({"sampling_params": {"max_tokens": 40}}, "max_model_len"),
-        ({"sampling_params": {"stop": ["x"]}}, "stop strings"),
+        ({"sampling_params": {"stop": [""]}}, "stop: at most"),
         ({"sampling_params": {"prompt_logprobs": 1}}, "sampling_params.prompt_logprobs"),
         ({"sampling_params": {"stop_token_ids": [99]}}, "stop_token_ids"),
         ({"stream": True}, "stream"),
