@@ -19,8 +19,8 @@ namespace still holds the seed config's values).
     python -m bench.learner_gpu --small                                  # tiny shapes, any device: a smoke test
 
 The GPU run, from a copy of the repository's working tree on the GPU box (nothing to install or
-carry beyond the tree: app/ and bench/ are all it imports). Expected to take 2-3 minutes on an H200
-(imports, a 3 GB model built and loaded, 6 steps of ~154k tokens); the timeout keeps it under 8:
+carry beyond the tree: app/ and bench/ are all it imports). On an H200 it took 75 s (imports, a 3 GB model built and
+loaded, 6 steps of ~154k tokens, then the Tinker leg; 207 s before the attention fix); the timeout keeps it under 8:
 
     timeout 470 python3 -m bench.learner_gpu --out "$OUT"      # then copy $OUT/*.json to bench/results/
 
