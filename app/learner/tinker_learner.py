@@ -249,7 +249,7 @@ class TinkerLearner:
             else:
                 raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
         if path is not None:
-            _paths(lineage).put(_record_name(path), _record(path, version, model, client.spec))
+            _remember(lineage, path, version, model, client.spec)
         return Publication(version, store.key_of(version))
 
     def _states(self, lineage: Lineage):
@@ -269,19 +269,23 @@ class TinkerLearner:
             grads = [p.grad for p in _params(client)]
             if gradient and any(g is not None for g in grads):
                 torch.save(grads, folder / GRADIENT_FILE)
-            spec = {"rank": client.spec.rank, "train_attn": client.spec.train_attn, "train_mlp": client.spec.train_mlp}
-            (folder / SPEC_FILE).write_text(json.dumps({**spec, "steps": client.steps}))
+            (folder / SPEC_FILE).write_text(json.dumps({**_adapter_fields(client.spec), "steps": client.steps}))
             number = (states.latest() or 0) + 1
             states.save(number, folder, meta={"model": model, "steps": client.steps})
         if path is not None:
-            _paths(lineage).put(_record_name(path), _record(path, number, model, client.spec))
+            _remember(lineage, path, number, model, client.spec)
         return number
 
-    def recall(self, lineage: Lineage, path: str) -> int | None:
-        """The state number or sampler version the tenant's tinker `path` names, as recorded when it was saved; None
-        for a path this tenant never saved (another tenant's records lie in another prefix)."""
+    def record(self, lineage: Lineage, path: str) -> dict | None:
+        """The tenant's tinker `path` as recorded when it was saved (the fields `checkpoints` lists); None for a path
+        this tenant never saved (another tenant's records lie in another prefix)."""
         saved = _paths(lineage).get(_record_name(path))
-        return int(saved["number"]) if saved is not None and saved.get("path") == path else None
+        return saved if saved is not None and saved.get("path") == path else None
+
+    def recall(self, lineage: Lineage, path: str) -> int | None:
+        """The state number or sampler version the tenant's tinker `path` names (`record`)."""
+        saved = self.record(lineage, path)
+        return None if saved is None else int(saved["number"])
 
     def checkpoints(self, lineage: Lineage) -> list[dict]:
         """Every tinker path the tenant was given, as recorded (`path`, `number`, `time`, `model`, and the adapter's
@@ -365,9 +369,15 @@ def _record_name(path: str) -> str:
     return hashlib.sha256(path.encode()).hexdigest()  # a path is the user's text: never a name in the bucket
 
 
-def _record(path: str, number: int, model: str, spec: AdapterSpec) -> dict:
-    adapter = {"rank": spec.rank, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp}
-    return {"path": path, "number": number, "time": time.time(), "model": model, **adapter}
+def _adapter_fields(spec: AdapterSpec) -> dict:
+    """What a saved state's spec file and a path's record say of the adapter."""
+    return {"rank": spec.rank, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp}
+
+
+def _remember(lineage: Lineage, path: str, number: int, model: str, spec: AdapterSpec) -> None:
+    """Record the tinker `path` the user was given for state or version `number` of training client `model`."""
+    record = {"path": path, "number": number, "time": time.time(), "model": model, **_adapter_fields(spec)}
+    _paths(lineage).put(_record_name(path), record)
 
 
 def _watch(spot):

@@ -541,7 +541,7 @@ class TinkerApi:
         tenant = await self.tenant(request)
         body = await self.parse(request, WeightsInfoRequest)
         _parsed_path(body.tinker_path)
-        record = next((r for r, c in await self._checkpoints(tenant) if c.tinker_path == body.tinker_path), None)
+        record = await self._from_bucket(tenant, f"path {body.tinker_path[:200]!r}", "record", body.tinker_path)
         if record is None:
             raise HttpError(404, f"{body.tinker_path}: no such checkpoint for this API key")
         info = types.WeightsInfoResponse(
