@@ -18,6 +18,10 @@ LEARNER_NAMESPACE = "spotrl-tinker"
 TINKER_APP = "tinker"  # the Serve application beside the fleet's
 TINKER_ROUTE_PREFIX = "/api"  # the SDK's paths are /api/v1/...
 API_KEY_PREFIX = "tml-"  # what the SDK requires of an API key; the rest is the tenant's run token
+# Under a tenant's prefix of the fleet's bucket: its saved states, and its exported weights (`save_weights_external`),
+# each a `core.bucket.CheckpointStore`; the learner writes both, the service serves exports' files for download.
+STATES_PREFIX = "tinker"
+EXPORTS_PREFIX = "tinker/external"
 
 # The built-in losses and the loss_fn_inputs each reads, besides `target_tokens` (every loss reads those).
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
@@ -99,6 +103,19 @@ class Lineage:
     signing_key: str
     run: str
     cache_dir: str
+
+
+@dataclass(frozen=True)
+class Export:
+    """Weights exported in the PEFT format (`save_weights_external`): export `number` of the tenant's exports store
+    (`EXPORTS_PREFIX`), its files' sizes by relative name."""
+
+    number: int
+    files: dict[str, int]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(self.files.values())
 
 
 @dataclass(frozen=True)

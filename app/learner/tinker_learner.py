@@ -19,9 +19,11 @@ the output layer (`app.learner.logprobs.LogProbHead`: float32 softmax, never the
 1 for RL). A datum's targets are its own (`target_tokens`, not necessarily the next inputs). The losses are
 `app.objectives.tinker_losses`'. A sampler version is a PEFT folder committed to the tenant's prefix of the fleet's
 bucket (`core.bucket.AdapterStore`, signed with the lineage's key), exactly what `app.weight_sync` publishes for a
-run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`. The tinker path a user
-was given for either is recorded beside them (`tinker/paths/` of the tenant's prefix, `recall`), so that a service
-that restarted, knowing no path any more, finds them again.
+run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`, and an export
+(`save_weights_external`) the adapter alone in PEFT's format, for the user to download. The tinker path a user was
+given for any of them is recorded beside them (`tinker/paths/` of the tenant's prefix, `recall`), so that a service
+that restarted, knowing no path any more, finds them again; a record may carry an expiry (the SDK's `ttl_seconds`),
+past which the path is gone: not listed, not recalled, and deleted from the bucket at the next listing.
 
 A spot notice for the learner's node (`contracts.notices`: the cloud's metadata, a scheduler's file or SIGTERM, Ray
 draining the node) is heard by a watcher of its own (`notice`); the service then saves every client's state after
@@ -45,7 +47,17 @@ from app.learner.model import DTYPES
 from app.learner.packing import TrainSample, pack, register_packed_attention
 from app.objectives.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 from contracts.auth import Secret
-from contracts.tinker import AdamStep, AdapterSpec, Lineage, LossCall, LossReply, Publication
+from contracts.tinker import (
+    EXPORTS_PREFIX,
+    STATES_PREFIX,
+    AdamStep,
+    AdapterSpec,
+    Export,
+    Lineage,
+    LossCall,
+    LossReply,
+    Publication,
+)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -229,9 +241,11 @@ class TinkerLearner:
         config.save_pretrained(str(dest))
         return dest
 
-    def publish(self, model: str, lineage: Lineage, path: str | None = None) -> Publication:
+    def publish(
+        self, model: str, lineage: Lineage, path: str | None = None, expires: float | None = None
+    ) -> Publication:
         """Commit the client's adapter as the tenant's next `policy-vN` (signed with its lineage's key); `path`, the
-        tinker path the user is given for it, is recorded (`recall`)."""
+        tinker path the user is given for it, is recorded (`recall`), to expire at `expires` (epoch seconds)."""
         from core.bucket.filesystem import VersionExists
         from core.bucket.store import AdapterStore
 
@@ -249,20 +263,23 @@ class TinkerLearner:
             else:
                 raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
         if path is not None:
-            _remember(lineage, path, version, model, client.spec)
+            _remember(lineage, path, version, model, client.spec, expires)
         return Publication(version, store.key_of(version))
 
-    def _states(self, lineage: Lineage):
-        from core.bucket.store import CheckpointStore
-
-        return CheckpointStore(f"{lineage.bucket_url}/tinker", cache_dir=lineage.cache_dir)
-
-    def save_state(self, model: str, lineage: Lineage, path: str | None = None, gradient: bool = False) -> int:
+    def save_state(
+        self,
+        model: str,
+        lineage: Lineage,
+        path: str | None = None,
+        gradient: bool = False,
+        expires: float | None = None,
+    ) -> int:
         """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number. `path`, the
-        tinker path the user is given for it, is recorded (`recall`); the service's own saves after a notice have none,
-        and keep with `gradient` what `forward_backward` accumulated and no `optim_step` applied yet."""
+        tinker path the user is given for it, is recorded (`recall`, to expire at `expires`); the service's own saves
+        after a notice have none, and keep with `gradient` what `forward_backward` accumulated and no `optim_step`
+        applied yet."""
         client = self._activate(model)
-        states = self._states(lineage)
+        states = _store(lineage, "training")
         with tempfile.TemporaryDirectory(prefix="tinker-state-") as tmp:
             folder = self._write_adapter(client, Path(tmp) / "state")
             torch.save(client.optimizer.state_dict(), folder / OPTIMIZER_FILE)
@@ -273,14 +290,38 @@ class TinkerLearner:
             number = (states.latest() or 0) + 1
             states.save(number, folder, meta={"model": model, "steps": client.steps})
         if path is not None:
-            _remember(lineage, path, number, model, client.spec)
+            _remember(lineage, path, number, model, client.spec, expires)
         return number
+
+    def export(self, model: str, lineage: Lineage, path: str, expires: float | None = None) -> Export:
+        """Commit the client's adapter as a PEFT folder (`adapter_model.safetensors`, `adapter_config.json`: what
+        `PeftModel.from_pretrained` and vLLM load) to the tenant's exports, for download; `path` is recorded."""
+        client = self._activate(model)
+        exports = _store(lineage, "external")
+        with tempfile.TemporaryDirectory(prefix="tinker-export-") as tmp:
+            folder = self._write_adapter(client, Path(tmp) / "export")
+            files = {f.name: f.stat().st_size for f in folder.iterdir()}
+            number = (exports.latest() or 0) + 1
+            exports.save(number, folder, meta={"model": model})
+        _remember(lineage, path, number, model, client.spec, expires, size_bytes=sum(files.values()))
+        return Export(number, files)
 
     def record(self, lineage: Lineage, path: str) -> dict | None:
         """The tenant's tinker `path` as recorded when it was saved (the fields `checkpoints` lists); None for a path
-        this tenant never saved (another tenant's records lie in another prefix)."""
+        this tenant never saved (another tenant's records lie in another prefix), or one past its expiry."""
         saved = _paths(lineage).get(_record_name(path))
-        return saved if saved is not None and saved.get("path") == path else None
+        if saved is None or saved.get("path") != path or _expired(saved):
+            return None
+        return saved
+
+    def expire(self, lineage: Lineage, path: str, expires: float | None) -> bool:
+        """Set (or with None remove) the expiry of the tenant's `path`; False for a path it does not have."""
+        saved = self.record(lineage, path)
+        if saved is None:
+            return False
+        saved["expires"] = expires
+        _paths(lineage).put(_record_name(path), saved)
+        return True
 
     def recall(self, lineage: Lineage, path: str) -> int | None:
         """The state number or sampler version the tenant's tinker `path` names (`record`)."""
@@ -288,37 +329,51 @@ class TinkerLearner:
         return None if saved is None else int(saved["number"])
 
     def checkpoints(self, lineage: Lineage) -> list[dict]:
-        """Every tinker path the tenant was given, as recorded (`path`, `number`, `time`, `model`, and the adapter's
-        `rank`, `train_attn`, `train_mlp`; records written before carry no model or adapter), newest first: what the
-        SDK's checkpoint and training-run listings show."""
-        return sorted(_paths(lineage).all(), key=lambda r: r.get("time", 0.0), reverse=True)
+        """Every tinker path the tenant was given and not expired, as recorded (`path`, `number`, `time`, `model`,
+        `expires`, the adapter's `rank`, `train_attn`, `train_mlp`, an export's `size_bytes`; records written before
+        carry no model or adapter), newest first: what the SDK's checkpoint and training-run listings show. Expired
+        ones are deleted from the bucket on the way."""
+        live = []
+        for saved in _paths(lineage).all():
+            if not _expired(saved):
+                live.append(saved)
+                continue
+            try:
+                self._delete(lineage, saved)
+            except ValueError:  # the newest sampler weights: out of sight now, deleted once newer ones exist
+                pass
+        return sorted(live, key=lambda r: r.get("time", 0.0), reverse=True)
 
-    def forget(self, lineage: Lineage, path: str, sampler: bool) -> bool:
-        """Delete what the tenant's tinker `path` names (a saved state, or with `sampler` a sampler version) from the
-        bucket, then its record; whether there was one. A fleet that loaded the version keeps serving it until it
-        unloads it; no new sampling client can name the path.
+    def forget(self, lineage: Lineage, path: str) -> bool:
+        """Delete what the tenant's tinker `path` names (a saved state, sampler version or export) from the bucket,
+        then its record; whether there was one. A fleet that loaded the version keeps serving it until it unloads it;
+        no new sampling client can name the path.
 
         The tenant's newest sampler version stays (ValueError): the next one takes the number after the newest
         committed, and the fleet names what it serves by that number, so deleting the newest would hand its number,
         and its name on the fleet, to other weights."""
-        from core.bucket.store import AdapterStore
-
-        number = self.recall(lineage, path)
-        if number is None:
+        saved = self.record(lineage, path)
+        if saved is None:
             return False
-        store = AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir) if sampler else self._states(lineage)
-        if sampler and store.latest() == number:
+        self._delete(lineage, saved)
+        return True
+
+    @staticmethod
+    def _delete(lineage: Lineage, saved: dict) -> None:
+        path, number = saved["path"], int(saved["number"])
+        kind = path_kind(path)
+        store = _store(lineage, kind)
+        if kind == "sampler" and store.latest() == number:
             raise ValueError(f"{path} is the newest sampler weights of this key: save newer ones before deleting it")
         store.delete(number)
         _paths(lineage).delete(_record_name(path))
-        return True
 
     def load_state(self, model: str, lineage: Lineage, number: int, optimizer: bool) -> AdapterSpec:
         """A new client `model` from the tenant's state `number` (its optimizer's moments too with `optimizer`)."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        states = self._states(lineage)
+        states = _store(lineage, "training")
         with tempfile.TemporaryDirectory(prefix="tinker-load-") as tmp:
             folder = states.load(number, Path(tmp) / "state")
             saved = json.loads((folder / SPEC_FILE).read_text())
@@ -357,6 +412,33 @@ def train_sample(index: int, datum) -> TrainSample:
     return TrainSample(inputs[:1], inputs[1:] + targets[-1:], {}, (index, 0), target_ids=targets)
 
 
+# A tinker path's middle segment and the kind of what it names (the SDK's `CheckpointType`).
+PATH_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+
+
+def path_kind(path: str) -> str:
+    """`training`, `sampler` or `external`: what a tinker path (`tinker://<model>/<segment>/<name>`) names."""
+    parts = path.removeprefix("tinker://").split("/")
+    kind = PATH_KINDS.get(parts[1]) if len(parts) >= 3 else None
+    if kind is None:
+        raise ValueError(f"{path[:200]!r} is not a tinker path of saved weights")
+    return kind
+
+
+def _store(lineage: Lineage, kind: str):
+    """The store of the tenant's saved states, sampler versions or exports."""
+    from core.bucket.store import AdapterStore, CheckpointStore
+
+    if kind == "sampler":
+        return AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir)
+    prefix = EXPORTS_PREFIX if kind == "external" else STATES_PREFIX
+    return CheckpointStore(f"{lineage.bucket_url}/{prefix}", cache_dir=lineage.cache_dir)
+
+
+def _expired(saved: dict) -> bool:
+    return saved.get("expires") is not None and saved["expires"] <= time.time()
+
+
 def _paths(lineage: Lineage):
     """The records of the tinker paths the tenant was given, in its prefix of the bucket (`tinker/paths/`)."""
     from contracts.retry import Backoff
@@ -374,9 +456,26 @@ def _adapter_fields(spec: AdapterSpec) -> dict:
     return {"rank": spec.rank, "train_attn": spec.train_attn, "train_mlp": spec.train_mlp}
 
 
-def _remember(lineage: Lineage, path: str, number: int, model: str, spec: AdapterSpec) -> None:
-    """Record the tinker `path` the user was given for state or version `number` of training client `model`."""
-    record = {"path": path, "number": number, "time": time.time(), "model": model, **_adapter_fields(spec)}
+def _remember(
+    lineage: Lineage,
+    path: str,
+    number: int,
+    model: str,
+    spec: AdapterSpec,
+    expires: float | None,
+    size_bytes: int | None = None,
+) -> None:
+    """Record the tinker `path` the user was given for state, version or export `number` of training client `model`,
+    gone after `expires` (epoch seconds; None: kept until deleted)."""
+    record = {
+        "path": path,
+        "number": number,
+        "time": time.time(),
+        "model": model,
+        "expires": expires,
+        "size_bytes": size_bytes,
+        **_adapter_fields(spec),
+    }
     _paths(lineage).put(_record_name(path), record)
 
 

@@ -16,20 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from tinker import types
 from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 from tinker.types.get_server_capabilities_response import SupportedModel
 
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, token_matches
-from contracts.tinker import AdamStep, AdapterSpec, LearnerLost
+from contracts.tinker import EXPORTS_PREFIX, AdamStep, AdapterSpec, LearnerLost
+from deployments.tinker.exports import LINK_TTL_S, ExportLinks, LinkRefused
 from deployments.tinker.fleet_calls import FleetCalls, FleetRefused, Tenant
 from deployments.tinker.futures import Futures, RequestFailed, Result
 from deployments.tinker.sessions import Model, NotFound, OverCapacity, Sessions
@@ -49,6 +51,14 @@ log = logging.getLogger("ray.serve")
 UPKEEP_PERIOD_S = 5.0
 LEARNER_RETRY_S = 1.0  # how often a call waiting for a lost learner tries again
 MAX_LISTED = 1000  # checkpoints one listing page may hold
+TTL_RANGE_S = (3600, 10 * 365 * 86400)  # a checkpoint's ttl_seconds, as the SDK documents it: 1 hour to 10 years
+
+
+class TtlRequest(pydantic.BaseModel):
+    """The body `RestClient.set_checkpoint_ttl_from_tinker_path` puts (a plain dict in the SDK)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    ttl_seconds: int | None = pydantic.Field(description="Seconds from now until the checkpoint expires; None: never.")
 
 
 class WeightsInfoRequest(pydantic.BaseModel):
@@ -68,6 +78,16 @@ def _page(request: Request) -> tuple[int, int]:
     if not (1 <= limit <= MAX_LISTED and offset >= 0):
         raise HttpError(400, f"limit must be 1..{MAX_LISTED} and offset at least 0")
     return limit, offset
+
+
+def _expiry(ttl_seconds: int | None) -> float | None:
+    """When a checkpoint saved (or given a TTL) now with `ttl_seconds` expires, in epoch seconds; None: never."""
+    if ttl_seconds is None:
+        return None
+    low, high = TTL_RANGE_S
+    if not low <= ttl_seconds <= high:
+        raise HttpError(400, f"ttl_seconds {ttl_seconds}: must be between {low} (1 hour) and {high} (10 years)")
+    return time.time() + ttl_seconds
 
 
 def _parsed_path(path: str) -> ParsedCheckpointTinkerPath:
@@ -109,6 +129,7 @@ class TinkerApi:
         self.sessions = Sessions(settings.max_models, settings.max_models_per_tenant, settings.session_idle_s)
         self.futures = Futures(settings.future_ttl_s)
         self.tenants: dict[str, Tenant] = {}  # the latest caller of each run: whom a spot notice's saves are for
+        self.links = ExportLinks(admin_token, settings.cache_dir)
 
     # ---- reading a request ------------------------------------------------------------------------------
 
@@ -375,12 +396,15 @@ class TinkerApi:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.SaveWeightsForSamplerRequest)
         model = self._model(body.model_id, tenant)
+        expires = _expiry(body.ttl_seconds)
 
         async def work() -> Result:
             path = None if body.path is None else f"tinker://{model.model_id}/sampler_weights/{body.path}"
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
-                published = await self._learner("publish", model.model_id, lineage, path, model=model, tenant=tenant)
+                published = await self._learner(
+                    "publish", model.model_id, lineage, path, expires, model=model, tenant=tenant
+                )
             fleet_model = adapter_name(published.version, tenant.run)
             try:
                 await self.fleet.load_adapter(tenant, fleet_model, published.key)
@@ -390,7 +414,8 @@ class TinkerApi:
                 sampler = self.sessions.add_sampler(tenant.run, fleet_model, model.base_model, None)
                 reply = types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler.sampler_id)
             else:
-                self.sessions.sampler_paths[path] = (tenant.run, published.version)
+                if expires is None:  # a path that expires is always looked up in the bucket, where its expiry is
+                    self.sessions.sampler_paths[path] = (tenant.run, published.version)
                 reply = types.SaveWeightsForSamplerResponseInternal(path=path)
             return Result(json=_json(reply))
 
@@ -416,6 +441,13 @@ class TinkerApi:
         except RequestFailed as failed:
             raise HttpError(503, f"{what}: {failed.message}") from None
 
+    async def _bucket_lineage(self, tenant: Tenant):
+        """`_lineage`, from a route that answers at once: a fleet that cannot say is a 503."""
+        try:
+            return await self._lineage(tenant)
+        except RequestFailed as failed:
+            raise HttpError(503, failed.message) from None
+
     async def _lineage(self, tenant: Tenant):
         try:
             return await self.fleet.lineage(tenant)
@@ -426,18 +458,98 @@ class TinkerApi:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.SaveWeightsRequest)
         model = self._model(body.model_id, tenant)
+        expires = _expiry(body.ttl_seconds)
 
         async def work() -> Result:
             path = f"tinker://{model.model_id}/weights/{body.path}"
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
-                number = await self._learner("save_state", model.model_id, lineage, path, model=model, tenant=tenant)
-                # A user's state holds no gradient: one accumulated and not yet applied is still unsaved.
+                number = await self._learner(
+                    "save_state", model.model_id, lineage, path, False, expires, model=model, tenant=tenant
+                )
+                # A user's state holds no gradient: one accumulated and not yet applied is still unsaved. A restarted
+                # learner restores the client from it (an expiry makes it no less the client's newest state).
                 model.saved, model.trained = number, model.pending
-            self.sessions.state_paths[path] = (tenant.run, number)
+            if expires is None:
+                self.sessions.state_paths[path] = (tenant.run, number)
             return Result(json=_json(types.SaveWeightsResponse(path=path)))
 
         return self._accept(tenant, work(), model.model_id)
+
+    async def save_external(self, request: Request) -> dict:
+        """`save_weights_external(name)`: the adapter as a PEFT folder in the tenant's exports, to be downloaded through
+        `get_external_weights_urls` (what `tinker checkpoint download` does)."""
+        tenant = await self.tenant(request)
+        body = await self.parse(request, types.SaveWeightsExternalRequest)
+        model = self._model(body.model_id, tenant)
+        expires = _expiry(body.ttl_seconds)
+        if body.age_encryption_recipients:
+            raise HttpError(400, "age_encryption_recipients: this server does not encrypt exports")
+
+        async def work() -> Result:
+            path = f"tinker://{model.model_id}/external_weights/{body.path}"
+            async with model.turn(body.seq_id or 0):
+                lineage = await self._lineage(tenant)
+                export = await self._learner(
+                    "export", model.model_id, lineage, path, expires, model=model, tenant=tenant
+                )
+            reply = types.SaveWeightsExternalResponseInternal(path=path, size_bytes=export.size_bytes)
+            return Result(json=_json(reply))
+
+        return self._accept(tenant, work(), model.model_id)
+
+    async def external_weights_urls(self, request: Request, training_run_id: str, checkpoint_id: str) -> dict:
+        """`RestClient.get_external_weights_urls(path)`: a download link per file of one of the key's exports, each
+        working without the key for `LINK_TTL_S` (`deployments.tinker.exports`)."""
+        tenant = await self.tenant(request)
+        path = f"tinker://{training_run_id}/{checkpoint_id}"
+        if _parsed_path(path).checkpoint_type != "external":
+            raise HttpError(400, f"{path}: only exported weights (external_weights) have download links")
+        record = await self._from_bucket(tenant, f"path {path[:200]!r}", "record", path)
+        if record is None:
+            raise HttpError(404, f"{path}: no such checkpoint for this API key")
+        lineage = await self._bucket_lineage(tenant)
+        store_url, number = f"{lineage.bucket_url}/{EXPORTS_PREFIX}", int(record["number"])
+        try:
+            files = await asyncio.to_thread(self.links.files, store_url, number)
+        except Exception as exc:  # noqa: BLE001 - deleted meanwhile, or the bucket unreachable
+            raise HttpError(503, f"{path}: the export's files could not be listed: {exc}") from None
+        expires = time.time() + LINK_TTL_S
+        token = self.links.sign(store_url, number, expires)
+        # Back to this service, at the address the caller used (the Serve route prefix included).
+        base = str(request.url).split("/v1/training_runs/", 1)[0]
+        urls = {rel: f"{base}/v1/exported/{token}/{rel}" for rel in sorted(files)}
+        return _json(types.ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, UTC)))
+
+    async def exported_file(self, token: str, name: str) -> Response:
+        """A file of an export, for a signed link (no API key: the SDK downloads with a plain GET)."""
+        try:
+            store_url, number = self.links.check(token)
+        except LinkRefused as refused:
+            raise HttpError(403, str(refused)) from None
+        try:
+            local = await self.links.local_file(store_url, number, name)
+        except Exception as exc:  # noqa: BLE001 - the export was deleted, or the bucket is unreachable
+            raise HttpError(404, f"export {number}: its files could not be read: {exc}") from None
+        if local is None:
+            raise HttpError(404, f"export {number} has no file {name[:200]!r}")
+        return FileResponse(local, media_type="application/octet-stream")
+
+    async def set_ttl(self, request: Request, training_run_id: str, checkpoint_id: str) -> dict:
+        """`RestClient.set_checkpoint_ttl_from_tinker_path(path, ttl_seconds)`: the path expires that long from now
+        (None: never); an expired path is gone from listings and lookups, and its files from the bucket."""
+        tenant = await self.tenant(request)
+        path = f"tinker://{training_run_id}/{checkpoint_id}"
+        _parsed_path(path)
+        expires = _expiry((await self.parse(request, TtlRequest)).ttl_seconds)
+        if not await self._from_bucket(tenant, f"path {path[:200]!r}", "expire", path, expires):
+            raise HttpError(404, f"{path}: no such checkpoint for this API key")
+        self._forget_path(path)  # looked up in the bucket from now on, where its expiry is
+        return {}
+
+    def _forget_path(self, path: str) -> None:
+        self.sessions.sampler_paths.pop(path, None)
+        self.sessions.state_paths.pop(path, None)
 
     async def load_state(self, request: Request) -> dict:
         """create_training_client_from_state (a new client, `session_id` + `model_seq_id`) or the deprecated
@@ -525,15 +637,14 @@ class TinkerApi:
         key's newest sampler weights (`TinkerLearner.forget` says why; the SDK retries a 409)."""
         tenant = await self.tenant(request)
         path = f"tinker://{training_run_id}/{checkpoint_id}"
-        parsed = _parsed_path(path)
-        sampler = parsed.checkpoint_type == "sampler"
+        _parsed_path(path)
         try:
-            deleted = await self._learner("forget", await self._lineage(tenant), path, sampler)
+            deleted = await self._learner("forget", await self._lineage(tenant), path)
         except RequestFailed as failed:
             raise HttpError(400 if failed.category == "user" else 503, f"{path}: {failed.message}") from None
         if not deleted:
             raise HttpError(404, f"{path}: no such checkpoint for this API key")
-        (self.sessions.sampler_paths if sampler else self.sessions.state_paths).pop(path, None)
+        self._forget_path(path)
         return {}
 
     async def weights_info(self, request: Request) -> dict:
@@ -604,11 +715,14 @@ class TinkerApi:
         listed = []
         for record in records:
             parsed = ParsedCheckpointTinkerPath.from_tinker_path(record["path"])
+            expires = record.get("expires")
             checkpoint = types.Checkpoint(
                 checkpoint_id=parsed.checkpoint_id,
                 checkpoint_type=parsed.checkpoint_type,
                 time=datetime.fromtimestamp(record["time"], UTC),
                 tinker_path=record["path"],
+                size_bytes=record.get("size_bytes"),
+                expires_at=None if expires is None else datetime.fromtimestamp(expires, UTC),
             )
             listed.append((record, checkpoint))
         return listed
@@ -732,6 +846,7 @@ class TinkerApi:
             notice = await self._notice()
             if notice is not None:
                 await self.keep_everyone(notice)
+            await asyncio.to_thread(self.links.prune)
 
 
 def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = None) -> FastAPI:
@@ -792,13 +907,14 @@ def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = Non
     app.add_api_route("/v1/samplers/{sampler_id}", api.get_sampler, methods=["GET"])
     app.add_api_route("/v1/checkpoints", api.list_user_checkpoints, methods=["GET"])
     app.add_api_route("/v1/training_runs/{training_run_id}/checkpoints", api.list_checkpoints, methods=["GET"])
-    app.add_api_route(
-        "/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}",
-        api.delete_checkpoint,
-        methods=["DELETE"],
-    )
+    checkpoint = "/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}"
+    app.add_api_route(f"{checkpoint}/external_weights_urls", api.external_weights_urls, methods=["GET"])
+    app.add_api_route(f"{checkpoint}/ttl", api.set_ttl, methods=["PUT"])
+    app.add_api_route(checkpoint, api.delete_checkpoint, methods=["DELETE"])
     app.add_api_route("/v1/training_runs", api.list_training_runs, methods=["GET"])
     app.add_api_route("/v1/training_runs/{training_run_id}", api.get_training_run, methods=["GET"])
+    app.add_api_route("/v1/exported/{token}/{name:path}", api.exported_file, methods=["GET"])
+    post("save_weights_external", api.save_external)
     post("weights_info", api.weights_info)
     post("asample", api.asample)
     post("retrieve_future", api.retrieve)

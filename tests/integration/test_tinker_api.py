@@ -7,6 +7,11 @@ lowers its loss and the saved sampler weights sample on the fleet with log-probs
 the learner's `forward`; the tenants cannot see or change each other's models, samplers or weights.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 import tinker
@@ -340,17 +345,15 @@ def test_training_runs_weights_info_and_deleted_checkpoints_through_the_rest_cli
     state can no longer start a client, deleted sampler weights no longer sample, the key's newest sampler weights stay
     (their number names them on the fleet), and another key's paths are not there to delete."""
     fleet, url, keys = service
-    with (
-        tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice,
-        tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob,
-    ):
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice:
         training, step, _ = one_datum_client(alice, fleet.base, 7, "21+21=", "42")
         step()
         state = training.save_state("runs-state").result().path
         first = training.save_weights_for_sampler("runs-first").result().path
         step()
         newest = training.save_weights_for_sampler("runs-newest").result().path
-        rest, bob_rest = alice.create_rest_client(), bob.create_rest_client()
+        rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+        bob_rest = tinker.RestClient(base_url=url, api_key=keys["bob"])
 
         runs = {r.training_run_id: r for r in rest.list_training_runs(limit=50).result().training_runs}
         run = runs[training.model_id]
@@ -384,6 +387,61 @@ def test_training_runs_weights_info_and_deleted_checkpoints_through_the_rest_cli
         prompt = types.ModelInput.from_ints(training.get_tokenizer().encode("21+21=", add_special_tokens=False))
         sampler = alice.create_sampling_client(model_path=newest).result()
         assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+
+
+def test_a_saved_state_downloads_through_the_sdks_own_cli_as_the_clients_peft_adapter(service, tmp_path):
+    """`tinker checkpoint download` (the SDK's CLI, unchanged) of a saved state: it starts a client from the state,
+    exports it (`save_weights_external`), fetches each file by its signed link, sets the export's TTL and deletes it;
+    the folder it leaves is a PEFT adapter that scores as the training client does. Exports list with their expiry
+    and size, their links are the key's own, and a link that was tampered with is refused."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice:
+        training, step, logprobs = one_datum_client(alice, fleet.base, 11, "33+9=", "42")
+        step()
+        expected = logprobs()
+        state = training.save_state("to-download").result().path
+        exported = training.save_weights_external("kept", ttl_seconds=7200).result().path
+        datum = sft_datum(training.get_tokenizer(), "33+9=", "42")
+
+        cli = Path(sys.executable).with_name("tinker")
+        env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": keys["alice"]}
+        done = subprocess.run(
+            [str(cli), "checkpoint", "download", state, "--output", str(tmp_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        folder = tmp_path / state.removeprefix("tinker://").replace("/", "_")
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        base = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
+        inputs = torch.tensor([datum.model_input.to_ints()])
+        with torch.no_grad():
+            logits = PeftModel.from_pretrained(base, str(folder))(inputs).logits[0]
+        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
+        downloaded = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+        assert downloaded.tolist() == pytest.approx(expected, abs=1e-4)
+
+        rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+        bob_rest = tinker.RestClient(base_url=url, api_key=keys["bob"])
+        listed = {c.tinker_path: c for c in rest.list_user_checkpoints(limit=1000).result().checkpoints}
+        assert not [p for p in listed if "/external_weights/" in p and p != exported]  # the CLI's export is gone
+        assert listed[exported].expires_at is not None and listed[exported].size_bytes > 0
+        rest.set_checkpoint_ttl_from_tinker_path(exported, None).result()
+        assert rest.list_checkpoints(training.model_id).result().checkpoints[0].expires_at is None
+
+        links = rest.get_external_weights_urls(exported).result().urls
+        assert httpx.get(links["adapter_config.json"], timeout=30).json()["r"] == RANK
+        with pytest.raises(tinker.NotFoundError):
+            bob_rest.get_external_weights_urls(exported).result()
+        payload, mac = links["adapter_config.json"].split("/v1/exported/")[1].split("/")[0].split(".")
+        tampered = links["adapter_config.json"].replace(f"{payload}.{mac}", f"{payload}.{mac[::-1]}")
+        assert httpx.get(tampered, timeout=30).status_code == 403
 
 
 def test_an_unknown_key_is_refused_in_the_sdks_terms(service):

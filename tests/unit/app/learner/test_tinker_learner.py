@@ -3,6 +3,8 @@ runs on a GPU) computes what the float32 one does, trains, and saves and restore
 tinker paths it saved are found again by path; datums packed in rows compute what one at a time does, and what a plain
 forward's full logits give at whatever targets a datum names."""
 
+import time
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def _step(model: str) -> AdamStep:
 
 @pytest.fixture(scope="module")
 def learners(tiny_model_path):
-    return {dtype: TinkerLearner(tiny_model_path, max_models=8, dtype=dtype) for dtype in ("float32", "bfloat16")}
+    return {dtype: TinkerLearner(tiny_model_path, max_models=16, dtype=dtype) for dtype in ("float32", "bfloat16")}
 
 
 def test_a_bfloat16_base_keeps_fp32_adapters_and_agrees_with_float32(learners):
@@ -147,15 +149,63 @@ def test_forgetting_a_path_deletes_what_it_names_but_never_the_newest_sampler_ve
     assert records[state]["rank"] == 4 and records[older]["model"] == "f" and records[newest]["train_mlp"] is True
 
     with pytest.raises(ValueError, match="newest sampler weights"):
-        learner.forget(lineage, newest, sampler=True)
-    assert learner.forget(lineage, older, sampler=True) is True
-    assert learner.recall(lineage, older) is None and learner.forget(lineage, older, sampler=True) is False
+        learner.forget(lineage, newest)
+    assert learner.forget(lineage, older) is True
+    assert learner.recall(lineage, older) is None and learner.forget(lineage, older) is False
     from core.bucket.store import AdapterStore
 
     assert first not in AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).versions()
-    assert learner.forget(lineage, state, sampler=False) is True
-    assert number not in learner._states(lineage).steps()
+    assert learner.forget(lineage, state) is True
+    assert number not in tinker_learner._store(lineage, "training").steps()
     assert {r["path"] for r in learner.checkpoints(lineage)} == {newest}
+
+
+def test_an_export_is_a_peft_folder_of_the_clients_adapter_and_deleted_like_any_path(learners, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    learner = learners["float32"]
+    learner.create("x", AdapterSpec(rank=4, seed=6))
+    learner.forward_backward(_call("x"))
+    learner.optim_step(_step("x"))  # B moves off zero: the export holds trained weights
+    expected = learner.forward_backward(_call("x", backward=False)).logprobs[0]
+    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    path = "tinker://x/external_weights/out"
+    export = learner.export("x", lineage, path)
+    assert set(export.files) == {"adapter_model.safetensors", "adapter_config.json"}
+    assert learner.record(lineage, path)["size_bytes"] == export.size_bytes > 0
+
+    folder = tinker_learner._store(lineage, "external").load(export.number, tmp_path / "download")
+    base = AutoModelForCausalLM.from_pretrained(learner.model_path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = PeftModel.from_pretrained(base, str(folder))(torch.tensor([TOKENS[:-1]])).logits[0]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+    assert logprobs.tolist() == pytest.approx(expected, abs=1e-4)
+
+    assert learner.forget(lineage, path) is True
+    assert export.number not in tinker_learner._store(lineage, "external").steps()
+
+
+def test_an_expired_path_is_gone_from_lookups_and_listings_and_its_files_from_the_bucket(learners, tmp_path):
+    learner = learners["float32"]
+    learner.create("e", AdapterSpec(rank=4, seed=7))
+    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    kept, lapsing = "tinker://e/weights/kept", "tinker://e/weights/lapsing"
+    learner.save_state("e", lineage, kept, expires=time.time() + 3600)
+    number = learner.save_state("e", lineage, lapsing)
+    assert learner.expire(lineage, lapsing, time.time() - 1) is True
+    assert learner.record(lineage, lapsing) is None and learner.recall(lineage, lapsing) is None
+    assert learner.expire(lineage, lapsing, None) is False  # gone is gone
+    assert [r["path"] for r in learner.checkpoints(lineage)] == [kept]
+    assert number not in tinker_learner._store(lineage, "training").steps()  # the listing deleted it
+    assert learner.expire(lineage, kept, None) is True and learner.record(lineage, kept)["expires"] is None
+
+    newest = "tinker://e/sampler_weights/newest"
+    learner.publish("e", lineage, newest, time.time() - 1)  # expired at once: out of sight, kept while newest
+    assert learner.recall(lineage, newest) is None and newest not in {r["path"] for r in learner.checkpoints(lineage)}
+    from core.bucket.store import AdapterStore
+
+    assert AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).latest() is not None
 
 
 def test_a_state_kept_mid_step_restores_the_gradient_not_yet_applied_and_a_users_state_holds_none(learners, tmp_path):

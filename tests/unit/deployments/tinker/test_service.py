@@ -295,3 +295,28 @@ def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
         learner.held = [model_id, *http.app.state.api.sessions.models]  # the first service's client is still there
         asyncio.run(http.app.state.api.drop_orphans())
         assert [args for method, args in learner.calls if method == "drop"] == [(model_id,)]
+
+
+def test_ttls_outside_the_sdks_range_encrypted_exports_and_foreign_links_are_refused_with_the_reason():
+    http, learner = client()
+    with http:
+        _, future = new_model(http)
+        model_id = types.CreateModelResponse.model_validate(result(http, future.json()["request_id"]).json()).model_id
+        short = post(http, "save_weights", types.SaveWeightsRequest(model_id=model_id, path="s", ttl_seconds=60))
+        assert short.status_code == 400 and "between 3600" in short.json()["detail"]
+        ttl = http.put(
+            f"/v1/training_runs/{model_id}/checkpoints/weights/s/ttl",
+            json={"ttl_seconds": 10**10},
+            headers={"X-API-Key": "tml-a"},
+        )
+        assert ttl.status_code == 400 and "10 years" in ttl.json()["detail"]
+        age = types.SaveWeightsExternalRequest(model_id=model_id, path="e", age_encryption_recipients=["age1xyz"])
+        refused = post(http, "save_weights_external", age)
+        assert refused.status_code == 400 and "encrypt" in refused.json()["detail"]
+        urls = http.get(
+            f"/v1/training_runs/{model_id}/checkpoints/weights/s/external_weights_urls", headers={"X-API-Key": "tml-a"}
+        )
+        assert urls.status_code == 400 and "external_weights" in urls.json()["detail"]
+        forged = http.get("/v1/exported/bm90LW1pbmU.0000/adapter_model.safetensors")
+        assert forged.status_code == 403
+        assert not any(method in ("save_state", "export", "expire") for method, _ in learner.calls)
