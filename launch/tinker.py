@@ -25,23 +25,26 @@ def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: fl
     import ray
     from ray import serve
 
+    from app.learner.tinker_group import TinkerLearnerGroup
     from app.learner.tinker_learner import TinkerLearner
     from deployments.tinker.shell import tinker_app
 
     # A learner whose process dies (its node preempted, a crash) is started again by Ray with the base model alone;
     # the service restores each client from its last saved state on its next call (`TinkerApi._learner`); after a
-    # notice for its node, that state is the one after the client's last optimizer step.
-    learner = (
-        ray.remote(TinkerLearner)
-        .options(
-            name=LEARNER_ACTOR,
-            namespace=LEARNER_NAMESPACE,
-            num_cpus=num_cpus,
-            num_gpus=1 if settings.learner_device == "cuda" else 0,
-            max_restarts=-1,
+    # notice for its node, that state is the one after the client's last optimizer step. Over several devices the
+    # named actor is a group that starts its ranks again itself when one dies.
+    args = (settings.model_path, settings.max_models, spot, settings.learner_device, settings.learner_dtype)
+    options = {"name": LEARNER_ACTOR, "namespace": LEARNER_NAMESPACE, "max_restarts": -1}
+    if settings.learner_ranks == 1:
+        gpus = 1 if settings.learner_device == "cuda" else 0
+        learner = ray.remote(TinkerLearner).options(**options, num_cpus=num_cpus, num_gpus=gpus).remote(*args)
+    else:
+        cpus_per_rank = num_cpus or 0.01  # a placement group's bundle cannot be empty: a sliver, as the one actor's 0
+        learner = (
+            ray.remote(TinkerLearnerGroup)
+            .options(**options, num_cpus=0)
+            .remote(*args, ranks=settings.learner_ranks, cpus_per_rank=cpus_per_rank)
         )
-        .remote(settings.model_path, settings.max_models, spot, settings.learner_device, settings.learner_dtype)
-    )
     ray.get(learner.models.remote())  # up, with the base model loaded
     _started["learner"] = learner
     serve.run(

@@ -140,14 +140,19 @@ def mixed_precision_policy(dtype: str, device_type: str):
     return MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
 
 
-def fully_shard_model(model, world_size: int, device_type: str, mp_policy=None) -> None:
+def fully_shard_model(model, world_size: int, device_type: str, mp_policy=None, ignored_params=None) -> None:
     """FSDP2: each decoder block its own unit (only one block is gathered whole at a time), then the root
-    (embeddings, final norm, output layer); `mp_policy` as `mixed_precision_policy` gives it."""
+    (embeddings, final norm, output layer); `mp_policy` as `mixed_precision_policy` gives it. `ignored_params` stay
+    whole and unmanaged on every rank (the Tinker learner's adapters, whose gradients it reduces itself)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device_type, (world_size,))
-    options = {"mesh": mesh, **({"mp_policy": mp_policy} if mp_policy is not None else {})}
+    options = {
+        "mesh": mesh,
+        **({"mp_policy": mp_policy} if mp_policy is not None else {}),
+        **({"ignored_params": set(ignored_params)} if ignored_params else {}),
+    }
     block_names = set(getattr(model.base_model.model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in block_names:

@@ -290,20 +290,38 @@ def filler(pad_id: int, streams: Iterable[str] = ()) -> MicroBatch:
     return mb
 
 
+def balance(sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices of `sizes` per rank, the largest first to the least loaded: every rank computes the same split."""
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = min(range(world_size), key=lambda k: (loads[k], k))
+        owned[r].append(i)
+        loads[r] += sizes[i]
+    return [sorted(o) for o in owned]
+
+
 def shard(batches: Sequence[MicroBatch], rank: int, world_size: int, pad_id: int) -> list[MicroBatch]:
     """This rank's micro-batches: balanced by tokens over ranks, padded with fillers to the same count."""
     if world_size == 1:
         return list(batches)
-    order = sorted(range(len(batches)), key=lambda i: -batches[i].num_slots)
-    owned: list[list[int]] = [[] for _ in range(world_size)]
-    loads = [0] * world_size
-    for i in order:
-        r = min(range(world_size), key=lambda k: (loads[k], k))
-        owned[r].append(i)
-        loads[r] += batches[i].num_slots
+    owned = balance([b.num_slots for b in batches], world_size)
     count = max(len(o) for o in owned)
-    mine = [batches[i] for i in sorted(owned[rank])]
+    mine = [batches[i] for i in owned[rank]]
     return mine + [filler(pad_id, batches[0].streams) for _ in range(count - len(mine))]
+
+
+def shard_samples(
+    samples: Sequence[TrainSample], rank: int, world_size: int, token_budget: int, pad_id: int
+) -> tuple[list[int], list[MicroBatch]]:
+    """This rank's share of `samples` (their indices), balanced by tokens over ranks, and its packed micro-batches,
+    padded with fillers to as many as the rank with the most: when a call holds few samples, one row each would
+    leave all but one rank idle, so samples are split over ranks before they are packed."""
+    owned = balance([len(s) for s in samples], world_size)
+    packed = [pack([samples[i] for i in o], token_budget, pad_id) for o in owned]
+    count = max(len(p) for p in packed)
+    mine = packed[rank]
+    return owned[rank], mine + [filler(pad_id) for _ in range(count - len(mine))]
 
 
 def batch_metrics(batches: Sequence[MicroBatch], token_budget: int | None) -> dict[str, float]:

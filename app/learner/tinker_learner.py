@@ -9,8 +9,15 @@ calls by their `seq_id`.
 
 Precision and device follow the run learner's (`app.learner.model`): on the CPU float32; on a GPU (`device: cuda`,
 the one Ray gives the actor) the frozen base may be bfloat16 while every adapter keeps fp32 masters and fp32 AdamW
-moments (PEFT casts adapter weights up), the forward running under bfloat16 autocast. No FSDP here: one base and many
-small adapters fit one device, and a Tinker step is one client's few datums.
+moments (PEFT casts adapter weights up), the forward running under bfloat16 autocast.
+
+On several devices this class is one rank of `app.learner.tinker_group.TinkerLearnerGroup`: the frozen base is
+sharded over the ranks with FSDP2 as the run learner's is (`join`), so a base too large for one device is served,
+while every adapter stays whole on every rank, outside FSDP (`ignored_params`; PEFT adds a client's adapter to the
+sharded model, under wrappers a rank-1 placeholder adapter put on every adapted layer before sharding). A call's
+datums are split over the ranks (`app.learner.packing.shard_samples`), each rank's gradient is summed over the ranks
+once per call (the losses are sums over datums), and the optimizer steps the same on every rank, which keeps the
+replicas equal; log-probs are gathered to every rank. Writing to the bucket is rank 0's alone.
 
 A call's datums go through the model as the run learner's groups do (`app.learner.packing`): packed end to end in rows
 of up to `BATCH_TOKENS` tokens, attention kept inside each datum without a mask, and log-probs taken chunk by chunk in
@@ -41,10 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from app.learner.logprobs import LogProbHead, forward_scores
-from app.learner.model import DTYPES
-from app.learner.packing import TrainSample, pack, register_packed_attention
+from app.learner.model import DTYPES, fully_shard_model, init_distributed
+from app.learner.packing import TrainSample, register_packed_attention, shard_samples
 from app.objectives.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 from contracts.auth import Secret
 from contracts.tinker import (
@@ -64,6 +72,7 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 OPTIMIZER_FILE = "optimizer.pt"
 GRADIENT_FILE = "gradient.pt"  # a state the service kept mid-step: the adapter's gradient, in its optimizer's order
 SPEC_FILE = "tinker_spec.json"
+PLACEHOLDER = "placeholder"  # the rank-1 adapter on every adaptable layer that is never trained (see the docstring)
 PATHS = "tinker/paths"  # under a tenant's prefix: one small JSON per tinker path the service handed out
 # Tokens of one forward: a call's datums are packed in rows of up to this many (a longer datum gets a row of its own),
 # so an RL step's 128 short datums cost one forward, and a GPU's long ones bound the activations.
@@ -92,7 +101,18 @@ class TinkerLearner:
     """The base model at `model_path` with an adapter per training client (`create`, `drop`), trained by `LossCall`s
     and `AdamStep`s, published as versions (`publish`) and saved and restored (`save_state`, `load_state`)."""
 
-    def __init__(self, model_path: str, max_models: int = 8, spot=None, device: str = "cpu", dtype: str = "float32"):
+    def __init__(
+        self,
+        model_path: str,
+        max_models: int = 8,
+        spot=None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        """`rank` of `world_size` ranks (`TinkerLearnerGroup`): the ranks must `join` before any other call."""
+        from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
         if dtype not in DTYPES:
@@ -101,6 +121,7 @@ class TinkerLearner:
             raise RuntimeError("the Tinker learner was asked for device cuda and this process sees no GPU")
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.model_path, self.max_models = model_path, max_models
+        self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda" if device == "cuda" else "cpu")  # Ray shows the actor its own GPU only
         self.dtype = DTYPES[dtype]
         self.base = AutoModelForCausalLM.from_pretrained(
@@ -111,10 +132,32 @@ class TinkerLearner:
         self.head = LogProbHead(self.base.get_output_embeddings())
         self.base.set_output_embeddings(self.head)
         self.pad_id = self.base.config.pad_token_id if self.base.config.pad_token_id is not None else 0
-        self.peft = None  # the PeftModel, from the first adapter on
+        # PEFT wraps the adaptable layers once, here: clients' adapters are added under these wrappers (also on a
+        # sharded base, where replacing a layer would escape FSDP), and the last client's can be deleted.
+        placeholder = LoraConfig(r=1, lora_alpha=1, target_modules=ATTENTION + MLP, task_type="CAUSAL_LM")
+        self.peft = get_peft_model(self.base, placeholder, adapter_name=PLACEHOLDER)
+        for p in self.peft.parameters():
+            p.requires_grad_(False)
         self.clients: dict[str, _Client] = {}
         self._counter = 0
         self._notices = _watch(spot) if spot is not None and spot.watch else None
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join the ranks' process group and shard the frozen base over them (FSDP2); every adapter stays outside."""
+        init_distributed(self.rank, self.world_size, master_addr, master_port, self.device.type)
+        adapters = [p for name, p in self.peft.named_parameters() if "lora_" in name]
+        fully_shard_model(self.peft, self.world_size, self.device.type, ignored_params=adapters)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """An address of this node and a free port on it: rank 0's, for the ranks' TCP rendezvous."""
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((ip, 0))
+            return ip, sock.getsockname()[1]
 
     def notice(self) -> str | None:
         """The interruption notice heard for this learner's node, in words; None while there is none."""
@@ -123,9 +166,10 @@ class TinkerLearner:
 
     # ---- adapters -----------------------------------------------------------------------------------
 
-    def create(self, model: str, spec: AdapterSpec) -> None:
-        """A fresh adapter for training client `model` (a no-op when it exists with the same spec)."""
-        from peft import LoraConfig, get_peft_model
+    def create(self, model: str, spec: AdapterSpec, init_seed: int | None = None) -> None:
+        """A fresh adapter for training client `model` (a no-op when it exists with the same spec), drawn from
+        `init_seed`, else the spec's seed, else a fresh one (ranks are given one seed: their replicas must agree)."""
+        from peft import LoraConfig
 
         if model in self.clients:
             if self.clients[model].spec != spec:
@@ -139,12 +183,9 @@ class TinkerLearner:
         name = f"m{self._counter}"
         self._counter += 1
         # A seeded client draws the same init every time; an unseeded one a fresh one.
-        generator_seed = spec.seed if spec.seed is not None else torch.seed()
-        torch.manual_seed(generator_seed)
-        if self.peft is None:
-            self.peft = get_peft_model(self.base, config, adapter_name=name)
-        else:
-            self.peft.add_adapter(name, config)
+        seed = next((s for s in (init_seed, spec.seed) if s is not None), None)
+        torch.manual_seed(seed if seed is not None else torch.seed())
+        self.peft.add_adapter(name, config)
         params = [p for n, p in self.peft.named_parameters() if f".{name}." in n]
         for p in params:
             p.requires_grad_(True)
@@ -155,11 +196,7 @@ class TinkerLearner:
         client = self.clients.pop(model, None)
         if client is None:
             return False
-        if self.clients:
-            self.peft.delete_adapter(client.adapter)
-        else:  # PEFT cannot delete its last adapter: start again from the bare base model
-            self.base = self.peft.unload()
-            self.peft = None
+        self.peft.delete_adapter(client.adapter)
         return True
 
     def models(self) -> list[str]:
@@ -185,31 +222,65 @@ class TinkerLearner:
                     "expected as many of each, at least one"
                 )
             check_inputs(call.loss_fn, len(datum.target_tokens), datum.inputs)
-        self._activate(call.model)
+        client = self._activate(call.model)
         self.peft.train()
         total = torch.zeros((), device=self.device)
-        logprobs: list[list[float]] = [[] for _ in call.data]
+        logprobs: dict[int, list[float]] = {}
         # Half-precision bases compute in their dtype; the adapters' fp32 masters are cast on the fly (as FSDP2's
         # mixed precision does for the run learner), and log-probs are taken in float32 (`LogProbHead`).
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        samples = [train_sample(i, d) for i, d in enumerate(call.data)]
+        mine, batches = shard_samples(samples, self.rank, self.world_size, BATCH_TOKENS, self.pad_id)
+        earlier = self._set_aside_gradient(client) if call.backward and self.world_size > 1 else None
         with torch.set_grad_enabled(call.backward):
-            for mb in pack([train_sample(i, d) for i, d in enumerate(call.data)], BATCH_TOKENS, self.pad_id):
+            for mb in batches:
                 mb = mb.to(self.device)
                 with autocast:
                     logp = forward_scores(self.peft, self.head, mb, 1.0)[0]
-                # A row's datums, each one's targets together, in the order they were laid out.
-                order, counts = torch.unique_consecutive(mb.target_sample, return_counts=True)
-                losses = []
-                for index, datum_logp in zip(order.tolist(), logp.split(counts.tolist()), strict=True):
-                    inputs = call.data[index].inputs
-                    inputs = {k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in inputs.items()}
-                    losses.append(datum_loss(call.loss_fn, datum_logp, inputs, config))
-                    logprobs[index] = datum_logp.detach().tolist()
-                loss = torch.stack(losses).sum()
+                if mb.is_filler:  # a pass that only keeps the ranks' FSDP collectives in step
+                    loss = logp.sum() * 0.0
+                else:
+                    # A row's datums, each one's targets together, in the order they were laid out.
+                    order, counts = torch.unique_consecutive(mb.target_sample, return_counts=True)
+                    losses = []
+                    for position, datum_logp in zip(order.tolist(), logp.split(counts.tolist()), strict=True):
+                        index = mine[position]
+                        inputs = call.data[index].inputs
+                        inputs = {
+                            k: torch.tensor(v, dtype=torch.float32, device=self.device) for k, v in inputs.items()
+                        }
+                        losses.append(datum_loss(call.loss_fn, datum_logp, inputs, config))
+                        logprobs[index] = datum_logp.detach().tolist()
+                    loss = torch.stack(losses).sum()
                 if call.backward:
                     loss.backward()  # gradients of every row summed into the adapter until optim_step
                 total = total + loss.detach()
-        return LossReply(logprobs, {"loss:sum": float(total)})
+        if self.world_size > 1:
+            if earlier is not None:
+                self._sum_gradient_over_ranks(client, earlier)
+            dist.all_reduce(total)
+            gathered: list[dict[int, list[float]]] = [{} for _ in range(self.world_size)]
+            dist.all_gather_object(gathered, logprobs)
+            logprobs = {i: lp for part in gathered for i, lp in part.items()}
+        return LossReply([logprobs[i] for i in range(len(call.data))], {"loss:sum": float(total)})
+
+    @staticmethod
+    def _set_aside_gradient(client: _Client) -> list[torch.Tensor | None]:
+        """The client's gradient so far (summed over the ranks already), cleared: a call's own is reduced alone."""
+        earlier = [p.grad for p in _params(client)]
+        for p in _params(client):
+            p.grad = None
+        return earlier
+
+    @staticmethod
+    def _sum_gradient_over_ranks(client: _Client, earlier: list[torch.Tensor | None]) -> None:
+        """This call's gradient, summed over the ranks (one all-reduce), added to what the client had before it."""
+        params = _params(client)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        dist.all_reduce(flat)
+        for p, before, summed in zip(params, earlier, flat.split([p.numel() for p in params]), strict=True):
+            summed = summed.view_as(p)
+            p.grad = summed if before is None else before + summed
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         """One AdamW step of the client's adapter with the step's hyperparameters; its gradients are cleared."""

@@ -40,6 +40,8 @@ class RayLearner:
             raise LearnerLost(f"the learner died during {method}: {type(exc).__name__}") from None
         except RayTaskError as exc:
             cause = exc.cause
+            if isinstance(cause, LearnerLost):  # a learner group whose rank died: it started its ranks again
+                raise LearnerLost(str(cause)) from None
             if isinstance(cause, ValueError | KeyError):
                 raise type(cause)(*cause.args) if isinstance(cause, KeyError) else ValueError(str(cause)) from None
             raise RuntimeError(f"{method}: {type(cause).__name__}: {cause}") from None

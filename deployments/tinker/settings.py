@@ -29,6 +29,11 @@ class TinkerSettings(BaseModel):
     learner_device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the learner trains: cpu, or cuda (its actor then asks Ray for one GPU)."
     )
+    learner_ranks: int = Field(
+        1,
+        ge=1,
+        description="Devices the learner shards the base over (FSDP2), a Ray actor each, on one node; 1: one device.",
+    )
     learner_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="The frozen base's dtype on the learner (adapters and AdamW stay fp32); bfloat16 on GPUs.",

@@ -49,6 +49,7 @@ def service(tmp_path_factory, tiny_model_path, notice_file):
             max_models_per_tenant=4,  # the isolation test holds one per tenant, the others one more each
             poll_wait_s=5.0,
         )
+        fleet.tinker_settings = settings  # the last test starts the service again over two learner ranks
         url = start_tinker(settings, TOKEN, spot=SpotConfig(notice_file=str(notice_file), poll_interval_s=0.5))
         keys = {}
         for name in ("alice", "bob"):
@@ -507,3 +508,34 @@ def test_an_rl_loop_written_with_the_sdk_alone_raises_held_out_accuracy_by_20_po
     before, after = 100 * report["accuracy_before"], 100 * report["accuracy_after"]
     print(f"\n[tinker rl] held-out {before:.1f}% -> {after:.1f}% in 50 steps, loop {report['loop_s']:.0f} s")
     assert report["gain_points"] >= 20, report
+
+
+def test_a_learner_over_two_ranks_serves_the_sdk_and_rides_out_a_lost_rank(service):
+    """`learner_ranks: 2`: the service's learner is a group of two ranks sharding the base (FSDP2 over gloo here),
+    and the SDK cannot tell: SFT raises the datum's log-probs, sampler weights published by rank 0 sample on the
+    fleet, and a rank killed mid-session (its node lost) costs only the steps after the client's last `save_state`.
+    Last in the module: it replaces the module's service."""
+    import ray
+
+    from launch.tinker import learner_actor, start_tinker, stop_tinker
+
+    fleet, url, keys = service
+    stop_tinker()
+    start_tinker(fleet.tinker_settings.model_copy(update={"learner_ranks": 2}), TOKEN)
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
+        training, step, logprobs = one_datum_client(client, fleet.base, 5, "17+25=", "42")
+        first = logprobs()
+        step()
+        step()
+        assert sum(logprobs()) > sum(first)
+        sampled = training.save_weights_for_sampler("two-ranks").result().path
+        prompt = types.ModelInput.from_ints(training.get_tokenizer().encode("17+25=", add_special_tokens=False))
+        sampler = client.create_sampling_client(model_path=sampled).result()
+        assert len(sampler.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result().sequences) == 2
+        training.save_state("two-ranks").result()
+        saved = logprobs()
+        step()  # lost with the rank
+        ray.kill(ray.get(learner_actor().rank_actors.remote())[1], no_restart=True)
+        assert logprobs() == pytest.approx(saved, abs=1e-5)
+        step()
+        assert logprobs() != saved

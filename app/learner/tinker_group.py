@@ -1,0 +1,187 @@
+"""The Tinker learner over several devices: one named actor that drives N `TinkerLearner` ranks sharding one base.
+
+A Tinker training client's calls come to one named actor (`contracts.tinker.LEARNER_ACTOR`) one at a time. With
+`learner_ranks` above 1 (`launch/tinker.py`) that actor is this group: it starts N rank actors (each a
+`TinkerLearner` with its rank, one GPU each on CUDA, packed on one node as the run learner's `LearnerGroup` packs
+its ranks), joins them in one process group that shards the frozen base (FSDP2), and hands every call to the ranks
+that must take part. Calls that compute (`create`, `forward_backward`, `optim_step`, `load_state`, `drop`) go to
+every rank in the same order, since they run collectives; calls that write or read the bucket go to rank 0 alone,
+which holds the same adapters and optimizer as every other rank.
+
+A rank that dies (its node preempted or lost) leaves the others stuck in a collective, so the group starts all of
+them again, with the base model alone, and answers the call with `LearnerLost`: the service then waits and retries,
+finds the client's adapter gone and restores it from the client's last saved state, as it does when the single
+learner actor restarts. A spot notice is heard by each rank's own watcher (`TinkerLearner.notice`), which drains its
+node so that the ranks' replacements start elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from app.learner.tinker_learner import TinkerLearner
+from contracts.tinker import AdapterSpec, LearnerLost
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 900.0
+SETTLE_S = 30.0  # how long the other ranks get to fail alike after one rank refused a call (a bad input)
+
+
+class TinkerLearnerGroup:
+    """`ranks` TinkerLearner ranks behind the methods of one: the service cannot tell the two apart."""
+
+    def __init__(
+        self,
+        model_path: str,
+        max_models: int = 8,
+        spot=None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        ranks: int = 2,
+        cpus_per_rank: float = 1.0,
+    ):
+        if ranks < 2:
+            raise ValueError(f"ranks {ranks}: a group has at least 2 (one device is a TinkerLearner alone)")
+        self._learner_args = (model_path, max_models, spot, device, dtype)
+        self.device, self.ranks, self.cpus_per_rank = device, ranks, cpus_per_rank
+        self.restarts = 0
+        self._pg = None
+        self.workers: list = []
+        self._start()
+
+    # ---- the ranks --------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = 1 if self.device == "cuda" else 0
+        bundle = {"CPU": self.cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        # GPU ranks share a node, so that NCCL stays inside it; an autoscaler may have to bring that node up first.
+        self._pg = placement_group([bundle] * self.ranks, strategy="STRICT_PACK" if gpus else "PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            raise RuntimeError(
+                f"tinker learner: no room for {self.ranks} ranks of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s"
+            ) from None
+        actor = ray.remote(TinkerLearner)
+        self.workers = [
+            actor.options(
+                num_cpus=self.cpus_per_rank,
+                num_gpus=gpus,
+                max_restarts=0,  # the group restarts every rank together: a lone restarted rank has no peers
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
+            ).remote(*self._learner_args, rank=rank, world_size=self.ranks)
+            for rank in range(self.ranks)
+        ]
+        address, port = ray.get(self.workers[0].rendezvous_address.remote())
+        ray.get([w.join.remote(address, port) for w in self.workers])
+
+    def _restart(self, why: str) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        log.warning("tinker learner: %s; starting all %d ranks again", why, self.ranks)
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+        self.restarts += 1
+        self._start()
+
+    def _all(self, method: str, *args):
+        """`method` on every rank, in the same order on each; rank 0's answer."""
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        pending = list(refs)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done[0])
+        except RayActorError as exc:
+            self._restart(f"a rank died during {method} ({type(exc).__name__})")
+            raise LearnerLost(f"a learner rank died during {method}; the ranks were started again") from None
+        except RayTaskError as exc:
+            # A bad input is refused by every rank alike before any collective; anything else may have left the
+            # others waiting in one, and then only a restart frees them.
+            settled, _ = ray.wait(pending, num_returns=len(pending), timeout=SETTLE_S) if pending else ([], [])
+            if len(settled) < len(pending) or not isinstance(exc.cause, ValueError | KeyError):
+                self._restart(f"a rank failed in {method}: {type(exc.cause).__name__}")
+            raise exc.cause from None
+        return ray.get(refs[0])
+
+    def _rank0(self, method: str, *args):
+        """`method` on rank 0 alone: a bucket write or read, no collective."""
+        try:
+            return ray.get(getattr(self.workers[0], method).remote(*args))
+        except RayActorError as exc:
+            self._restart(f"rank 0 died during {method} ({type(exc).__name__})")
+            raise LearnerLost(f"learner rank 0 died during {method}; the ranks were started again") from None
+        except RayTaskError as exc:
+            raise exc.cause from None
+
+    # ---- what the service calls -----------------------------------------------------------------------
+
+    def create(self, model: str, spec: AdapterSpec) -> None:
+        # One seed for every rank: their replicas of the adapter must start equal.
+        return self._all("create", model, spec, spec.seed if spec.seed is not None else random.getrandbits(62))
+
+    def drop(self, model: str) -> bool:
+        return self._all("drop", model)
+
+    def forward_backward(self, call):
+        return self._all("forward_backward", call)
+
+    def optim_step(self, step):
+        return self._all("optim_step", step)
+
+    def load_state(self, model, lineage, number, optimizer):
+        return self._all("load_state", model, lineage, number, optimizer)
+
+    def rank_actors(self) -> list:
+        """The ranks' actor handles (a test kills one, as a lost node would)."""
+        return list(self.workers)
+
+    def notice(self) -> str | None:
+        """The first rank's notice for its node, in words; None while no rank has one."""
+        for worker in self.workers:
+            try:
+                heard = ray.get(worker.notice.remote(), timeout=10)
+            except (RayActorError, GetTimeoutError):
+                continue
+            if heard is not None:
+                return heard
+        return None
+
+    # Rank 0 alone: these write or read the bucket, and rank 0 holds what every rank holds.
+
+    def models(self) -> list[str]:
+        return self._rank0("models")
+
+    def publish(self, *args):
+        return self._rank0("publish", *args)
+
+    def save_state(self, *args):
+        return self._rank0("save_state", *args)
+
+    def export(self, *args):
+        return self._rank0("export", *args)
+
+    def record(self, *args):
+        return self._rank0("record", *args)
+
+    def recall(self, *args):
+        return self._rank0("recall", *args)
+
+    def checkpoints(self, *args):
+        return self._rank0("checkpoints", *args)
+
+    def forget(self, *args):
+        return self._rank0("forget", *args)
+
+    def expire(self, *args):
+        return self._rank0("expire", *args)
