@@ -164,7 +164,9 @@ def make_train_arm(steps: int, work: Path) -> dict:
     from tests.support.fleet_helpers import REPO
 
     sets = [f"grpo.max_steps={steps}", f"logging.output_dir={work}", "logging.run_name=make-train"]
-    sets += [f"bucket.cache_dir={work}/cache", "logging.progress_bar=false"]
+    # Its bucket in the bench's folder too: the config's own (runs/make-train/bucket) would hold the last bench's
+    # finished run, and the same command would then only say so.
+    sets += [f"bucket.url=file://{work}/bucket", f"bucket.cache_dir={work}/cache", "logging.progress_bar=false"]
     cmd = [sys.executable, "-m", "launch.train", "--config", "configs/tiny-cpu.yaml"]
     cmd += [a for s in sets for a in ("--set", s)]
     env = {**os.environ, "TRACKIO_DIR": str(work / "trackio")}

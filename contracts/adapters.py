@@ -119,6 +119,14 @@ def run_prefix(bucket_url: str, run: str | None) -> str:
     return f"{bucket_url.rstrip('/')}/runs/{run}" if run else bucket_url
 
 
+def bucket_of(prefix: str, run: str | None) -> str:
+    """The fleet's bucket that `prefix` is run `run`'s prefix of (`run_prefix`, inverted)."""
+    suffix = f"/runs/{run}" if run else ""
+    if not prefix.endswith(suffix):
+        raise ValueError(f"{prefix!r} is not run {run!r}'s prefix of a fleet's bucket")
+    return prefix[: len(prefix) - len(suffix)] if suffix else prefix
+
+
 # Where a fleet keeps its records of runs: `<bucket>/fleet/`, beside the runs' prefixes (`<bucket>/runs/<name>`) and
 # inside none of them, so that no run can rewrite its own registration; only the ingress writes there.
 RECORDS_PREFIX = "fleet"

@@ -22,6 +22,8 @@ API_KEY_PREFIX = "tml-"  # what the SDK requires of an API key; the rest is the 
 # each a `core.bucket.CheckpointStore`; the learner writes both, the service serves exports' files for download.
 STATES_PREFIX = "tinker"
 EXPORTS_PREFIX = "tinker/external"
+# In the fleet's bucket, beside the tenants' prefixes: one pointer per tinker path its owner published to every key.
+PUBLIC_PREFIX = "tinker-public"
 
 # The built-in losses and the loss_fn_inputs each reads, besides `target_tokens` (every loss reads those).
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {

@@ -139,8 +139,8 @@ class TinkerLearnerGroup:
     def optim_step(self, step):
         return self._all("optim_step", step)
 
-    def load_state(self, model, lineage, number, optimizer):
-        return self._all("load_state", model, lineage, number, optimizer)
+    def load_state(self, *args):
+        return self._all("load_state", *args)
 
     def rank_actors(self) -> list:
         """The ranks' actor handles (a test kills one, as a lost node would)."""
@@ -185,3 +185,9 @@ class TinkerLearnerGroup:
 
     def expire(self, *args):
         return self._rank0("expire", *args)
+
+    def share(self, *args):
+        return self._rank0("share", *args)
+
+    def adopt(self, *args):
+        return self._rank0("adopt", *args)

@@ -57,6 +57,7 @@ from app.objectives.tinker_losses import LossInputError, check_inputs, check_los
 from contracts.auth import Secret
 from contracts.tinker import (
     EXPORTS_PREFIX,
+    PUBLIC_PREFIX,
     STATES_PREFIX,
     AdamStep,
     AdapterSpec,
@@ -317,25 +318,22 @@ class TinkerLearner:
     ) -> Publication:
         """Commit the client's adapter as the tenant's next `policy-vN` (signed with its lineage's key); `path`, the
         tinker path the user is given for it, is recorded (`recall`), to expire at `expires` (epoch seconds)."""
-        from core.bucket.filesystem import VersionExists
+        client = self._activate(model)
+        with tempfile.TemporaryDirectory(prefix="tinker-adapter-") as tmp:
+            publication = _commit_version(lineage, self._write_adapter(client, Path(tmp) / "adapter"))
+        if path is not None:
+            _remember(lineage, path, publication.version, model, client.spec, expires)
+        return publication
+
+    def adopt(self, lineage: Lineage, source: str, version: int) -> Publication:
+        """Copy sampler version `version` of the prefix `source` (another tenant's, which published its path) into
+        this tenant's lineage as its next version, signed with its key: the fleet serves a tenant its own lineage
+        only, so another tenant's published weights are sampled from a copy of them."""
         from core.bucket.store import AdapterStore
 
-        client = self._activate(model)
-        store = AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir, signing_key=Secret(lineage.signing_key))
-        with tempfile.TemporaryDirectory(prefix="tinker-adapter-") as tmp:
-            folder = self._write_adapter(client, Path(tmp) / "adapter")
-            version = (store.latest() or 0) + 1
-            for _ in range(8):  # another client of the same tenant may have taken the number meanwhile
-                try:
-                    store.publish(folder, version)
-                    break
-                except VersionExists:
-                    version += 1
-            else:
-                raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
-        if path is not None:
-            _remember(lineage, path, version, model, client.spec, expires)
-        return Publication(version, store.key_of(version))
+        with tempfile.TemporaryDirectory(prefix="tinker-adopt-") as tmp:
+            folder = AdapterStore(source, cache_dir=lineage.cache_dir).fetch(version, Path(tmp) / "adapter")
+            return _commit_version(lineage, folder)
 
     def save_state(
         self,
@@ -378,26 +376,45 @@ class TinkerLearner:
         return Export(number, files)
 
     def record(self, lineage: Lineage, path: str) -> dict | None:
-        """The tenant's tinker `path` as recorded when it was saved (the fields `checkpoints` lists); None for a path
-        this tenant never saved (another tenant's records lie in another prefix), or one past its expiry."""
-        saved = _paths(lineage).get(_record_name(path))
-        if saved is None or saved.get("path") != path or _expired(saved):
+        """The tenant's tinker `path` as recorded when it was saved (the fields `checkpoints` lists), or, for a path
+        another tenant published to every key (`share`), its owner's record with `prefix`, the owner's prefix of the
+        bucket, where what it names lies; None for a path the tenant cannot reach, or one past its expiry."""
+        own = _own_record(lineage.bucket_url, path)
+        if own is not None:
+            return own
+        pointer = _public(lineage).get(_record_name(path))
+        if pointer is None or pointer.get("path") != path:
             return None
-        return saved
-
-    def expire(self, lineage: Lineage, path: str, expires: float | None) -> bool:
-        """Set (or with None remove) the expiry of the tenant's `path`; False for a path it does not have."""
-        saved = self.record(lineage, path)
-        if saved is None:
-            return False
-        saved["expires"] = expires
-        _paths(lineage).put(_record_name(path), saved)
-        return True
+        owners = _own_record(pointer["prefix"], path)  # the owner's record decides: deleted, expired, unpublished
+        return {**owners, "prefix": pointer["prefix"]} if owners is not None and owners.get("public") else None
 
     def recall(self, lineage: Lineage, path: str) -> int | None:
-        """The state number or sampler version the tenant's tinker `path` names (`record`)."""
+        """The state number or sampler version the tinker `path` names (`record`)."""
         saved = self.record(lineage, path)
         return None if saved is None else int(saved["number"])
+
+    def expire(self, lineage: Lineage, path: str, expires: float | None) -> bool:
+        """Set (or with None remove) the expiry of the tenant's own `path`; False for a path it does not own."""
+        return self._update(lineage, path, expires=expires)
+
+    def share(self, lineage: Lineage, path: str, public: bool) -> bool:
+        """Publish the tenant's own `path` to every key of the fleet (`public`), or take it back; False for a path it
+        does not own. A published state starts other keys' training clients, published sampler weights sample under
+        their own lineage (`adopt`), a published export downloads; only the owner deletes, expires or unpublishes."""
+        if not self._update(lineage, path, public=public):
+            return False
+        if public:
+            _public(lineage).put(_record_name(path), {"path": path, "prefix": lineage.bucket_url})
+        else:
+            _public(lineage).delete(_record_name(path))
+        return True
+
+    def _update(self, lineage: Lineage, path: str, **fields) -> bool:
+        saved = _own_record(lineage.bucket_url, path)
+        if saved is None:
+            return False
+        _paths(lineage.bucket_url).put(_record_name(path), {**saved, **fields})
+        return True
 
     def checkpoints(self, lineage: Lineage) -> list[dict]:
         """Every tinker path the tenant was given and not expired, as recorded (`path`, `number`, `time`, `model`,
@@ -405,7 +422,7 @@ class TinkerLearner:
         carry no model or adapter), newest first: what the SDK's checkpoint and training-run listings show. Expired
         ones are deleted from the bucket on the way."""
         live = []
-        for saved in _paths(lineage).all():
+        for saved in _paths(lineage.bucket_url).all():
             if not _expired(saved):
                 live.append(saved)
                 continue
@@ -423,7 +440,7 @@ class TinkerLearner:
         The tenant's newest sampler version stays (ValueError): the next one takes the number after the newest
         committed, and the fleet names what it serves by that number, so deleting the newest would hand its number,
         and its name on the fleet, to other weights."""
-        saved = self.record(lineage, path)
+        saved = _own_record(lineage.bucket_url, path)
         if saved is None:
             return False
         self._delete(lineage, saved)
@@ -437,14 +454,19 @@ class TinkerLearner:
         if kind == "sampler" and store.latest() == number:
             raise ValueError(f"{path} is the newest sampler weights of this key: save newer ones before deleting it")
         store.delete(number)
-        _paths(lineage).delete(_record_name(path))
+        if saved.get("public"):
+            _public(lineage).delete(_record_name(path))
+        _paths(lineage.bucket_url).delete(_record_name(path))
 
-    def load_state(self, model: str, lineage: Lineage, number: int, optimizer: bool) -> AdapterSpec:
-        """A new client `model` from the tenant's state `number` (its optimizer's moments too with `optimizer`)."""
+    def load_state(
+        self, model: str, lineage: Lineage, number: int, optimizer: bool, source: str | None = None
+    ) -> AdapterSpec:
+        """A new client `model` from the tenant's state `number` (its optimizer's moments too with `optimizer`), or
+        from state `number` under the prefix `source`, another tenant's that published it (`record`'s `prefix`)."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        states = _store(lineage, "training")
+        states = _store(lineage, "training", source)
         with tempfile.TemporaryDirectory(prefix="tinker-load-") as tmp:
             folder = states.load(number, Path(tmp) / "state")
             saved = json.loads((folder / SPEC_FILE).read_text())
@@ -496,26 +518,61 @@ def path_kind(path: str) -> str:
     return kind
 
 
-def _store(lineage: Lineage, kind: str):
-    """The store of the tenant's saved states, sampler versions or exports."""
+def _store(lineage: Lineage, kind: str, prefix: str | None = None):
+    """The store of the tenant's saved states, sampler versions or exports (those under `prefix`, when another
+    tenant's)."""
     from core.bucket.store import AdapterStore, CheckpointStore
 
+    prefix = prefix or lineage.bucket_url
     if kind == "sampler":
-        return AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir)
-    prefix = EXPORTS_PREFIX if kind == "external" else STATES_PREFIX
-    return CheckpointStore(f"{lineage.bucket_url}/{prefix}", cache_dir=lineage.cache_dir)
+        return AdapterStore(prefix, cache_dir=lineage.cache_dir)
+    folder = EXPORTS_PREFIX if kind == "external" else STATES_PREFIX
+    return CheckpointStore(f"{prefix}/{folder}", cache_dir=lineage.cache_dir)
+
+
+def _commit_version(lineage: Lineage, folder: Path) -> Publication:
+    """Commit a PEFT folder as the tenant's next `policy-vN`, signed with its lineage's key."""
+    from core.bucket.filesystem import VersionExists
+    from core.bucket.store import AdapterStore
+
+    store = AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir, signing_key=Secret(lineage.signing_key))
+    version = (store.latest() or 0) + 1
+    for _ in range(8):  # another client of the same tenant may have taken the number meanwhile
+        try:
+            store.publish(folder, version)
+            return Publication(version, store.key_of(version))
+        except VersionExists:
+            version += 1
+    raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
 
 
 def _expired(saved: dict) -> bool:
     return saved.get("expires") is not None and saved["expires"] <= time.time()
 
 
-def _paths(lineage: Lineage):
-    """The records of the tinker paths the tenant was given, in its prefix of the bucket (`tinker/paths/`)."""
+def _paths(prefix: str):
+    """The records of the tinker paths a tenant was given, in its prefix of the bucket (`tinker/paths/`)."""
     from contracts.retry import Backoff
     from core.bucket.records import JsonRecords
 
-    return JsonRecords(lineage.bucket_url, PATHS, backoff=Backoff(attempts=5, first_s=0.2))
+    return JsonRecords(prefix, PATHS, backoff=Backoff(attempts=5, first_s=0.2))
+
+
+def _own_record(prefix: str, path: str) -> dict | None:
+    """The record of `path` under a tenant's `prefix`; None when it has none, or it expired."""
+    saved = _paths(prefix).get(_record_name(path))
+    return None if saved is None or saved.get("path") != path or _expired(saved) else saved
+
+
+def _public(lineage: Lineage):
+    """The pointers to the paths their owners published (`share`), in the fleet's bucket beside the tenants' prefixes,
+    where only the learner writes."""
+    from contracts.adapters import bucket_of
+    from contracts.retry import Backoff
+    from core.bucket.records import JsonRecords
+
+    root = bucket_of(lineage.bucket_url, lineage.run)
+    return JsonRecords(root, PUBLIC_PREFIX, backoff=Backoff(attempts=5, first_s=0.2))
 
 
 def _record_name(path: str) -> str:
@@ -547,7 +604,7 @@ def _remember(
         "size_bytes": size_bytes,
         **_adapter_fields(spec),
     }
-    _paths(lineage).put(_record_name(path), record)
+    _paths(lineage.bucket_url).put(_record_name(path), record)
 
 
 def _watch(spot):

@@ -130,6 +130,7 @@ class TinkerApi:
         self.futures = Futures(settings.future_ttl_s)
         self.tenants: dict[str, Tenant] = {}  # the latest caller of each run: whom a spot notice's saves are for
         self.links = ExportLinks(admin_token, settings.cache_dir)
+        self.adopted: dict[tuple[str, str, int], int] = {}  # (run, published path, its version) -> the run's copy
 
     # ---- reading a request ------------------------------------------------------------------------------
 
@@ -256,7 +257,8 @@ class TinkerApi:
                         "server",
                     ) from None
                 log.info("tinker: restoring %s from its state %d after a learner restart", model.model_id, model.saved)
-                await self.learner.call("load_state", model.model_id, await self._lineage(tenant), model.saved, True)
+                lineage = await self._lineage(tenant)
+                await self.learner.call("load_state", model.model_id, lineage, model.saved, True, model.saved_from)
                 model.restores += 1
                 restored = True
             except ValueError as exc:
@@ -275,6 +277,7 @@ class TinkerApi:
         loses no step and no `forward_backward`."""
         lineage = await self._lineage(tenant)
         model.saved = await self._learner("save_state", model.model_id, lineage, None, True, model=model, tenant=tenant)
+        model.saved_from = None
         model.trained = False
 
     async def keep_everyone(self, notice: str) -> None:
@@ -421,17 +424,23 @@ class TinkerApi:
 
         return self._accept(tenant, work(), model.model_id)
 
-    async def _recall(self, tenant: Tenant, path: str, paths: dict[str, tuple[str, int]]) -> int | None:
-        """The state number or sampler version that this tenant's tinker `path` names: remembered here, else read back
-        from the tenant's prefix of the bucket, where the learner recorded it (so a service that restarted knows the
-        paths it handed out before); None for a path the tenant never saved."""
+    async def _recall(
+        self, tenant: Tenant, path: str, paths: dict[str, tuple[str, int]]
+    ) -> tuple[int, str | None] | None:
+        """The state number or sampler version that the tinker `path` names for this tenant, and where: None for its
+        own prefix, else the prefix of the tenant that published it. Its own paths are remembered here, else read
+        back from the bucket, where the learner recorded them (so a service that restarted knows the paths it handed
+        out before); another tenant's published path is looked up every time (its owner may take it back). None for a
+        path the tenant cannot reach."""
         saved = paths.get(path)
-        if saved is not None:
-            return saved[1] if saved[0] == tenant.run else None
-        number = await self._from_bucket(tenant, f"path {path[:200]!r}", "recall", path)
-        if number is not None:
-            paths[path] = (tenant.run, number)
-        return number
+        if saved is not None and saved[0] == tenant.run:
+            return saved[1], None
+        record = await self._from_bucket(tenant, f"path {path[:200]!r}", "record", path)
+        if record is None:
+            return None
+        if record.get("prefix") is None and record.get("expires") is None:
+            paths[path] = (tenant.run, int(record["number"]))
+        return int(record["number"]), record.get("prefix")
 
     async def _from_bucket(self, tenant: Tenant, what: str, method: str, *args):
         """A learner call that reads the tenant's prefix of the bucket, from a route that answers at once (no future):
@@ -469,7 +478,7 @@ class TinkerApi:
                 )
                 # A user's state holds no gradient: one accumulated and not yet applied is still unsaved. A restarted
                 # learner restores the client from it (an expiry makes it no less the client's newest state).
-                model.saved, model.trained = number, model.pending
+                model.saved, model.saved_from, model.trained = number, None, model.pending
             if expires is None:
                 self.sessions.state_paths[path] = (tenant.run, number)
             return Result(json=_json(types.SaveWeightsResponse(path=path)))
@@ -508,8 +517,8 @@ class TinkerApi:
         record = await self._from_bucket(tenant, f"path {path[:200]!r}", "record", path)
         if record is None:
             raise HttpError(404, f"{path}: no such checkpoint for this API key")
-        lineage = await self._bucket_lineage(tenant)
-        store_url, number = f"{lineage.bucket_url}/{EXPORTS_PREFIX}", int(record["number"])
+        prefix = record.get("prefix") or (await self._bucket_lineage(tenant)).bucket_url  # a published export's owner's
+        store_url, number = f"{prefix}/{EXPORTS_PREFIX}", int(record["number"])
         try:
             files = await asyncio.to_thread(self.links.files, store_url, number)
         except Exception as exc:  # noqa: BLE001 - deleted meanwhile, or the bucket unreachable
@@ -547,6 +556,25 @@ class TinkerApi:
         self._forget_path(path)  # looked up in the bucket from now on, where its expiry is
         return {}
 
+    async def publish(self, request: Request, training_run_id: str, checkpoint_id: str) -> dict:
+        """`RestClient.publish_checkpoint_from_tinker_path(path)`: every key of the fleet may now start a training client
+        from it, sample it (a copy under its own lineage) or download it; only this key deletes or unpublishes it."""
+        return await self._share(request, training_run_id, checkpoint_id, True)
+
+    async def unpublish(self, request: Request, training_run_id: str, checkpoint_id: str) -> dict:
+        """`RestClient.unpublish_checkpoint_from_tinker_path(path)`: other keys can no longer reach it (copies of sampler
+        weights they already sample stay theirs)."""
+        return await self._share(request, training_run_id, checkpoint_id, False)
+
+    async def _share(self, request: Request, training_run_id: str, checkpoint_id: str, public: bool) -> dict:
+        tenant = await self.tenant(request)
+        path = f"tinker://{training_run_id}/{checkpoint_id}"
+        _parsed_path(path)
+        await self.body(request)
+        if not await self._from_bucket(tenant, f"path {path[:200]!r}", "share", path, public):
+            raise HttpError(404, f"{path}: no such checkpoint of this API key (only its owner publishes it)")
+        return {}
+
     def _forget_path(self, path: str) -> None:
         self.sessions.sampler_paths.pop(path, None)
         self.sessions.state_paths.pop(path, None)
@@ -556,9 +584,10 @@ class TinkerApi:
         load_state onto an existing one (`model_id` + `seq_id`)."""
         tenant = await self.tenant(request)
         body = await self.parse(request, types.LoadWeightsRequest)
-        number = await self._recall(tenant, body.path, self.sessions.state_paths)
-        if number is None:
-            raise HttpError(404, f"path {body.path[:200]!r}: no saved state of this API key")
+        found = await self._recall(tenant, body.path, self.sessions.state_paths)
+        if found is None:
+            raise HttpError(404, f"path {body.path[:200]!r}: no saved state of this API key, nor a published one")
+        number, source = found
         if body.session_id is not None:
             self._check_base(body.base_model)
             try:
@@ -579,8 +608,9 @@ class TinkerApi:
         async def work() -> Result:
             async with turn():
                 lineage = await self._lineage(tenant)
-                spec = await self._learner("load_state", model.model_id, lineage, number, body.optimizer)
-            model.rank, model.saved, model.trained, model.pending = spec.rank, number, False, False
+                spec = await self._learner("load_state", model.model_id, lineage, number, body.optimizer, source)
+            model.rank, model.saved, model.saved_from = spec.rank, number, source
+            model.trained = model.pending = False
             return Result(json=_json(types.LoadWeightsResponse(path=body.path, model_id=model.model_id)))
 
         return self._accept(tenant, work(), model.model_id)
@@ -596,15 +626,32 @@ class TinkerApi:
                 ParsedCheckpointTinkerPath.from_tinker_path(body.model_path)
             except ValueError as exc:
                 raise HttpError(400, str(exc)) from None
-            version = await self._recall(tenant, body.model_path, self.sessions.sampler_paths)
-            if version is None:
-                raise HttpError(404, f"model_path {body.model_path[:200]!r}: no sampler weights of this API key")
+            found = await self._recall(tenant, body.model_path, self.sessions.sampler_paths)
+            if found is None:
+                raise HttpError(
+                    404, f"model_path {body.model_path[:200]!r}: no sampler weights of this API key, nor published ones"
+                )
+            version = found[0] if found[1] is None else await self._adopted(tenant, body.model_path, *found)
             fleet_model = adapter_name(version, tenant.run)
             sampler = self.sessions.add_sampler(tenant.run, fleet_model, self.settings.base_model, body.model_path)
         else:
             base = self._check_base(body.base_model)
             sampler = self.sessions.add_sampler(tenant.run, base, base, None)
         return _json(types.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
+
+    async def _adopted(self, tenant: Tenant, path: str, version: int, source: str) -> int:
+        """This tenant's copy of another tenant's published sampler weights (`TinkerLearner.adopt`), loaded on the
+        fleet: the fleet serves a tenant its own lineage only. One copy per published version and tenant."""
+        key = (tenant.run, path, version)
+        if key not in self.adopted:
+            try:
+                lineage = await self._lineage(tenant)
+                copy = await self._learner("adopt", lineage, source, version)
+                await self.fleet.load_adapter(tenant, adapter_name(copy.version, tenant.run), copy.key)
+            except (RequestFailed, FleetRefused) as failed:
+                raise HttpError(503, f"{path[:200]}: the published weights could not be copied: {failed}") from None
+            self.adopted[key] = copy.version
+        return self.adopted[key]
 
     def _session(self, session_id: str, tenant: Tenant) -> None:
         try:
@@ -722,6 +769,7 @@ class TinkerApi:
                 time=datetime.fromtimestamp(record["time"], UTC),
                 tinker_path=record["path"],
                 size_bytes=record.get("size_bytes"),
+                public=bool(record.get("public")),
                 expires_at=None if expires is None else datetime.fromtimestamp(expires, UTC),
             )
             listed.append((record, checkpoint))
@@ -910,6 +958,8 @@ def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = Non
     checkpoint = "/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}"
     app.add_api_route(f"{checkpoint}/external_weights_urls", api.external_weights_urls, methods=["GET"])
     app.add_api_route(f"{checkpoint}/ttl", api.set_ttl, methods=["PUT"])
+    app.add_api_route(f"{checkpoint}/publish", api.publish, methods=["POST"])
+    app.add_api_route(f"{checkpoint}/publish", api.unpublish, methods=["DELETE"])
     app.add_api_route(checkpoint, api.delete_checkpoint, methods=["DELETE"])
     app.add_api_route("/v1/training_runs", api.list_training_runs, methods=["GET"])
     app.add_api_route("/v1/training_runs/{training_run_id}", api.get_training_run, methods=["GET"])

@@ -39,6 +39,7 @@ class Model:
     rank: int
     next_seq: int = 1
     saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
+    saved_from: str | None = None  # the prefix of that state when another tenant's (a published one it started from)
     trained: bool = False  # changed since that state (a step, or a gradient accumulated): what a notice's save keeps
     pending: bool = False  # a gradient accumulated (forward_backward) and not yet applied (optim_step)
     restores: int = 0

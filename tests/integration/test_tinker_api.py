@@ -510,6 +510,54 @@ def test_an_rl_loop_written_with_the_sdk_alone_raises_held_out_accuracy_by_20_po
     assert report["gain_points"] >= 20, report
 
 
+def test_a_published_checkpoint_reaches_other_keys_until_its_owner_takes_it_back(service):
+    """`publish_checkpoint_from_tinker_path`: another key starts a training client from the published state (the same
+    log-probs), samples the published sampler weights (a copy under its own lineage, since the fleet serves a key its
+    own lineage only) and downloads the published export; it cannot unpublish or delete them, and once the owner
+    unpublishes they are out of its reach again."""
+    fleet, url, keys = service
+    alice_rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+    bob_rest = tinker.RestClient(base_url=url, api_key=keys["bob"])
+    with (
+        tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice,
+        tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob,
+    ):
+        training, step, logprobs = one_datum_client(alice, fleet.base, 13, "40+2=", "42")
+        step()
+        expected = logprobs()
+        state = training.save_state("shared").result().path
+        sampled = training.save_weights_for_sampler("shared").result().path
+        exported = training.save_weights_external("shared").result().path
+        with pytest.raises(tinker.NotFoundError):
+            bob.create_training_client_from_state(state).result()
+        for path in (state, sampled, exported):
+            alice_rest.publish_checkpoint_from_tinker_path(path).result()
+        listed = {c.tinker_path: c.public for c in alice_rest.list_checkpoints(training.model_id).result().checkpoints}
+        assert listed == {state: True, sampled: True, exported: True}
+
+        datum = sft_datum(training.get_tokenizer(), "40+2=", "42")
+        bobs = bob.create_training_client_from_state(state).result()
+        scored = bobs.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        assert scored == pytest.approx(expected, abs=1e-5)
+        prompt = types.ModelInput.from_ints(training.get_tokenizer().encode("40+2=", add_special_tokens=False))
+        sampler = bob.create_sampling_client(model_path=sampled).result()
+        assert len(sampler.sample(prompt, 2, types.SamplingParams(max_tokens=2)).result().sequences) == 2
+        links = bob_rest.get_external_weights_urls(exported).result().urls
+        assert httpx.get(links["adapter_config.json"], timeout=30).json()["r"] == RANK
+        with pytest.raises(tinker.NotFoundError):
+            bob_rest.unpublish_checkpoint_from_tinker_path(state).result()
+        with pytest.raises(tinker.NotFoundError):
+            bob_rest.delete_checkpoint_from_tinker_path(state).result()
+
+        alice_rest.unpublish_checkpoint_from_tinker_path(state).result()
+        alice_rest.unpublish_checkpoint_from_tinker_path(sampled).result()
+        with pytest.raises(tinker.NotFoundError):
+            bob.create_training_client_from_state(state).result()
+        with pytest.raises(tinker.NotFoundError):
+            bob.create_sampling_client(model_path=sampled).result()
+        assert alice.create_training_client_from_state(state).result()  # still the owner's
+
+
 def test_a_learner_over_two_ranks_serves_the_sdk_and_rides_out_a_lost_rank(service):
     """`learner_ranks: 2`: the service's learner is a group of two ranks sharding the base (FSDP2 over gloo here),
     and the SDK cannot tell: SFT raises the datum's log-probs, sampler weights published by rank 0 sample on the

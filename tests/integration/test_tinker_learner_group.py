@@ -39,7 +39,7 @@ def group(tiny_model_path):
 
 def test_two_ranks_compute_and_train_as_one_learner_and_load_what_rank_0_saved(group, tiny_model_path, tmp_path):
     single = TinkerLearner(tiny_model_path, max_models=4)
-    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     ray.get(group.create.remote("m", SPEC))
     single.create("m", SPEC)
     for count in (1, 5):  # one datum: the second rank runs fillers only; five: both compute

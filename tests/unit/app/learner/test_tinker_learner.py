@@ -54,12 +54,12 @@ def test_the_bfloat16_learner_trains_and_restores_its_state(learners, tmp_path):
     after = learner.forward_backward(_call("b", backward=False)).metrics["loss:sum"]
     assert after < before
 
-    lineage = Lineage(f"file://{tmp_path}/bucket", "k" * 32, "alice", str(tmp_path / "cache"))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "k" * 32, "alice", str(tmp_path / "cache"))
     path = "tinker://alice-1:train:0/weights/step-5"
     number = learner.save_state("b", lineage, path)
     assert learner.recall(lineage, path) == number  # a service that restarted finds the path again
     assert learner.recall(lineage, path + "x") is None
-    bob = Lineage(f"file://{tmp_path}/bucket/bob", "k" * 32, "bob", str(tmp_path / "cache"))
+    bob = Lineage(f"file://{tmp_path}/bucket/runs/bob", "k" * 32, "bob", str(tmp_path / "cache"))
     assert learner.recall(bob, path) is None  # the record lies in alice's prefix only
     assert [(r["path"], r["number"]) for r in learner.checkpoints(lineage)] == [(path, number)]
     assert learner.checkpoints(bob) == []
@@ -139,7 +139,7 @@ def test_a_datum_becomes_a_sample_whose_scored_positions_are_its_inputs_and_targ
 def test_forgetting_a_path_deletes_what_it_names_but_never_the_newest_sampler_version(learners, tmp_path):
     learner = learners["float32"]
     learner.create("f", AdapterSpec(rank=4, seed=4))
-    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     state = "tinker://f/weights/s"
     older, newest = "tinker://f/sampler_weights/a", "tinker://f/sampler_weights/b"
     number = learner.save_state("f", lineage, state)
@@ -169,7 +169,7 @@ def test_an_export_is_a_peft_folder_of_the_clients_adapter_and_deleted_like_any_
     learner.forward_backward(_call("x"))
     learner.optim_step(_step("x"))  # B moves off zero: the export holds trained weights
     expected = learner.forward_backward(_call("x", backward=False)).logprobs[0]
-    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     path = "tinker://x/external_weights/out"
     export = learner.export("x", lineage, path)
     assert set(export.files) == {"adapter_model.safetensors", "adapter_config.json"}
@@ -189,7 +189,7 @@ def test_an_export_is_a_peft_folder_of_the_clients_adapter_and_deleted_like_any_
 def test_an_expired_path_is_gone_from_lookups_and_listings_and_its_files_from_the_bucket(learners, tmp_path):
     learner = learners["float32"]
     learner.create("e", AdapterSpec(rank=4, seed=7))
-    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     kept, lapsing = "tinker://e/weights/kept", "tinker://e/weights/lapsing"
     learner.save_state("e", lineage, kept, expires=time.time() + 3600)
     number = learner.save_state("e", lineage, lapsing)
@@ -211,7 +211,7 @@ def test_an_expired_path_is_gone_from_lookups_and_listings_and_its_files_from_th
 def test_a_state_kept_mid_step_restores_the_gradient_not_yet_applied_and_a_users_state_holds_none(learners, tmp_path):
     learner = learners["float32"]
     learner.create("k", AdapterSpec(rank=4, seed=5))
-    lineage = Lineage(f"file://{tmp_path}/bucket", "ab" * 32, "alice", str(tmp_path / "cache"))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     learner.forward_backward(_call("k"))  # accumulated; no optim_step yet
     kept = learner.save_state("k", lineage, gradient=True)
     users = learner.save_state("k", lineage, "tinker://k/weights/mid")
@@ -224,3 +224,51 @@ def test_a_state_kept_mid_step_restores_the_gradient_not_yet_applied_and_a_users
     assert learner.forward_backward(_call("k2", backward=False)).logprobs[0] == pytest.approx(expected, abs=1e-6)
     learner.load_state("k3", lineage, users, optimizer=True)
     assert all(p.grad is None for p in tinker_learner._params(learner.clients["k3"]))
+
+
+def test_a_published_path_reaches_other_keys_until_its_owner_takes_it_back(learners, tmp_path):
+    """`share`: another tenant finds the owner's record (with the owner's prefix), starts a client from the state,
+    samples a copy of the sampler weights under its own lineage; it cannot expire, delete or unpublish them; taking
+    the path back, or deleting it, leaves nothing for the other tenant to find."""
+    from contracts.auth import Secret
+    from core.bucket.store import AdapterStore
+
+    learner = learners["float32"]
+    learner.create("p", AdapterSpec(rank=4, seed=8))
+    learner.forward_backward(_call("p"))
+    learner.optim_step(_step("p"))
+    expected = learner.forward_backward(_call("p", backward=False)).logprobs[0]
+    cache = str(tmp_path / "cache")
+    alice = Lineage(f"file://{tmp_path}/bucket/runs/alice", "a" * 64, "alice", cache)
+    bob = Lineage(f"file://{tmp_path}/bucket/runs/bob", "b" * 64, "bob", cache)
+    state, sampler = "tinker://p/weights/shared", "tinker://p/sampler_weights/shared"
+    number = learner.save_state("p", alice, state)
+    version = learner.publish("p", alice, sampler).version
+    assert learner.record(bob, state) is None and learner.share(bob, state, True) is False  # not bob's to publish
+
+    assert learner.share(alice, state, True) and learner.share(alice, sampler, True)
+    found = learner.record(bob, state)
+    assert found["number"] == number and found["prefix"] == alice.bucket_url and found["public"] is True
+    learner.load_state("p-bob", bob, number, True, found["prefix"])
+    assert learner.forward_backward(_call("p-bob", backward=False)).logprobs[0] == pytest.approx(expected, abs=1e-6)
+    copy = learner.adopt(bob, learner.record(bob, sampler)["prefix"], version)
+    bobs = AdapterStore(bob.bucket_url, cache_dir=cache, signing_key=Secret(bob.signing_key))
+    assert copy.version in bobs.versions() and bobs.signed(copy.version)  # signed with bob's lineage key
+    as_alices = AdapterStore(bob.bucket_url, cache_dir=cache, signing_key=Secret(alice.signing_key))
+    assert not as_alices.signed(copy.version)
+    assert learner.expire(bob, state, time.time() - 1) is False and learner.forget(bob, state) is False
+
+    assert learner.share(alice, state, False) and learner.record(bob, state) is None
+    learner.publish("p", alice)  # sampler is no longer alice's newest: it may go
+    assert learner.forget(alice, sampler) and learner.record(bob, sampler) is None
+    assert {r["path"]: r.get("public") for r in learner.checkpoints(alice)} == {state: False}
+
+
+def test_a_group_of_ranks_answers_every_call_one_learner_answers():
+    """The service cannot tell one learner from a group (`learner_ranks`): every call of the one is the group's too."""
+    from app.learner.tinker_group import TinkerLearnerGroup
+
+    def calls(cls) -> set[str]:
+        return {name for name in vars(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+
+    assert calls(TinkerLearner) - {"join", "rendezvous_address"} <= calls(TinkerLearnerGroup)

@@ -60,9 +60,10 @@ class FakeLearner:
             return self.held
         if method == "load_state":
             return AdapterSpec(8)
-        if method == "recall":
+        if method == "record":
             lineage, path = args
-            return self.bucket.get((lineage.run, path))
+            number = self.bucket.get((lineage.run, path))
+            return None if number is None else {"path": path, "number": number}
         if method == "checkpoints":
             mine = [(path, n) for (run, path), n in self.bucket.items() if run == args[0].run]
             return [{"path": p, "number": n, "time": 1.8e9 + i} for i, (p, n) in enumerate(mine)][::-1]
