@@ -25,13 +25,13 @@ and trains the same batch on the restarted ranks, which resume exactly where the
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from app.learner.model import rendezvous_address
 from app.learner.notices import OUTLIVED_S
 from app.learner.rank import LearnerRank, NotStarted
 from app.messages import ResumePoint, StepResult
@@ -62,6 +62,22 @@ class _WorkersLost(Exception):
     @property
     def cause_name(self) -> str:
         return type(self.cause).__name__
+
+
+def ready_placement_group(bundles: list[dict], gpus: bool, what: str):
+    """A placement group of the ranks' bundles, once placed: GPU ranks share a node (STRICT_PACK), so that NCCL stays
+    inside it. An autoscaler may have to bring that (spot) node up first, hence the long wait."""
+    from ray.util.placement_group import placement_group
+
+    group = placement_group(bundles, strategy="STRICT_PACK" if gpus else "PACK")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except GetTimeoutError:
+        raise RuntimeError(
+            f"{what}: no room for {len(bundles)} ranks {bundles} within {PLACEMENT_TIMEOUT_S:.0f} s "
+            f"(cluster resources: {ray.cluster_resources()})"
+        ) from None
+    return group
 
 
 class LearnerRankActor(LearnerRank):
@@ -111,11 +127,7 @@ class LearnerRankActor(LearnerRank):
         return self._started
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """An address of this node and a free port on it, for torch.distributed's TCP rendezvous."""
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        return rendezvous_address()
 
 
 class LearnerGroup:
@@ -131,7 +143,6 @@ class LearnerGroup:
     ):
         """`signing_key`: the key the fleet gave this run's lineage (`contracts.auth.lineage_key`), which rank 0
         signs every version with."""
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.cfg = cfg
@@ -155,14 +166,7 @@ class LearnerGroup:
             # Custom resources (the cluster's `learner_node`) go on rank 0's bundle only: the node has one unit,
             # and STRICT_PACK puts every GPU rank beside rank 0 (NCCL never leaves the learner node).
             bundles = [{**bundle, **lcfg.ray_resources}] + [bundle] * (n - 1)
-            self._pg = placement_group(bundles, strategy="STRICT_PACK" if lcfg.device == "cuda" else "PACK")
-            try:  # an autoscaler may have to bring the (spot) learner node up first
-                ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-            except GetTimeoutError:
-                raise RuntimeError(
-                    f"learner: no room for {n} workers {bundles} within {PLACEMENT_TIMEOUT_S:.0f} s "
-                    f"(cluster resources: {ray.cluster_resources()})"
-                ) from None
+            self._pg = ready_placement_group(bundles, lcfg.device == "cuda", "learner")
         elif lcfg.ray_resources:
             options["resources"] = dict(lcfg.ray_resources)
         actor = ray.remote(LearnerRankActor)

@@ -74,6 +74,16 @@ def init_distributed(
     )
 
 
+def rendezvous_address() -> tuple[str, int]:
+    """An address of this node (as Ray knows it) and a free port on it: rank 0's, for the ranks' TCP rendezvous."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((ip, 0))
+        return ip, sock.getsockname()[1]
+
+
 def peft_lora_config(lora):
     """peft's LoraConfig of the run's `lora` section: what the learner trains, and what a baseline given the same
     adapter builds (`bench.self_distill`)."""

@@ -23,12 +23,12 @@ import random
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from app.learner.group import ready_placement_group
 from app.learner.tinker_learner import TinkerLearner
 from contracts.tinker import AdapterSpec, LearnerLost
 
 log = logging.getLogger(__name__)
 
-PLACEMENT_TIMEOUT_S = 900.0
 SETTLE_S = 30.0  # how long the other ranks get to fail alike after one rank refused a call (a bad input)
 
 
@@ -57,19 +57,11 @@ class TinkerLearnerGroup:
     # ---- the ranks --------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpus = 1 if self.device == "cuda" else 0
         bundle = {"CPU": self.cpus_per_rank, **({"GPU": gpus} if gpus else {})}
-        # GPU ranks share a node, so that NCCL stays inside it; an autoscaler may have to bring that node up first.
-        self._pg = placement_group([bundle] * self.ranks, strategy="STRICT_PACK" if gpus else "PACK")
-        try:
-            ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except GetTimeoutError:
-            raise RuntimeError(
-                f"tinker learner: no room for {self.ranks} ranks of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s"
-            ) from None
+        self._pg = ready_placement_group([bundle] * self.ranks, bool(gpus), "tinker learner")
         actor = ray.remote(TinkerLearner)
         self.workers = [
             actor.options(

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from app.learner.logprobs import LogProbHead, forward_scores
-from app.learner.model import DTYPES, fully_shard_model, init_distributed
+from app.learner.model import DTYPES, fully_shard_model, init_distributed, rendezvous_address
 from app.learner.packing import TrainSample, register_packed_attention, shard_samples
 from app.objectives.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 from contracts.auth import Secret
@@ -150,15 +150,7 @@ class TinkerLearner:
         fully_shard_model(self.peft, self.world_size, self.device.type, ignored_params=adapters)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """An address of this node and a free port on it: rank 0's, for the ranks' TCP rendezvous."""
-        import socket
-
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as sock:
-            sock.bind((ip, 0))
-            return ip, sock.getsockname()[1]
+        return rendezvous_address()
 
     def notice(self) -> str | None:
         """The interruption notice heard for this learner's node, in words; None while there is none."""
