@@ -289,7 +289,8 @@ def test_a_service_started_again_knows_the_paths_it_handed_out_and_frees_what_it
         again = restored.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         assert again == pytest.approx(saved, abs=1e-5)
         sampler = client.create_sampling_client(model_path=sampler_path).result()
-        listed = client.create_rest_client().list_checkpoints(training.model_id).result().checkpoints
+        rest = tinker.RestClient(base_url=url, api_key=keys["bob"])
+        listed = rest.list_checkpoints(training.model_id).result().checkpoints
         assert {c.tinker_path for c in listed} == {state_path, sampler_path}
         prompt = types.ModelInput.from_ints(restored.get_tokenizer().encode("50+8=", add_special_tokens=False))
         assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
