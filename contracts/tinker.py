@@ -25,6 +25,13 @@ EXPORTS_PREFIX = "tinker/external"
 # In the fleet's bucket, beside the tenants' prefixes: one pointer per tinker path its owner published to every key.
 PUBLIC_PREFIX = "tinker-public"
 
+
+
+def learner_name(index: int) -> str:
+    """The name of learner `index` of the service's learners (`TinkerSettings.learners`): the first is `LEARNER_ACTOR`."""
+    return LEARNER_ACTOR if index == 0 else f"{LEARNER_ACTOR}-{index}"
+
+
 # The built-in losses and the loss_fn_inputs each reads, besides `target_tokens` (every loss reads those).
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("weights",),

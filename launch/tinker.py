@@ -8,19 +8,19 @@ they meet only as a named actor and `contracts.tinker`'s messages. Afterwards `T
 from __future__ import annotations
 
 from contracts.auth import Secret
-from contracts.tinker import LEARNER_ACTOR, LEARNER_NAMESPACE, TINKER_APP, TINKER_ROUTE_PREFIX
+from contracts.tinker import LEARNER_NAMESPACE, TINKER_APP, TINKER_ROUTE_PREFIX, learner_name
 from deployments.tinker.settings import TinkerSettings
 
-_started: dict = {}  # the learner actor this process started (`learner_actor`)
+_started: dict = {}  # the learner actors this process started (`learner_actor`)
 
 
-def learner_actor():
-    """The handle of the learner actor `start_tinker` started (a test kills it to play a preemption)."""
-    return _started["learner"]
+def learner_actor(index: int = 0):
+    """The handle of learner `index` that `start_tinker` started (a test kills it to play a preemption)."""
+    return _started["learners"][index]
 
 
 def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: float = 0, spot=None) -> str:
-    """Start the learner actor and the Serve application on the connected Ray; returns the base URL for the SDK.
+    """Start the learner actors and the Serve application on the connected Ray; returns the base URL for the SDK.
     `spot` (`core.config.SpotConfig`): how the learner watches its node for notices (None: it does not)."""
     import ray
     from ray import serve
@@ -34,21 +34,24 @@ def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: fl
     # notice for its node, that state is the one after the client's last optimizer step. Over several devices the
     # named actor is a group that starts its ranks again itself when one dies.
     args = (settings.model_path, settings.max_models, spot, settings.learner_device, settings.learner_dtype)
-    options = {"name": LEARNER_ACTOR, "namespace": LEARNER_NAMESPACE, "max_restarts": -1}
-    if settings.learner_ranks == 1:
-        gpus = 1 if settings.learner_device == "cuda" else 0
-        learner = ray.remote(TinkerLearner).options(**options, num_cpus=num_cpus, num_gpus=gpus).remote(*args)
-    else:
-        cpus_per_rank = num_cpus or 0.01  # a placement group's bundle cannot be empty: a sliver, as the one actor's 0
-        learner = (
-            ray.remote(TinkerLearnerGroup)
-            .options(**options, num_cpus=0)
-            .remote(*args, ranks=settings.learner_ranks, cpus_per_rank=cpus_per_rank)
-        )
-    ray.get(learner.models.remote())  # up, with the base model loaded
-    _started["learner"] = learner
+    learners = []
+    for index in range(settings.learners):
+        options = {"name": learner_name(index), "namespace": LEARNER_NAMESPACE, "max_restarts": -1}
+        if settings.learner_ranks == 1:
+            gpus = 1 if settings.learner_device == "cuda" else 0
+            learner = ray.remote(TinkerLearner).options(**options, num_cpus=num_cpus, num_gpus=gpus).remote(*args)
+        else:
+            cpus_per_rank = num_cpus or 0.01  # a placement group's bundle cannot be empty: a sliver, as one actor's 0
+            learner = (
+                ray.remote(TinkerLearnerGroup)
+                .options(**options, num_cpus=0)
+                .remote(*args, ranks=settings.learner_ranks, cpus_per_rank=cpus_per_rank)
+            )
+        learners.append(learner)
+    ray.get([learner.models.remote() for learner in learners])  # up, with the base model loaded
+    _started["learners"] = learners
     serve.run(
-        tinker_app(settings, Secret(admin_token) if admin_token else None, learner),
+        tinker_app(settings, Secret(admin_token) if admin_token else None, learners),
         name=TINKER_APP,
         route_prefix=TINKER_ROUTE_PREFIX,
     )
@@ -60,8 +63,7 @@ def stop_tinker() -> None:
     from ray import serve
 
     serve.delete(TINKER_APP)
-    learner = _started.pop("learner", None)
-    if learner is not None:
+    for learner in _started.pop("learners", []):
         ray.kill(learner, no_restart=True)
 
 

@@ -7,8 +7,10 @@ fleet's) is accepted at once as a future (`deployments.tinker.futures`) and retr
 released session, 413 too large, 429 over capacity (the SDK backs off and retries), 503 the learner or the fleet
 unreachable (retried too).
 
-The app is independent of Ray: the learner is any object with `async call(method, *args)` (`RayLearner` in Serve, a
-fake in the unit tests) and the fleet is reached over HTTP (`FleetCalls`).
+The app is independent of Ray: a learner is any object with `async call(method, *args)` (`RayLearner` in Serve, a
+fake in the unit tests) and the fleet is reached over HTTP (`FleetCalls`). With several learners (`learners`) each
+training client lives on one of them, the one holding fewest when it was created; calls that read or write the bucket
+only go to the first.
 """
 
 from __future__ import annotations
@@ -123,10 +125,12 @@ def _json(model: pydantic.BaseModel) -> dict[str, Any]:
 class TinkerApi:
     """The routes over the service's state; `make_app` mounts them."""
 
-    def __init__(self, settings: TinkerSettings, learner, fleet: FleetCalls, admin_token: Secret | None):
-        self.settings, self.learner, self.fleet = settings, learner, fleet
+    def __init__(self, settings: TinkerSettings, learners: list, fleet: FleetCalls, admin_token: Secret | None):
+        self.settings, self.learners, self.fleet = settings, learners, fleet
         self.admin_token = admin_token
-        self.sessions = Sessions(settings.max_models, settings.max_models_per_tenant, settings.session_idle_s)
+        self.sessions = Sessions(
+            settings.max_models, settings.max_models_per_tenant, settings.session_idle_s, len(learners)
+        )
         self.futures = Futures(settings.future_ttl_s)
         self.tenants: dict[str, Tenant] = {}  # the latest caller of each run: whom a spot notice's saves are for
         self.links = ExportLinks(admin_token, settings.cache_dir)
@@ -234,15 +238,19 @@ class TinkerApi:
         request_id = self.futures.submit(tenant.run, work)
         return _json(types.UntypedAPIFuture(request_id=request_id, model_id=model_id, **extra))
 
-    async def _learner(self, method: str, *args, model: Model | None = None, tenant: Tenant | None = None):
-        """A learner call, riding out a lost learner: while it is gone (a preempted node; Ray starts it again) the
-        call waits, so the client's future says `try_again`, up to `learner_wait_s`; a learner that came back
-        without this client's adapter restores it from the client's last `save_state`, then the call runs."""
+    async def _learner(
+        self, method: str, *args, model: Model | None = None, tenant: Tenant | None = None, on: int | None = None
+    ):
+        """A call of learner `on` (else `model`'s learner, else the first), riding out a lost learner: while it is gone
+        (a preempted node; Ray starts it again) the call waits, so the client's future says `try_again`, up to
+        `learner_wait_s`; a learner that came back without `model`'s adapter restores it from the client's last
+        `save_state`, then the call runs."""
+        learner = self.learners[on if on is not None else model.learner if model is not None else 0]
         deadline = asyncio.get_running_loop().time() + self.settings.learner_wait_s
         restored = False
         while True:
             try:
-                return await self.learner.call(method, *args)
+                return await learner.call(method, *args)
             except LearnerLost as lost:
                 if asyncio.get_running_loop().time() > deadline:
                     raise RequestFailed(f"the learner is unavailable: {lost}", "server") from None
@@ -258,16 +266,16 @@ class TinkerApi:
                     ) from None
                 log.info("tinker: restoring %s from its state %d after a learner restart", model.model_id, model.saved)
                 lineage = await self._lineage(tenant)
-                await self.learner.call("load_state", model.model_id, lineage, model.saved, True, model.saved_from)
+                await learner.call("load_state", model.model_id, lineage, model.saved, True, model.saved_from)
                 model.restores += 1
                 restored = True
             except ValueError as exc:
                 raise RequestFailed(str(exc), "user") from None
 
-    async def _notice(self) -> str | None:
-        """The spot notice the learner's node has, in words; None without one, or with no learner to ask."""
+    async def _notice(self, learner: int) -> str | None:
+        """The spot notice learner `learner`'s node has, in words; None without one, or with no learner to ask."""
         try:
-            return await self.learner.call("notice")
+            return await self.learners[learner].call("notice")
         except Exception:  # noqa: BLE001 - a learner that is gone has no notice; its calls wait for the next one
             return None
 
@@ -280,9 +288,10 @@ class TinkerApi:
         model.saved_from = None
         model.trained = False
 
-    async def keep_everyone(self, notice: str) -> None:
-        """A spot notice for the learner's node: save every client that trained since its last saved state."""
-        for model in [m for m in self.sessions.models.values() if m.trained]:
+    async def keep_everyone(self, notice: str, learner: int = 0) -> None:
+        """A spot notice for learner `learner`'s node: save each of its clients that trained since its last saved
+        state."""
+        for model in [m for m in self.sessions.models.values() if m.trained and m.learner == learner]:
             tenant = self.tenants.get(model.tenant)
             if tenant is None:
                 continue
@@ -293,19 +302,24 @@ class TinkerApi:
                 log.warning("tinker: %s; %s could not be saved: %s", notice, model.model_id, exc)
 
     async def _drop(self, model_id: str) -> None:
-        with contextlib.suppress(Exception):  # a learner that is gone holds nothing to drop
-            await self.learner.call("drop", model_id)
+        """Release `model_id`'s adapter wherever it is (a no-op on the learners that do not hold it)."""
+        for learner in self.learners:
+            with contextlib.suppress(Exception):  # a learner that is gone holds nothing to drop
+                await learner.call("drop", model_id)
 
     async def drop_orphans(self) -> None:
-        """Drop the learner's adapters that no session of this service holds: a service started again (its node
-        lost) knows none of the sessions before it, whose adapters would otherwise hold the learner's capacity."""
-        try:
-            held = await self.learner.call("models") or []
-        except Exception:  # noqa: BLE001 - a learner that is gone holds nothing; the next round asks again
-            return
-        for model_id in set(held) - set(self.sessions.models):
-            log.info("tinker: releasing %s (no session of this service holds it)", model_id)
-            await self._drop(model_id)
+        """Drop the learners' adapters that no session of this service holds: a service started again (its node
+        lost) knows none of the sessions before it, whose adapters would otherwise hold the learners' capacity."""
+        for index, learner in enumerate(self.learners):
+            try:
+                held = await learner.call("models") or []
+            except Exception:  # noqa: BLE001 - a learner that is gone holds nothing; the next round asks again
+                continue
+            mine = {m.model_id for m in self.sessions.models.values() if m.learner == index}
+            for model_id in set(held) - mine:
+                log.info("tinker: releasing %s (no session of this service holds it there)", model_id)
+                with contextlib.suppress(Exception):
+                    await learner.call("drop", model_id)
 
     async def create_model(self, request: Request) -> dict:
         tenant = await self.tenant(request)
@@ -322,7 +336,7 @@ class TinkerApi:
 
         async def work() -> Result:
             try:
-                await self._learner("create", model.model_id, spec)
+                await self._learner("create", model.model_id, spec, on=model.learner)
             except RequestFailed:
                 self.sessions.forget_model(model.model_id)
                 raise
@@ -362,7 +376,7 @@ class TinkerApi:
                 reply = await self._learner("forward_backward", decoded.call, model=model, tenant=tenant)
                 if decoded.call.backward:
                     model.pending = model.trained = True
-                    if await self._notice() is not None:  # the node is going: the gradient must survive it too
+                    if await self._notice(model.learner) is not None:  # the node is going: the gradient must survive it
                         await self._keep(model, tenant)
             return Result(proto=encode_forward_backward_output(reply.logprobs, reply.metrics))
 
@@ -389,7 +403,7 @@ class TinkerApi:
             async with model.turn(body.seq_id or 0):
                 metrics = await self._learner("optim_step", step, model=model, tenant=tenant)
                 model.trained, model.pending = True, False
-                if await self._notice() is not None:  # the node is going: this step must survive it
+                if await self._notice(model.learner) is not None:  # the node is going: this step must survive it
                     await self._keep(model, tenant)
             return Result(json=_json(types.OptimStepResponse(metrics=metrics)))
 
@@ -608,7 +622,9 @@ class TinkerApi:
         async def work() -> Result:
             async with turn():
                 lineage = await self._lineage(tenant)
-                spec = await self._learner("load_state", model.model_id, lineage, number, body.optimizer, source)
+                spec = await self._learner(
+                    "load_state", model.model_id, lineage, number, body.optimizer, source, on=model.learner
+                )
             model.rank, model.saved, model.saved_from = spec.rank, number, source
             model.trained = model.pending = False
             return Result(json=_json(types.LoadWeightsResponse(path=body.path, model_id=model.model_id)))
@@ -891,17 +907,18 @@ class TinkerApi:
             await self.drop_orphans()
             holding = {m.tenant for m in self.sessions.models.values()}
             self.tenants = {run: t for run, t in self.tenants.items() if run in holding}
-            notice = await self._notice()
-            if notice is not None:
-                await self.keep_everyone(notice)
+            for learner in range(len(self.learners)):
+                notice = await self._notice(learner)
+                if notice is not None:
+                    await self.keep_everyone(notice, learner)
             await asyncio.to_thread(self.links.prune)
 
 
-def make_app(settings: TinkerSettings, learner, admin_token: Secret | None = None) -> FastAPI:
+def make_app(settings: TinkerSettings, learners: list, admin_token: Secret | None = None) -> FastAPI:
     """The FastAPI app of the Tinker API; its paths are `/v1/...` under Serve's route prefix `/api`
     (`contracts.tinker.TINKER_ROUTE_PREFIX`), which Serve takes off before the app sees a path."""
     fleet = FleetCalls(settings.fleet_url, settings.cache_dir)
-    api = TinkerApi(settings, learner, fleet, admin_token)
+    api = TinkerApi(settings, learners, fleet, admin_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

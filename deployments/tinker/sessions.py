@@ -38,6 +38,7 @@ class Model:
     base_model: str
     rank: int
     next_seq: int = 1
+    learner: int = 0  # which of the service's learners holds its adapter
     saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
     saved_from: str | None = None  # the prefix of that state when another tenant's (a published one it started from)
     trained: bool = False  # changed since that state (a step, or a gradient accumulated): what a notice's save keeps
@@ -82,8 +83,12 @@ class Session:
 class Sessions:
     """Every tenant's sessions, training clients and samplers, and the capacity limits."""
 
-    def __init__(self, max_models: int, max_models_per_tenant: int, idle_s: float, clock=time.monotonic):
+    def __init__(
+        self, max_models: int, max_models_per_tenant: int, idle_s: float, learners: int = 1, clock=time.monotonic
+    ):
+        """`max_models` training clients on each of `learners` learners."""
         self.max_models, self.max_models_per_tenant, self.idle_s = max_models, max_models_per_tenant, idle_s
+        self.learners = learners
         self._clock = clock
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
@@ -108,20 +113,28 @@ class Sessions:
         self.session(session_id, tenant).seen = self._clock()
 
     def reserve_model(self, session_id: str, tenant: str, seq: int, base_model: str, rank: int) -> Model:
-        """A new training client, or OverCapacity; its id is the SDK's `<session>:train:<seq>`."""
+        """A new training client on the learner holding fewest, or OverCapacity; its id is the SDK's
+        `<session>:train:<seq>`."""
         session = self.session(session_id, tenant)
         model_id = f"{session_id}:train:{seq}"
         if model_id in self.models:
             return self.models[model_id]
-        if len(self.models) >= self.max_models:
-            raise OverCapacity(f"the service holds {self.max_models} training clients, its capacity; try again later")
+        loads = [0] * self.learners
+        for held in self.models.values():
+            loads[held.learner] += 1
+        learner = min(range(self.learners), key=lambda i: (loads[i], i))
+        if loads[learner] >= self.max_models:
+            raise OverCapacity(
+                f"the service's {self.learners} learner(s) hold {self.max_models} training clients each, their capacity; "
+                "try again later"
+            )
         mine = sum(1 for m in self.models.values() if m.tenant == tenant)
         if mine >= self.max_models_per_tenant:
             raise OverCapacity(
                 f"this API key holds {mine} training clients, its limit ({self.max_models_per_tenant}); "
                 "close a ServiceClient or wait for an idle session to be released"
             )
-        model = Model(model_id, tenant, session_id, base_model, rank)
+        model = Model(model_id, tenant, session_id, base_model, rank, learner=learner)
         self.models[model_id] = model
         session.models.add(model_id)
         return model

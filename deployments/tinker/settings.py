@@ -16,7 +16,10 @@ class TinkerSettings(BaseModel):
     base_model: str = Field(description="The fleet's base model id, what create_lora_training_client must name.")
     model_path: str = Field(description="The base model's folder: the tokenizer the SDK's get_tokenizer loads.")
     max_context: int = Field(128, ge=2, description="Longest datum or prompt plus completion, in tokens.")
-    max_models: int = Field(4, ge=1, description="Training clients (adapters) on the learner at once, all tenants.")
+    max_models: int = Field(4, ge=1, description="Training clients (adapters) on each learner at once, all tenants.")
+    learners: int = Field(
+        1, ge=1, description="Learners the training clients are spread over (each trains its own clients at once)."
+    )
     max_models_per_tenant: int = Field(2, ge=1, description="Training clients one API key may hold at once.")
     session_idle_s: float = Field(120.0, gt=0, description="A session without a heartbeat this long is released.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body, after zstd inflation (413).")

@@ -7,6 +7,7 @@ other path the fleet's ingress. One replica, on the head node like the ingress: 
 from __future__ import annotations
 
 from contracts.auth import Secret
+from contracts.tinker import learner_name
 from core.config import HEAD_NODE
 from deployments.tinker.learner_handle import RayLearner
 from deployments.tinker.service import make_app
@@ -16,17 +17,21 @@ DEPLOYMENT = "TinkerService"
 
 
 class TinkerService:
-    """A Ray Serve deployment class around `make_app`; the learner is the named actor (`RayLearner`)."""
+    """A Ray Serve deployment class around `make_app`; the learners are the named actors (`RayLearner`)."""
 
-    def __init__(self, settings: dict, admin_token: Secret | None = None, learner=None):
-        self._app = make_app(TinkerSettings.model_validate(settings), RayLearner(learner), admin_token)
+    def __init__(self, settings: dict, admin_token: Secret | None = None, learners: list | None = None):
+        parsed = TinkerSettings.model_validate(settings)
+        handles = learners or [None] * parsed.learners
+        learners = [RayLearner(handle, learner_name(i)) for i, handle in enumerate(handles)]
+        self._app = make_app(parsed, learners, admin_token)
 
     def __serve_build_asgi_app__(self):
         return self._app
 
 
-def tinker_app(settings: TinkerSettings, admin_token: Secret | None, learner=None):
-    """The Serve application (not yet running); `learner` is the learner actor's handle (None: look it up by name)."""
+def tinker_app(settings: TinkerSettings, admin_token: Secret | None, learners: list | None = None):
+    """The Serve application (not yet running); `learners` are the learner actors' handles (None: look them up by
+    name)."""
     from ray import serve
 
     deployment = serve.deployment(
@@ -37,4 +42,4 @@ def tinker_app(settings: TinkerSettings, admin_token: Secret | None, learner=Non
         ray_actor_options={"num_cpus": 0, "resources": dict(HEAD_NODE)},
         logging_config={"enable_access_log": False},
     )
-    return deployment.bind(settings.model_dump(), admin_token, learner)
+    return deployment.bind(settings.model_dump(), admin_token, learners)

@@ -563,7 +563,7 @@ def test_a_learner_over_two_ranks_serves_the_sdk_and_rides_out_a_lost_rank(servi
     """`learner_ranks: 2`: the service's learner is a group of two ranks sharding the base (FSDP2 over gloo here),
     and the SDK cannot tell: SFT raises the datum's log-probs, sampler weights published by rank 0 sample on the
     fleet, and a rank killed mid-session (its node lost) costs only the steps after the client's last `save_state`.
-    Last in the module: it replaces the module's service."""
+    Among the last in the module: it replaces the module's service."""
     import ray
 
     from launch.tinker import learner_actor, start_tinker, stop_tinker
@@ -588,3 +588,34 @@ def test_a_learner_over_two_ranks_serves_the_sdk_and_rides_out_a_lost_rank(servi
         assert logprobs() == pytest.approx(saved, abs=1e-5)
         step()
         assert logprobs() != saved
+
+
+def test_two_learners_train_their_own_clients_and_losing_one_costs_the_other_nothing(service):
+    """`learners: 2`: two tenants' training clients land on different learners (the one holding fewest); killing
+    alice's learner costs her the steps after her last `save_state`, and bob, on the other learner, nothing, not even
+    his unsaved step. Last in the module: it replaces the module's service."""
+    import ray
+
+    from launch.tinker import learner_actor, start_tinker, stop_tinker
+
+    fleet, url, keys = service
+    stop_tinker()
+    start_tinker(fleet.tinker_settings.model_copy(update={"learners": 2}), TOKEN)
+    with (
+        tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice,
+        tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob,
+    ):
+        a_training, a_step, a_logprobs = one_datum_client(alice, fleet.base, 21, "30+12=", "42")
+        b_training, b_step, b_logprobs = one_datum_client(bob, fleet.base, 22, "19+23=", "42")
+        held = [set(ray.get(learner_actor(i).models.remote())) for i in range(2)]
+        assert held == [{a_training.model_id}, {b_training.model_id}]
+        a_step()
+        b_step()
+        a_training.save_state("before-the-loss").result()
+        a_saved = a_logprobs()
+        a_step()  # lost with alice's learner
+        b_step()  # never saved, and kept: bob's learner stays up
+        b_now = b_logprobs()
+        ray.kill(learner_actor(0), no_restart=False)
+        assert a_logprobs() == pytest.approx(a_saved, abs=1e-5)
+        assert b_logprobs() == pytest.approx(b_now, abs=1e-6)

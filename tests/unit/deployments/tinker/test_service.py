@@ -1,6 +1,8 @@
 """The Tinker API's routes with the SDK's own request and reply types, over a fake learner and a fake fleet: who may
 call, bounded and validated bodies, futures, capacity, and the SDK-shaped errors."""
 
+import asyncio
+
 import zstandard
 from fastapi.testclient import TestClient
 from tinker import types
@@ -75,7 +77,8 @@ class FakeLearner:
             self.bucket[(lineage.run, path)] = number
 
 
-def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None):
+def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None, learners=None):
+    """The app over fake learners (`learners`, else one: `learner`) and a fake fleet; the app and the first learner."""
     settings = TinkerSettings(
         fleet_url="http://127.0.0.1:9",
         base_model="tiny",
@@ -87,8 +90,9 @@ def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None):
         poll_wait_s=2.0,
         learner_wait_s=0.5,
     )
-    learner = learner or FakeLearner()
-    app = make_app(settings, learner)
+    learners = learners or [learner or FakeLearner()]
+    learner = learners[0]
+    app = make_app(settings, learners)
     app.state.api.fleet = FakeFleet("http://127.0.0.1:9", "/tmp")
     return TestClient(app), learner
 
@@ -208,7 +212,6 @@ def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_
     """The learner's node got a notice: the upkeep saves each client that trained since its last state, and every
     optimizer step from then on is followed by a save, so the learner Ray starts again restores it where it stopped.
     Without a notice nothing is saved behind the user's back."""
-    import asyncio
 
     http, learner = client()
     with http:
@@ -244,8 +247,6 @@ def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
     """Saved states and sampler weights are recorded by the learner in the tenant's prefix: a new service process
     (the head's node lost) restores a client from a path it never saw, samples from one and lists them, for their
     tenant only, and releases the adapters the old one left on the learner."""
-    import asyncio
-
     learner = FakeLearner()
     http, _ = client(learner=learner)
     with http:
@@ -321,3 +322,28 @@ def test_ttls_outside_the_sdks_range_encrypted_exports_and_foreign_links_are_ref
         forged = http.get("/v1/exported/bm90LW1pbmU.0000/adapter_model.safetensors")
         assert forged.status_code == 403
         assert not any(method in ("save_state", "export", "expire") for method, _ in learner.calls)
+
+
+def test_with_several_learners_each_client_is_trained_saved_and_noticed_on_its_own():
+    """Two learners: clients land on the one holding fewest, every call of a client goes to its learner, and a notice
+    for one learner's node saves only the clients on that learner."""
+    first, second = FakeLearner(), FakeLearner()
+    http, _ = client(max_models=1, max_per_tenant=2, learners=[first, second])
+    with http:
+        models = []
+        for _ in range(2):
+            _, future = new_model(http)
+            reply = result(http, future.json()["request_id"]).json()
+            models.append(types.CreateModelResponse.model_validate(reply).model_id)
+        _, refused = new_model(http)
+        assert refused.status_code == 429  # one client on each learner: both full
+        for model_id in models:
+            result(http, forward_backward(http, model_id, 1).json()["request_id"])
+            step = types.OptimStepRequest(model_id=model_id, seq_id=2, optim_params=types.AdamParams(learning_rate=0.1))
+            assert result(http, post(http, "optim_step", step).json()["request_id"]).status_code == 200
+        for learner, model_id in zip((first, second), models, strict=True):
+            trained = [args[0].model for method, args in learner.calls if method == "forward_backward"]
+            assert trained == [model_id]
+        second.notice = "spot: a notice for the second learner's node"
+        asyncio.run(http.app.state.api.keep_everyone(second.notice, 1))
+        assert (first.saves, second.saves) == (0, 1)

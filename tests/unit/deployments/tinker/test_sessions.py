@@ -42,8 +42,20 @@ def test_capacity_is_bounded_per_service_and_per_tenant():
     with pytest.raises(OverCapacity, match="this API key"):
         sessions.reserve_model(a, "alice", 2, "base", 8)
     sessions.reserve_model(b, "bob", 0, "base", 8)
-    with pytest.raises(OverCapacity, match="the service holds 3"):
+    with pytest.raises(OverCapacity, match="hold 3 training clients each"):
         sessions.reserve_model(b, "bob", 1, "base", 8)
+
+
+def test_training_clients_go_to_the_learner_holding_fewest_and_each_learner_has_its_capacity():
+    sessions = Sessions(2, 4, 60.0, learners=2)
+    a, b = sessions.open("alice"), sessions.open("bob")
+    placed = [sessions.reserve_model(a, "alice", i, "base", 8).learner for i in range(3)]
+    assert placed == [0, 1, 0]
+    sessions.forget_model(f"{a}:train:1")  # learner 1 is free again
+    assert sessions.reserve_model(b, "bob", 0, "base", 8).learner == 1
+    assert sessions.reserve_model(b, "bob", 1, "base", 8).learner == 1
+    with pytest.raises(OverCapacity, match="2 learner"):
+        sessions.reserve_model(b, "bob", 2, "base", 8)
 
 
 def test_silent_sessions_are_released_with_their_models():
