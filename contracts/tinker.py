@@ -26,7 +26,6 @@ EXPORTS_PREFIX = "tinker/external"
 PUBLIC_PREFIX = "tinker-public"
 
 
-
 def learner_name(index: int) -> str:
     """The name of learner `index` of the service's learners (`TinkerSettings.learners`): the first is `LEARNER_ACTOR`."""
     return LEARNER_ACTOR if index == 0 else f"{LEARNER_ACTOR}-{index}"
