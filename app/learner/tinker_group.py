@@ -166,9 +166,6 @@ class TinkerLearnerGroup:
     def record(self, *args):
         return self._rank0("record", *args)
 
-    def recall(self, *args):
-        return self._rank0("recall", *args)
-
     def checkpoints(self, *args):
         return self._rank0("checkpoints", *args)
 

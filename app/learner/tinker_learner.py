@@ -28,9 +28,9 @@ the output layer (`app.learner.logprobs.LogProbHead`: float32 softmax, never the
 bucket (`core.bucket.AdapterStore`, signed with the lineage's key), exactly what `app.weight_sync` publishes for a
 run; a saved state is the adapter and its optimizer through `core.bucket.CheckpointStore`, and an export
 (`save_weights_external`) the adapter alone in PEFT's format, for the user to download. The tinker path a user was
-given for any of them is recorded beside them (`tinker/paths/` of the tenant's prefix, `recall`), so that a service
+given for any of them is recorded beside them (`tinker/paths/` of the tenant's prefix, `record`), so that a service
 that restarted, knowing no path any more, finds them again; a record may carry an expiry (the SDK's `ttl_seconds`),
-past which the path is gone: not listed, not recalled, and deleted from the bucket at the next listing.
+past which the path is gone: not listed, not found by `record`, and deleted from the bucket at the next listing.
 
 A spot notice for the learner's node (`contracts.notices`: the cloud's metadata, a scheduler's file or SIGTERM, Ray
 draining the node) is heard by a watcher of its own (`notice`); the service then saves every client's state after
@@ -309,7 +309,7 @@ class TinkerLearner:
         self, model: str, lineage: Lineage, path: str | None = None, expires: float | None = None
     ) -> Publication:
         """Commit the client's adapter as the tenant's next `policy-vN` (signed with its lineage's key); `path`, the
-        tinker path the user is given for it, is recorded (`recall`), to expire at `expires` (epoch seconds)."""
+        tinker path the user is given for it, is recorded (`record`), to expire at `expires` (epoch seconds)."""
         client = self._activate(model)
         with tempfile.TemporaryDirectory(prefix="tinker-adapter-") as tmp:
             publication = _commit_version(lineage, self._write_adapter(client, Path(tmp) / "adapter"))
@@ -336,7 +336,7 @@ class TinkerLearner:
         expires: float | None = None,
     ) -> int:
         """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number. `path`, the
-        tinker path the user is given for it, is recorded (`recall`, to expire at `expires`); the service's own saves
+        tinker path the user is given for it, is recorded (`record`, to expire at `expires`); the service's own saves
         after a notice have none, and keep with `gradient` what `forward_backward` accumulated and no `optim_step`
         applied yet."""
         client = self._activate(model)
@@ -379,11 +379,6 @@ class TinkerLearner:
             return None
         owners = _own_record(pointer["prefix"], path)  # the owner's record decides: deleted, expired, unpublished
         return {**owners, "prefix": pointer["prefix"]} if owners is not None and owners.get("public") else None
-
-    def recall(self, lineage: Lineage, path: str) -> int | None:
-        """The state number or sampler version the tinker `path` names (`record`)."""
-        saved = self.record(lineage, path)
-        return None if saved is None else int(saved["number"])
 
     def expire(self, lineage: Lineage, path: str, expires: float | None) -> bool:
         """Set (or with None remove) the expiry of the tenant's own `path`; False for a path it does not own."""
@@ -542,12 +537,17 @@ def _expired(saved: dict) -> bool:
     return saved.get("expires") is not None and saved["expires"] <= time.time()
 
 
-def _paths(prefix: str):
-    """The records of the tinker paths a tenant was given, in its prefix of the bucket (`tinker/paths/`)."""
+def _records(url: str, folder: str):
+    """Small JSON records under `folder` of the bucket at `url`, each call retried while the bucket's errors pass."""
     from contracts.retry import Backoff
     from core.bucket.records import JsonRecords
 
-    return JsonRecords(prefix, PATHS, backoff=Backoff(attempts=5, first_s=0.2))
+    return JsonRecords(url, folder, backoff=Backoff(attempts=5, first_s=0.2))
+
+
+def _paths(prefix: str):
+    """The records of the tinker paths a tenant was given, in its prefix of the bucket (`tinker/paths/`)."""
+    return _records(prefix, PATHS)
 
 
 def _own_record(prefix: str, path: str) -> dict | None:
@@ -560,11 +560,8 @@ def _public(lineage: Lineage):
     """The pointers to the paths their owners published (`share`), in the fleet's bucket beside the tenants' prefixes,
     where only the learner writes."""
     from contracts.adapters import bucket_of
-    from contracts.retry import Backoff
-    from core.bucket.records import JsonRecords
 
-    root = bucket_of(lineage.bucket_url, lineage.run)
-    return JsonRecords(root, PUBLIC_PREFIX, backoff=Backoff(attempts=5, first_s=0.2))
+    return _records(bucket_of(lineage.bucket_url, lineage.run), PUBLIC_PREFIX)
 
 
 def _record_name(path: str) -> str:

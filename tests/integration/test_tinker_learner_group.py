@@ -60,7 +60,7 @@ def test_two_ranks_compute_and_train_as_one_learner_and_load_what_rank_0_saved(g
     loaded = ray.get(group.forward_backward.remote(LossCall("m2", _datums(5), "cross_entropy", backward=False)))
     for a, b in zip(loaded.logprobs, expected, strict=True):
         assert a == pytest.approx(b, abs=1e-4)
-    assert ray.get(group.recall.remote(lineage, "tinker://m/weights/s")) == number
+    assert ray.get(group.record.remote(lineage, "tinker://m/weights/s"))["number"] == number
     assert sorted(ray.get(group.models.remote())) == ["m", "m2"]
     assert ray.get(group.drop.remote("m2")) is True
 

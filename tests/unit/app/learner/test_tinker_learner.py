@@ -57,10 +57,10 @@ def test_the_bfloat16_learner_trains_and_restores_its_state(learners, tmp_path):
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "k" * 32, "alice", str(tmp_path / "cache"))
     path = "tinker://alice-1:train:0/weights/step-5"
     number = learner.save_state("b", lineage, path)
-    assert learner.recall(lineage, path) == number  # a service that restarted finds the path again
-    assert learner.recall(lineage, path + "x") is None
+    assert learner.record(lineage, path)["number"] == number  # a service that restarted finds the path again
+    assert learner.record(lineage, path + "x") is None
     bob = Lineage(f"file://{tmp_path}/bucket/runs/bob", "k" * 32, "bob", str(tmp_path / "cache"))
-    assert learner.recall(bob, path) is None  # the record lies in alice's prefix only
+    assert learner.record(bob, path) is None  # the record lies in alice's prefix only
     assert [(r["path"], r["number"]) for r in learner.checkpoints(lineage)] == [(path, number)]
     assert learner.checkpoints(bob) == []
     moments = learner.clients["b"].optimizer.state_dict()["state"]
@@ -151,7 +151,7 @@ def test_forgetting_a_path_deletes_what_it_names_but_never_the_newest_sampler_ve
     with pytest.raises(ValueError, match="newest sampler weights"):
         learner.forget(lineage, newest)
     assert learner.forget(lineage, older) is True
-    assert learner.recall(lineage, older) is None and learner.forget(lineage, older) is False
+    assert learner.record(lineage, older) is None and learner.forget(lineage, older) is False
     from core.bucket.store import AdapterStore
 
     assert first not in AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).versions()
@@ -194,7 +194,7 @@ def test_an_expired_path_is_gone_from_lookups_and_listings_and_its_files_from_th
     learner.save_state("e", lineage, kept, expires=time.time() + 3600)
     number = learner.save_state("e", lineage, lapsing)
     assert learner.expire(lineage, lapsing, time.time() - 1) is True
-    assert learner.record(lineage, lapsing) is None and learner.recall(lineage, lapsing) is None
+    assert learner.record(lineage, lapsing) is None
     assert learner.expire(lineage, lapsing, None) is False  # gone is gone
     assert [r["path"] for r in learner.checkpoints(lineage)] == [kept]
     assert number not in tinker_learner._store(lineage, "training").steps()  # the listing deleted it
@@ -202,7 +202,7 @@ def test_an_expired_path_is_gone_from_lookups_and_listings_and_its_files_from_th
 
     newest = "tinker://e/sampler_weights/newest"
     learner.publish("e", lineage, newest, time.time() - 1)  # expired at once: out of sight, kept while newest
-    assert learner.recall(lineage, newest) is None and newest not in {r["path"] for r in learner.checkpoints(lineage)}
+    assert learner.record(lineage, newest) is None and newest not in {r["path"] for r in learner.checkpoints(lineage)}
     from core.bucket.store import AdapterStore
 
     assert AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).latest() is not None
