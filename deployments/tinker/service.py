@@ -99,6 +99,12 @@ def _parsed_path(path: str) -> ParsedCheckpointTinkerPath:
         raise HttpError(400, f"tinker path {path[:200]!r}: {exc}") from None
 
 
+def _checkpoint_path(training_run_id: str, checkpoint_id: str) -> tuple[str, ParsedCheckpointTinkerPath]:
+    """The tinker path a checkpoint route names (`/training_runs/{id}/checkpoints/{checkpoint_id}`), checked."""
+    path = f"tinker://{training_run_id}/{checkpoint_id}"
+    return path, _parsed_path(path)
+
+
 class HttpError(Exception):
     def __init__(self, status: int, detail: str):
         super().__init__(detail)
@@ -525,8 +531,8 @@ class TinkerApi:
         """`RestClient.get_external_weights_urls(path)`: a download link per file of one of the key's exports, each
         working without the key for `LINK_TTL_S` (`deployments.tinker.exports`)."""
         tenant = await self.tenant(request)
-        path = f"tinker://{training_run_id}/{checkpoint_id}"
-        if _parsed_path(path).checkpoint_type != "external":
+        path, parsed = _checkpoint_path(training_run_id, checkpoint_id)
+        if parsed.checkpoint_type != "external":
             raise HttpError(400, f"{path}: only exported weights (external_weights) have download links")
         record = await self._from_bucket(tenant, f"path {path[:200]!r}", "record", path)
         if record is None:
@@ -562,8 +568,7 @@ class TinkerApi:
         """`RestClient.set_checkpoint_ttl_from_tinker_path(path, ttl_seconds)`: the path expires that long from now
         (None: never); an expired path is gone from listings and lookups, and its files from the bucket."""
         tenant = await self.tenant(request)
-        path = f"tinker://{training_run_id}/{checkpoint_id}"
-        _parsed_path(path)
+        path, _ = _checkpoint_path(training_run_id, checkpoint_id)
         expires = _expiry((await self.parse(request, TtlRequest)).ttl_seconds)
         if not await self._from_bucket(tenant, f"path {path[:200]!r}", "expire", path, expires):
             raise HttpError(404, f"{path}: no such checkpoint for this API key")
@@ -582,8 +587,7 @@ class TinkerApi:
 
     async def _share(self, request: Request, training_run_id: str, checkpoint_id: str, public: bool) -> dict:
         tenant = await self.tenant(request)
-        path = f"tinker://{training_run_id}/{checkpoint_id}"
-        _parsed_path(path)
+        path, _ = _checkpoint_path(training_run_id, checkpoint_id)
         await self.body(request)
         if not await self._from_bucket(tenant, f"path {path[:200]!r}", "share", path, public):
             raise HttpError(404, f"{path}: no such checkpoint of this API key (only its owner publishes it)")
@@ -699,8 +703,7 @@ class TinkerApi:
         bucket, and the path can no longer be loaded or sampled. 404 for a path this key was never given; 400 for the
         key's newest sampler weights (`TinkerLearner.forget` says why; the SDK retries a 409)."""
         tenant = await self.tenant(request)
-        path = f"tinker://{training_run_id}/{checkpoint_id}"
-        _parsed_path(path)
+        path, _ = _checkpoint_path(training_run_id, checkpoint_id)
         try:
             deleted = await self._learner("forget", await self._lineage(tenant), path)
         except RequestFailed as failed:
