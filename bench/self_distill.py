@@ -251,7 +251,27 @@ def run_fleet_arm(
     summary = json.loads((cfg.run_dir / "summary.json").read_text())
     for key in ("loop_wall_s", "step_s_median", "reverse_kl_start", "reverse_kl_end", "teacher_failed_total"):
         result[key] = summary.get(key)
+    result["phases"] = step_phases(cfg.run_dir)
     return result
+
+
+def step_phases(run_dir: Path) -> dict:
+    """Where a spotrl step's wall time went, medians over its steps: the learner waiting for the step's groups
+    (generation and, for self-distillation, the teacher's scoring), its training step (forward, backward,
+    optimizer, weight sync), and the teacher's seconds per group (each group's request, summed over a step's groups
+    and divided by them: they run at once, so this is not wall time)."""
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    def median(key: str, per_group: bool = False) -> float | None:
+        values = [m[key] / (m["batch/groups"] if per_group else 1) for m in metrics if key in m]
+        return round(statistics.median(values), 3) if values else None
+
+    return {
+        "rollout_wait_s": median("perf/rollout_wait_s"),
+        "learner_step_s": median("perf/step_s"),
+        "weight_sync_s": median("perf/weight_sync_s"),
+        "teacher_s_per_group": median("distill/teacher_s", per_group=True),
+    }
 
 
 def arm_rows(points: dict[int, dict], base: float) -> list[dict]:
@@ -345,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
             "reverse_kl_start": spotrl["reverse_kl_start"],
             "reverse_kl_end": spotrl["reverse_kl_end"],
             "teacher_failed_total": spotrl["teacher_failed_total"],
+            "phases": spotrl["phases"],
         },
         "trl": {
             "points": arm_rows(spotrl["trl_points"], base),
@@ -357,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
             "loop_wall_s": grpo["loop_wall_s"],
             "train_s": grpo["train_s"],
             "step_s_median": grpo["step_s_median"],
+            "phases": grpo["phases"],
         },
     }
     summary = ratios(arms)
@@ -370,6 +392,15 @@ def main(argv: list[str] | None = None) -> None:
         f"spotrl - GRPO {summary['median_spotrl_minus_grpo']:+.3f}, "
         f"TRL wall / spotrl wall {summary['median_trl_wall_over_spotrl']:.2f}x"
     )
+    for arm in ("spotrl", "grpo"):
+        phases = arms[arm]["phases"]
+        print(
+            f"{arm} step, medians: waiting for its groups {phases['rollout_wait_s']:.2f} s, training "
+            f"{phases['learner_step_s']:.2f} s (weight sync {phases['weight_sync_s']:.2f} s)"
+            + (f", teacher {phases['teacher_s_per_group']:.2f} s per group" if phases["teacher_s_per_group"] else "")
+        )
+    trl_step = arms["trl"]["loop_wall_s"] / args.steps
+    print(f"TRL's whole step (generate, teacher, train), mean: {trl_step:.2f} s")
     path = write_result(
         "self_distill",
         {

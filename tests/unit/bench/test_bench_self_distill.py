@@ -63,3 +63,22 @@ def test_ratios_and_table():
     rows = self_distill.table_rows(arms)
     assert rows[0] == ["step 10 (1280 samples)", "0.300 @ 10 s", "0.200 @ 30 s", "0.200 @ 9 s"]
     assert rows[-1][1] == "0.600 -> 0.300"
+
+
+def test_step_phases_are_medians_over_the_steps_and_the_teacher_is_per_group(tmp_path):
+    import json
+
+    lines = [
+        {"perf/rollout_wait_s": w, "perf/step_s": 0.2, "perf/weight_sync_s": 0.03, "batch/groups": 16.0, **extra}
+        for w, extra in [(1.0, {"distill/teacher_s": 8.0}), (3.0, {"distill/teacher_s": 4.0}), (2.0, {})]
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    phases = self_distill.step_phases(tmp_path)
+    assert phases == {
+        "rollout_wait_s": 2.0,
+        "learner_step_s": 0.2,
+        "weight_sync_s": 0.03,
+        "teacher_s_per_group": 0.375,  # 8/16 and 4/16; a step without a teacher is not one
+    }
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[2]) + "\n")
+    assert self_distill.step_phases(tmp_path)["teacher_s_per_group"] is None
