@@ -103,6 +103,11 @@ def write_result(name: str, data: dict, results_dir: Path | None = None) -> Path
     return path
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics, one dict per logged step (`run_dir/metrics.jsonl`, as `app.metrics_sink` writes it)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 def bench_run_sets(out: Path, workdir: Path, steps: int, port: int, trusted: list[str]) -> list[str]:
     """The overrides of a benchmark arm run as `bench` under `out`: its bucket there (every step's adapter kept for
     the evaluation), a model cache shared by the arms under `workdir`, no trackio or progress bar, the fleet on

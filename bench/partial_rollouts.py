@@ -20,13 +20,12 @@ spread of the drift alarm's figures (clip share, ratio/std) that its thresholds 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import print_table, train_run, write_result
+from bench.common import print_table, read_metrics, train_run, write_result
 
 CONFIG = "configs/tiny-multiturn.yaml"
 ARMS = {
@@ -39,9 +38,9 @@ ARMS = {
 WORKLOAD = ["rollout.max_inflight_tasks=32", "rollout.queue_maxsize=32", "env.timeout_s=10"]
 
 
-def alarm_figures(metrics_file: Path) -> dict:
-    """Median and max over the run's steps of what the drift alarm reads (`app.diagnosis`)."""
-    steps = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+def alarm_figures(run_dir: Path) -> dict:
+    """Median and max over the steps of the run in `run_dir` of what the drift alarm reads (`app.diagnosis`)."""
+    steps = read_metrics(run_dir)
     out = {}
     for key, name in (("clip_ratio/region_mean", "clip_share"), ("ratio/std", "ratio_std")):
         values = [m[key] for m in steps if key in m]
@@ -58,7 +57,7 @@ def run_arm(name: str, sets: list[str], args, workdir: Path) -> dict:
     return {
         **summary,
         "heldout_gain": after - before if before is not None and after is not None else None,
-        **alarm_figures(out / "bench" / "metrics.jsonl"),
+        **alarm_figures(out / "bench"),
     }
 
 

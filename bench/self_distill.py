@@ -50,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import bench_run_sets, print_table, write_result
+from bench.common import bench_run_sets, print_table, read_metrics, write_result
 from bench.vs_trl import checkpoint_rows, evaluate_folder, run_spotrl, samples_per_step
 from tests.support.fleet_helpers import free_port
 
@@ -262,7 +262,7 @@ def step_phases(run_dir: Path) -> dict:
     (generation and, for self-distillation, the teacher's scoring), its training step (forward, backward,
     optimizer, weight sync), and the teacher's seconds per group (each group's request, summed over a step's groups
     and divided by them: they run at once, so this is not wall time)."""
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = read_metrics(run_dir)
 
     def median(key: str, per_group: bool = False) -> float | None:
         values = [m[key] / (m["batch/groups"] if per_group else 1) for m in metrics if key in m]

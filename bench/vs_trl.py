@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import print_table, write_result
+from bench.common import print_table, read_metrics, write_result
 from tests.support.fleet_helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,7 +107,7 @@ def run_spotrl(cfg, url: str, model_path: str, steps: list[int], label: str = "s
     # The Ray of this process already hosts the shared fleet: the driver joins it instead of starting one.
     core.local_ray.start_ray = lambda address, offline=True: False
     summary = train(cfg, address="this-process")
-    history = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    history = read_metrics(cfg.run_dir)
     times = {h["step"]: h["time"] for h in history}
     adapters = Path(cfg.bucket.url.removeprefix("file://")) / "adapters"
     points = {}

@@ -168,25 +168,26 @@ class ReplicaWatch:
     def routed(self) -> int:
         return self.samples[-1][1] if self.samples else 0
 
-    def routed_after(self, t: float, timeout_s: float = 30) -> int:
-        """What was routed to them as first sampled after `t` (a sample may be up to half a second old)."""
+    def _first_sample(self, match: Callable[[tuple[float, int, bool]], bool], timeout_s: float, never: str):
+        """The first sample that `match`es, waiting for it up to `timeout_s`."""
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            fresh = [routed for at, routed, _ in self.samples if at > t]
-            if fresh:
-                return fresh[0]
+            found = next((sample for sample in self.samples if match(sample)), None)
+            if found is not None:
+                return found
             time.sleep(0.1)
-        raise AssertionError("the router's stats did not answer")
+        raise AssertionError(never)
+
+    def routed_after(self, t: float, timeout_s: float = 30) -> int:
+        """What was routed to them as first sampled after `t` (a sample may be up to half a second old)."""
+        return self._first_sample(lambda sample: sample[0] > t, timeout_s, "the router's stats did not answer")[1]
 
     def drained_at(self, timeout_s: float = 60) -> tuple[float, int]:
         """When the router first marked them draining, and what it had routed to them by then."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            marked = [(t, routed) for t, routed, draining in self.samples if draining]
-            if marked:
-                return marked[0]
-            time.sleep(0.2)
-        raise AssertionError("the router never heard that the replica drains")
+        at, routed, _ = self._first_sample(
+            lambda sample: sample[2], timeout_s, "the router never heard that the replica drains"
+        )
+        return at, routed
 
     def stop(self) -> None:
         self._stop.set()
