@@ -107,6 +107,7 @@ class Run:
             "cut_share": rollout.cut_share,
             "prefilled_again_total": rollout.prefilled_again_total,
             "dropped_failed_total": rollout.dropped_failed_total,
+            **reward_error_summary(rollout),
             "ratio_mean": statistics.fmean(ratios) if ratios else None,
             "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,
             "loop_wall_s": round(self.loop_s, 1),
@@ -163,6 +164,14 @@ def router_affinity(router: dict | None) -> float | None:
     totals = router.get("totals", router)
     routed = totals.get("routed", 0)
     return totals.get("affinity", 0) / routed if routed else None
+
+
+def reward_error_summary(rollout: RolloutStats) -> dict:
+    """The samples each reward function failed on over the run (it raised, hung or returned the wrong count: those
+    samples got None from it), so that a run whose rewards never worked says so in its summary, not only per step."""
+    prefix = "reward/errors/"
+    by_func = {k.removeprefix(prefix): int(v) for k, v in rollout.reward_metrics.items() if k.startswith(prefix)}
+    return {"reward_errors_total": sum(by_func.values()), "reward_errors": by_func}
 
 
 def episode_summary(history: list[dict], rollout: RolloutStats, router: dict | None) -> dict:

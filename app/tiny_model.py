@@ -162,7 +162,7 @@ def rewarded(scorer) -> Judge:
 
     def judge(texts, problems, completion_ids, truncated) -> list[bool]:
         columns = reward_columns(problems, truncated)
-        scores = scorer.score(texts, [p.prompt for p in problems], completion_ids, **columns)
+        scores = scorer.score(texts, [p.prompt for p in problems], completion_ids, columns)
         return [r > 0 for r in scores.rewards]
 
     return judge

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from app.rollout.continuation import Continuation, Flight
+from app.rollout.continuation import Continuation, Flight, version_of
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer, reward_columns
 from contracts.rollouts import VERSIONS, Generate, Sample
@@ -150,7 +150,12 @@ class CompletionSampler(Sampler):
         truncated = [c.finish_reason == "length" for c in completions]
         columns = reward_columns([problem] * len(texts), truncated)
         scores = await asyncio.to_thread(
-            self.scorer.score, texts, [problem.prompt] * len(texts), [c.token_ids for c in completions], **columns
+            self.scorer.score,
+            texts,
+            [problem.prompt] * len(texts),
+            [c.token_ids for c in completions],
+            columns,
+            version_of(model) or 0,
         )
         samples = [
             Sample(c.token_ids, c.logprobs, r, t, c.text, streams={VERSIONS: c.version_stream()})

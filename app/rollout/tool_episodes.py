@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.rollout.continuation import Flight
+from app.rollout.continuation import Flight, version_of
 from app.rollout.episodes import Episode
 from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
 from app.tasks.problems import Problem
@@ -103,6 +103,7 @@ class ToolEpisodeRunner(Sampler):
         max_episode_tokens: int,
         timeout_s: float,
         reward_timeout_s: float = 10.0,
+        max_steps: int = 0,
         max_threads: int = 32,
         decode: Callable[[list[int]], str] | None = None,
     ):
@@ -119,7 +120,7 @@ class ToolEpisodeRunner(Sampler):
                 "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
                 "defines a `get_reward` method."
             )
-        self.scorer = RewardScorer(funcs, reward_timeout_s)
+        self.scorer = RewardScorer(funcs, reward_timeout_s, max_steps)
         self._calls = TimedCalls(max_threads, timeout_s, "env")
 
     @classmethod
@@ -137,6 +138,7 @@ class ToolEpisodeRunner(Sampler):
             max_episode_tokens=cfg.max_episode_tokens,
             timeout_s=cfg.env.timeout_s,
             reward_timeout_s=cfg.task.reward_timeout_s,
+            max_steps=cfg.grpo.max_steps,
             decode=decode,
         )
 
@@ -154,7 +156,7 @@ class ToolEpisodeRunner(Sampler):
         prompt, which the answer carries (`Sampled.prompt_ids`)."""
         with self.meter.on_the_wire():
             group_prompt, episodes = await self.run_group(problem, model, n, sampling, flight)
-        rewards, errors = await self._score(problem, episodes)
+        rewards, errors = await self._score(problem, episodes, version_of(model) or 0)
         samples = []
         for e, reward in zip(episodes, rewards, strict=True):
             if e.lost is None:
@@ -314,9 +316,11 @@ class ToolEpisodeRunner(Sampler):
             result = {"error": str(err)}
         return {"role": "tool", "name": name, "content": str(result)}
 
-    async def _score(self, problem: Problem, episodes: list[ToolEpisode]) -> tuple[list[float], dict[str, int]]:
+    async def _score(
+        self, problem: Problem, episodes: list[ToolEpisode], step: int
+    ) -> tuple[list[float], dict[str, int]]:
         """Each episode's reward: the reward functions and `get_reward` summed over the episodes that were played
-        (TRL's signature, `environments=` included); NaN for a lost one."""
+        (called as TRL calls them, `environments=` included); NaN for a lost one."""
         scored = [i for i, e in enumerate(episodes) if e.lost is None]
         rewards = [math.nan] * len(episodes)
         if not scored:
@@ -325,13 +329,14 @@ class ToolEpisodeRunner(Sampler):
         failures_before = sum(f.failures for f in self.env_rewards)
         columns = {k: [v] * len(scored) for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
         columns["truncated"] = [episodes[i].episode.truncated for i in scored]
+        columns["environments"] = [episodes[i].env for i in scored]
         scores = await asyncio.to_thread(
             self.scorer.score,
             [episodes[i].completion for i in scored],
             [episodes[i].messages[: episodes[i].prompt_len] for i in scored],
             [episodes[i].episode.sample().model_token_ids() for i in scored],
-            environments=[episodes[i].env for i in scored],
-            **columns,
+            columns,
+            step,
         )
         for i, reward in zip(scored, scores.rewards, strict=True):
             rewards[i] = reward

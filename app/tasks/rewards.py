@@ -1,7 +1,9 @@
 """Reward functions and the scorer that sums them without ever stopping a run.
 
-Reward functions take TRL's signature `f(completions, prompts, completion_ids, **columns)` and
-return one float (or None) per sample, so a TRL user's function drops in unchanged. The scorer
+Reward functions are called as TRL 1.16 calls them (`GRPOTrainer._calculate_rewards`), by keyword only:
+`prompts=`, `completions=`, `completion_ids=`, the dataset's columns, `trainer_state=`, `log_extra=`,
+`log_metric=` (and `environments=` for a TRL environment's episodes), so a function written for TRL, in whatever
+order it names its parameters, drops in unchanged; each returns one float (or None) per sample. The scorer
 sums them like TRL (a None contributes nothing); a function that raises or runs past its timeout
 (counted from when it starts) gives None for its samples and is counted in `reward/errors/<name>` instead of
 killing the run; a call that hangs leaves its thread behind (`app.tasks.timed_calls`), never takes one of the
@@ -17,14 +19,17 @@ keep their scores and the run goes on.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import concurrent.futures as cf
-import functools
+import inspect
 import logging
 import multiprocessing
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.tasks.problems import ANSWER_OPEN
 from app.tasks.registry import resolve_named
@@ -177,6 +182,31 @@ def _name(func: RewardFunc) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
+def _no_log_extra(column: str, values: list) -> None:
+    """TRL's `log_extra` adds columns to its completions table; spotrl keeps no such table, so it is a no-op."""
+
+
+def trainer_state(step: int, max_steps: int):
+    """What TRL's reward functions read as `trainer_state` (transformers' `TrainerState`): the step the group was
+    sampled at (its policy version: one version per step) and the run's `grpo.max_steps`, for rewards shaped by
+    progress."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=step, max_steps=max_steps)
+
+
+def _invoke(func: RewardFunc, kwargs: dict[str, Any]):
+    """One call, in a worker thread: an async reward function (TRL allows them) runs to its end on a loop of its own."""
+    out = func(**kwargs)
+    if inspect.isawaitable(out):
+
+        async def wait():
+            return await out
+
+        out = asyncio.run(wait())
+    return out
+
+
 @dataclass
 class Scores:
     """Summed rewards per sample, each function's own scores, and its failures in this call."""
@@ -189,21 +219,28 @@ class Scores:
 class RewardScorer:
     """Calls every reward function, sums them and survives any of them failing."""
 
-    def __init__(self, funcs: list[RewardFunc], timeout_s: float = 10.0):
+    def __init__(self, funcs: list[RewardFunc], timeout_s: float = 10.0, max_steps: int = 0):
         if not funcs:
             raise ValueError("at least one reward function is needed")
-        self.funcs, self.timeout_s = funcs, timeout_s
+        self.funcs, self.timeout_s, self.max_steps = funcs, timeout_s, max_steps
         self._calls = TimedCalls(max(2, len(funcs)), timeout_s, "reward")
         self.errors_total: Counter = Counter()
+        self._logged: dict[str, list[float]] = {}  # `log_metric`'s values since the metrics were last read
+        self._lock = threading.Lock()  # scores run in worker threads, the metrics are read on the event loop
 
     @classmethod
-    def from_names(cls, names: list[str], timeout_s: float = 10.0) -> RewardScorer:
-        return cls([resolve_reward(n) for n in names], timeout_s)
+    def from_names(cls, names: list[str], timeout_s: float = 10.0, max_steps: int = 0) -> RewardScorer:
+        return cls([resolve_reward(n) for n in names], timeout_s, max_steps)
 
-    def _call(self, func: RewardFunc, n: int, args: tuple, columns: dict) -> list[float | None] | None:
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric`: a scalar a reward function reports, averaged over a step (`reward/logged/<name>`)."""
+        with self._lock:
+            self._logged.setdefault(name, []).append(float(value))
+
+    def _call(self, func: RewardFunc, n: int, kwargs: dict[str, Any]) -> list[float | None] | None:
         name = _name(func)
         try:
-            out = self._calls.call(functools.partial(func, *args, **columns))
+            out = self._calls.call(lambda: _invoke(func, kwargs))
         except TimeoutError as e:
             log.warning("reward %s: %s; its %d samples get None", name, e, n)
             return None
@@ -220,11 +257,25 @@ class RewardScorer:
             return None
         return [None if v is None else float(v) for v in out]
 
-    def score(self, completions: list[str], prompts: list, completion_ids: list[list[int]], **columns) -> Scores:
+    def score(
+        self, completions: list, prompts: list, completion_ids: list[list[int]], columns: dict[str, list], step: int = 0
+    ) -> Scores:
+        """Every function called as TRL's `_calculate_rewards` calls it, by keyword: the samples, the `columns`
+        (the dataset's, one entry per sample, and `environments` where there are some), `trainer_state` at `step`,
+        and TRL's `log_extra` / `log_metric` hooks."""
         n = len(completions)
+        kwargs = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **{k: v for k, v in columns.items() if k not in ("prompt", "completion", "completion_ids")},
+            "trainer_state": trainer_state(step, self.max_steps),
+            "log_extra": _no_log_extra,
+            "log_metric": self._log_metric,
+        }
         per_func, errors = {}, Counter()
         for func in self.funcs:
-            values = self._call(func, n, (completions, prompts, completion_ids), columns)
+            values = self._call(func, n, kwargs)
             if values is None:
                 errors[_name(func)] += n
                 values = [None] * n
@@ -235,7 +286,13 @@ class RewardScorer:
         return Scores(rewards, per_func, errors)
 
     def metrics(self) -> dict[str, float]:
-        return {f"reward/errors/{name}": float(c) for name, c in self.errors_total.items()}
+        """Failures so far by function (`reward/errors/<name>`, and their total), and the mean of what reward
+        functions logged with `log_metric` since the last read."""
+        with self._lock:
+            logged, self._logged = self._logged, {}
+        out = {f"reward/errors/{name}": float(c) for name, c in self.errors_total.items()}
+        out["reward/errors_total"] = float(sum(self.errors_total.values()))
+        return out | {f"reward/logged/{name}": sum(v) / len(v) for name, v in logged.items()}
 
     def close(self) -> None:
         """Take no more calls (one hung in a reward function is abandoned, never waited for)."""

@@ -101,3 +101,12 @@ def test_a_resumed_runs_summary_counts_the_steps_its_earlier_process_trained(tmp
     assert {k: got[k] for k in keys} == {k: expected[k] for k in keys}
     assert got["steps"] == 8 and got["samples_trained"] == 16 and got["staleness_max"] == 3
     assert previous_steps(cfg.run_dir, 0) == [] and previous_steps(tmp_path / "none", 3) == []
+
+
+def test_the_summary_counts_the_samples_each_reward_function_failed_on(tmp_path):
+    """A run whose reward raised on every sample ended with reward 0 and no word of it in `summary.json`."""
+    run = Run(_config(tmp_path, "rewards"))
+    failing = {"reward/errors/counted_right": 640.0, "reward/errors/exact_answer": 0.0, "reward/errors_total": 640.0}
+    summary = run.summary(None, None, rollout_stats(reward_metrics=failing), None)
+    assert summary["reward_errors"] == {"counted_right": 640, "exact_answer": 0}
+    assert summary["reward_errors_total"] == 640

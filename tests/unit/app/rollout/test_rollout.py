@@ -10,7 +10,7 @@ import pytest
 from app.messages import ResumePoint
 from app.objectives.grpo import group_advantages
 from app.rollout.producer import GroupProducer
-from app.rollout.sampling import CompletionSampler
+from app.rollout.sampling import CompletionSampler, SamplingArgs
 from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.rollouts import Choice
 from core.config import load_config
@@ -248,3 +248,58 @@ def test_a_restarted_rollout_resumes_from_the_newest_checkpoint_and_version(tmp_
     (adapter / "adapter_model.safetensors").write_bytes(b"weights")
     AdapterStore.from_config(cfg).publish(adapter, 8)  # published after the checkpoint: sample with it
     assert resume_state(cfg) == ResumePoint(step=6, data_cursor=97, policy_version=8)
+
+
+def counted_right(completions, answer, environments=None, **kwargs):
+    """A reward as TRL users write them: keyword parameters in their own order, `environments` defaulted."""
+    return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def by_position(prompts, completions, completion_ids, **kw):
+    """TRL's parameter names in TRL's order: prompts first (spotrl passed completions first, so this scored wrong)."""
+    assert all(isinstance(p, str) and p.startswith("Compute") for p in prompts)
+    return [
+        float(c.strip() == a) * len(ids) for c, a, ids in zip(completions, kw["answer"], completion_ids, strict=True)
+    ]
+
+
+def shaped(completions, trainer_state, log_metric, log_extra, **kwargs):
+    """TRL's hooks: the trainer's state at the group's step, a metric and an extra column logged."""
+    log_metric("shaped_calls", 1.0)
+    log_extra("seen", list(completions))
+    return [float(trainer_state.global_step) / trainer_state.max_steps] * len(completions)
+
+
+def sample_four(scorer, model="policy-v3"):
+    """Four samples of a problem through the rollout's sampler, every other one right, with three tokens each."""
+    problem = PROBLEMS[0]
+
+    async def generate(prompt_ids, model, n, max_tokens, temperature, top_p=1.0, top_k=-1):
+        texts = [problem.answer if i % 2 == 0 else "0" for i in range(n)]
+        return [Choice(i, [5, 6, 7], [-0.1] * 3, t, "stop") for i, t in enumerate(texts)]
+
+    async def main():
+        sampler = CompletionSampler(generate, scorer)
+        try:
+            sampled = await sampler.sample(problem, [1, 2], model, 4, SamplingArgs(8))
+        finally:
+            sampler.close()
+        return sampled, sampler.reward_metrics()
+
+    return run(main())
+
+
+def test_reward_functions_are_called_by_keyword_as_trl_calls_them():
+    """Rewards written for TRL, keyword-style or positional with TRL's names, score the rollout's samples right: the
+    scorer used to pass completions, prompts and completion ids by position."""
+    sampled, metrics = sample_four(RewardScorer([counted_right, by_position], timeout_s=5.0))
+    assert [s.reward for s in sampled.samples] == [4.0, 0.0, 4.0, 0.0]
+    assert sampled.reward_errors == {} and not any(v for k, v in metrics.items() if k.startswith("reward/errors"))
+
+
+def test_reward_functions_get_trls_state_and_logging_hooks():
+    """`trainer_state` (the group's step of `grpo.max_steps`), and `log_metric` / `log_extra` as TRL passes them;
+    what `log_metric` logs is in the rollout's metrics."""
+    sampled, metrics = sample_four(RewardScorer([shaped], timeout_s=5.0, max_steps=10))
+    assert [s.reward for s in sampled.samples] == [0.3] * 4
+    assert metrics["reward/errors_total"] == 0 and metrics["reward/logged/shaped_calls"] == 1.0

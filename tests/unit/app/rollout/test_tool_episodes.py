@@ -222,3 +222,33 @@ def test_the_rollout_trains_on_the_prompt_the_environment_rendered(chat):
     assert group.prompt_ids in fleet.prompts  # what the fleet was asked to continue
     assert metrics["tools/calls_total"] >= 2 and metrics["env/errors_total"] == 0
     runner.close()
+
+
+def test_trls_shipped_reward_functions_score_episodes_unchanged(chat):
+    """`trl.rewards`' functions, as TRL ships them, score episodes as they score the same completions called as
+    TRL's trainer calls them (by keyword, the row's columns beside them); `accuracy_reward` raised when the
+    completions were passed by position."""
+    from trl.rewards import (
+        accuracy_reward,
+        get_cosine_scaled_reward,
+        get_repetition_penalty_reward,
+        get_soft_overlong_punishment,
+        think_format_reward,
+    )
+
+    funcs = [
+        accuracy_reward,
+        think_format_reward,
+        get_cosine_scaled_reward(max_len=64),
+        get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0),
+        get_soft_overlong_punishment(max_completion_len=32, soft_punish_cache=16),
+    ]
+    answer = "<think>one and two</think>The sum is $\\boxed{3}$.<|im_end|>"
+    problem = Problem("p", "Compute 1+2.", "3", {"solution": "$3$"})
+    sampled, metrics, _ = play(chat, Plain, [answer], reward_funcs=funcs, problem=problem)
+    assert not any(v for k, v in metrics.items() if k.startswith("reward/errors"))
+    ids = sampled.samples[0].model_token_ids()
+    completion = [chat.parse(ids, sampled.prompt_ids, [])]  # TRL's parse: the thinking apart from the content
+    expected = [f(completions=[completion], completion_ids=[ids], solution=["$3$"])[0] for f in funcs]
+    assert expected[0] == 1.0 and expected[2] > 0.5  # right, and short
+    assert [s.reward for s in sampled.samples] == [pytest.approx(sum(expected))] * 2

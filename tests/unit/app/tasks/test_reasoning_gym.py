@@ -108,7 +108,7 @@ def test_rewards_are_the_datasets_own_score_answer_of_the_answer_the_library_ext
     problems = [arithmetic] * 5 + [legs]
     columns = columns_of(problems)
     scores = RewardScorer.from_names(["reasoning_gym"]).score(
-        completions, [p.prompt for p in problems], [[1]] * 6, **columns
+        completions, [p.prompt for p in problems], [[1]] * 6, columns
     )
 
     config = {"basic_arithmetic": ADDITIONS, "leg_counting": LEGS}  # each dataset, made afresh by the library

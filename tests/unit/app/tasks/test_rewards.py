@@ -27,7 +27,7 @@ def test_scorer_sums_functions():
     def bonus(completions, prompts, completion_ids, **_):
         return [0.5] * len(completions)
 
-    scores = RewardScorer([exact_answer, bonus]).score(["1", "2"], ["p", "p"], [[1], [2]], answer=["1", "1"])
+    scores = RewardScorer([exact_answer, bonus]).score(["1", "2"], ["p", "p"], [[1], [2]], {"answer": ["1", "1"]})
     assert scores.rewards == [1.5, 0.5]
     assert scores.per_func["bonus"] == [0.5, 0.5]
 
@@ -44,11 +44,11 @@ def test_raising_and_slow_rewards_give_none_and_are_counted():
         return [1.0]
 
     scorer = RewardScorer([exact_answer, broken, slow, wrong_length], timeout_s=0.5)
-    scores = scorer.score(["1", "2", "3"], ["p"] * 3, [[1]] * 3, answer=["1", "1", "1"])
+    scores = scorer.score(["1", "2", "3"], ["p"] * 3, [[1]] * 3, {"answer": ["1", "1", "1"]})
     assert scores.rewards == [1.0, 0.0, 0.0]  # only exact_answer counted
     assert scores.per_func["broken"] == [None] * 3 and scores.per_func["slow"] == [None] * 3
     assert scores.errors == {"broken": 3, "slow": 3, "wrong_length": 3}
-    scorer.score(["1"], ["p"], [[1]], answer=["1"])
+    scorer.score(["1"], ["p"], [[1]], {"answer": ["1"]})
     assert scorer.metrics()["reward/errors/broken"] == 4.0
 
 
@@ -80,12 +80,12 @@ def test_rewards_that_hung_cost_no_later_call_its_thread_and_a_timeout_counts_on
     scorer = RewardScorer([flaky], timeout_s=1.0)
     try:
         for _ in range(3):  # more hangs than the scorer has threads
-            assert scorer.score(["hang"], ["p"], [[1]], answer=["1"]).errors == {"flaky": 1}
-        assert scorer.score(["ok"], ["p"], [[1]], answer=["1"]).rewards == [1.0]
+            assert scorer.score(["hang"], ["p"], [[1]], {"answer": ["1"]}).errors == {"flaky": 1}
+        assert scorer.score(["ok"], ["p"], [[1]], {"answer": ["1"]}).rewards == [1.0]
         # 26 quick calls at once on its two threads: the last starts 1.2 s after it was asked for, beyond the timeout,
         # and runs 0.1 s, far within it.
         with ThreadPoolExecutor(26) as burst:
-            scored = list(burst.map(lambda _: scorer.score(["ok"], ["p"], [[1]], answer=["1"]), range(26)))
+            scored = list(burst.map(lambda _: scorer.score(["ok"], ["p"], [[1]], {"answer": ["1"]}), range(26)))
         assert [s.rewards for s in scored] == [[1.0]] * 26
     finally:
         stuck.set()
