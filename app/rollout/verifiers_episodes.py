@@ -4,8 +4,8 @@ verifiers runs the episode (`Env.run_slot`: the env's agents, their harness, the
 `@vf.reward`s); its model calls reach the fleet the way verifiers' own training client sends them
 (`TrainClientConfig`: the prompt rendered to token ids client-side by `renderers`, `POST /inference/v1/generate`
 with `X-Session-ID` set to the rollout's trace id, which the fleet's router keeps on one replica). The model is the
-group's adapter (`ModelContext.model`), the key the run's token (through the environment variable verifiers reads
-it from, `API_KEY_VAR`).
+group's adapter (`ModelContext.model`), the key the run's token (an `Authorization` header of verifiers' client config,
+never an environment variable: every subprocess of an episode would inherit it).
 
 A finished trace becomes a `Sample` without re-tokenising anything: its trainable branch (`Trace.branches`) is the
 token sequence the renderer built and the fleet returned, `Branch.sampled_mask` marks the model's tokens (the only
@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,9 +40,9 @@ from contracts.rollouts import VERSIONS, Generate, Sample
 
 log = logging.getLogger(__name__)
 
-API_KEY_VAR = (
-    "SPOTRL_VERIFIERS_API_KEY"  # where verifiers' client reads the run's token (`BaseClientConfig.api_key_var`)
-)
+# The variable verifiers' client would read a key from (`BaseClientConfig.api_key_var`): never set by spotrl, so no key
+# of a run's is in the environment; the token travels as the client's `Authorization` header instead.
+API_KEY_VAR = "SPOTRL_VERIFIERS_API_KEY"
 GUARD_S = 10.0  # spotrl's own deadline past verifiers' episode deadline, for an episode that ignores its own
 # What verifiers says when a reward returned no number (`Trace.record_reward` takes `float(value)`): read from its
 # error's text, the only place it says so.
@@ -176,8 +175,9 @@ class VerifiersRunner(Sampler):
             )
         self.env, self.tasks = env, tasks
         self.base_url, self.renderer_model = base_url.rstrip("/"), renderer_model
-        if token:
-            os.environ[API_KEY_VAR] = token  # read by verifiers' client when it is built (`resolve_api_key`)
+        # The run's token (on a fleet of its own, the admin token) goes to verifiers' client as a header of its config
+        # (`context`), never through the environment, which every subprocess of the episode would inherit.
+        self._token = token
         self.episode_timeout_s = episode_timeout_s
         self.gate = asyncio.Semaphore(max_concurrent)
         self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -204,8 +204,12 @@ class VerifiersRunner(Sampler):
         sampling (a top-k only when one is set: verifiers passes extra keys through to vLLM's sampling params)."""
         from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
 
+        auth = {"Authorization": f"Bearer {self._token}"} if self._token else {}  # wins over the key verifiers reads
         client = TrainClientConfig(
-            base_url=f"{self.base_url}/v1", api_key_var=API_KEY_VAR, renderer_model_name=self.renderer_model
+            base_url=f"{self.base_url}/v1",
+            api_key_var=API_KEY_VAR,
+            headers=auth,
+            renderer_model_name=self.renderer_model,
         )
         extra = {"top_k": sampling.top_k} if sampling.top_k > 0 else {}
         knobs = SamplingConfig(

@@ -148,3 +148,22 @@ def test_groups_in_flight_together_share_one_serving_and_the_last_takes_it_down(
     assert sampled[0].samples[0].streams["versions"][0] == 2.0
     asyncio.run(groups(2))  # another loop (as each evaluation is): serving again, once
     assert (env.entered, env.exited) == (2, 2)
+
+
+def test_the_runs_token_reaches_verifiers_client_as_its_header_and_never_the_environment(monkeypatch):
+    """The token (the admin token on a fleet of the run's own) must not be inherited by the episode's subprocesses
+    (verifiers' harnesses, model-driven tools): it is a header of the client verifiers builds, not a variable."""
+    import os
+
+    from openai._models import FinalRequestOptions
+    from verifiers.v1.clients.base import build_async_openai
+
+    from app.rollout.sampling import SamplingArgs
+    from app.rollout.verifiers_episodes import API_KEY_VAR, VerifiersRunner
+
+    monkeypatch.delenv(API_KEY_VAR, raising=False)
+    runner = VerifiersRunner(_Env(), ["task"], "http://127.0.0.1:1", "model", None, token="run-token-5e2a9")
+    assert "run-token-5e2a9" not in os.environ.values()
+    client = build_async_openai(runner.context("policy-v1", SamplingArgs(4)).client)  # as verifiers builds it
+    request = client._build_request(FinalRequestOptions.construct(method="post", url="/generate", json_data={}))
+    assert request.headers["authorization"] == "Bearer run-token-5e2a9"
