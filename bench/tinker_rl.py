@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-tinker-rl-") as tmp:
         work = Path(tmp)
         with running_fleet(work, model_path, ["fleet.max_loras=12"], TOKEN) as fleet:
-            settings = TinkerSettings(
-                fleet_url=fleet.url, base_model=fleet.base, model_path=fleet.model_path, cache_dir=str(work / "cache")
+            settings = TinkerSettings.of_fleet(
+                fleet.cfg.own_fleet(), fleet.url, fleet.base, fleet.model_path, cache_dir=str(work / "cache")
             )
             url = start_tinker(settings, TOKEN)
             try:

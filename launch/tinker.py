@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="the fleet's config file (default: the tiny CPU fleet)")
     parser.add_argument("--set", action="append", default=[], help="a fleet config override, key=value")
     for name, field in TinkerSettings.model_fields.items():
-        if name not in ("fleet_url", "base_model", "model_path", "cache_dir"):
+        if not field.is_required():  # the others are the fleet's (`TinkerSettings.of_fleet`)
             flag = f"--{name.replace('_', '-')}"
             parser.add_argument(flag, type=type(field.default), default=field.default, help=field.description)
     args = parser.parse_args(argv)
@@ -100,12 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=30)
     limits = {k: v for k, v in vars(args).items() if k in TinkerSettings.model_fields}
     try:
-        settings = TinkerSettings(
-            fleet_url=url,
-            base_model=models.json()["data"][0]["id"],
-            model_path=model_path,
-            cache_dir=str(cfg.bucket.cache_dir),
-            **limits,
+        models.raise_for_status()  # the fleet is up; the service names the base model by its configured id
+        settings = TinkerSettings.of_fleet(
+            cfg, url, cfg.model.name_or_path, model_path, cache_dir=str(cfg.bucket.cache_dir), **limits
         )
     except pydantic.ValidationError as exc:
         print(f"tinker settings: {exc}", file=sys.stderr)

@@ -29,23 +29,30 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from tinker import types
 from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 from tinker.types.get_server_capabilities_response import SupportedModel
+from tinker.types.try_again_response import TryAgainResponse  # the SDK's own poll answer, not exported by tinker.types
 
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, token_matches
 from contracts.tinker import EXPORTS_PREFIX, AdamStep, AdapterSpec, LearnerLost
+from deployments.api.callers import require_json
+from deployments.api.intake import read_body
+from deployments.control.errors import ApiError
+from deployments.control.offload import offload
 from deployments.tinker.exports import LINK_TTL_S, ExportLinks, LinkRefused
 from deployments.tinker.fleet_calls import FleetCalls, FleetRefused, Tenant
 from deployments.tinker.futures import Futures, RequestFailed, Result
+from deployments.tinker.limits import Limits, Refused
 from deployments.tinker.sessions import Model, NotFound, OverCapacity, Sessions
 from deployments.tinker.settings import TinkerSettings
+from deployments.tinker.turns import TurnRefused
 from deployments.tinker.wire import (
     PROTOBUF,
     Sequence,
     WireError,
-    decode_forward_backward,
     decompress,
     encode_forward_backward_output,
     encode_sample_response,
+    parse_forward_backward,
 )
 
 log = logging.getLogger("ray.serve")
@@ -135,8 +142,14 @@ class TinkerApi:
         self.settings, self.learners, self.fleet = settings, learners, fleet
         self.admin_token = admin_token
         self.sessions = Sessions(
-            settings.max_models, settings.max_models_per_tenant, settings.session_idle_s, len(learners)
+            settings.max_models,
+            settings.max_models_per_tenant,
+            settings.session_idle_s,
+            len(learners),
+            turn_wait_s=settings.turn_wait_s,
+            max_seq_ahead=settings.max_seq_ahead,
         )
+        self.limits = Limits.of(settings)
         self.futures = Futures(settings.future_ttl_s)
         self.tenants: dict[str, Tenant] = {}  # the latest caller of each run: whom a spot notice's saves are for
         self.links = ExportLinks(admin_token, settings.cache_dir)
@@ -145,24 +158,23 @@ class TinkerApi:
     # ---- reading a request ------------------------------------------------------------------------------
 
     async def body(self, request: Request) -> bytes:
-        length = request.headers.get("content-length")
+        """The body, bounded as the fleet's are (`deployments.api.intake.read_body`: a 413 by its Content-Length
+        before a byte is read, else while it streams in), inflated off the event loop when zstd."""
         limit = self.settings.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise HttpError(413, f"body of {length} bytes exceeds the limit of {limit}")
-        raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise HttpError(413, f"body exceeds the limit of {limit} bytes")
         try:
-            return decompress(raw, request.headers.get("content-encoding"), limit)
+            raw = await read_body(request, limit)
+        except ApiError as refused:
+            raise HttpError(refused.status, refused.message) from None
+        encoding = request.headers.get("content-encoding")
+        try:
+            return await offload(decompress, raw, encoding, limit) if raw and encoding else raw
         except WireError as exc:
             raise HttpError(400, str(exc)) from None
 
     async def parse(self, request: Request, model: type[pydantic.BaseModel]):
         raw = await self.body(request)
         try:
-            return model.model_validate_json(raw or b"{}")
+            return await offload(model.model_validate_json, raw or b"{}")
         except pydantic.ValidationError as exc:
             reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()[:4])
             raise HttpError(400, f"{model.__name__}: {reasons}") from None
@@ -221,6 +233,10 @@ class TinkerApi:
         header = request.headers.get("authorization") or f"Bearer {request.headers.get('x-api-key', '')}"
         if self.admin_token is None or not token_matches(header, self.admin_token.value):
             raise HttpError(401, "creating an API key needs the fleet's admin token")
+        try:
+            require_json(request)  # as the fleet's admin calls: a web page cannot send it to 127.0.0.1
+        except ApiError as refused:
+            raise HttpError(refused.status, refused.message) from None
         body = await self.body(request)
         try:
             spec = pydantic.TypeAdapter(dict[str, Any]).validate_json(body or b"{}")
@@ -236,7 +252,7 @@ class TinkerApi:
     # ---- training ---------------------------------------------------------------------------------------
 
     def _check_base(self, base_model: str | None) -> str:
-        if base_model not in (self.settings.base_model, None):
+        if base_model not in (self.settings.base_model, self.settings.model_path, None):  # its id, or its folder
             raise HttpError(400, f"base_model {base_model!r}: this server trains {self.settings.base_model!r} only")
         return self.settings.base_model
 
@@ -331,7 +347,11 @@ class TinkerApi:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.CreateModelRequest)
         base = self._check_base(body.base_model)
-        lora = body.lora_config or types.LoraConfig(rank=32)
+        lora = body.lora_config or types.LoraConfig(rank=min(32, self.limits.max_lora_rank))  # the SDK's default rank
+        try:
+            self.limits.lora_rank(lora.rank)
+        except Refused as exc:
+            raise HttpError(400, str(exc)) from None
         try:
             model = self.sessions.reserve_model(body.session_id, tenant.run, body.model_seq_id, base, lora.rank)
         except NotFound as exc:
@@ -354,33 +374,50 @@ class TinkerApi:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.GetInfoRequest)
         model = self._model(body.model_id, tenant)
-        data = types.ModelData(arch="qwen2", model_name=model.base_model, tokenizer_id=self.settings.model_path)
+        tokenizer = self.settings.tokenizer_id or self.settings.model_path
+        data = types.ModelData(arch="qwen2", model_name=model.base_model, tokenizer_id=tokenizer)
         info = types.GetInfoResponse(
             model_data=data, model_id=model.model_id, is_lora=True, lora_rank=model.rank, model_name=model.base_model
         )
         return _json(info)
 
-    def _model(self, model_id: str, tenant: Tenant):
+    def _model(self, model_id: str, tenant: Tenant, seq_id: int | None = None, request: Request | None = None):
+        """The tenant's training client `model_id` (404 else); with `seq_id`, that number is claimed for `request`
+        (`Turns.claim`): should the route then refuse it, its turn is given up (`give_up_turn`), since the SDK has
+        used the number and a hole would hold every later request of the client."""
         try:
-            return self.sessions.model(model_id, tenant.run)
+            model = self.sessions.model(model_id, tenant.run)
         except NotFound as exc:
             raise HttpError(404, str(exc)) from None
+        if seq_id is not None:
+            try:
+                model.turns.claim(seq_id)
+            except TurnRefused as refused:
+                raise HttpError(refused.status, refused.message) from None
+            if request is not None:
+                request.state.turn = (model, seq_id)
+        return model
 
     async def forward_backward(self, request: Request) -> dict:
+        """The body is parsed and checked against the limits (`Limits.loss_call`) in a worker thread: its size and
+        its tensors' shapes are the tenant's to choose, the event loop every tenant's."""
         tenant = await self.tenant(request)
+        body = await self.body(request)
         try:
-            decoded = decode_forward_backward(await self.body(request))
+            message = await offload(parse_forward_backward, body)
         except WireError as exc:
             raise HttpError(400, str(exc)) from None
-        model = self._model(decoded.model_id, tenant)
-        for i, datum in enumerate(decoded.call.data):
-            if len(datum.input_tokens) > self.settings.max_context:
-                raise HttpError(400, f"data[{i}]: {len(datum.input_tokens)} tokens exceed max_context")
+        model = self._model(message.model_id, tenant, message.seq_id, request)
+        try:
+            call = await offload(self.limits.loss_call, message)
+        except (WireError, Refused) as exc:
+            raise HttpError(400, str(exc)) from None
+        seq_id = message.seq_id
 
         async def work() -> Result:
-            async with model.turn(decoded.seq_id):
-                reply = await self._learner("forward_backward", decoded.call, model=model, tenant=tenant)
-                if decoded.call.backward:
+            async with model.turn(seq_id):
+                reply = await self._learner("forward_backward", call, model=model, tenant=tenant)
+                if call.backward:
                     model.pending = model.trained = True
                     if await self._notice(model.learner) is not None:  # the node is going: the gradient must survive it
                         await self._keep(model, tenant)
@@ -391,7 +428,7 @@ class TinkerApi:
     async def optim_step(self, request: Request) -> dict:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.OptimStepRequest)
-        model = self._model(body.model_id, tenant)
+        model = self._model(body.model_id, tenant, body.seq_id, request)
         params = body.optim_params
         if not isinstance(params, types.AdamParams):
             raise HttpError(400, f"optim_params: only AdamParams (adamw) is supported, got {type(params).__name__}")
@@ -418,7 +455,7 @@ class TinkerApi:
     async def save_for_sampler(self, request: Request) -> dict:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.SaveWeightsForSamplerRequest)
-        model = self._model(body.model_id, tenant)
+        model = self._model(body.model_id, tenant, body.seq_id, request)
         expires = _expiry(body.ttl_seconds)
 
         async def work() -> Result:
@@ -486,7 +523,7 @@ class TinkerApi:
     async def save_state(self, request: Request) -> dict:
         tenant = await self.tenant(request)
         body = await self.parse(request, types.SaveWeightsRequest)
-        model = self._model(body.model_id, tenant)
+        model = self._model(body.model_id, tenant, body.seq_id, request)
         expires = _expiry(body.ttl_seconds)
 
         async def work() -> Result:
@@ -510,7 +547,7 @@ class TinkerApi:
         `get_external_weights_urls` (what `tinker checkpoint download` does)."""
         tenant = await self.tenant(request)
         body = await self.parse(request, types.SaveWeightsExternalRequest)
-        model = self._model(body.model_id, tenant)
+        model = self._model(body.model_id, tenant, body.seq_id, request)
         expires = _expiry(body.ttl_seconds)
         if body.age_encryption_recipients:
             raise HttpError(400, "age_encryption_recipients: this server does not encrypt exports")
@@ -602,6 +639,8 @@ class TinkerApi:
         load_state onto an existing one (`model_id` + `seq_id`)."""
         tenant = await self.tenant(request)
         body = await self.parse(request, types.LoadWeightsRequest)
+        if body.session_id is None and body.model_id is not None:  # onto a client: its turn is claimed first
+            self._model(body.model_id, tenant, body.seq_id, request)
         found = await self._recall(tenant, body.path, self.sessions.state_paths)
         if found is None:
             raise HttpError(404, f"path {body.path[:200]!r}: no saved state of this API key, nor a published one")
@@ -818,6 +857,10 @@ class TinkerApi:
             prompt = body.prompt.to_ints()
         except Exception as exc:  # noqa: BLE001 - an image chunk, say
             raise HttpError(400, f"prompt: only token chunks are supported ({exc})") from None
+        try:
+            self.limits.sample(body, prompt)
+        except Refused as exc:
+            raise HttpError(400, str(exc)) from None
         params = body.sampling_params
         stop = [params.stop] if isinstance(params.stop, str) else params.stop
         strings = bool(stop) and isinstance(next(iter(stop)), str)
@@ -865,6 +908,9 @@ class TinkerApi:
                     None if entry is None else entry[str(token)]["logprob"]
                     for token, entry in zip(prompt, listed, strict=False)
                 ]
+                if body.prompt_logprobs_last_n is not None:  # only the last N are asked for; the rest read None
+                    unasked = len(prompt_logprobs) - body.prompt_logprobs_last_n
+                    prompt_logprobs = [None] * unasked + prompt_logprobs[unasked:]
             return Result(proto=encode_sample_response(sequences, prompt_logprobs))
 
         sequence_ids = [f"{uuid.uuid4().hex}" for _ in range(body.num_samples)]
@@ -879,7 +925,7 @@ class TinkerApi:
             raise HttpError(404, f"future {body.request_id[:80]!r} does not exist for this API key")
         outcome = await self.futures.wait(body.request_id, self.settings.poll_wait_s)
         if outcome is None:
-            pending = types.TryAgainResponse(request_id=body.request_id, queue_state="active")
+            pending = TryAgainResponse(request_id=body.request_id, queue_state="active")
             return JSONResponse(_json(pending))
         if isinstance(outcome, RequestFailed):
             category = types.RequestErrorCategory(outcome.category)
@@ -917,6 +963,15 @@ class TinkerApi:
             await asyncio.to_thread(self.links.prune)
 
 
+def give_up_turn(request: Request) -> None:
+    """A request refused after its training client's `seq_id` was claimed (`TinkerApi._model`) still takes its turn,
+    without running: the SDK numbered the client's later requests after it."""
+    claimed = getattr(request.state, "turn", None)
+    if claimed is not None:
+        model, seq_id = claimed
+        model.turns.give_up(seq_id)
+
+
 def make_app(settings: TinkerSettings, learners: list, admin_token: Secret | None = None) -> FastAPI:
     """The FastAPI app of the Tinker API; its paths are `/v1/...` under Serve's route prefix `/api`
     (`contracts.tinker.TINKER_ROUTE_PREFIX`), which Serve takes off before the app sees a path."""
@@ -932,11 +987,13 @@ def make_app(settings: TinkerSettings, learners: list, admin_token: Secret | Non
             task.cancel()
             await fleet.close()
 
-    app = FastAPI(lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: they would be served without a key (the fleet's app has none either).
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
 
     @app.exception_handler(HttpError)
-    async def _http_error(_request, exc: HttpError):
+    async def _http_error(request, exc: HttpError):
+        give_up_turn(request)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status)
 
     def post(path: str, handler):

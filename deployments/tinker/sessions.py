@@ -11,13 +11,14 @@ key's model is not there.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from deployments.tinker.futures import RequestFailed
+from deployments.tinker.turns import Turns
+
+TURN_WAIT_S = 300.0  # how long a request waits for the ones numbered before it (`Turns`), unless Sessions says
+MAX_SEQ_AHEAD = 1024  # how far ahead of its client's turn a request's seq_id may be, unless Sessions says
 
 
 class NotFound(Exception):
@@ -30,14 +31,13 @@ class OverCapacity(Exception):
 
 @dataclass
 class Model:
-    """A training client: its tenant, session, base model, LoRA rank, and the next `seq_id` it runs."""
+    """A training client: its tenant, session, base model, LoRA rank, and the order of its requests."""
 
     model_id: str
     tenant: str
     session_id: str
     base_model: str
     rank: int
-    next_seq: int = 1
     learner: int = 0  # which of the service's learners holds its adapter
     saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
     saved_from: str | None = None  # the prefix of that state when another tenant's (a published one it started from)
@@ -45,21 +45,11 @@ class Model:
     pending: bool = False  # a gradient accumulated (forward_backward) and not yet applied (optim_step)
     restores: int = 0
     touched: float = field(default_factory=time.time)  # wall-clock time of its last request (training-run listings)
-    _turns: asyncio.Condition = field(default_factory=asyncio.Condition)
+    turns: Turns = field(default_factory=lambda: Turns(TURN_WAIT_S, MAX_SEQ_AHEAD))  # its requests' order
 
-    @contextlib.asynccontextmanager
-    async def turn(self, seq_id: int):
-        """Run the body when every request numbered below `seq_id` has run (the SDK numbers from 1)."""
-        async with self._turns:
-            await self._turns.wait_for(lambda: self.next_seq >= seq_id)
-        if self.next_seq > seq_id:
-            raise RequestFailed(f"seq_id {seq_id} of model {self.model_id} was already used", "user")
-        try:
-            yield
-        finally:
-            async with self._turns:
-                self.next_seq = seq_id + 1
-                self._turns.notify_all()
+    def turn(self, seq_id: int):
+        """Run the body when every request numbered below `seq_id` has had its turn (`Turns.turn`)."""
+        return self.turns.turn(seq_id)
 
 
 @dataclass
@@ -84,10 +74,19 @@ class Sessions:
     """Every tenant's sessions, training clients and samplers, and the capacity limits."""
 
     def __init__(
-        self, max_models: int, max_models_per_tenant: int, idle_s: float, learners: int = 1, clock=time.monotonic
+        self,
+        max_models: int,
+        max_models_per_tenant: int,
+        idle_s: float,
+        learners: int = 1,
+        clock=time.monotonic,
+        turn_wait_s: float = TURN_WAIT_S,
+        max_seq_ahead: int = MAX_SEQ_AHEAD,
     ):
-        """`max_models` training clients on each of `learners` learners."""
+        """`max_models` training clients on each of `learners` learners. A training client's request waits for its turn
+        `turn_wait_s` at most, and may be numbered up to `max_seq_ahead` past that turn (`Turns`)."""
         self.max_models, self.max_models_per_tenant, self.idle_s = max_models, max_models_per_tenant, idle_s
+        self.turn_wait_s, self.max_seq_ahead = turn_wait_s, max_seq_ahead
         self.learners = learners
         self._clock = clock
         self.sessions: dict[str, Session] = {}
@@ -134,7 +133,8 @@ class Sessions:
                 f"this API key holds {mine} training clients, its limit ({self.max_models_per_tenant}); "
                 "close a ServiceClient or wait for an idle session to be released"
             )
-        model = Model(model_id, tenant, session_id, base_model, rank, learner=learner)
+        turns = Turns(self.turn_wait_s, self.max_seq_ahead, f"model {model_id}")
+        model = Model(model_id, tenant, session_id, base_model, rank, learner=learner, turns=turns)
         self.models[model_id] = model
         session.models.add(model_id)
         return model

@@ -19,6 +19,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from contracts.tinker import Datum, LossCall
 
 PROTOBUF = "application/x-protobuf"
+TOKEN_DTYPE = np.dtype(np.int32)  # how the SDK packs a text chunk's token ids
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
@@ -50,28 +51,66 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-def tensor_values(tensor: pb.Tensor, name: str) -> np.ndarray:
-    """A dense (or CSR) `Tensor`'s values, flat."""
+def tensor_length(tensor: pb.Tensor, name: str) -> int:
+    """How many values `tensor` holds once dense, from its bytes, without building it: a declared shape must be what
+    its data holds, and a sparse tensor's indices must be consistent (its shape is the only size it declares)."""
     dtype = _NUMPY.get(tensor.dtype)
     if dtype is None:
-        raise WireError(f"loss_fn_inputs[{name!r}]: dtype {tensor.dtype} is not float32 or int64")
+        raise WireError(f"loss_fn_inputs[{name!r}]: dtype {tensor.dtype} is not float32, int32 or int64")
+    itemsize = np.dtype(dtype).itemsize
+    shape = list(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape[:8]} has a negative size")
     if tensor.HasField("sparse_csr"):
-        shape = list(tensor.shape)
         if len(shape) != 2:
-            raise WireError(f"loss_fn_inputs[{name!r}]: a sparse tensor must be 2-D, got shape {shape}")
+            raise WireError(f"loss_fn_inputs[{name!r}]: a sparse tensor must be 2-D, got shape {shape[:8]}")
         csr = tensor.sparse_csr
-        values = np.frombuffer(csr.values, dtype=dtype)
+        if len(csr.values) % itemsize or len(csr.crow_indices) % 8 or len(csr.col_indices) % 8:
+            raise WireError(f"loss_fn_inputs[{name!r}]: sparse values or indices are not whole numbers")
+        nnz = len(csr.values) // itemsize
         crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
         cols = np.frombuffer(csr.col_indices, dtype=np.int64)
-        dense = np.zeros(shape, dtype=dtype)
-        for row in range(shape[0]):
-            dense[row, cols[crow[row] : crow[row + 1]]] = values[crow[row] : crow[row + 1]]
-        return dense.reshape(-1)
-    return np.frombuffer(tensor.dense, dtype=dtype)
+        consistent = (
+            len(crow) == shape[0] + 1
+            and len(cols) == nnz
+            and crow[0] == 0
+            and crow[-1] == nnz
+            and bool(np.all(np.diff(crow) >= 0))
+            and (nnz == 0 or (int(cols.min()) >= 0 and int(cols.max()) < shape[1]))
+        )
+        if not consistent:
+            raise WireError(f"loss_fn_inputs[{name!r}]: its sparse indices do not fit its shape {shape}")
+        return shape[0] * shape[1]
+    if len(tensor.dense) % itemsize:
+        raise WireError(f"loss_fn_inputs[{name!r}]: its data is not whole {np.dtype(dtype).name} values")
+    count = len(tensor.dense) // itemsize
+    if shape and int(np.prod(shape, dtype=object)) != count:
+        raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape[:8]} does not hold its {count} values")
+    return count
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackward:
-    """The SDK's protobuf `ForwardBackwardRequest` as a `LossCall` (text chunks only: the tiny models see no images)."""
+def tensor_values(tensor: pb.Tensor, name: str, length: int) -> np.ndarray:
+    """A dense (or CSR) `Tensor`'s values, flat: `length` of them, or a WireError before anything is built."""
+    count = tensor_length(tensor, name)
+    if count != length:
+        raise WireError(f"loss_fn_inputs[{name!r}] holds {count} values for {length} tokens")
+    dtype = _NUMPY[tensor.dtype]
+    if not tensor.HasField("sparse_csr"):
+        return np.frombuffer(tensor.dense, dtype=dtype)
+    rows, cols = list(tensor.shape)
+    csr = tensor.sparse_csr
+    values = np.frombuffer(csr.values, dtype=dtype)
+    crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+    col = np.frombuffer(csr.col_indices, dtype=np.int64)
+    dense = np.zeros((rows, cols), dtype=dtype)
+    for row in range(rows):
+        dense[row, col[crow[row] : crow[row + 1]]] = values[crow[row] : crow[row + 1]]
+    return dense.reshape(-1)
+
+
+def parse_forward_backward(body: bytes) -> pb.ForwardBackwardRequest:
+    """The SDK's protobuf `ForwardBackwardRequest`, parsed only: which client, which turn, how large (its bytes are
+    bounded by the body's limit; nothing of it is decoded yet)."""
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
@@ -81,17 +120,23 @@ def decode_forward_backward(body: bytes) -> ForwardBackward:
         raise WireError("model_id: missing")
     if not message.data:
         raise WireError("forward_backward_input.data: no datums")
+    return message
+
+
+def loss_call(message: pb.ForwardBackwardRequest) -> LossCall:
+    """A parsed request as a `LossCall` (text chunks only: the tiny models see no images); each loss input must hold
+    one value per token of its datum."""
     data = []
     for i, datum in enumerate(message.data):
         tokens: list[int] = []
         for chunk in datum.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise WireError(f"data[{i}]: only encoded_text chunks are supported, got {chunk.WhichOneof('chunk')}")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
-        inputs = {name: tensor_values(t, name) for name, t in datum.loss_fn_inputs.items()}
-        targets = inputs.pop("target_tokens", None)
-        if targets is None:
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=TOKEN_DTYPE).tolist())
+        if "target_tokens" not in datum.loss_fn_inputs:
             raise WireError(f"data[{i}]: loss_fn_inputs['target_tokens'] is missing")
+        inputs = {name: tensor_values(t, name, len(tokens)) for name, t in datum.loss_fn_inputs.items()}
+        targets = inputs.pop("target_tokens")
         data.append(
             Datum(
                 input_tokens=tokens,
@@ -106,8 +151,13 @@ def decode_forward_backward(body: bytes) -> ForwardBackward:
         config[key] = value.number
     for key, number in message.loss_fn_config.items():
         config.setdefault(key, number)
-    call = LossCall(message.model_id, data, message.loss_fn, config, backward=not message.forward_only)
-    return ForwardBackward(message.model_id, message.seq_id, call)
+    return LossCall(message.model_id, data, message.loss_fn, config, backward=not message.forward_only)
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackward:
+    """The SDK's protobuf `ForwardBackwardRequest` as a `LossCall`, its client and its turn."""
+    message = parse_forward_backward(body)
+    return ForwardBackward(message.model_id, message.seq_id, loss_call(message))
 
 
 def _batched(arrays: list[np.ndarray], dtype: int) -> pb.BatchedTensor:

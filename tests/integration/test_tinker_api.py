@@ -40,10 +40,11 @@ def service(tmp_path_factory, tiny_model_path, notice_file):
     # to start on a 2-core CI machine.
     overrides = ["fleet.max_loras=16", "fleet.run_idle_timeout_s=600", "fleet.num_replicas=1"]
     with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
-        settings = TinkerSettings(
-            fleet_url=fleet.url,
-            base_model=fleet.base,
-            model_path=fleet.model_path,
+        settings = TinkerSettings.of_fleet(
+            fleet.cfg.own_fleet(),
+            fleet.url,
+            fleet.base,
+            fleet.model_path,
             cache_dir=str(work / "tinker-cache"),
             max_models=6,
             max_models_per_tenant=4,  # the isolation test holds one per tenant, the others one more each
@@ -450,6 +451,48 @@ def test_an_unknown_key_is_refused_in_the_sdks_terms(service):
     _, url, _ = service
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=url, api_key="tml-not-a-key").create_lora_training_client(base_model="x")
+
+
+def test_a_slow_learner_is_waited_for_through_the_sdks_try_again_never_a_server_error(service, caplog):
+    """Issue 43, item 8: a call that outlasts the long poll (`poll_wait_s`, 5 s here) is answered with the SDK's
+    try_again, which its future reads as "ask again" (it logs each one), not as a 500 it would retry blindly. The
+    learner is kept busy 8 s (a learner runs one call at a time), so the client's `forward` waits behind it."""
+    import logging
+    import time
+
+    import ray
+
+    from launch.tinker import learner_actor
+
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as client:
+        _, _, logprobs = one_datum_client(client, fleet.base, 11, "2+2=", "4")
+        busy = learner_actor().__ray_call__.remote(lambda _learner: time.sleep(8))
+        with caplog.at_level(logging.WARNING, logger="tinker"):
+            assert logprobs()
+        ray.get(busy)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("because of try_again" in message for message in said), said
+
+
+def test_a_request_refused_when_it_arrives_does_not_hold_the_clients_next_ones(service):
+    """Issue 43, item 7: the SDK numbers a training client's requests itself; one the service refuses (a datum longer
+    than the context) has used its number, and the client's next requests still run, where they used to wait for it
+    for ever."""
+    fleet, url, keys = service
+    with tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as client:
+        training, _, logprobs = one_datum_client(client, fleet.base, 13, "3+4=", "7")
+        before = logprobs()
+        too_long = types.Datum(
+            model_input=types.ModelInput.from_ints([5] * 300),
+            loss_fn_inputs={"target_tokens": [5] * 300, "weights": [1.0] * 300},
+        )
+        with pytest.raises(tinker.BadRequestError, match="context length"):
+            training.forward_backward([too_long], "cross_entropy").result(timeout=60)
+        data = [sft_datum(training.get_tokenizer(), "3+4=", "7")]
+        training.forward_backward(data, "cross_entropy").result(timeout=60)
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+        assert logprobs() != before
 
 
 def test_an_rl_step_through_the_sdk_is_on_policy_and_moves_the_policy_along_the_advantages(service):

@@ -2,14 +2,19 @@
 call, bounded and validated bodies, futures, capacity, and the SDK-shaped errors."""
 
 import asyncio
+import threading
 
+import numpy as np
 import zstandard
 from fastapi.testclient import TestClient
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.types.try_again_response import TryAgainResponse
 
 from contracts.adapters import adapter_name
+from contracts.auth import Secret
 from contracts.tinker import AdapterSpec, LearnerLost, Lineage, LossReply, Publication
 from deployments.tinker.fleet_calls import FleetCalls, Tenant
 from deployments.tinker.service import make_app
@@ -77,8 +82,9 @@ class FakeLearner:
             self.bucket[(lineage.run, path)] = number
 
 
-def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None, learners=None):
-    """The app over fake learners (`learners`, else one: `learner`) and a fake fleet; the app and the first learner."""
+def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None, learners=None, admin=None, **limits):
+    """The app over fake learners (`learners`, else one: `learner`) and a fake fleet; the app and the first learner.
+    A fleet of context 128, vocabulary 64, LoRA ranks up to 8 and 16 completions per request, unless `limits` say."""
     settings = TinkerSettings(
         fleet_url="http://127.0.0.1:9",
         base_model="tiny",
@@ -89,10 +95,11 @@ def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None, learn
         max_body_bytes=max_body,
         poll_wait_s=2.0,
         learner_wait_s=0.5,
+        **{"max_context": 128, "vocab_size": 64, "max_lora_rank": 8, "max_samples": 16, **limits},
     )
     learners = learners or [learner or FakeLearner()]
     learner = learners[0]
-    app = make_app(settings, learners)
+    app = make_app(settings, learners, admin)
     app.state.api.fleet = FakeFleet("http://127.0.0.1:9", "/tmp")
     return TestClient(app), learner
 
@@ -347,3 +354,200 @@ def test_with_several_learners_each_client_is_trained_saved_and_noticed_on_its_o
         second.notice = "spot: a notice for the second learner's node"
         asyncio.run(http.app.state.api.keep_everyone(second.notice, 1))
         assert (first.saves, second.saves) == (0, 1)
+
+
+# ---- issue 43: bounded inputs, turns that cannot hang, the SDK's try_again, request-time refusals --------------
+
+
+class SlowLearner(FakeLearner):
+    """A learner whose `forward_backward` takes until `gate` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    async def call(self, method, *args):
+        if method == "forward_backward":
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
+        return await super().call(method, *args)
+
+
+def created(http, key="tml-a") -> str:
+    _, future = new_model(http, key)
+    return types.CreateModelResponse.model_validate(result(http, future.json()["request_id"], key).json()).model_id
+
+
+def fb_message(model_id: str, seq_id: int, tokens=(1, 2), targets=(2, 3), loss_fn="cross_entropy", **inputs):
+    """The SDK's protobuf `ForwardBackwardRequest` of one datum (weights 1 unless `inputs` say otherwise)."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(tokens)),
+        loss_fn_inputs={"target_tokens": list(targets), **(inputs or {"weights": [1.0] * len(targets)})},
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn),
+        model_id=model_id,
+        seq_id=seq_id,
+    )
+    return forward_backward_request_to_proto(request)
+
+
+def send_fb(http, message, key="tml-a"):
+    headers = {"X-API-Key": key, "Content-Type": "application/x-protobuf"}
+    return http.post("/v1/forward_backward", content=message.SerializeToString(), headers=headers)
+
+
+def optim(http, model_id: str, seq_id: int, key="tml-a"):
+    return post(
+        http,
+        "optim_step",
+        types.OptimStepRequest(adam_params=types.AdamParams(), model_id=model_id, seq_id=seq_id),
+        key,
+    )
+
+
+def test_a_request_refused_when_it_arrives_still_takes_its_turn_so_the_next_one_runs():
+    """The SDK numbered the refused request: were its number left a hole, every later request of the client would
+    wait for ever (the SDK's own next request is numbered after it)."""
+    http, _ = client()
+    with http:
+        model_id = created(http)
+        refused = send_fb(http, fb_message(model_id, 1, tokens=[1] * 200, targets=[2] * 200))  # past the context
+        assert refused.status_code == 400, refused.text
+        step = result(http, optim(http, model_id, 2).json()["request_id"])
+        assert "metrics" in step.json(), step.text  # ran, instead of waiting for seq_id 1 for ever
+        ttl = post(http, "save_weights", types.SaveWeightsRequest(model_id=model_id, path="s", seq_id=3, ttl_seconds=1))
+        assert ttl.status_code == 400  # refused after its claim too
+        assert result(http, optim(http, model_id, 4).json()["request_id"]).status_code == 200
+
+
+def test_a_cancelled_waiting_request_takes_its_turn_and_a_seq_id_far_ahead_keeps_nothing():
+    learner = SlowLearner()
+    http, _ = client(learner=learner)
+    with http:
+        learner.gate.set()
+        model_id = created(http)
+        learner.gate.clear()
+        send_fb(http, fb_message(model_id, 1))  # running, held by the learner
+        waiting = optim(http, model_id, 2).json()["request_id"]
+        http.post("/v1/cancel_future", json={"request_id": waiting}, headers={"X-API-Key": "tml-a"})
+        last = optim(http, model_id, 3).json()["request_id"]
+        learner.gate.set()
+        assert "metrics" in result(http, last).json()
+        futures = len(http.app.state.api.futures)
+        far = optim(http, model_id, 10**9)
+        assert far.status_code == 429 and "ahead of its turn" in far.json()["detail"]
+        assert len(http.app.state.api.futures) == futures  # nothing of it kept
+
+
+def test_a_long_poll_that_times_out_answers_the_sdks_try_again():
+    """What the SDK's `retrieve_future` loop reads as try_again (`{"type": "try_again"}`, 200), not a 500."""
+    learner = SlowLearner()
+    http, _ = client(learner=learner)
+    with http:
+        learner.gate.set()
+        model_id = created(http)
+        learner.gate.clear()
+        pending = result(http, send_fb(http, fb_message(model_id, 1)).json()["request_id"])
+        assert pending.status_code == 200, pending.text
+        assert TryAgainResponse.model_validate(pending.json()).type == "try_again"
+        learner.gate.set()
+
+
+def test_forward_backward_is_checked_against_the_context_the_vocabulary_and_its_own_bytes():
+    """A sparse tensor's shape is believed only as far as the datum goes: 5 million declared values for 2 tokens are
+    refused before any is built, as are ids outside the vocabulary, inputs of another length, calls over the token
+    bound and losses this server does not compute; the learner sees none of them."""
+    http, learner = client(max_tokens_per_call=100)
+    with http:
+        model_id = created(http)
+        sparse = fb_message(model_id, 1)
+        weights = sparse.data[0].loss_fn_inputs["weights"]
+        weights.Clear()
+        weights.dtype, weights.sparse_csr.values = pb.DTYPE_FLOAT32, b""
+        weights.shape.extend([1, 5_000_000])
+        weights.sparse_csr.crow_indices = np.zeros(2, dtype=np.int64).tobytes()
+        lying = fb_message(model_id, 2)
+        lying.data[0].loss_fn_inputs["weights"].shape[:] = [4]  # declares 4, holds 2
+        refusals = [
+            ("5000000 values for 2 tokens", sparse),
+            ("does not hold", lying),
+            ("token id 64 is outside", fb_message(model_id, 3, tokens=[1, 64])),
+            ("token id -1 is outside", fb_message(model_id, 4, targets=[2, -1])),
+            ("holds 3 values for 2 tokens", fb_message(model_id, 5, weights=[1.0, 1.0, 1.0])),
+            ("per forward_backward", fb_message(model_id, 6, tokens=[1] * 101, targets=[1] * 101)),
+            ("use 'ppo'", fb_message(model_id, 7, loss_fn="stable_reinforce", logprobs=[0.0, 0.0], advantages=[1, 1])),
+            ("not read by cross_entropy", fb_message(model_id, 8, weights=[1.0, 1.0], advantages=[1.0, 1.0])),
+        ]
+        for reason, message in refusals:
+            refused = send_fb(http, message)
+            assert refused.status_code == 400 and reason in refused.json()["detail"], (reason, refused.text)
+        assert not [c for c in learner.calls if c[0] == "forward_backward"]
+        fine = send_fb(http, fb_message(model_id, 9))  # each refused request took its turn: this one's comes
+        assert result(http, fine.json()["request_id"]).status_code == 200
+        assert [c for c in learner.calls if c[0] == "forward_backward"]
+
+
+def test_samples_are_bounded_by_the_fleet_and_unserved_fields_are_refused_by_name():
+    http, _ = client()
+    with http:
+        session = post(http, "create_session", types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="x"))
+        sampling = types.CreateSamplingSessionRequest(
+            session_id=session.json()["session_id"], sampling_session_seq_id=0, base_model="tiny"
+        )
+        sampler_id = post(http, "create_sampling_session", sampling).json()["sampling_session_id"]
+
+        def sample(prompt=(1, 2, 3), **fields):
+            request = types.SampleRequest(
+                sampling_session_id=sampler_id,
+                seq_id=0,
+                prompt=types.ModelInput.from_ints(list(prompt)),
+                sampling_params=types.SamplingParams(max_tokens=4),
+                **fields,
+            )
+            return post(http, "asample", request)
+
+        for fields, reason in [
+            ({"num_samples": 2_000_000}, "num_samples 2000000"),
+            ({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs"),
+            ({"topk_sample_logprobs": 5}, "topk_sample_logprobs"),
+            ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+            ({"record_stability_info": True}, "stable_reinforce"),
+            ({"prompt_logprobs_last_n": 2}, "needs prompt_logprobs"),
+            ({"prompt": [1, 99]}, "token id 99 is outside"),
+            ({"prompt": [1] * 129}, "129 tokens"),
+        ]:
+            refused = sample(**fields)
+            assert refused.status_code == 400 and reason in refused.json()["detail"], (fields, refused.text)
+
+
+def test_a_lora_rank_above_the_fleets_is_refused_when_the_client_is_created():
+    http, learner = client()
+    with http:
+        session = post(http, "create_session", types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="x"))
+        request = types.CreateModelRequest(
+            session_id=session.json()["session_id"],
+            model_seq_id=0,
+            base_model="tiny",
+            lora_config=types.LoraConfig(rank=32),
+        )
+        refused = post(http, "create_model", request)
+        assert (
+            refused.status_code == 400
+            and "max_lora_rank" in refused.json()["detail"]
+            and "8" in refused.json()["detail"]
+        )
+        assert not learner.calls
+
+
+def test_the_admin_route_takes_only_declared_json_and_no_api_docs_are_served():
+    http, _ = client(admin=Secret("tinker-admin-token-0123"))
+    with http:
+        form = http.post(
+            "/v1/admin/keys",
+            content=b'{"name": "eve"}',
+            headers={"Authorization": "Bearer tinker-admin-token-0123", "Content-Type": "text/plain"},
+        )
+        assert form.status_code == 415
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert http.get(path).status_code == 404, path

@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from deployments.tinker.futures import RequestFailed
 from deployments.tinker.sessions import NotFound, OverCapacity, Sessions
+from deployments.tinker.turns import TurnRefused
 
 
 class Clock:
@@ -79,13 +79,14 @@ def test_requests_of_a_model_run_in_seq_id_order_whatever_order_they_arrive_in()
         ran = []
 
         async def request(seq_id):
+            model.turns.claim(seq_id)  # when it arrives
             async with model.turn(seq_id):
                 ran.append(seq_id)
                 await asyncio.sleep(0)
 
         await asyncio.gather(request(3), request(1), request(2))
         assert ran == [1, 2, 3]
-        with pytest.raises(RequestFailed, match="already used"):
+        with pytest.raises(TurnRefused, match="already used"):
             await request(2)
 
     asyncio.run(scenario())
