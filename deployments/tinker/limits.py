@@ -62,6 +62,13 @@ class Limits:
                 f"(its max_lora_rank); ask for rank {self.max_lora_rank} or less"
             )
 
+    def optimizer(self, config: types.OptimizerConfig) -> None:
+        """The optimizer a training client is created for: AdamW alone is served (its `optim_step` takes AdamParams)."""
+        if not isinstance(config, types.AdamOptimizerConfig):
+            raise Refused(
+                f"optimizer_config: {type(config).__name__} is not supported here; only AdamOptimizerConfig (adamw)"
+            )
+
     def token_ids(self, ids: np.ndarray, what: str) -> None:
         """Every id a row of the embedding table."""
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):

@@ -350,6 +350,7 @@ class TinkerApi:
         lora = body.lora_config or types.LoraConfig(rank=min(32, self.limits.max_lora_rank))  # the SDK's default rank
         try:
             self.limits.lora_rank(lora.rank)
+            self.limits.optimizer(body.optimizer_config)
         except Refused as exc:
             raise HttpError(400, str(exc)) from None
         try:

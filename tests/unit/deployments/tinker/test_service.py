@@ -521,7 +521,7 @@ def test_samples_are_bounded_by_the_fleet_and_unserved_fields_are_refused_by_nam
             assert refused.status_code == 400 and reason in refused.json()["detail"], (fields, refused.text)
 
 
-def test_a_lora_rank_above_the_fleets_is_refused_when_the_client_is_created():
+def test_a_lora_rank_above_the_fleets_or_another_optimizer_is_refused_when_the_client_is_created():
     http, learner = client()
     with http:
         session = post(http, "create_session", types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="x"))
@@ -537,6 +537,11 @@ def test_a_lora_rank_above_the_fleets_is_refused_when_the_client_is_created():
             and "max_lora_rank" in refused.json()["detail"]
             and "8" in refused.json()["detail"]
         )
+        dimuon = request.model_copy(
+            update={"lora_config": types.LoraConfig(rank=8), "optimizer_config": types.DimuonOptimizerConfig()}
+        )
+        refused = post(http, "create_model", dimuon)
+        assert refused.status_code == 400 and "only AdamOptimizerConfig" in refused.json()["detail"]
         assert not learner.calls
 
 
