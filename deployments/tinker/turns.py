@@ -5,8 +5,9 @@ out of order, so each waits until every number below its own has had its turn. A
 leave a hole, or every later request of the client waits for ever: a request refused when it arrived (a 400 once
 its client was known) and one cancelled before its turn still take their turn (`give_up`), without running. And
 whatever hole is left (a request lost on the way) is bounded twice: a number too far ahead of the client's turn is
-refused when it arrives (nothing of it is kept), and a turn that waits past `wait_s` fails, the numbers it waited
-for given up, so the client's next requests run again.
+refused when it arrives (nothing of it is kept), and a turn that waits `wait_s` while a number before it has not
+arrived fails, the missing numbers given up, so the client's next requests run again. Waiting behind requests that
+did arrive (a slow learner) is not bounded here: they are.
 """
 
 from __future__ import annotations
@@ -62,24 +63,28 @@ class Turns:
 
     @contextlib.asynccontextmanager
     async def turn(self, seq_id: int):
-        """Run the body in `seq_id`'s turn (claimed before); RequestFailed when it waited `wait_s` for the requests
-        before it, which are then given up."""
+        """Run the body in `seq_id`'s turn (claimed before); RequestFailed when it waited `wait_s` and a number before
+        it has still not arrived (the missing ones are then given up)."""
         if seq_id not in self._claimed:
             raise RequestFailed(f"seq_id {seq_id} of {self.label} was already used", "user")
         try:
             if seq_id != self.next:
                 ready = self._waiting[seq_id] = asyncio.get_running_loop().create_future()
-                try:
-                    await asyncio.wait_for(ready, self.wait_s)
-                except TimeoutError:
-                    missing = [n for n in range(self.next, seq_id) if n not in self._claimed]
-                    for number in missing:
-                        self.give_up(number)
-                    raise RequestFailed(
-                        f"seq_id {seq_id} of {self.label} waited {self.wait_s:g} s for requests before it that never "
-                        f"arrived ({len(missing)} of them, given up now); send it again",
-                        "user",
-                    ) from None
+                while True:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(ready), self.wait_s)
+                        break
+                    except TimeoutError:
+                        missing = [n for n in range(self.next, seq_id) if n not in self._claimed]
+                        if not missing:
+                            continue  # every request before it arrived: they run (a slow learner), it waits on
+                        for number in missing:
+                            self.give_up(number)
+                        raise RequestFailed(
+                            f"seq_id {seq_id} of {self.label} waited {self.wait_s:g} s for requests before it that "
+                            f"never arrived ({len(missing)} of them, given up now); send it again",
+                            "user",
+                        ) from None
             yield
         finally:
             self._waiting.pop(seq_id, None)

@@ -77,3 +77,22 @@ def test_used_numbers_and_numbers_too_far_ahead_are_refused_when_they_arrive():
     turns.claim(4)  # within the bound
     with pytest.raises(TurnRefused):
         turns.claim(0)  # the SDK numbers from 1
+
+
+def test_a_turn_behind_requests_that_arrived_waits_for_them_however_long_they_run():
+    """Only a number that never arrived is given up: one running long (a slow learner, a learner coming back) is
+    waited for past `wait_s`."""
+
+    async def scenario():
+        turns, ran, hold = Turns(wait_s=0.1, max_ahead=8), [], asyncio.Event()
+        turns.claim(1)
+        turns.claim(2)
+        slow = asyncio.create_task(run(turns, 1, ran, hold))
+        behind = asyncio.create_task(run(turns, 2, ran))
+        await asyncio.sleep(0.35)  # three of its bounds
+        assert ran == [1] and not behind.done()
+        hold.set()
+        await asyncio.wait_for(asyncio.gather(slow, behind), 1.0)
+        assert ran == [1, 2]
+
+    asyncio.run(scenario())
