@@ -4,7 +4,8 @@ Going through the fleet's front door (not around it) keeps every rule of a share
 the token decides which run a request is (`deployments.api.callers`), a run samples only the base model and its own
 lineage, its generations count against its fair share, and the prefix router places them. An API key is `tml-` and a
 run token (`contracts.tinker.API_KEY_PREFIX`): the run is learnt from the fleet (`GET /v1/runs` answers a run's token
-with its own name) and remembered by the token's sha256 only.
+with its own name); `deployments.tinker.tenants` remembers it, for a bounded time. Each tenant's samples go in its own
+lane (`deployments.tinker.lanes`), so one tenant's flood never queues another's before the fleet's fair share.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from contracts.auth import token_digest
 from contracts.tinker import API_KEY_PREFIX, Lineage
+from deployments.tinker.lanes import Lanes
 
 
 class FleetRefused(Exception):
@@ -35,10 +36,13 @@ class Tenant:
 
 
 class FleetCalls:
-    def __init__(self, fleet_url: str, cache_dir: str, timeout_s: float = 300.0):
-        self._http = httpx.AsyncClient(base_url=fleet_url, timeout=timeout_s)
+    def __init__(self, fleet_url: str, cache_dir: str, timeout_s: float = 300.0, lane: int = 64):
+        """`lane`: sample requests each tenant has in flight to the fleet at once (`Lanes`); the connection pool is
+        unbounded, so it is never the queue that tenants share."""
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._http = httpx.AsyncClient(base_url=fleet_url, timeout=timeout_s, limits=limits, trust_env=False)
         self.cache_dir = cache_dir
-        self._tenants: dict[str, str] = {}  # token sha256 -> run
+        self.lanes = Lanes(lane)
         self._lineages: dict[str, Lineage] = {}
 
     async def close(self) -> None:
@@ -58,27 +62,26 @@ class FleetCalls:
         return response.json()
 
     async def tenant(self, api_key: str | None) -> Tenant | None:
-        """The tenant an API key belongs to, or None (no key, not `tml-`, not a run's token)."""
+        """The tenant an API key belongs to as the fleet says now, or None (no key, not `tml-`, not a run's token)."""
         if not api_key or not api_key.startswith(API_KEY_PREFIX):
             return None
         token = api_key[len(API_KEY_PREFIX) :]
-        digest = token_digest(token)
-        run = self._tenants.get(digest)
-        if run is None:
-            try:
-                runs = (await self._call("GET", "/v1/runs", token))["runs"]
-            except FleetRefused as refused:
-                if refused.status in (401, 403):
-                    return None
-                raise
-            if len(runs) != 1:  # the admin's token lists every run: it is no tenant
+        try:
+            runs = (await self._call("GET", "/v1/runs", token))["runs"]
+        except FleetRefused as refused:
+            if refused.status in (401, 403):
                 return None
-            run = self._tenants[digest] = runs[0]
-        return Tenant(run, token)
+            raise
+        if len(runs) != 1:  # the admin's token lists every run: it is no tenant
+            return None
+        return Tenant(runs[0], token)
+
+    async def heartbeat(self, tenant: Tenant) -> float:
+        """The tenant's run is alive (`POST /v1/runs/NAME/heartbeat`): the fleet's idle timeout, in seconds."""
+        return float((await self._call("POST", f"/v1/runs/{tenant.run}/heartbeat", tenant.token))["idle_timeout_s"])
 
     def forget(self, run: str) -> None:
-        for digest in [d for d, r in self._tenants.items() if r == run]:
-            del self._tenants[digest]
+        """Drop what is kept of `run` (its lineage): a run registered again under its name is asked afresh."""
         self._lineages.pop(run, None)
 
     async def register(self, admin_token: str, name: str, lora_rank: int | None) -> str:
@@ -103,7 +106,9 @@ class FleetCalls:
         await self._call("POST", "/v1/load_lora_adapter", tenant.token, json={"lora_name": name, "lora_path": path})
 
     async def completions(self, tenant: Tenant, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", "/v1/completions", tenant.token, json=body)
+        """A generation, in the tenant's own lane: behind its own samples only, never another tenant's."""
+        async with self.lanes.of(tenant.run):
+            return await self._call("POST", "/v1/completions", tenant.token, json=body)
 
     async def models(self, token: str) -> list[str]:
         return [m["id"] for m in (await self._call("GET", "/v1/models", token))["data"]]

@@ -78,6 +78,13 @@ class Futures:
         if entry is not None:
             entry.task.cancel()
 
+    def cancel_tenant(self, tenant: str) -> int:
+        """Cancel and forget every future of `tenant` (a key the fleet revoked); how many there were."""
+        mine = [r for r, e in self._entries.items() if e.tenant == tenant]
+        for request_id in mine:
+            self.cancel(request_id)
+        return len(mine)
+
     def _expire(self) -> None:
         now = self._clock()
         for request_id in [

@@ -44,6 +44,7 @@ from deployments.tinker.futures import Futures, RequestFailed, Result
 from deployments.tinker.limits import Limits, Refused
 from deployments.tinker.sessions import Model, NotFound, OverCapacity, Sessions
 from deployments.tinker.settings import TinkerSettings
+from deployments.tinker.tenants import Tenants
 from deployments.tinker.turns import TurnRefused
 from deployments.tinker.wire import (
     PROTOBUF,
@@ -146,10 +147,13 @@ class TinkerApi:
             settings.max_models_per_tenant,
             settings.session_idle_s,
             len(learners),
+            max_samplers_per_tenant=settings.max_samplers_per_tenant,
             turn_wait_s=settings.turn_wait_s,
             max_seq_ahead=settings.max_seq_ahead,
         )
         self.limits = Limits.of(settings)
+        # Late-bound `self.fleet`: the key is checked with whatever fleet the service talks to (the tests' fake too).
+        self.keys = Tenants(lambda api_key: self.fleet.tenant(api_key), self._revoked, settings.key_recheck_s)
         self.futures = Futures(settings.future_ttl_s)
         self.tenants: dict[str, Tenant] = {}  # the latest caller of each run: whom a spot notice's saves are for
         self.links = ExportLinks(admin_token, settings.cache_dir)
@@ -181,7 +185,7 @@ class TinkerApi:
 
     async def tenant(self, request: Request) -> Tenant:
         try:
-            tenant = await self.fleet.tenant(request.headers.get("x-api-key"))
+            tenant = await self.keys.resolve(request.headers.get("x-api-key"))
         except FleetRefused as refused:
             raise HttpError(503, f"the fleet could not check the API key: {refused.message}") from None
         if tenant is None:
@@ -329,6 +333,16 @@ class TinkerApi:
             with contextlib.suppress(Exception):  # a learner that is gone holds nothing to drop
                 await learner.call("drop", model_id)
 
+    async def _revoked(self, run: str) -> None:
+        """The fleet no longer knows run `run` (the admin removed it, or it went idle): its futures are cancelled, its
+        sessions, samplers and training clients released, and what is cached of it forgotten."""
+        self.futures.cancel_tenant(run)
+        for model_id in self.sessions.close_tenant(run):
+            await self._drop(model_id)
+        self.tenants.pop(run, None)
+        self.fleet.forget(run)
+        self.adopted = {key: copy for key, copy in self.adopted.items() if key[0] != run}
+
     async def drop_orphans(self) -> None:
         """Drop the learners' adapters that no session of this service holds: a service started again (its node
         lost) knows none of the sessions before it, whose adapters would otherwise hold the learners' capacity."""
@@ -472,7 +486,7 @@ class TinkerApi:
             except FleetRefused as refused:
                 raise RequestFailed(f"the fleet did not load {fleet_model}: {refused.message}", "server") from None
             if path is None:  # save_weights_and_get_sampling_client: a sampler at once
-                sampler = self.sessions.add_sampler(tenant.run, fleet_model, model.base_model, None)
+                sampler = self.sessions.add_sampler(tenant.run, model.session_id, fleet_model, model.base_model, None)
                 reply = types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler.sampler_id)
             else:
                 if expires is None:  # a path that expires is always looked up in the bucket, where its expiry is
@@ -693,10 +707,12 @@ class TinkerApi:
                 )
             version = found[0] if found[1] is None else await self._adopted(tenant, body.model_path, *found)
             fleet_model = adapter_name(version, tenant.run)
-            sampler = self.sessions.add_sampler(tenant.run, fleet_model, self.settings.base_model, body.model_path)
+            sampler = self.sessions.add_sampler(
+                tenant.run, body.session_id, fleet_model, self.settings.base_model, body.model_path
+            )
         else:
             base = self._check_base(body.base_model)
-            sampler = self.sessions.add_sampler(tenant.run, base, base, None)
+            sampler = self.sessions.add_sampler(tenant.run, body.session_id, base, base, None)
         return _json(types.CreateSamplingSessionResponse(sampling_session_id=sampler.sampler_id))
 
     async def _adopted(self, tenant: Tenant, path: str, version: int, source: str) -> int:
@@ -946,22 +962,35 @@ class TinkerApi:
     # ---- upkeep -----------------------------------------------------------------------------------------
 
     async def upkeep(self) -> None:
-        """Release the sessions that went silent, and their adapters on the learner; on a spot notice for the
-        learner's node, save the clients that trained since their last state (those stepping save after each step).
-        Adapters on the learner that no session holds (a service's before this one) are released too."""
+        """`upkeep_round` every `UPKEEP_PERIOD_S`; a round that fails is logged and the next one runs all the same (one
+        error must not end the releases, heartbeats and notice saves of every tenant for good)."""
         while True:
             await asyncio.sleep(UPKEEP_PERIOD_S)
-            for model_id in self.sessions.take_idle():
-                log.info("tinker: releasing %s (its session went silent)", model_id)
-                await self._drop(model_id)
-            await self.drop_orphans()
-            holding = {m.tenant for m in self.sessions.models.values()}
-            self.tenants = {run: t for run, t in self.tenants.items() if run in holding}
-            for learner in range(len(self.learners)):
-                notice = await self._notice(learner)
-                if notice is not None:
-                    await self.keep_everyone(notice, learner)
-            await asyncio.to_thread(self.links.prune)
+            try:
+                await self.upkeep_round()
+            except Exception:  # noqa: BLE001 - whatever it was, the next round may pass
+                log.exception("tinker: an upkeep round failed; the next one runs in %.0f s", UPKEEP_PERIOD_S)
+
+    async def upkeep_round(self) -> None:
+        """Release the sessions that went silent, and their adapters on the learner; on a spot notice for the
+        learner's node, save the clients that trained since their last state (those stepping save after each step).
+        Adapters on the learner that no session holds (a service's before this one) are released too. Every run that
+        holds a session is kept alive on the fleet (`Tenants.keep_alive`), even one that only trains: first, so that
+        no slow learner delays it."""
+        in_session = {v.tenant for v in self.sessions.sessions.values()}
+        await self.keys.keep_alive(in_session, self.fleet.heartbeat)
+        self.keys.forget_idle(in_session, self.settings.session_idle_s)
+        for model_id in self.sessions.take_idle():
+            log.info("tinker: releasing %s (its session went silent)", model_id)
+            await self._drop(model_id)
+        await self.drop_orphans()
+        holding = {m.tenant for m in self.sessions.models.values()}
+        self.tenants = {run: t for run, t in self.tenants.items() if run in holding}
+        for learner in range(len(self.learners)):
+            notice = await self._notice(learner)
+            if notice is not None:
+                await self.keep_everyone(notice, learner)
+        await asyncio.to_thread(self.links.prune)
 
 
 def give_up_turn(request: Request) -> None:
@@ -976,7 +1005,7 @@ def give_up_turn(request: Request) -> None:
 def make_app(settings: TinkerSettings, learners: list, admin_token: Secret | None = None) -> FastAPI:
     """The FastAPI app of the Tinker API; its paths are `/v1/...` under Serve's route prefix `/api`
     (`contracts.tinker.TINKER_ROUTE_PREFIX`), which Serve takes off before the app sees a path."""
-    fleet = FleetCalls(settings.fleet_url, settings.cache_dir)
+    fleet = FleetCalls(settings.fleet_url, settings.cache_dir, lane=settings.sample_lane)
     api = TinkerApi(settings, learners, fleet, admin_token)
 
     @contextlib.asynccontextmanager

@@ -54,13 +54,16 @@ class Model:
 
 @dataclass
 class Sampler:
-    """A sampling session: what the fleet serves it as, its base model, the tinker path it came from."""
+    """A sampling session: what the fleet serves it as, its base model, the tinker path it came from, and the session
+    it lives and dies with (the SDK never releases one: an RL loop makes one per step)."""
 
     sampler_id: str
     tenant: str
     fleet_model: str
     base_model: str
     model_path: str | None
+    session_id: str = ""
+    used: float = 0.0  # the clock of its creation or last lookup: the least recently used goes first
 
 
 @dataclass
@@ -80,13 +83,16 @@ class Sessions:
         idle_s: float,
         learners: int = 1,
         clock=time.monotonic,
+        max_samplers_per_tenant: int = 64,
         turn_wait_s: float = TURN_WAIT_S,
         max_seq_ahead: int = MAX_SEQ_AHEAD,
     ):
-        """`max_models` training clients on each of `learners` learners. A training client's request waits for its turn
+        """`max_models` training clients on each of `learners` learners; `max_samplers_per_tenant` sampling clients per
+        tenant, beyond which its least recently used one is released. A training client's request waits for its turn
         `turn_wait_s` at most, and may be numbered up to `max_seq_ahead` past that turn (`Turns`)."""
         self.max_models, self.max_models_per_tenant, self.idle_s = max_models, max_models_per_tenant, idle_s
         self.turn_wait_s, self.max_seq_ahead = turn_wait_s, max_seq_ahead
+        self.max_samplers_per_tenant = max_samplers_per_tenant
         self.learners = learners
         self._clock = clock
         self.sessions: dict[str, Session] = {}
@@ -150,13 +156,26 @@ class Sessions:
         model.touched = time.time()
         return model
 
-    def add_sampler(self, tenant: str, fleet_model: str, base_model: str, model_path: str | None) -> Sampler:
-        sampler = Sampler(f"sampler-{uuid.uuid4().hex}", tenant, fleet_model, base_model, model_path)
+    def add_sampler(
+        self, tenant: str, session_id: str, fleet_model: str, base_model: str, model_path: str | None
+    ) -> Sampler:
+        """A sampling client of session `session_id`, released with it; a tenant over `max_samplers_per_tenant` loses
+        its least recently used one (a 404 if it is ever used again)."""
+        mine = sorted((s.used, s.sampler_id) for s in self.samplers.values() if s.tenant == tenant)
+        for _, old in mine[: max(0, len(mine) + 1 - self.max_samplers_per_tenant)]:
+            del self.samplers[old]
+        sampler = Sampler(
+            f"sampler-{uuid.uuid4().hex}", tenant, fleet_model, base_model, model_path, session_id, self._clock()
+        )
         self.samplers[sampler.sampler_id] = sampler
         return sampler
 
     def sampler(self, sampler_id: str, tenant: str) -> Sampler:
-        return _owned(self.samplers, sampler_id, tenant, f"sampler {sampler_id[:80]!r} does not exist for this API key")
+        sampler = _owned(
+            self.samplers, sampler_id, tenant, f"sampler {sampler_id[:80]!r} does not exist for this API key"
+        )
+        sampler.used = self._clock()
+        return sampler
 
     def close(self, session_id: str, tenant: str) -> list[str]:
         """End a session; the ids of its training clients, for the learner to drop."""
@@ -164,7 +183,23 @@ class Sessions:
         del self.sessions[session_id]
         for model_id in session.models:
             self.models.pop(model_id, None)
+        for sampler_id in [s for s, v in self.samplers.items() if v.session_id == session_id]:
+            del self.samplers[sampler_id]
         return sorted(session.models)
+
+    def close_tenant(self, tenant: str) -> list[str]:
+        """End every session of `tenant` (a key the fleet revoked) and forget its samplers and paths; the ids of its
+        training clients, for the learner to drop."""
+        dropped = sorted(m for m, v in self.models.items() if v.tenant == tenant)
+        for session_id in [s for s, v in self.sessions.items() if v.tenant == tenant]:
+            self.close(session_id, tenant)
+        for table in (self.samplers, self.models):
+            for key in [k for k, v in table.items() if v.tenant == tenant]:
+                del table[key]
+        for paths in (self.sampler_paths, self.state_paths):
+            for path in [p for p, (owner, _) in paths.items() if owner == tenant]:
+                del paths[path]
+        return dropped
 
     def take_idle(self) -> list[str]:
         """End every session silent for `idle_s`; the ids of their training clients."""

@@ -35,6 +35,15 @@ class TinkerSettings(BaseModel):
     )
     max_models_per_tenant: int = Field(2, ge=1, description="Training clients one API key may hold at once.")
     session_idle_s: float = Field(120.0, gt=0, description="A session without a heartbeat this long is released.")
+    key_recheck_s: float = Field(
+        1.0, gt=0, description="How long a key is trusted before the fleet is asked again (a revoked key's bound)."
+    )
+    sample_lane: int = Field(
+        64, ge=1, description="Sample requests one API key has in flight to the fleet at once; others wait their turn."
+    )
+    max_samplers_per_tenant: int = Field(
+        64, ge=1, description="Sampling clients one API key holds; beyond it the least recently used is released."
+    )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body, after zstd inflation (413).")
     poll_wait_s: float = Field(20.0, gt=0, description="How long retrieve_future waits before it says try_again.")
     learner_wait_s: float = Field(

@@ -556,3 +556,85 @@ def test_the_admin_route_takes_only_declared_json_and_no_api_docs_are_served():
         assert form.status_code == 415
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert http.get(path).status_code == 404, path
+
+
+def test_a_key_the_fleet_revoked_is_refused_by_every_route_and_all_it_held_is_dropped(monkeypatch):
+    """The admin removed alice's run on the fleet: once the key's bound (`key_recheck_s`) passes, every route answers
+    her key 401 in the SDK's shape, her futures are cancelled, her sessions, samplers and training clients released
+    (the adapter dropped from the learner), and bob, whose key stands, keeps his."""
+    http, learner = client(max_per_tenant=2)
+    with http:
+        api = http.app.state.api
+        session_id, future = new_model(http)
+        model_id = result(http, future.json()["request_id"]).json()["model_id"]
+        pending = forward_backward(http, model_id, 1).json()["request_id"]
+        sampling = types.CreateSamplingSessionRequest(
+            session_id=session_id, sampling_session_seq_id=0, base_model="tiny"
+        )
+        sampler_id = post(http, "create_sampling_session", sampling).json()["sampling_session_id"]
+        bob_session, bob_future = new_model(http, key="tml-b")
+        bob_model = result(http, bob_future.json()["request_id"], "tml-b").json()["model_id"]
+
+        monkeypatch.delitem(KEYS, "tml-a")  # what the fleet says of alice's token now
+        api.keys.max_age_s = 0.0  # the bound passed
+        alice = {"X-API-Key": "tml-a"}
+        refusals = [
+            post(http, "create_session", types.CreateSessionRequest(tags=[], user_metadata={}, sdk_version="x")),
+            post(http, "session_heartbeat", types.SessionHeartbeatRequest(session_id=session_id)),
+            post(http, "get_info", types.GetInfoRequest(model_id=model_id)),
+            result(http, pending),
+            http.get(f"/v1/samplers/{sampler_id}", headers=alice),
+            http.get("/v1/checkpoints", headers=alice),
+            http.get("/v1/training_runs", headers=alice),
+            post(http, "save_weights", types.SaveWeightsRequest(model_id=model_id, path="late", seq_id=2)),
+        ]
+        assert [r.status_code for r in refusals] == [401] * len(refusals)
+        assert all("API key" in r.json()["detail"] for r in refusals)
+        assert not api.futures.owned(pending, "alice") and session_id not in api.sessions.sessions
+        assert model_id not in api.sessions.models and sampler_id not in api.sessions.samplers
+        assert ("drop", (model_id,)) in learner.calls and ("drop", (bob_model,)) not in learner.calls
+        assert bob_session in api.sessions.sessions
+        info = post(http, "get_info", types.GetInfoRequest(model_id=bob_model), key="tml-b")
+        assert info.status_code == 200, info.text
+
+
+def test_a_closed_session_releases_its_sampling_clients():
+    """The SDK never releases a sampling client (an RL loop makes one per step): they go with their session."""
+    http, _ = client()
+    with http:
+        session_id, _ = new_model(http)
+        sampling = types.CreateSamplingSessionRequest(
+            session_id=session_id, sampling_session_seq_id=0, base_model="tiny"
+        )
+        sampler_id = post(http, "create_sampling_session", sampling).json()["sampling_session_id"]
+        assert http.get(f"/v1/samplers/{sampler_id}", headers={"X-API-Key": "tml-a"}).status_code == 200
+        http.post(f"/v1/sessions/{session_id}/finish", json={}, headers={"X-API-Key": "tml-a"})
+        assert http.get(f"/v1/samplers/{sampler_id}", headers={"X-API-Key": "tml-a"}).status_code == 404
+        assert not http.app.state.api.sessions.samplers
+
+
+def test_an_upkeep_round_that_fails_is_logged_and_the_next_one_runs(monkeypatch):
+    """One exception (here the links' pruning) must not end the upkeep for good: releases, heartbeats and notice
+    saves of every tenant depend on it."""
+    from deployments.tinker import service
+
+    http, _ = client()  # not entered: no upkeep of the app's own runs meanwhile
+    api = http.app.state.api
+    pruned = []
+
+    def prune():
+        pruned.append(len(pruned))
+        if len(pruned) == 1:
+            raise OSError("the bucket did not answer")
+
+    monkeypatch.setattr(api.links, "prune", prune)
+    monkeypatch.setattr(service, "UPKEEP_PERIOD_S", 0.02)
+
+    async def upkeep_for_a_while():
+        task = asyncio.ensure_future(api.upkeep())
+        await asyncio.sleep(0.5)
+        assert not task.done(), task.exception()
+        task.cancel()
+
+    asyncio.run(upkeep_for_a_while())
+    assert len(pruned) >= 3

@@ -22,7 +22,7 @@ def test_a_tenant_sees_only_its_own_sessions_models_and_samplers():
     mine = sessions.open("alice")
     model = sessions.reserve_model(mine, "alice", 0, "base", 8)
     assert model.model_id == f"{mine}:train:0"  # the id the SDK computes itself for create-via-load
-    sampler = sessions.add_sampler("alice", "alice/policy-v1", "base", None)
+    sampler = sessions.add_sampler("alice", mine, "alice/policy-v1", "base", None)
     for call in (
         lambda: sessions.session(mine, "bob"),
         lambda: sessions.model(model.model_id, "bob"),
@@ -90,3 +90,40 @@ def test_requests_of_a_model_run_in_seq_id_order_whatever_order_they_arrive_in()
             await request(2)
 
     asyncio.run(scenario())
+
+
+def test_samplers_are_released_with_their_session_and_bounded_per_tenant_least_recently_used_first():
+    """The SDK never releases a sampling client (an RL loop makes one per step): they go with their session, and a
+    tenant over its bound loses the one it used longest ago, never another tenant's."""
+    clock = Clock()
+    sessions = Sessions(4, 2, 60.0, clock=clock, max_samplers_per_tenant=3)
+    mine, other = sessions.open("alice"), sessions.open("bob")
+    bobs = sessions.add_sampler("bob", other, "base", "base", None)
+    made = []
+    for step in range(3):
+        clock.now = step
+        made.append(sessions.add_sampler("alice", mine, f"alice/policy-v{step}", "base", None).sampler_id)
+    clock.now = 10
+    sessions.sampler(made[0], "alice")  # used again: the second is now the least recently used
+    newest = sessions.add_sampler("alice", mine, "alice/policy-v3", "base", None).sampler_id
+    assert sorted(s for s, v in sessions.samplers.items() if v.tenant == "alice") == sorted([made[0], made[2], newest])
+    with pytest.raises(NotFound):
+        sessions.sampler(made[1], "alice")
+    sessions.close(mine, "alice")
+    assert list(sessions.samplers) == [bobs.sampler_id]
+    clock.now = 100  # bob's session went silent: its sampler goes with it
+    sessions.take_idle()
+    assert not sessions.samplers
+
+
+def test_a_revoked_tenant_loses_its_sessions_models_samplers_and_paths_and_no_one_else_does():
+    sessions = Sessions(4, 2, 60.0)
+    mine, other = sessions.open("alice"), sessions.open("bob")
+    model = sessions.reserve_model(mine, "alice", 0, "base", 8)
+    bobs = sessions.reserve_model(other, "bob", 0, "base", 8)
+    sessions.add_sampler("alice", mine, "alice/policy-v1", "base", None)
+    sessions.state_paths["tinker://a/weights/x"] = ("alice", 1)
+    sessions.state_paths["tinker://b/weights/x"] = ("bob", 1)
+    assert sessions.close_tenant("alice") == [model.model_id]
+    assert list(sessions.sessions) == [other] and list(sessions.models) == [bobs.model_id]
+    assert not sessions.samplers and list(sessions.state_paths) == ["tinker://b/weights/x"]
