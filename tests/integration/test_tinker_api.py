@@ -487,7 +487,7 @@ def test_a_request_refused_when_it_arrives_does_not_hold_the_clients_next_ones(s
             model_input=types.ModelInput.from_ints([5] * 300),
             loss_fn_inputs={"target_tokens": [5] * 300, "weights": [1.0] * 300},
         )
-        with pytest.raises(tinker.BadRequestError, match="context length"):
+        with pytest.raises(tinker.BadRequestError, match="context"):
             training.forward_backward([too_long], "cross_entropy").result(timeout=60)
         data = [sft_datum(training.get_tokenizer(), "3+4=", "7")]
         training.forward_backward(data, "cross_entropy").result(timeout=60)
