@@ -40,10 +40,8 @@ each client where it stopped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +54,6 @@ from app.learner.packing import TrainSample, register_packed_attention, shard_sa
 from app.objectives.tinker_losses import LossInputError, check_inputs, check_loss, datum_loss
 from contracts.auth import Secret
 from contracts.tinker import (
-    EXPORTS_PREFIX,
-    PUBLIC_PREFIX,
-    STATES_PREFIX,
     AdamStep,
     AdapterSpec,
     Export,
@@ -67,6 +62,8 @@ from contracts.tinker import (
     LossReply,
     Publication,
 )
+from core.bucket import tinker_paths
+from core.bucket.tinker_paths import own_record, record_kind
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -74,7 +71,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 GRADIENT_FILE = "gradient.pt"  # a state the service kept mid-step: the adapter's gradient, in its optimizer's order
 SPEC_FILE = "tinker_spec.json"
 PLACEHOLDER = "placeholder"  # the rank-1 adapter on every adaptable layer that is never trained (see the docstring)
-PATHS = "tinker/paths"  # under a tenant's prefix: one small JSON per tinker path the service handed out
 # Tokens of one forward: a call's datums are packed in rows of up to this many (a longer datum gets a row of its own),
 # so an RL step's 128 short datums cost one forward, and a GPU's long ones bound the activations.
 BATCH_TOKENS = 8192
@@ -306,7 +302,12 @@ class TinkerLearner:
         return dest
 
     def publish(
-        self, model: str, lineage: Lineage, path: str | None = None, expires: float | None = None
+        self,
+        model: str,
+        lineage: Lineage,
+        path: str | None = None,
+        expires: float | None = None,
+        user_metadata: dict[str, str] | None = None,
     ) -> Publication:
         """Commit the client's adapter as the tenant's next `policy-vN` (signed with its lineage's key); `path`, the
         tinker path the user is given for it, is recorded (`record`), to expire at `expires` (epoch seconds)."""
@@ -314,17 +315,18 @@ class TinkerLearner:
         with tempfile.TemporaryDirectory(prefix="tinker-adapter-") as tmp:
             publication = _commit_version(lineage, self._write_adapter(client, Path(tmp) / "adapter"))
         if path is not None:
-            _remember(lineage, path, publication.version, model, client.spec, expires)
+            _remember(lineage, path, "sampler", publication.version, model, client.spec, expires, user_metadata)
         return publication
 
-    def adopt(self, lineage: Lineage, source: str, version: int) -> Publication:
+    def adopt(self, lineage: Lineage, source: str, version: int, source_key: str) -> Publication:
         """Copy sampler version `version` of the prefix `source` (another tenant's, which published its path) into
         this tenant's lineage as its next version, signed with its key: the fleet serves a tenant its own lineage
-        only, so another tenant's published weights are sampled from a copy of them."""
-        from core.bucket.store import AdapterStore
-
+        only, so another tenant's published weights are sampled from a copy of them. The copy is signed anew, so the
+        original must verify under its owner's key (`source_key`) first: one planted in the owner's prefix by another
+        writer of the bucket is refused (`NotSigned`), never laundered into this tenant's lineage."""
+        owners = tinker_paths.store(source, "sampler", lineage.cache_dir, Secret(source_key))
         with tempfile.TemporaryDirectory(prefix="tinker-adopt-") as tmp:
-            folder = AdapterStore(source, cache_dir=lineage.cache_dir).fetch(version, Path(tmp) / "adapter")
+            folder = owners.fetch(version, Path(tmp) / "adapter")
             return _commit_version(lineage, folder)
 
     def save_state(
@@ -334,12 +336,16 @@ class TinkerLearner:
         path: str | None = None,
         gradient: bool = False,
         expires: float | None = None,
+        overwrite: bool = True,
+        user_metadata: dict[str, str] | None = None,
     ) -> int:
         """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number. `path`, the
-        tinker path the user is given for it, is recorded (`record`, to expire at `expires`); the service's own saves
-        after a notice have none, and keep with `gradient` what `forward_backward` accumulated and no `optim_step`
-        applied yet."""
+        tinker path the user is given for it, is recorded (`record`, to expire at `expires`), replacing the state of
+        that name only with `overwrite`; the service's own saves after a notice have none, and keep with `gradient`
+        what `forward_backward` accumulated and no `optim_step` applied yet."""
         client = self._activate(model)
+        if path is not None and not overwrite and own_record(lineage.bucket_url, path) is not None:
+            raise LossInputError(f"{path} exists: save with overwrite=True to replace it")
         states = _store(lineage, "training")
         with tempfile.TemporaryDirectory(prefix="tinker-state-") as tmp:
             folder = self._write_adapter(client, Path(tmp) / "state")
@@ -348,10 +354,12 @@ class TinkerLearner:
             if gradient and any(g is not None for g in grads):
                 torch.save(grads, folder / GRADIENT_FILE)
             (folder / SPEC_FILE).write_text(json.dumps({**_adapter_fields(client.spec), "steps": client.steps}))
-            number = (states.latest() or 0) + 1
-            states.save(number, folder, meta={"model": model, "steps": client.steps})
+            meta = {"model": model, "steps": client.steps}
+            number = tinker_paths.commit_new(
+                lineage.bucket_url, "training", states.latest, lambda n: states.save(n, folder, meta=meta)
+            )
         if path is not None:
-            _remember(lineage, path, number, model, client.spec, expires)
+            _remember(lineage, path, "training", number, model, client.spec, expires, user_metadata)
         return number
 
     def export(self, model: str, lineage: Lineage, path: str, expires: float | None = None) -> Export:
@@ -362,23 +370,26 @@ class TinkerLearner:
         with tempfile.TemporaryDirectory(prefix="tinker-export-") as tmp:
             folder = self._write_adapter(client, Path(tmp) / "export")
             files = {f.name: f.stat().st_size for f in folder.iterdir()}
-            number = (exports.latest() or 0) + 1
-            exports.save(number, folder, meta={"model": model})
-        _remember(lineage, path, number, model, client.spec, expires, size_bytes=sum(files.values()))
+            number = tinker_paths.commit_new(
+                lineage.bucket_url, "external", exports.latest, lambda n: exports.save(n, folder, meta={"model": model})
+            )
+        _remember(lineage, path, "external", number, model, client.spec, expires, size_bytes=sum(files.values()))
         return Export(number, files)
 
     def record(self, lineage: Lineage, path: str) -> dict | None:
         """The tenant's tinker `path` as recorded when it was saved (the fields `checkpoints` lists), or, for a path
         another tenant published to every key (`share`), its owner's record with `prefix`, the owner's prefix of the
         bucket, where what it names lies; None for a path the tenant cannot reach, or one past its expiry."""
-        own = _own_record(lineage.bucket_url, path)
+        own = own_record(lineage.bucket_url, path)
         if own is not None:
-            return own
-        pointer = _public(lineage).get(_record_name(path))
+            return {**own, "kind": record_kind(own)}
+        pointer = _public(lineage).get(tinker_paths.record_name(path))
         if pointer is None or pointer.get("path") != path:
             return None
-        owners = _own_record(pointer["prefix"], path)  # the owner's record decides: deleted, expired, unpublished
-        return {**owners, "prefix": pointer["prefix"]} if owners is not None and owners.get("public") else None
+        owners = own_record(pointer["prefix"], path)  # the owner's record decides: deleted, expired, unpublished
+        if owners is None or not owners.get("public"):
+            return None
+        return {**owners, "kind": record_kind(owners), "prefix": pointer["prefix"]}
 
     def expire(self, lineage: Lineage, path: str, expires: float | None) -> bool:
         """Set (or with None remove) the expiry of the tenant's own `path`; False for a path it does not own."""
@@ -391,16 +402,16 @@ class TinkerLearner:
         if not self._update(lineage, path, public=public):
             return False
         if public:
-            _public(lineage).put(_record_name(path), {"path": path, "prefix": lineage.bucket_url})
+            _public(lineage).put(tinker_paths.record_name(path), {"path": path, "prefix": lineage.bucket_url})
         else:
-            _public(lineage).delete(_record_name(path))
+            _public(lineage).delete(tinker_paths.record_name(path))
         return True
 
     def _update(self, lineage: Lineage, path: str, **fields) -> bool:
-        saved = _own_record(lineage.bucket_url, path)
+        saved = own_record(lineage.bucket_url, path)
         if saved is None:
             return False
-        _paths(lineage.bucket_url).put(_record_name(path), {**saved, **fields})
+        _paths(lineage.bucket_url).put(tinker_paths.record_name(path), {**saved, **fields})
         return True
 
     def checkpoints(self, lineage: Lineage) -> list[dict]:
@@ -410,7 +421,7 @@ class TinkerLearner:
         ones are deleted from the bucket on the way."""
         live = []
         for saved in _paths(lineage.bucket_url).all():
-            if not _expired(saved):
+            if not tinker_paths.expired(saved):
                 live.append(saved)
                 continue
             try:
@@ -427,23 +438,26 @@ class TinkerLearner:
         The tenant's newest sampler version stays (ValueError): the next one takes the number after the newest
         committed, and the fleet names what it serves by that number, so deleting the newest would hand its number,
         and its name on the fleet, to other weights."""
-        saved = _own_record(lineage.bucket_url, path)
+        saved = own_record(lineage.bucket_url, path)
         if saved is None:
             return False
         self._delete(lineage, saved)
         return True
 
     @staticmethod
-    def _delete(lineage: Lineage, saved: dict) -> None:
-        path, number = saved["path"], int(saved["number"])
-        kind = path_kind(path)
+    def _delete(lineage: Lineage, saved: dict, record: bool = True) -> None:
+        """Delete what `saved` names (its number retired for good first), its public pointer and, with `record`, the
+        record itself (a record replaced by a new save of its path stays: it is the new one's now)."""
+        path, number, kind = saved["path"], int(saved["number"]), record_kind(saved)
         store = _store(lineage, kind)
         if kind == "sampler" and store.latest() == number:
             raise ValueError(f"{path} is the newest sampler weights of this key: save newer ones before deleting it")
+        tinker_paths.retire(lineage.bucket_url, kind, number)
         store.delete(number)
         if saved.get("public"):
-            _public(lineage).delete(_record_name(path))
-        _paths(lineage.bucket_url).delete(_record_name(path))
+            _public(lineage).delete(tinker_paths.record_name(path))
+        if record:
+            _paths(lineage.bucket_url).delete(tinker_paths.record_name(path))
 
     def load_state(
         self, model: str, lineage: Lineage, number: int, optimizer: bool, source: str | None = None
@@ -492,80 +506,28 @@ def train_sample(index: int, datum) -> TrainSample:
     return TrainSample(inputs[:1], inputs[1:] + targets[-1:], {}, (index, 0), target_ids=targets)
 
 
-# A tinker path's middle segment and the kind of what it names (the SDK's `CheckpointType`).
-PATH_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-
-
-def path_kind(path: str) -> str:
-    """`training`, `sampler` or `external`: what a tinker path (`tinker://<model>/<segment>/<name>`) names."""
-    parts = path.removeprefix("tinker://").split("/")
-    kind = PATH_KINDS.get(parts[1]) if len(parts) >= 3 else None
-    if kind is None:
-        raise ValueError(f"{path[:200]!r} is not a tinker path of saved weights")
-    return kind
-
-
 def _store(lineage: Lineage, kind: str, prefix: str | None = None):
     """The store of the tenant's saved states, sampler versions or exports (those under `prefix`, when another
     tenant's)."""
-    from core.bucket.store import AdapterStore, CheckpointStore
-
-    prefix = prefix or lineage.bucket_url
-    if kind == "sampler":
-        return AdapterStore(prefix, cache_dir=lineage.cache_dir)
-    folder = EXPORTS_PREFIX if kind == "external" else STATES_PREFIX
-    return CheckpointStore(f"{prefix}/{folder}", cache_dir=lineage.cache_dir)
+    return tinker_paths.store(prefix or lineage.bucket_url, kind, lineage.cache_dir)
 
 
 def _commit_version(lineage: Lineage, folder: Path) -> Publication:
     """Commit a PEFT folder as the tenant's next `policy-vN`, signed with its lineage's key."""
-    from core.bucket.filesystem import VersionExists
-    from core.bucket.store import AdapterStore
-
-    store = AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir, signing_key=Secret(lineage.signing_key))
-    version = (store.latest() or 0) + 1
-    for _ in range(8):  # another client of the same tenant may have taken the number meanwhile
-        try:
-            store.publish(folder, version)
-            return Publication(version, store.key_of(version))
-        except VersionExists:
-            version += 1
-    raise RuntimeError(f"{lineage.run}: no free version number from {version - 8} on")
-
-
-def _expired(saved: dict) -> bool:
-    return saved.get("expires") is not None and saved["expires"] <= time.time()
-
-
-def _records(url: str, folder: str):
-    """Small JSON records under `folder` of the bucket at `url`, each call retried while the bucket's errors pass."""
-    from contracts.retry import Backoff
-    from core.bucket.records import JsonRecords
-
-    return JsonRecords(url, folder, backoff=Backoff(attempts=5, first_s=0.2))
+    store = tinker_paths.store(lineage.bucket_url, "sampler", lineage.cache_dir, Secret(lineage.signing_key))
+    version = tinker_paths.commit_new(lineage.bucket_url, "sampler", store.latest, lambda n: store.publish(folder, n))
+    return Publication(version, store.key_of(version))
 
 
 def _paths(prefix: str):
     """The records of the tinker paths a tenant was given, in its prefix of the bucket (`tinker/paths/`)."""
-    return _records(prefix, PATHS)
-
-
-def _own_record(prefix: str, path: str) -> dict | None:
-    """The record of `path` under a tenant's `prefix`; None when it has none, or it expired."""
-    saved = _paths(prefix).get(_record_name(path))
-    return None if saved is None or saved.get("path") != path or _expired(saved) else saved
+    return tinker_paths.paths(prefix)
 
 
 def _public(lineage: Lineage):
     """The pointers to the paths their owners published (`share`), in the fleet's bucket beside the tenants' prefixes,
     where only the learner writes."""
-    from contracts.adapters import bucket_of
-
-    return _records(bucket_of(lineage.bucket_url, lineage.run), PUBLIC_PREFIX)
-
-
-def _record_name(path: str) -> str:
-    return hashlib.sha256(path.encode()).hexdigest()  # a path is the user's text: never a name in the bucket
+    return tinker_paths.public(lineage.bucket_url, lineage.run)
 
 
 def _adapter_fields(spec: AdapterSpec) -> dict:
@@ -576,24 +538,21 @@ def _adapter_fields(spec: AdapterSpec) -> dict:
 def _remember(
     lineage: Lineage,
     path: str,
+    kind: str,
     number: int,
     model: str,
     spec: AdapterSpec,
     expires: float | None,
+    user_metadata: dict[str, str] | None = None,
     size_bytes: int | None = None,
 ) -> None:
-    """Record the tinker `path` the user was given for state, version or export `number` of training client `model`,
-    gone after `expires` (epoch seconds; None: kept until deleted)."""
-    record = {
-        "path": path,
-        "number": number,
-        "time": time.time(),
-        "model": model,
-        "expires": expires,
-        "size_bytes": size_bytes,
-        **_adapter_fields(spec),
-    }
-    _paths(lineage.bucket_url).put(_record_name(path), record)
+    """Record the tinker `path` the user was given for `number` of the tenant's `kind` store, made by training client
+    `model`, gone after `expires` (epoch seconds; None: kept until deleted). What an earlier save of the same path
+    named is deleted: a name saved again is replaced, never left in the bucket where no path reaches it."""
+    fields = {"model": model, "expires": expires, "size_bytes": size_bytes, "user_metadata": user_metadata}
+    replaced = tinker_paths.remember(lineage.bucket_url, path, kind, number, **fields, **_adapter_fields(spec))
+    if replaced is not None and (record_kind(replaced), int(replaced["number"])) != (kind, number):
+        TinkerLearner._delete(lineage, replaced, record=False)
 
 
 def _watch(spot):

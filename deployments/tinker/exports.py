@@ -4,7 +4,10 @@ Tinker hands out one signed URL per file of an export (`RestClient.get_external_
 `tinker checkpoint download` fetches each with a plain `urllib` GET, no API key. Here such a URL points back at this
 service (`GET /api/v1/exported/<token>/<file>`): the token names the export's store and number and when the link
 expires, signed with a key of the service (HMAC-SHA256; derived from the admin token, so every replica of the service,
-and one started again, accepts the links of the others). A download fetches the export once from the bucket, checked
+and one started again, accepts the links of the others). A signature only says what a link was given for: at each
+download the export's record, as its owner's prefix holds it now (`core.bucket.tinker_paths`), must still name the
+same number, and, for a link given to another key, still be published; so a link stops working the moment its export
+is deleted, expires or is unpublished, and never reaches the export that came after it. A download fetches the export once from the bucket, checked
 against its manifest (`core.bucket.CheckpointStore.load`), into a local cache that the upkeep empties of copies older
 than a link's lifetime, and serves files from there.
 """
@@ -19,15 +22,36 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from contracts.auth import Secret
+from contracts.tinker import EXPORTS_PREFIX
 
 LINK_TTL_S = 3600.0  # how long a download link works (the SDK signs again when one is about to expire)
 
 
 class LinkRefused(Exception):
     """A download link that is malformed, forged or expired."""
+
+
+class LinkGone(Exception):
+    """A download link whose export is no longer there for its holder: deleted, expired, replaced or unpublished."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a download link was signed for: export `number`, recorded as `path` in the owner's `prefix`, handed to the
+    owner itself (`owner`) or to another key (which reaches it only while it is published)."""
+
+    prefix: str
+    path: str
+    number: int
+    owner: bool
+
+    @property
+    def store_url(self) -> str:
+        return f"{self.prefix}/{EXPORTS_PREFIX}"
 
 
 class ExportLinks:
@@ -41,20 +65,38 @@ class ExportLinks:
 
     # ---- links ------------------------------------------------------------------------------------------
 
-    def sign(self, store_url: str, number: int, expires: float) -> str:
-        """A token for export `number` of the store at `store_url`, valid until `expires` (epoch seconds)."""
-        payload = base64.urlsafe_b64encode(json.dumps([store_url, number, expires]).encode()).decode().rstrip("=")
+    def sign(self, link: Link, expires: float) -> str:
+        """A token for `link`, valid until `expires` (epoch seconds)."""
+        fields = [link.prefix, link.path, link.number, link.owner, expires]
+        payload = base64.urlsafe_b64encode(json.dumps(fields).encode()).decode().rstrip("=")
         return f"{payload}.{self._mac(payload)}"
 
-    def check(self, token: str) -> tuple[str, int]:
-        """The store URL and export number a token names; `LinkRefused` for a forged, malformed or expired one."""
+    def check(self, token: str) -> Link:
+        """The link a token was signed for; `LinkRefused` for a forged, malformed or expired one."""
         payload, _, mac = token.partition(".")
         if not mac or not hmac.compare_digest(mac, self._mac(payload)):
             raise LinkRefused("this download link is not one of this service's")
-        store_url, number, expires = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        try:
+            prefix, path, number, owner, expires = json.loads(
+                base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+            )
+        except ValueError:  # signed by this service for another shape of link (before an upgrade)
+            raise LinkRefused("this download link is of an older form; ask for new ones") from None
         if expires <= time.time():
             raise LinkRefused("this download link has expired; ask for new ones (get_external_weights_urls)")
-        return store_url, int(number)
+        return Link(prefix, path, int(number), bool(owner))
+
+    @staticmethod
+    def still_there(link: Link) -> None:
+        """`LinkGone` unless the owner's record of the link's path still names its export, and, for a link handed to
+        another key, is still published (blocking: run it in a thread)."""
+        from core.bucket.tinker_paths import own_record, record_kind
+
+        record = own_record(link.prefix, link.path)
+        if record is None or record_kind(record) != "external" or int(record["number"]) != link.number:
+            raise LinkGone("the export this link was given for was deleted, expired or replaced")
+        if not link.owner and not record.get("public"):
+            raise LinkGone("the export this link was given for is no longer published")
 
     def _mac(self, payload: str) -> str:
         return hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()

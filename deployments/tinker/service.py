@@ -33,15 +33,17 @@ from tinker.types.try_again_response import TryAgainResponse  # the SDK's own po
 
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, token_matches
-from contracts.tinker import EXPORTS_PREFIX, AdamStep, AdapterSpec, LearnerLost
+from contracts.tinker import AdamStep, AdapterSpec, LearnerLost
+from core.bucket.tinker_paths import own_record
 from deployments.api.callers import require_json
 from deployments.api.intake import read_body
 from deployments.control.errors import ApiError
 from deployments.control.offload import offload
-from deployments.tinker.exports import LINK_TTL_S, ExportLinks, LinkRefused
+from deployments.tinker.exports import LINK_TTL_S, ExportLinks, Link, LinkGone, LinkRefused
 from deployments.tinker.fleet_calls import FleetCalls, FleetRefused, Tenant
 from deployments.tinker.futures import Futures, RequestFailed, Result
 from deployments.tinker.limits import Limits, Refused
+from deployments.tinker.paths import PathRefused, checkpoint_path, owner_key, require_kind, user_metadata
 from deployments.tinker.sessions import Model, NotFound, OverCapacity, Sessions
 from deployments.tinker.settings import TinkerSettings
 from deployments.tinker.tenants import Tenants
@@ -472,13 +474,14 @@ class TinkerApi:
         body = await self.parse(request, types.SaveWeightsForSamplerRequest)
         model = self._model(body.model_id, tenant, body.seq_id, request)
         expires = _expiry(body.ttl_seconds)
+        path = None if body.path is None else checkpoint_path(model.model_id, "sampler", body.path)
+        metadata = user_metadata(body.user_metadata)
 
         async def work() -> Result:
-            path = None if body.path is None else f"tinker://{model.model_id}/sampler_weights/{body.path}"
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
                 published = await self._learner(
-                    "publish", model.model_id, lineage, path, expires, model=model, tenant=tenant
+                    "publish", model.model_id, lineage, path, expires, metadata, model=model, tenant=tenant
                 )
             fleet_model = adapter_name(published.version, tenant.run)
             try:
@@ -497,19 +500,21 @@ class TinkerApi:
         return self._accept(tenant, work(), model.model_id)
 
     async def _recall(
-        self, tenant: Tenant, path: str, paths: dict[str, tuple[str, int]]
+        self, tenant: Tenant, path: str, paths: dict[str, tuple[str, int]], kind: str
     ) -> tuple[int, str | None] | None:
         """The state number or sampler version that the tinker `path` names for this tenant, and where: None for its
         own prefix, else the prefix of the tenant that published it. Its own paths are remembered here, else read
         back from the bucket, where the learner recorded them (so a service that restarted knows the paths it handed
         out before); another tenant's published path is looked up every time (its owner may take it back). None for a
-        path the tenant cannot reach."""
+        path the tenant cannot reach; a 400 for one whose record is of another `kind` (each kind numbers from 1 in a
+        store of its own: its number would name another checkpoint)."""
         saved = paths.get(path)
         if saved is not None and saved[0] == tenant.run:
             return saved[1], None
         record = await self._from_bucket(tenant, f"path {path[:200]!r}", "record", path)
         if record is None:
             return None
+        require_kind(record, kind, path)
         if record.get("prefix") is None and record.get("expires") is None:
             paths[path] = (tenant.run, int(record["number"]))
         return int(record["number"]), record.get("prefix")
@@ -540,14 +545,18 @@ class TinkerApi:
         body = await self.parse(request, types.SaveWeightsRequest)
         model = self._model(body.model_id, tenant, body.seq_id, request)
         expires = _expiry(body.ttl_seconds)
+        path = checkpoint_path(model.model_id, "training", body.path or "")
+        metadata = user_metadata(body.user_metadata)
+        if not body.overwrite and await asyncio.to_thread(
+            own_record, (await self._bucket_lineage(tenant)).bucket_url, path
+        ):
+            raise HttpError(400, f"{path}: a checkpoint of that name exists; save with overwrite=True to replace it")
 
         async def work() -> Result:
-            path = f"tinker://{model.model_id}/weights/{body.path}"
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
-                number = await self._learner(
-                    "save_state", model.model_id, lineage, path, False, expires, model=model, tenant=tenant
-                )
+                args = (path, False, expires, body.overwrite, metadata)
+                number = await self._learner("save_state", model.model_id, lineage, *args, model=model, tenant=tenant)
                 # A user's state holds no gradient: one accumulated and not yet applied is still unsaved. A restarted
                 # learner restores the client from it (an expiry makes it no less the client's newest state).
                 model.saved, model.saved_from, model.trained = number, None, model.pending
@@ -566,9 +575,9 @@ class TinkerApi:
         expires = _expiry(body.ttl_seconds)
         if body.age_encryption_recipients:
             raise HttpError(400, "age_encryption_recipients: this server does not encrypt exports")
+        path = checkpoint_path(model.model_id, "external", body.path)
 
         async def work() -> Result:
-            path = f"tinker://{model.model_id}/external_weights/{body.path}"
             async with model.turn(body.seq_id or 0):
                 lineage = await self._lineage(tenant)
                 export = await self._learner(
@@ -589,14 +598,15 @@ class TinkerApi:
         record = await self._from_bucket(tenant, f"path {path[:200]!r}", "record", path)
         if record is None:
             raise HttpError(404, f"{path}: no such checkpoint for this API key")
+        require_kind(record, "external", path)
         prefix = record.get("prefix") or (await self._bucket_lineage(tenant)).bucket_url  # a published export's owner's
-        store_url, number = f"{prefix}/{EXPORTS_PREFIX}", int(record["number"])
+        link = Link(prefix, path, int(record["number"]), owner=record.get("prefix") is None)
         try:
-            files = await asyncio.to_thread(self.links.files, store_url, number)
+            files = await asyncio.to_thread(self.links.files, link.store_url, link.number)
         except Exception as exc:  # noqa: BLE001 - deleted meanwhile, or the bucket unreachable
             raise HttpError(503, f"{path}: the export's files could not be listed: {exc}") from None
         expires = time.time() + LINK_TTL_S
-        token = self.links.sign(store_url, number, expires)
+        token = self.links.sign(link, expires)
         # Back to this service, at the address the caller used (the Serve route prefix included).
         base = str(request.url).split("/v1/training_runs/", 1)[0]
         urls = {rel: f"{base}/v1/exported/{token}/{rel}" for rel in sorted(files)}
@@ -605,9 +615,16 @@ class TinkerApi:
     async def exported_file(self, token: str, name: str) -> Response:
         """A file of an export, for a signed link (no API key: the SDK downloads with a plain GET)."""
         try:
-            store_url, number = self.links.check(token)
+            link = self.links.check(token)
         except LinkRefused as refused:
             raise HttpError(403, str(refused)) from None
+        try:
+            await asyncio.to_thread(self.links.still_there, link)  # the owner's record now, not the signature, decides
+        except LinkGone as gone:
+            raise HttpError(404, str(gone)) from None
+        except Exception as exc:  # noqa: BLE001 - the bucket unreachable
+            raise HttpError(503, f"the export's record could not be read: {exc}") from None
+        store_url, number = link.store_url, link.number
         try:
             local = await self.links.local_file(store_url, number, name)
         except Exception as exc:  # noqa: BLE001 - the export was deleted, or the bucket is unreachable
@@ -656,7 +673,7 @@ class TinkerApi:
         body = await self.parse(request, types.LoadWeightsRequest)
         if body.session_id is None and body.model_id is not None:  # onto a client: its turn is claimed first
             self._model(body.model_id, tenant, body.seq_id, request)
-        found = await self._recall(tenant, body.path, self.sessions.state_paths)
+        found = await self._recall(tenant, body.path, self.sessions.state_paths, "training")
         if found is None:
             raise HttpError(404, f"path {body.path[:200]!r}: no saved state of this API key, nor a published one")
         number, source = found
@@ -700,7 +717,7 @@ class TinkerApi:
                 ParsedCheckpointTinkerPath.from_tinker_path(body.model_path)
             except ValueError as exc:
                 raise HttpError(400, str(exc)) from None
-            found = await self._recall(tenant, body.model_path, self.sessions.sampler_paths)
+            found = await self._recall(tenant, body.model_path, self.sessions.sampler_paths, "sampler")
             if found is None:
                 raise HttpError(
                     404, f"model_path {body.model_path[:200]!r}: no sampler weights of this API key, nor published ones"
@@ -722,7 +739,8 @@ class TinkerApi:
         if key not in self.adopted:
             try:
                 lineage = await self._lineage(tenant)
-                copy = await self._learner("adopt", lineage, source, version)
+                # The original must verify under its owner's key: the copy is signed anew, with this tenant's.
+                copy = await self._learner("adopt", lineage, source, version, owner_key(self.admin_token, source))
                 await self.fleet.load_adapter(tenant, adapter_name(copy.version, tenant.run), copy.key)
             except (RequestFailed, FleetRefused) as failed:
                 raise HttpError(503, f"{path[:200]}: the published weights could not be copied: {failed}") from None
@@ -845,6 +863,7 @@ class TinkerApi:
                 tinker_path=record["path"],
                 size_bytes=record.get("size_bytes"),
                 public=bool(record.get("public")),
+                user_metadata=record.get("user_metadata"),
                 expires_at=None if expires is None else datetime.fromtimestamp(expires, UTC),
             )
             listed.append((record, checkpoint))
@@ -1025,6 +1044,11 @@ def make_app(settings: TinkerSettings, learners: list, admin_token: Secret | Non
     async def _http_error(request, exc: HttpError):
         give_up_turn(request)
         return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+
+    @app.exception_handler(PathRefused)
+    async def _path_refused(request, exc: PathRefused):
+        give_up_turn(request)
+        return JSONResponse({"detail": exc.detail}, status_code=400)
 
     def post(path: str, handler):
         app.add_api_route(f"/v1/{path}", handler, methods=["POST"])

@@ -251,7 +251,7 @@ def test_a_published_path_reaches_other_keys_until_its_owner_takes_it_back(learn
     assert found["number"] == number and found["prefix"] == alice.bucket_url and found["public"] is True
     learner.load_state("p-bob", bob, number, True, found["prefix"])
     assert learner.forward_backward(_call("p-bob", backward=False)).logprobs[0] == pytest.approx(expected, abs=1e-6)
-    copy = learner.adopt(bob, learner.record(bob, sampler)["prefix"], version)
+    copy = learner.adopt(bob, learner.record(bob, sampler)["prefix"], version, alice.signing_key)
     bobs = AdapterStore(bob.bucket_url, cache_dir=cache, signing_key=Secret(bob.signing_key))
     assert copy.version in bobs.versions() and bobs.signed(copy.version)  # signed with bob's lineage key
     as_alices = AdapterStore(bob.bucket_url, cache_dir=cache, signing_key=Secret(alice.signing_key))
@@ -262,6 +262,86 @@ def test_a_published_path_reaches_other_keys_until_its_owner_takes_it_back(learn
     learner.publish("p", alice)  # sampler is no longer alice's newest: it may go
     assert learner.forget(alice, sampler) and learner.record(bob, sampler) is None
     assert {r["path"]: r.get("public") for r in learner.checkpoints(alice)} == {state: False}
+
+
+def test_a_number_is_never_handed_out_twice_even_after_its_checkpoint_is_deleted(learners, tmp_path):
+    """A deleted newest state or export leaves its number retired: what kept the number (a client's last state, a
+    download link) never comes to mean the next checkpoint."""
+    learner = learners["float32"]
+    learner.create("n", AdapterSpec(rank=4, seed=9))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
+    first = learner.save_state("n", lineage, "tinker://n/weights/a")
+    assert learner.forget(lineage, "tinker://n/weights/a")
+    assert learner.save_state("n", lineage, "tinker://n/weights/b") > first
+    export = learner.export("n", lineage, "tinker://n/external_weights/a")
+    assert learner.forget(lineage, "tinker://n/external_weights/a")
+    assert learner.export("n", lineage, "tinker://n/external_weights/b").number > export.number
+
+
+def test_two_savers_of_one_key_that_read_the_same_newest_number_each_get_their_own(learners, tmp_path, monkeypatch):
+    """Two clients of one key on different learners saving at once both read the same newest number: the one that
+    commits second takes the next number instead of failing."""
+    from core.bucket.store import CheckpointStore
+
+    learner = learners["float32"]
+    learner.create("r", AdapterSpec(rank=4, seed=10))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
+    monkeypatch.setattr(CheckpointStore, "latest", lambda self: None)  # each read before the other's commit
+    assert learner.save_state("r", lineage, "tinker://r/weights/a") == 1
+    assert learner.save_state("r", lineage, "tinker://r/weights/b") == 2
+    assert learner.export("r", lineage, "tinker://r/external_weights/a").number == 1
+    assert learner.export("r", lineage, "tinker://r/external_weights/b").number == 2
+    assert learner.record(lineage, "tinker://r/weights/b")["number"] == 2
+
+
+def test_a_name_saved_again_is_replaced_only_with_overwrite_and_what_it_named_is_deleted(learners, tmp_path):
+    """`save_state(name, overwrite=..., user_metadata=...)`: an existing name is kept unless overwrite is asked; the
+    replaced state (or sampler version, saved again under its name) leaves the bucket, so nothing a tenant wrote is
+    left where no path reaches it; each record says its kind and the user's metadata."""
+    from core.bucket.store import AdapterStore
+
+    learner = learners["float32"]
+    learner.create("o", AdapterSpec(rank=4, seed=11))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
+    path = "tinker://o/weights/x"
+    first = learner.save_state("o", lineage, path, user_metadata={"stage": "a"})
+    with pytest.raises(ValueError, match="overwrite"):
+        learner.save_state("o", lineage, path, overwrite=False)
+    second = learner.save_state("o", lineage, path, overwrite=True, user_metadata={"stage": "b"})
+    record = learner.record(lineage, path)
+    assert (record["number"], record["kind"], record["user_metadata"]) == (second, "training", {"stage": "b"})
+    assert tinker_learner._store(lineage, "training").steps() == [second]  # the first is gone, not orphaned
+    assert first != second
+
+    sampler = "tinker://o/sampler_weights/x"
+    older = learner.publish("o", lineage, sampler).version
+    newer = learner.publish("o", lineage, sampler, None, {"k": "v"}).version
+    assert learner.record(lineage, sampler)["kind"] == "sampler"
+    assert AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).versions() == [newer]
+    assert older < newer
+
+
+def test_adopting_a_version_planted_in_the_owners_prefix_is_refused(learners, tmp_path):
+    """Whoever can write the bucket can plant a version in a tenant's prefix: `adopt` copies only what verifies under
+    the owner's lineage key, so a planted one is never signed anew into the adopter's lineage."""
+    from contracts.auth import Secret
+    from core.bucket.filesystem import NotSigned
+    from core.bucket.store import AdapterStore
+
+    learner = learners["float32"]
+    learner.create("v", AdapterSpec(rank=4, seed=12))
+    cache = str(tmp_path / "cache")
+    alice = Lineage(f"file://{tmp_path}/bucket/runs/alice", "a" * 64, "alice", cache)
+    bob = Lineage(f"file://{tmp_path}/bucket/runs/bob", "b" * 64, "bob", cache)
+    folder = learner._write_adapter(learner.clients["v"], tmp_path / "planted")
+    AdapterStore(alice.bucket_url, cache_dir=cache, signing_key=Secret("c" * 64)).publish(folder, 1)  # another key
+    AdapterStore(alice.bucket_url, cache_dir=cache).publish(folder, 2)  # no signature at all
+    for planted in (1, 2):
+        with pytest.raises(NotSigned):
+            learner.adopt(bob, alice.bucket_url, planted, alice.signing_key)
+    assert AdapterStore(bob.bucket_url, cache_dir=cache).versions() == []
+    genuine = learner.publish("v", alice).version
+    assert learner.adopt(bob, alice.bucket_url, genuine, alice.signing_key).version == 1
 
 
 def test_a_group_of_ranks_answers_every_call_one_learner_answers():
