@@ -107,7 +107,11 @@ def commit_new(prefix: str, kind: str, committed: Callable[[], int | None], comm
     """Commit with `commit(number)` under a number of the tenant's `kind` store never used before: above the newest
     `committed()` and every retired one, the next one tried while another saver takes it first; the number."""
     newest = committed() or 0  # the store first, the markers after: a number deleted between the two reads is marked
-    retired = max((int(r["number"]) for r in _retired(prefix, kind).all()), default=0)
+    markers = _retired(prefix, kind)
+    marked = [int(r["number"]) for r in markers.all()]
+    retired = max(marked, default=0)
+    for below in (n for n in marked if n < retired):  # only the highest marker matters: the others go
+        markers.delete(str(below))
     number = max(newest, retired) + 1
     for _ in range(COMMIT_ATTEMPTS):
         try:

@@ -38,6 +38,15 @@ def test_a_deleted_newest_number_is_never_handed_out_again(prefix, tmp_path):
     store.delete(2)
     assert store.latest() == 1
     assert tinker_paths.commit_new(prefix, "training", store.latest, save) == 3  # not 2 again
+    for number in (1, 3):
+        tinker_paths.retire(prefix, "training", number)
+        store.delete(number)
+    assert store.latest() is None
+    assert tinker_paths.commit_new(prefix, "training", store.latest, save) == 4
+    marked = tinker_paths.records(prefix, f"{tinker_paths.RETIRED}/training").all()
+    assert [m["number"] for m in marked] == [
+        3
+    ]  # the lower markers were dropped on the way: one file, not one per delete
     exports = tinker_paths.store(prefix, "external", str(tmp_path / "cache"))
     assert tinker_paths.commit_new(prefix, "external", exports.latest, _save(exports, tmp_path)) == 1  # its own count
 
