@@ -48,6 +48,7 @@ from app.tasks.trl_environments import (
     reset_kwargs,
     resolve_factories,
     tool_methods,
+    trl_row,
     with_observation,
 )
 from contracts.rollouts import Choice, Generate
@@ -61,13 +62,6 @@ class EpisodeLost(Exception):
     def __init__(self, cause: str, message: str):
         super().__init__(message)
         self.cause = cause
-
-
-def trl_row(problem: Problem) -> dict:
-    """The dataset row TRL would hand `reset(**row)` and the reward functions: the prompt as chat messages, the
-    answer, and the problem's own columns."""
-    prompt = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else problem.prompt
-    return {"prompt": prompt, "answer": problem.answer, **problem.columns}
 
 
 @dataclass

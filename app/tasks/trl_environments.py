@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.tasks.problems import Problem
 from app.tasks.registry import resolve_named
 
 EnvironmentFactory = Callable[[], object]
@@ -95,6 +96,26 @@ def probe(name: str | None, factory: EnvironmentFactory) -> EnvironmentKind:
         raise ValueError(f"{type(env).__name__}: a tool's schema cannot be built: {e}") from None
     tools = tuple(m.__name__ for m in tool_methods(env))
     return EnvironmentKind(name, type(env), tools, "get_reward" in members)
+
+
+def trl_row(problem: Problem) -> dict:
+    """The dataset row TRL would hand `reset(**row)` and the reward functions: the prompt as chat messages, the
+    answer, and the problem's own columns."""
+    prompt = [{"role": "user", "content": problem.prompt}] if isinstance(problem.prompt, str) else problem.prompt
+    return {"prompt": prompt, "answer": problem.answer, **problem.columns}
+
+
+def check_reset_takes(env_type: type, kwargs: dict[str, Any]) -> None:
+    """TypeError saying so when `reset` cannot be called as TRL calls it, `reset(**row)`, with these keywords: such
+    an environment would lose every episode, found only once episodes are played."""
+    signature = inspect.signature(env_type.reset)
+    try:
+        signature.bind(None, **kwargs)  # None in place of self
+    except TypeError as e:
+        raise TypeError(
+            f"{env_type.__name__}.reset{signature} cannot take a problem's row ({', '.join(kwargs)}), as TRL calls it "
+            f"(reset(**row)): {e}"
+        ) from None
 
 
 def reset_kwargs(row: dict[str, Any], multi: bool) -> dict[str, Any]:

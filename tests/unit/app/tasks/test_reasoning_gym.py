@@ -187,3 +187,11 @@ def test_the_tiny_model_of_a_run_without_the_package_is_refused_in_the_same_line
     cfg = run_config()
     with pytest.raises(ConfigError, match=r"^task.name: reasoning_gym needs the reasoning-gym package: .*\[tasks\]"):
         tiny_model_folder(cfg.model, cfg.task)
+
+
+def test_a_split_the_datasets_cannot_fill_is_a_config_error_at_start():
+    """The check at start draws the splits: a size the datasets cannot fill with distinct questions used to be found
+    by the rollout, after Ray and the fleet had started."""
+    one_kind = {"min_animals": 1, "max_animals": 1, "max_instances": 3}  # about a hundred distinct questions
+    with pytest.raises(ConfigError, match=r"^task\.num_train=200: the datasets gave \d+ distinct questions"):
+        check_names(run_config(num_train=200, num_heldout=20, leg_counting=(1, one_kind)))

@@ -195,3 +195,26 @@ def test_a_config_naming_factories_is_checked_at_start():
 
 class Plain(CalculatorEnv):
     get_reward = None  # not a function: owns no reward
+
+
+class ResetTakesAProblem(CalculatorEnv):
+    def reset(self, problem) -> None:  # TRL calls reset(**row): prompt=, answer=, the columns
+        self.answer = int(problem.answer)
+
+
+def test_a_reset_that_cannot_take_the_problems_row_is_a_config_error_at_start():
+    """The probe at start never called `reset`: a wrong signature passed it and lost every episode of the run."""
+    from app.tasks.checks import check_names
+    from core.config import ConfigError, RunConfig
+
+    cfg = RunConfig(env={"factory": f"{__name__}:ResetTakesAProblem"}, task={"reward_funcs": []})
+    with pytest.raises(
+        ConfigError,
+        match=r"^env\.factory: ResetTakesAProblem\.reset\(self, problem\) -> None cannot take a problem's row \(prompt, answer\)",
+    ):
+        check_names(cfg)
+    several = RunConfig(
+        env={"factory": {"calc": "examples.trl_calculator:CalculatorEnv", "odd": f"{__name__}:ResetTakesAProblem"}}
+    )
+    with pytest.raises(ConfigError, match=r"^env\.factory\.odd: ResetTakesAProblem\.reset"):
+        check_names(several)
