@@ -36,24 +36,40 @@ async def evaluate_async(
     concurrency: int = 32,
 ) -> dict:
     """Accuracy = share of problems whose greedy sample succeeds: a positive reward, or an episode that the
-    environment says is solved (else a positive reward)."""
+    environment says is solved (else a positive reward). An episode the environment lost (its group of one failed,
+    or the environment ended it) scores as unsolved and is counted in `lost`, as a lost episode costs the training
+    that episode and never the run; only when every problem was lost is there no measure: EvaluationLost."""
     gate = asyncio.Semaphore(concurrency)
     greedy = SamplingArgs(max_tokens, temperature=0.0)
+    causes: list[str] = []
 
-    async def one(problem: Problem) -> Sample:
+    async def one(problem: Problem) -> Sample | None:
         prompt_ids = prompt_token_ids(tokenizer, problem.prompt)
         async with gate:
-            (sample,) = (await sampler.sample(problem, prompt_ids, model, 1, greedy)).samples
+            try:
+                (sample,) = (await sampler.sample(problem, prompt_ids, model, 1, greedy)).samples
+            except Exception as e:  # the group of one failed: the episode is lost, the evaluation goes on
+                causes.append(f"{type(e).__name__}: {e}".splitlines()[0])
+                return None
         return sample
 
     samples = await asyncio.gather(*(one(p) for p in problems))
+    played = [s for s in samples if s is not None]
+    lost = len(samples) - len(played) + sum(s.env_error for s in played)
+    if not played:
+        raise EvaluationLost(f"every one of the {len(problems)} held-out episodes was lost, the last with {causes[-1]}")
     return {
         "model": model,
-        "accuracy": sum(s.succeeded for s in samples) / len(samples),
-        "mean_reward": sum(0.0 if math.isnan(s.reward) else s.reward for s in samples) / len(samples),
-        "turns_mean": sum(s.num_turns for s in samples) / len(samples),
+        "accuracy": sum(s.succeeded and not s.env_error for s in played) / len(samples),
+        "mean_reward": sum(0.0 if math.isnan(s.reward) else s.reward for s in played) / len(samples),
+        "turns_mean": sum(s.num_turns for s in played) / len(played),
         "num_problems": len(problems),
+        "lost": lost,
     }
+
+
+class EvaluationLost(RuntimeError):
+    """Every held-out episode was lost: the environment fails on every problem, and there is nothing to measure."""
 
 
 def evaluate(

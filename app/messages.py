@@ -90,6 +90,7 @@ class RolloutStats:
     prefilled_again_total: int = 0  # tokens sent again as the prompt of a continuation after a cut
     teacher_failed_total: int | None = None  # groups dropped because the teacher failed to score them (distilling)
     teacher_failed_by: dict[str, int] = field(default_factory=dict)  # of several teachers, by name
+    failing: str | None = None  # why the run cannot go on: every one of the last rollout.max_failed_groups failed
 
     def metrics(self) -> dict[str, float]:
         return {

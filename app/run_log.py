@@ -97,6 +97,9 @@ class Run:
             "heldout_accuracy_before": before and before["accuracy"],
             "heldout_accuracy_after": after and after["accuracy"],
             "heldout_models": [before and before["model"], after and after["model"]],
+            # Held-out episodes the environment lost, scored unsolved (the evaluation's `lost`).
+            "heldout_lost_before": before and before.get("lost"),
+            "heldout_lost_after": after and after.get("lost"),
             "affinity_share": router_affinity(router),
             **episode_summary(self.history, rollout, router),
             **distill_summary(self.history, rollout, self.teacher_heldout, self.teachers_heldout),

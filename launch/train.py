@@ -19,15 +19,16 @@ import sys
 import time
 from contextlib import ExitStack
 
+from app.evaluate import EvaluationLost
 from app.messages import ResumePoint
 from app.run_log import Run, StepLog, previous_steps
 from app.spot import DriverNotices, Preempted, finished_line, preempted_line, resumed_line
-from app.tasks.checks import check_names
+from app.tasks.checks import check_episode_budget, check_names
 from app.tasks.openenv_env import serve_openenv
 from app.tiny_model import prepare_model
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, admin_token, inference_token
-from core.config import RunConfig, add_config_args, config_from_args
+from core.config import ConfigError, RunConfig, add_config_args, config_from_args
 from core.models import is_local, pin_revision
 
 log = logging.getLogger("spotrl.train")
@@ -203,6 +204,7 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
     if (model_teacher := cfg.teacher_of("model")) is not None:  # its own fleet's teacher deployment loads it
         prepare_model(model_teacher.model, cfg.task, log=log.info)
     pin_revision(cfg.model, model_path, log=log.info)
+    check_episode_budget(cfg, model_path)  # needs the model's tokenizer; before Ray and the fleet all the same
     if not cfg.join.url and report_finished(cfg):
         return None
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -266,6 +268,8 @@ def loop(cfg, run: Run, steps: StepLog, learner, rollout, resume: ResumePoint, n
             raise Preempted(preempted_line(cfg, notices.binding, step, version))
         batch, rollout_wait_s = take_groups(rollout, cfg.grpo.num_prompts_per_step)
         rollout_stats = ray.get(rollout.stats.remote())
+        if rollout_stats.failing:  # the take raised: no group is coming (the learner would only find the error)
+            raise SystemExit(f"rollout: {rollout_stats.failing}")
         result = learner.train_step(batch)
         if result.policy_version != version:
             version = result.policy_version
@@ -289,13 +293,19 @@ def finish(cfg, run: Run, steps: StepLog, rollout, fleet, evaluation: Evaluation
     final_stats = ray.get(rollout.stats.remote())
     verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
     after = evaluation.of(version)
-    log.info("held-out accuracy after: %.3f (%s)", after["accuracy"], after["model"])
+    log.info("held-out accuracy after: %.3f (%s)%s", after["accuracy"], after["model"], lost_note(after))
     summary = run.summary(before, after, final_stats, fleet.router_stats())
     summary["bottleneck"] = verdict.kind
     summary["bottleneck_detail"] = str(verdict)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     steps.bar.write(str(verdict))
     return summary
+
+
+def lost_note(heldout: dict) -> str:
+    """What the log line of an evaluation adds when the environment lost some of its episodes (scored unsolved)."""
+    lost = heldout.get("lost", 0)
+    return f"; {lost} of {heldout['num_problems']} episodes lost, scored unsolved" if lost else ""
 
 
 class Evaluation:
@@ -324,7 +334,7 @@ class Evaluation:
             if kept.is_file():
                 return json.loads(kept.read_text())
         before = self.of(resume.policy_version)
-        log.info("held-out accuracy before: %.3f (%s)", before["accuracy"], before["model"])
+        log.info("held-out accuracy before: %.3f (%s)%s", before["accuracy"], before["model"], lost_note(before))
         if resume.step == 0:
             kept.write_text(json.dumps(before))
         return before
@@ -340,6 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     notices = DriverNotices(cfg.spot).start()
     try:
         summary = train(cfg, args.address, notices)
+    except ConfigError as e:  # found once the model was built (its context, its tokenizer): as any config error
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except EvaluationLost as e:  # an environment that fails on every problem: one line, not a traceback
+        print(f"evaluation: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     except Preempted as e:
         print(e, file=sys.stderr)
         raise SystemExit(0) from None

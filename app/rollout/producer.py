@@ -11,7 +11,9 @@ get is the staleness rule's (`app.rollout.staleness`): drop at take time, or bou
 hard limit; a group that could never be trained is dropped and counted when taken (a multi-turn group
 as soon as it is found so, between turns). A request that still fails after the fleet client's
 retries costs its group, counted, never the producer; so does a teacher that fails or times out
-(counted apart).
+(counted apart). Only when `rollout.max_failed_groups` groups in a row failed (an environment that fails on every
+problem, a fleet gone for good) does taking groups raise `GroupsKeepFailing`, naming the last cause, instead of
+waiting for ever for groups that will never come.
 
 With partial rollouts on, a newer version cuts the run's generations in flight under versions at least
 `partial_min_lag` behind (one `cut` call naming their adapters), and each group's sampler continues
@@ -42,6 +44,10 @@ from contracts.adapters import adapter_name
 from contracts.rollouts import Group, RolloutBatch
 
 log = logging.getLogger(__name__)
+
+
+class GroupsKeepFailing(RuntimeError):
+    """Every one of the last `rollout.max_failed_groups` groups failed: no group is coming, the run cannot go on."""
 
 
 class GroupProducer:
@@ -94,6 +100,8 @@ class GroupProducer:
             "cut_failures": 0,
             "teacher_failed": 0,
         }
+        self.failed_in_row = 0  # groups lost (failed, or their teacher did) since the last one produced
+        self.last_failure = ""  # why the last of them was lost, in one line
 
     # -- data order ------------------------------------------------------------------------
     def _problem_at(self, index: int) -> Problem:
@@ -138,11 +146,13 @@ class GroupProducer:
             else:
                 await self.queue.put(group)  # blocks while the queue is full: backpressure
                 self.counters["groups_produced"] += 1
+                self.failed_in_row = 0
         except asyncio.CancelledError:
             raise
-        except Exception:  # a bug in scoring must not kill the producer; count the group as lost
+        except Exception as e:  # a bug in scoring must not kill the producer; count the group as lost
             log.exception("group %d failed", index)
             self.counters["dropped_failed"] += 1
+            self._failed(e)
             self._settle(index)
         finally:
             self._slots.release()
@@ -182,6 +192,7 @@ class GroupProducer:
             else:
                 log.warning("generation for group %d failed, dropping it: %s", group_id, e)
                 self.counters["dropped_failed"] += 1
+                self._failed(e)
             return None
         finally:
             del self._flights[group_id]
@@ -196,8 +207,21 @@ class GroupProducer:
             except Exception as e:  # the teacher's failure costs this group alone
                 log.warning("the teacher failed to score group %d, dropping it: %s", group_id, e)
                 self.counters["teacher_failed"] += 1
+                self._failed(e, "the teacher: ")
                 return None
         return self.objectives.annotate(group)
+
+    def _failed(self, error: BaseException, where: str = "") -> None:
+        self.failed_in_row += 1
+        self.last_failure = f"{where}{type(error).__name__}: {error}".splitlines()[0]
+
+    @property
+    def failing(self) -> str | None:
+        """One line naming the cause when the last `rollout.max_failed_groups` groups all failed, else None."""
+        n = self.cfg.rollout.max_failed_groups
+        if self.failed_in_row < n:
+            return None
+        return f"the last {n} groups all failed (rollout.max_failed_groups), the last one with {self.last_failure}"
 
     def _newest_model(self) -> str:
         return adapter_name(self.sampling_version, self.cfg.fleet_run)
@@ -248,6 +272,8 @@ class GroupProducer:
         synchronous = self.cfg.rollout.mode == "sync"
         while len(groups) < n:
             self._raise_if_producer_died()
+            if self.failing is not None:
+                raise GroupsKeepFailing(self.failing)
             if synchronous:  # generate exactly what is missing, with the current version, only now
                 for _ in range(n - len(groups) - len(self._tasks) - self.queue.qsize()):
                     await self._spawn_next()
@@ -309,6 +335,7 @@ class GroupProducer:
             prefilled_again_total=cuts.prefilled_again,
             teacher_failed_total=c["teacher_failed"] if self.teacher is not None else None,
             teacher_failed_by=getattr(self.teacher, "failed_by_teacher", dict)(),
+            failing=self.failing,
         )
 
     def _queued(self) -> list[Group]:

@@ -319,6 +319,12 @@ class RolloutConfig(Section):
     max_retries: int = Field(
         5, ge=0, description="Retries of a failed generation request (backoff from 0.2 s) before its group is dropped."
     )
+    max_failed_groups: int = Field(
+        64,
+        ge=1,
+        description="Stop the run, naming the cause, once this many groups in a row failed (an environment that fails "
+        "on every problem): the driver would wait for ever for groups that never come.",
+    )
     partial_rollouts: bool = Field(
         False,
         description="Cut generations in flight under older versions when a newer one is served and continue them "

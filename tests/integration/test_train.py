@@ -194,3 +194,93 @@ def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_com
     assert "run smoke is finished (8 steps" in finished.stderr and "grpo.max_steps=16" in finished.stderr
     assert (summary_file.read_bytes(), summary_file.stat().st_mtime_ns) == kept  # its files untouched
     assert "Ray" not in finished.stderr  # nothing was started
+
+
+def trl_env_run(tmp_path: Path, factory: str, steps: int = 2) -> list[str]:
+    """The driver on the embedded default with a TRL environment of tests/support/trl_flaky.py (no tools: the tiny
+    model's prompt fits 128 tokens), scored by a keyword-style reward."""
+    return train_cmd(
+        tmp_path,
+        steps,
+        f"env.factory=tests.support.trl_flaky:{factory}",
+        "task.reward_funcs=[tests.support.trl_flaky:counted_right]",
+        "model.max_model_len=128",
+    )
+
+
+def test_a_reset_that_raises_on_some_problems_costs_those_episodes_and_the_run_finishes(tmp_path):
+    """The evaluation before step 1 plays each held-out problem as a group of one: a `reset` that raised on one of
+    them used to end the run with a traceback. Now each such episode scores unsolved and is counted, the training
+    groups it costs are dropped and counted, and the keyword-style reward scores without an error."""
+    from app.tasks.problems import load_task
+    from core.config import load_config
+
+    cmd = trl_env_run(tmp_path, "ResetRaisesSometimes")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200, env=os.environ.copy())
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
+    heldout = load_task(load_config("configs/tiny-cpu.yaml", []).task).heldout
+    broken = sum(int(p.answer) % 4 == 0 for p in heldout)
+    assert 0 < broken < len(heldout)
+    assert summary["heldout_lost_before"] == broken and summary["heldout_lost_after"] == broken
+    assert f"{broken} of {len(heldout)} episodes lost, scored unsolved" in proc.stderr
+    assert summary["steps"] == 2 and summary["dropped_failed_total"] > 0
+    assert summary["reward_errors_total"] == 0 and summary["reward_errors"] == {}  # the keyword-style reward scored
+
+
+def test_an_environment_that_fails_on_every_problem_stops_the_run_with_one_line(tmp_path):
+    proc = subprocess.Popen(
+        trl_env_run(tmp_path, "ResetAlwaysRaises"), cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    descendants = []
+    while proc.poll() is None and not descendants:  # the run's tree, to check nothing of it outlives the run
+        time.sleep(1.0)
+        descendants = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-5000:]
+    assert err.strip().splitlines()[-1] == (
+        "evaluation: every one of the 256 held-out episodes was lost, the last with RuntimeError: every environment "
+        "of the group failed to start (reset_raised)"
+    )
+    assert_nothing_left_behind(descendants)
+
+
+@pytest.mark.parametrize(
+    ("sets", "line"),
+    [
+        (  # the reasoning-gym splits: found by the rollout 52 s in, after Ray and the fleet
+            [
+                "task.name=reasoning_gym",
+                "task.reward_funcs=[reasoning_gym]",
+                "task.datasets={chain_sum: {weight: 1, config: {min_terms: 2, max_terms: 3, min_digits: 1, "
+                "max_digits: 1}}}",
+                "task.num_train=4000",
+            ],
+            "config error: task.num_train=4000: the datasets gave 3438 distinct questions",
+        ),
+        (  # a TRL environment with tools on the tiny model without its tool template: 46 s in, no hint of the fix
+            ["env.factory=examples.trl_calculator:CalculatorEnv", "task.reward_funcs=[]", "model.max_model_len=256"],
+            "config error: model.tiny.warmup_tools: the first problem's prompt with CalculatorEnv's 2 tools takes",
+        ),
+        (  # a context too short for the task: a traceback at the model's build
+            [
+                "task.name=reasoning_gym",
+                "task.reward_funcs=[reasoning_gym]",
+                "task.datasets={letter_counting: {weight: 1, config: {}}}",
+                "model.max_model_len=96",
+                "task.num_train=300",
+            ],
+            "config error: model.max_model_len=96: the task's longest problem takes",
+        ),
+    ],
+    ids=["reasoning_gym_splits", "tools_budget", "context"],
+)
+def test_a_late_config_error_is_one_line_and_exit_2_before_anything_starts(tmp_path, sets, line):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        train_cmd(tmp_path, 2, *sets), cwd=REPO, capture_output=True, text=True, timeout=600, env=os.environ.copy()
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "starting the fleet" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-3000:]
+    print(f"exit 2 after {time.monotonic() - t0:.1f} s")

@@ -44,7 +44,7 @@ def test_evaluation_scores_a_problem_as_training_does_with_every_column_it_has()
 
     seen = []
 
-    def recording(completions, prompts, completion_ids, answer, **columns):
+    def recording(completions, prompts, completion_ids, answer, trainer_state, log_extra, log_metric, **columns):
         seen.append({"answer": answer, **columns})
         return [float(c == a) for c, a in zip(completions, answer, strict=True)]
 
@@ -106,3 +106,60 @@ def test_an_evaluation_closes_its_client_its_connections_and_its_sampler(monkeyp
     assert result["num_problems"] == 4
     (client,) = made
     assert client.pool.is_closed and client._async is None and client._client.is_closed
+
+
+class ResetRaises:
+    """A TRL environment whose `reset` raises on the problems the row's `broken` column marks; no tools, and a reward
+    of its own: 1 for every episode it played."""
+
+    def reset(self, answer: str, broken: bool = False, **row) -> None:
+        if broken:
+            raise RuntimeError("no sandbox for this one")
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def _evaluate_episodes(broken: list[bool]) -> dict:
+    """The held-out evaluation of one problem per entry (`broken`: its reset raises) with a TRL environment, the
+    model's turns scripted."""
+    import asyncio
+
+    from app.evaluate import evaluate_async
+    from app.rollout.tool_episodes import ToolEpisodeRunner
+    from app.tasks.problems import Problem
+    from app.tasks.trl_environments import ToolChat, tool_tokenizer
+    from app.tiny_model import build_tokenizer
+    from contracts.rollouts import Choice
+
+    chat = ToolChat(tool_tokenizer(build_tokenizer(2, 0)))
+
+    async def generate(prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
+        ids = chat.tokenizer("46<|im_end|>", add_special_tokens=False)["input_ids"]
+        prompts = prompt_ids if isinstance(prompt_ids[0], list) else [prompt_ids]
+        return [Choice(i, list(ids), [-0.1] * len(ids), "46", "stop") for _ in prompts for i in range(n)]
+
+    runner = ToolEpisodeRunner(
+        {None: ResetRaises}, chat, generate, [], max_tool_calling_iterations=None, max_episode_tokens=512, timeout_s=2
+    )
+    problems = [Problem(f"p{i}", "Compute 12+34.", "46", {"broken": b}) for i, b in enumerate(broken)]
+    try:
+        return asyncio.run(evaluate_async(runner, chat.tokenizer, problems, "policy-v0", 8))
+    finally:
+        runner.close()
+
+
+def test_a_lost_held_out_episode_scores_unsolved_and_is_counted():
+    """Each held-out problem is a group of one: a `reset` that raised on one of them raised out of the evaluation
+    and ended the run before its first step."""
+    result = _evaluate_episodes([False, True, False, True])
+    assert result["lost"] == 2 and result["accuracy"] == 0.5 and result["num_problems"] == 4
+
+
+def test_an_evaluation_whose_every_episode_is_lost_says_so_in_one_line():
+    import pytest
+
+    from app.evaluate import EvaluationLost
+
+    with pytest.raises(EvaluationLost, match=r"^every one of the 3 held-out episodes was lost, the last with "):
+        _evaluate_episodes([True, True, True])

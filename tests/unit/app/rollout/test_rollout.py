@@ -303,3 +303,48 @@ def test_reward_functions_get_trls_state_and_logging_hooks():
     sampled, metrics = sample_four(RewardScorer([shaped], timeout_s=5.0, max_steps=10))
     assert [s.reward for s in sampled.samples] == [0.3] * 4
     assert metrics["reward/errors_total"] == 0 and metrics["reward/logged/shaped_calls"] == 1.0
+
+
+class AlwaysLost(CompletionSampler):
+    """A sampler whose every group fails, as a TRL environment whose `reset` raises on every problem makes them."""
+
+    async def sample(self, problem, prompt_ids, model, n, sampling, flight=None):
+        raise RuntimeError("every environment of the group failed to start (reset_raised)")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_when_every_recent_group_failed_taking_groups_stops_naming_the_cause(mode):
+    """Groups that always fail used to leave the driver waiting for ever: nothing ever reached the queue."""
+    from app.rollout.producer import GroupsKeepFailing
+
+    async def main():
+        cfg = load_config(None, [f"rollout.mode={mode}", "rollout.max_failed_groups=5", "rollout.max_inflight_tasks=2"])
+        w = GroupProducer(
+            cfg, PROBLEMS, lambda p: [1], AlwaysLost(echo_answer_generate(), RewardScorer([exact_answer]))
+        )
+        w.start()
+        try:
+            with pytest.raises(GroupsKeepFailing) as failing:
+                await w.get_groups(2)
+            assert str(failing.value) == (
+                "the last 5 groups all failed (rollout.max_failed_groups), the last one with RuntimeError: every "
+                "environment of the group failed to start (reset_raised)"
+            )
+            assert w.stats().failing == str(failing.value) and w.counters["dropped_failed"] >= 5
+        finally:
+            await w.stop()
+
+    run(main())
+
+
+def test_a_group_that_comes_through_resets_the_count_of_failures_in_a_row():
+    async def main():
+        w = make_worker(
+            echo_answer_generate(fail_first=2), **{"rollout.max_failed_groups": 3, "rollout.max_retries": 0}
+        )
+        w.start()
+        groups = (await w.get_groups(4)).groups
+        assert len(groups) == 4 and w.counters["dropped_failed"] == 2 and w.stats().failing is None
+        await w.stop()
+
+    run(main())
