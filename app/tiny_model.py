@@ -394,6 +394,11 @@ def warm_up(
             )
             if acc >= target:
                 break
+    if acc < target:  # the run would start from a weaker model than asked for, and nothing else would say so
+        log(
+            f"warm-up{'' if part == 1 else f' part {part}'} ended below its target: held-out accuracy {acc:.3f} < "
+            f"{target:.3f} after model.tiny.warmup_max_steps={tiny.warmup_max_steps} steps"
+        )
     return acc, step
 
 

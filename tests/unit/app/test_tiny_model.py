@@ -131,7 +131,14 @@ def test_the_warm_up_trains_on_the_pool_and_stops_once_the_judge_says_the_target
     assert all(tuple(ids) in references for ids, _ in drawn)
 
     never = warmup_plan(tokenizer, TINY, task, splits.heldout, pool, lambda texts, *_: [False] * len(texts))
-    assert warm_up(model, tokenizer, TINY, never, log=lambda m: None) == (0.0, TINY.warmup_max_steps)
+    said = []
+    assert warm_up(model, tokenizer, TINY, never, log=said.append) == (0.0, TINY.warmup_max_steps)
+    # A warm-up that stops short of its target says so, once: it used to end at the cap without a word.
+    short = [line for line in said if "below its target" in line]
+    assert short == [
+        f"warm-up ended below its target: held-out accuracy 0.000 < {TINY.warmup_target_accuracy:.3f} after "
+        f"model.tiny.warmup_max_steps={TINY.warmup_max_steps} steps"
+    ]
 
 
 def test_a_context_too_short_for_the_tasks_problems_names_the_field(tokenizer, splits):
