@@ -58,14 +58,31 @@ async def evaluate_async(
     lost = len(samples) - len(played) + sum(s.env_error for s in played)
     if not played:
         raise EvaluationLost(f"every one of the {len(problems)} held-out episodes was lost, the last with {causes[-1]}")
+    solved = [s is not None and s.succeeded and not s.env_error for s in samples]
+    by_dataset: dict[str, list[bool]] = {}
+    for problem, ok in zip(problems, solved, strict=True):
+        by_dataset.setdefault(source_dataset(problem), []).append(ok)
     return {
         "model": model,
-        "accuracy": sum(s.succeeded and not s.env_error for s in played) / len(samples),
+        "accuracy": sum(solved) / len(samples),
+        # A mix of datasets: each one's own accuracy, which the mix's one number hides.
+        **(
+            {"accuracy_by_dataset": {name: sum(oks) / len(oks) for name, oks in sorted(by_dataset.items())}}
+            if len(by_dataset) > 1
+            else {}
+        ),
         "mean_reward": sum(0.0 if math.isnan(s.reward) else s.reward for s in played) / len(samples),
         "turns_mean": sum(s.num_turns for s in played) / len(played),
         "num_problems": len(problems),
         "lost": lost,
     }
+
+
+def source_dataset(problem: Problem) -> str:
+    """The dataset of a mix that made `problem` (reasoning-gym's `source_dataset`), or "" for a task of one."""
+    entry = problem.columns.get("rg_entry")
+    metadata = entry.get("metadata") if isinstance(entry, dict) else None
+    return str(metadata.get("source_dataset") or "") if isinstance(metadata, dict) else ""
 
 
 class EvaluationLost(RuntimeError):

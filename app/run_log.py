@@ -100,6 +100,8 @@ class Run:
             # Held-out episodes the environment lost, scored unsolved (the evaluation's `lost`).
             "heldout_lost_before": before and before.get("lost"),
             "heldout_lost_after": after and after.get("lost"),
+            "heldout_accuracy_by_dataset_before": before and before.get("accuracy_by_dataset"),
+            "heldout_accuracy_by_dataset_after": after and after.get("accuracy_by_dataset"),
             "affinity_share": router_affinity(router),
             **episode_summary(self.history, rollout, router),
             **distill_summary(self.history, rollout, self.teacher_heldout, self.teachers_heldout),

@@ -163,3 +163,34 @@ def test_an_evaluation_whose_every_episode_is_lost_says_so_in_one_line():
 
     with pytest.raises(EvaluationLost, match=r"^every one of the 3 held-out episodes was lost, the last with "):
         _evaluate_episodes([True, True, True])
+
+
+def test_a_mix_of_datasets_reports_held_out_accuracy_per_dataset():
+    """One number for a mix hid a dataset the model never learned behind one it did."""
+    import asyncio
+
+    from app.evaluate import evaluate_async
+    from app.rollout.sampling import CompletionSampler
+    from app.tasks.problems import Problem
+    from app.tasks.rewards import RewardScorer, exact_answer
+    from contracts.rollouts import Choice
+
+    async def generate(prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, *, turn=None):
+        return [Choice(i, [4, 6], [-0.1, -0.2], "46", "stop") for i in range(n)]
+
+    class Tokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    def problem(i: int, dataset: str, answer: str) -> Problem:
+        return Problem(f"p{i}", "Q", answer, {"rg_entry": {"metadata": {"source_dataset": dataset}}})
+
+    problems = [problem(0, "chain_sum", "46"), problem(1, "chain_sum", "46"), problem(2, "leg_counting", "4")]
+    problems.append(problem(3, "chain_sum", "7"))
+    sampler = CompletionSampler(generate, RewardScorer([exact_answer]))
+    try:
+        result = asyncio.run(evaluate_async(sampler, Tokenizer(), problems, "policy-v0", 8))
+    finally:
+        sampler.close()
+    assert result["accuracy"] == 0.5
+    assert result["accuracy_by_dataset"] == {"chain_sum": 2 / 3, "leg_counting": 0.0}
