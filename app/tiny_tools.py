@@ -170,7 +170,8 @@ class ToolPlay:
             if not sample.reward > 0 or sample.truncated:
                 raise ValueError(
                     f"the demonstration of {problem.prompt!r} is not a right play (reward {sample.reward}, "
-                    f"truncated {sample.truncated}, environment errors {dict(runner.counters)})"
+                    f"truncated {sample.truncated}, environment errors {dict(runner.counters)}, reward errors "
+                    f"{sampled.reward_errors})"
                 )
             examples.append(
                 (
