@@ -447,6 +447,79 @@ def test_a_saved_state_downloads_through_the_sdks_own_cli_as_the_clients_peft_ad
         assert httpx.get(tampered, timeout=30).status_code == 403
 
 
+def test_a_key_whose_run_the_admin_removes_is_refused_everywhere_at_once(service):
+    """Issue 43, item 3: a key lives and dies with its run. The admin's `DELETE /v1/runs/NAME` on the fleet ends the
+    key within the service's bound on a key's age (`key_recheck_s`): every SDK call of it is then an
+    `AuthenticationError` (a 401), whether it starts a session, trains, saves, samples, lists or exports, and the
+    service dropped its sessions and training clients (the learner no longer holds its adapter). Before, the service
+    remembered a key for ever and all of it went on working."""
+    import time
+
+    import ray
+
+    from launch.tinker import learner_actor
+
+    fleet, url, keys = service
+    reply = httpx.post(
+        f"{url}/api/v1/admin/keys",
+        json={"name": "carol", "lora_rank": RANK},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    carol = reply.json()["api_key"]
+    rest = tinker.RestClient(base_url=url, api_key=carol)
+    client = tinker.ServiceClient(base_url=url, api_key=carol)
+    training, step, _ = one_datum_client(client, fleet.base, 19, "5+6=", "11")
+    step()
+    state = training.save_state("before-removal").result().path
+    sampler = client.create_sampling_client(base_model=fleet.base).result()
+    prompt = types.ModelInput.from_ints(training.get_tokenizer().encode("5+6=", add_special_tokens=False))
+    assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+    assert training.model_id in ray.get(learner_actor().models.remote())
+
+    removed = httpx.delete(f"{url}/v1/runs/carol", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert removed.status_code == 200, removed.text
+    time.sleep(fleet.tinker_settings.key_recheck_s + 0.5)
+
+    data = [sft_datum(training.get_tokenizer(), "5+6=", "11")]
+    calls = {
+        "forward_backward": lambda: training.forward_backward(data, "cross_entropy").result(timeout=60),
+        "optim_step": lambda: training.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60),
+        "save_state": lambda: training.save_state("after-removal").result(timeout=60),
+        "save_weights_for_sampler": lambda: training.save_weights_for_sampler("after").result(timeout=60),
+        "save_weights_external": lambda: training.save_weights_external("after").result(timeout=60),
+        "sample": lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result(timeout=60),
+        "create_lora_training_client": lambda: client.create_lora_training_client(
+            base_model=fleet.base, rank=RANK
+        ).result(timeout=60),
+        "create_training_client_from_state": lambda: client.create_training_client_from_state(state).result(60),
+        "create_sampling_client": lambda: client.create_sampling_client(base_model=fleet.base).result(timeout=60),
+        "list_user_checkpoints": lambda: rest.list_user_checkpoints().result(timeout=60),
+        "list_training_runs": lambda: rest.list_training_runs().result(timeout=60),
+        "get_weights_info": lambda: rest.get_weights_info_by_tinker_path(state).result(timeout=60),
+        "new session": lambda: (
+            tinker.ServiceClient(base_url=url, api_key=carol)
+            .create_lora_training_client(base_model=fleet.base, rank=RANK)
+            .result(timeout=60)
+        ),
+        "close": lambda: client.close("success").result(timeout=60),
+    }
+    answers = {}
+    for name, call in calls.items():
+        try:
+            call()
+            answers[name] = "accepted"
+        except Exception as exc:  # noqa: BLE001 - each call's answer is collected, then checked together
+            answers[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    others = {name: answer for name, answer in answers.items() if not answer.startswith("AuthenticationError")}
+    assert not others, f"the removed key was not refused with a 401 by {others}"
+    assert training.model_id not in ray.get(learner_actor().models.remote())  # its adapter was dropped
+
+    alice = tinker.RestClient(base_url=url, api_key=keys["alice"])
+    assert alice.list_user_checkpoints().result(timeout=60) is not None  # another key stands
+
+
 def test_an_unknown_key_is_refused_in_the_sdks_terms(service):
     _, url, _ = service
     with pytest.raises(tinker.AuthenticationError):
