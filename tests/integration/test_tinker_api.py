@@ -675,6 +675,60 @@ def test_a_published_checkpoint_reaches_other_keys_until_its_owner_takes_it_back
         assert alice.create_training_client_from_state(state).result()  # still the owner's
 
 
+def test_a_path_of_another_kind_or_a_stale_download_link_reaches_nothing(service):
+    """Issue 43 (items 1, 4 and 9) through the SDK. Each kind of checkpoint numbers from 1 in a store of its own, so a
+    path is taken only by the calls of its kind: another key's published sampler path given to
+    `create_training_client_from_state`, or its published state given to `create_sampling_client`, is a 400 (the key's
+    own paths too), never the owner's checkpoint of the same number. A download link works while the owner's record
+    still names its export: another key's link ends when the owner unpublishes, the owner's when it deletes it, and no
+    link reaches the export saved after. `save_state` keeps a name unless `overwrite`, lists `user_metadata`, and
+    refuses a name no listing could parse."""
+    fleet, url, keys = service
+    alice_rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+    bob_rest = tinker.RestClient(base_url=url, api_key=keys["bob"])
+    with (
+        tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice,
+        tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob,
+    ):
+        training, step, _ = one_datum_client(alice, fleet.base, 17, "7+8=", "15")
+        step()
+        state = training.save_state("kinds").result().path
+        sampled = training.save_weights_for_sampler("kinds").result().path
+        for path in (state, sampled):
+            alice_rest.publish_checkpoint_from_tinker_path(path).result()
+        for client in (bob, alice):
+            with pytest.raises(tinker.BadRequestError, match="takes training weights"):
+                client.create_training_client_from_state(sampled).result()
+            with pytest.raises(tinker.BadRequestError, match="takes sampler weights"):
+                client.create_sampling_client(model_path=state).result()
+        assert bob.create_training_client_from_state(state).result()  # each of its own kind still reaches
+
+        exported = training.save_weights_external("linked").result().path
+        alice_rest.publish_checkpoint_from_tinker_path(exported).result()
+        bobs = bob_rest.get_external_weights_urls(exported).result().urls["adapter_config.json"]
+        alices = alice_rest.get_external_weights_urls(exported).result().urls["adapter_config.json"]
+        assert httpx.get(bobs, timeout=30).json()["r"] == RANK
+        alice_rest.unpublish_checkpoint_from_tinker_path(exported).result()
+        assert httpx.get(bobs, timeout=30).status_code == 404  # his link ended with the publication
+        assert httpx.get(alices, timeout=30).json()["r"] == RANK  # hers did not
+        alice_rest.delete_checkpoint_from_tinker_path(exported).result()
+        assert httpx.get(alices, timeout=30).status_code == 404
+        private = training.save_weights_external("private").result().path  # would have taken the deleted number
+        assert httpx.get(bobs, timeout=30).status_code == 404 and httpx.get(alices, timeout=30).status_code == 404
+        fresh = alice_rest.get_external_weights_urls(private).result().urls["adapter_config.json"]
+        assert httpx.get(fresh, timeout=30).json()["r"] == RANK
+
+        saved = training.save_state("noted", user_metadata={"stage": "one"}).result().path
+        assert training.save_state("noted", overwrite=True, user_metadata={"stage": "two"}).result().path == saved
+        listed = {c.tinker_path: c for c in alice_rest.list_checkpoints(training.model_id).result().checkpoints}
+        assert listed[saved].user_metadata == {"stage": "two"} and private in listed
+        # Refused when they arrive, so last: before issue 43's item 7, a refused request's seq_id left a hole.
+        with pytest.raises(tinker.BadRequestError, match="overwrite=True"):
+            training.save_state("noted").result()
+        with pytest.raises(tinker.BadRequestError, match="checkpoint name"):
+            training.save_state("a/b").result()
+
+
 def test_a_learner_over_two_ranks_serves_the_sdk_and_rides_out_a_lost_rank(service):
     """`learner_ranks: 2`: the service's learner is a group of two ranks sharding the base (FSDP2 over gloo here),
     and the SDK cannot tell: SFT raises the datum's log-probs, sampler weights published by rank 0 sample on the
