@@ -341,8 +341,8 @@ class TinkerLearner:
     ) -> int:
         """Commit the client's adapter, optimizer and spec as the tenant's next state; returns its number. `path`, the
         tinker path the user is given for it, is recorded (`record`, to expire at `expires`), replacing the state of
-        that name only with `overwrite`; the service's own saves after a notice have none, and keep with `gradient`
-        what `forward_backward` accumulated and no `optim_step` applied yet."""
+        that name only with `overwrite`; the service's own saves after a notice have none (each supersedes the client's
+        earlier ones), and keep with `gradient` what `forward_backward` accumulated and no `optim_step` applied yet."""
         client = self._activate(model)
         if path is not None and not overwrite and own_record(lineage.bucket_url, path) is not None:
             raise LossInputError(f"{path} exists: save with overwrite=True to replace it")
@@ -360,6 +360,10 @@ class TinkerLearner:
             )
         if path is not None:
             _remember(lineage, path, "training", number, model, client.spec, expires, user_metadata)
+        else:  # the service's own save: a client is restored from its newest, so older ones go
+            for earlier in tinker_paths.keep(lineage.bucket_url, model, number):
+                tinker_paths.retire(lineage.bucket_url, "training", earlier)
+                states.delete(earlier)
         return number
 
     def export(self, model: str, lineage: Lineage, path: str, expires: float | None = None) -> Export:

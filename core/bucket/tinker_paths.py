@@ -26,6 +26,7 @@ from core.bucket.records import JsonRecords
 
 PATHS = "tinker/paths"  # under a tenant's prefix: one small JSON per tinker path the service handed out
 RETIRED = "tinker/retired"  # under a tenant's prefix: one marker per deleted number, by kind
+KEPT = "tinker/kept"  # under a tenant's prefix: per training client, the state the service saved for it on a notice
 # A tinker path's middle segment and the kind of what it names (the SDK's `CheckpointType`).
 PATH_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 COMMIT_ATTEMPTS = 16  # numbers tried past the first free one before a save gives up
@@ -130,3 +131,14 @@ def remember(prefix: str, path: str, kind: str, number: int, **fields) -> dict |
     record = {"path": path, "kind": kind, "number": number, "time": time.time(), **fields}
     paths(prefix).put(record_name(path), record)
     return before
+
+
+def keep(prefix: str, model: str, number: int, kept: int = 2) -> list[int]:
+    """Record state `number` as the newest the service saved for training client `model` (a spot notice's, which no
+    path names); the states recorded before it beyond the newest `kept` (two: a save that answered late may still be
+    the one the service restores from), which are superseded."""
+    saves = records(prefix, KEPT)
+    before = saves.get(record_name(model))
+    numbers = [int(n) for n in (before or {}).get("numbers", [])] + [number]
+    saves.put(record_name(model), {"model": model, "numbers": numbers[-kept:], "time": time.time()})
+    return [n for n in numbers[:-kept] if n != number]

@@ -26,7 +26,7 @@ def _step(model: str) -> AdamStep:
 
 @pytest.fixture(scope="module")
 def learners(tiny_model_path):
-    return {dtype: TinkerLearner(tiny_model_path, max_models=16, dtype=dtype) for dtype in ("float32", "bfloat16")}
+    return {dtype: TinkerLearner(tiny_model_path, max_models=32, dtype=dtype) for dtype in ("float32", "bfloat16")}
 
 
 def test_a_bfloat16_base_keeps_fp32_adapters_and_agrees_with_float32(learners):
@@ -319,6 +319,21 @@ def test_a_name_saved_again_is_replaced_only_with_overwrite_and_what_it_named_is
     assert learner.record(lineage, sampler)["kind"] == "sampler"
     assert AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).versions() == [newer]
     assert older < newer
+
+
+def test_the_services_own_saves_of_a_client_are_bounded_to_its_newest_two(learners, tmp_path):
+    """A notice's saves (no path) come after every step while the notice lasts: each supersedes the client's earlier
+    ones beyond the newest two (the service restores from the newest), so they never pile up where nothing reaches
+    them; another client's, and the user's own states, stay."""
+    learner = learners["float32"]
+    for model in ("q1", "q2"):
+        learner.create(model, AdapterSpec(rank=4, seed=13))
+    lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
+    other = learner.save_state("q2", lineage, gradient=True)
+    users = learner.save_state("q1", lineage, "tinker://q1/weights/mine")
+    kept = [learner.save_state("q1", lineage, gradient=True) for _ in range(4)]
+    assert sorted(tinker_learner._store(lineage, "training").steps()) == sorted([other, users, *kept[-2:]])
+    learner.load_state("q3", lineage, kept[-1], optimizer=True)  # the newest restores
 
 
 def test_adopting_a_version_planted_in_the_owners_prefix_is_refused(learners, tmp_path):
