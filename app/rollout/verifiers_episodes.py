@@ -180,6 +180,7 @@ class VerifiersRunner(Sampler):
         self._token = token
         self.episode_timeout_s = episode_timeout_s
         self.gate = asyncio.Semaphore(max_concurrent)
+        self._metrics: dict[str, list[float]] = {}  # the tasks' `@vf.metric` values since the metrics were last read
         self._serving_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._serving_users = 0
         self._serving_stack: contextlib.AsyncExitStack | None = None
@@ -279,7 +280,16 @@ class VerifiersRunner(Sampler):
             feedback = errors[0].message if errors else cause
             log.info("verifiers episode lost (%s): %s", cause, feedback[:300])
             return lost_sample(cause, feedback)
+        for name, value in getattr(episode.traces[-1], "metrics", {}).items():  # `@vf.metric`s: None where one failed
+            if value is not None:
+                self._metrics.setdefault(name, []).append(float(value))
         return trace_sample(episode.traces[-1], version)
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The losses by cause and dropped branches, and the mean of each `@vf.metric` over the episodes played since
+        the last read (`verifiers/metric/<name>`, one figure a step)."""
+        metrics, self._metrics = self._metrics, {}
+        return super().reward_metrics() | {f"verifiers/metric/{k}": sum(v) / len(v) for k, v in metrics.items()}
 
     def close(self) -> None:
         """Nothing to release: verifiers' serving resources close with the last group in flight (`_serving`)."""

@@ -167,3 +167,31 @@ def test_the_runs_token_reaches_verifiers_client_as_its_header_and_never_the_env
     client = build_async_openai(runner.context("policy-v1", SamplingArgs(4)).client)  # as verifiers builds it
     request = client._build_request(FinalRequestOptions.construct(method="post", url="/generate", json_data={}))
     assert request.headers["authorization"] == "Bearer run-token-5e2a9"
+
+
+class _MeasuredEnv(_Env):
+    """Every episode's trace carries the task's `@vf.metric`s as verifiers records them (None: a metric that failed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lengths = iter([2.0, 4.0, 6.0])
+
+    async def run_slot(self, slot, ctx):
+        episode = await super().run_slot(slot, ctx)
+        episode.traces[-1].metrics = {"length": next(self.lengths), "judge": None}
+        return episode
+
+
+def test_a_tasks_metrics_are_recorded_in_the_runs_metrics():
+    """A taskset's `@vf.metric` was computed by verifiers and dropped: now its mean over a step's episodes is logged."""
+    from app.rollout.sampling import SamplingArgs
+    from app.rollout.verifiers_episodes import VerifiersRunner
+    from app.tasks.problems import Problem
+
+    runner = VerifiersRunner(_MeasuredEnv(), ["task"], "http://127.0.0.1:1", "model", None)
+    runner.context = lambda model, sampling: None
+    problem = Problem("p", "Compute 1+2. Answer: ", "3", {"vf_index": 0})
+    asyncio.run(runner.sample(problem, [], "policy-v0", 3, SamplingArgs(4)))
+    metrics = runner.reward_metrics()
+    assert metrics["verifiers/metric/length"] == 4.0 and "verifiers/metric/judge" not in metrics
+    assert "verifiers/metric/length" not in runner.reward_metrics()  # a step's figure: read once
