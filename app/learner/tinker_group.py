@@ -163,20 +163,5 @@ class TinkerLearnerGroup:
     def export(self, *args):
         return self._rank0("export", *args)
 
-    def record(self, *args):
-        return self._rank0("record", *args)
-
-    def checkpoints(self, *args):
-        return self._rank0("checkpoints", *args)
-
-    def forget(self, *args):
-        return self._rank0("forget", *args)
-
-    def expire(self, *args):
-        return self._rank0("expire", *args)
-
-    def share(self, *args):
-        return self._rank0("share", *args)
-
     def adopt(self, *args):
         return self._rank0("adopt", *args)
