@@ -7,13 +7,16 @@ STAMP := $(VENV)/.installed-$(DEVICE)
 # OpenEnv's own venv: its mcp<2 and vLLM's mcp>=2 cannot share one (requirements-openenv.txt says why).
 OPENENV_VENV := .venv-openenv
 OPENENV_STAMP := $(OPENENV_VENV)/.installed
+# Thinking Machines' tinker-cookbook in .venv, beside the `tinker` extra (requirements-tinker-cookbook.txt says why apart).
+COOKBOOK := tinker-cookbook==0.6.1
+COOKBOOK_STAMP := $(VENV)/.cookbook-installed
 CONFIG ?= configs/tiny-cpu.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup train test test-all serve bench lint tiny-model clean
 
-setup: $(STAMP) $(OPENENV_STAMP)
+setup: $(STAMP) $(OPENENV_STAMP) $(COOKBOOK_STAMP)
 
 # Rebuilt only when pyproject.toml changes, so a second `make setup` takes no time.
 $(STAMP): pyproject.toml
@@ -33,6 +36,14 @@ $(OPENENV_STAMP): requirements-openenv.txt
 	$(OPENENV_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OPENENV_VENV)/bin/python -m pip install -q -r requirements-openenv.txt
 	$(OPENENV_VENV)/bin/python -m pip check
+	touch $@
+
+# Its requirements, then the cookbook with --no-deps (it pins tml-renderers, which PyPI lacks and nothing here imports);
+# redone when .venv is reinstalled or the file changes, and offline afterwards, as the stamps above are.
+$(COOKBOOK_STAMP): requirements-tinker-cookbook.txt $(STAMP)
+	$(PY) -m pip install -q -r requirements-tinker-cookbook.txt
+	$(PY) -m pip install -q --no-deps $(COOKBOOK)
+	$(PY) -c "import tinker_cookbook.supervised.train, tinker_cookbook.rl.train"
 	touch $@
 
 train: setup
