@@ -34,7 +34,8 @@ from core.models import is_local, pin_revision
 log = logging.getLogger("spotrl.train")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The driver's options (`spotrl train --help` lists the config's fields after them)."""
     parser = argparse.ArgumentParser(description="Asynchronous GRPO with LoRA on Ray.")
     add_config_args(parser)
     parser.add_argument("--address", default=None, help="Join this Ray cluster (default: start a local one).")
@@ -44,7 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="URL",
         help="Train on the fleet running at URL, as a run of it (join.url): HTTP alone, no fleet of our own.",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.fleet:
         args.overrides.append(f"join.url={args.fleet}")
     return args
