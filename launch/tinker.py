@@ -67,11 +67,24 @@ def stop_tinker() -> None:
         ray.kill(learner, no_restart=True)
 
 
+def build_parser():
+    """The options of `main` (`spotrl tinker --help` lists the fleet config's fields after them)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--config", default=None, help="the fleet's config file (default: the tiny CPU fleet)")
+    parser.add_argument("--set", action="append", default=[], help="a fleet config override, key=value")
+    for name, field in TinkerSettings.model_fields.items():
+        if not field.is_required():  # the others are the fleet's (`TinkerSettings.of_fleet`)
+            flag = f"--{name.replace('_', '-')}"
+            parser.add_argument(flag, type=type(field.default), default=field.default, help=field.description)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m launch.tinker [--config FLEET.yaml] [--set key=value ...] [--max-models N ...]`: the Tinker API
     beside a fleet already running on this machine's Ray (`make serve`); runs until interrupted (the learner is
     this process's actor). Then `TINKER_BASE_URL=<fleet URL>`, and an API key from `POST /api/v1/admin/keys`."""
-    import argparse
     import signal
     import sys
 
@@ -84,14 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     from core.config import load_fleet_config
     from deployments.fleet import fleet_url
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--config", default=None, help="the fleet's config file (default: the tiny CPU fleet)")
-    parser.add_argument("--set", action="append", default=[], help="a fleet config override, key=value")
-    for name, field in TinkerSettings.model_fields.items():
-        if not field.is_required():  # the others are the fleet's (`TinkerSettings.of_fleet`)
-            flag = f"--{name.replace('_', '-')}"
-            parser.add_argument(flag, type=type(field.default), default=field.default, help=field.description)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     cfg = load_fleet_config(args.config, args.set)
     model_path = prepare_model(cfg.model, cfg.tiny_task)
     ray.init(address="auto", namespace=LEARNER_NAMESPACE)
