@@ -2,6 +2,7 @@
 
     python -m app.plan --config configs/qwen2.5-math-1.5b.yaml --bandwidth 200 --spot 2.5 --on-demand 6.0
     python -m app.plan --model Qwen/Qwen2.5-7B --rank 16 --gpus 9 --json
+    spotrl plan --config configs/tiny-cpu.yaml --set lora.rank=4     (the same command)
 
 From the model's shapes alone (a local folder's `config.json`, a `config.json` path, or a small table of
 known models: nothing is downloaded) it prints the LoRA adapter's bytes per weight sync and a learner
@@ -250,9 +251,13 @@ def run_gpus(cfg) -> float:
     return learner + cfg.fleet.num_replicas * cfg.fleet.num_gpus_per_replica
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `main` (`spotrl plan --help` lists the run config's fields after them)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="A run config: its model, LoRA rank and targets, dtype, GPUs, replicas.")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="Override a --config field."
+    )
     parser.add_argument("--model", help="A folder, a config.json, or a known model name (instead of --config).")
     parser.add_argument("--rank", type=int, help="LoRA rank (with --model; default the config's).")
     parser.add_argument("--bandwidth", type=float, default=100.0, help="Bucket bandwidth in MB/s (default 100).")
@@ -262,14 +267,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--on-demand", type=float, help="Price of one GPU-hour on demand.")
     parser.add_argument("--head", type=float, default=0.0, help="Price per hour of the on-demand head node.")
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.config and not args.model:
         parser.error("give --config FILE or --model NAME")
+    if args.overrides and not args.config:
+        parser.error("--set overrides a field of --config FILE: give one")
     settings = {"targets": "all-linear", "dtype": "bfloat16", "replicas": 1, "gpus": 1.0, "rank": 8}
     if args.config:
-        from core.config import load_config
+        from core.config import config_from_args
 
-        cfg = load_config(args.config)
+        cfg = config_from_args(args)  # an invalid file or override: one line naming the field, exit 2
         targets = cfg.lora.target_modules
         settings = {
             "targets": targets,
