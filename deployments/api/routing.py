@@ -25,10 +25,12 @@ def route(verb: str, path: str) -> Callable[[Handler], Handler]:
 
 
 class Routes:
-    """A set of handlers, registered on an app together."""
+    """A set of handlers, registered on an app together, in the order they are defined (a path that matches what
+    follows it, `{name:path}`, is defined after the routes under it: the first route that matches answers)."""
 
     def register(self, app: FastAPI) -> None:
-        for name in dir(type(self)):
+        names = dict.fromkeys(name for cls in reversed(type(self).__mro__) for name in vars(cls))
+        for name in names:
             handler = getattr(self, name)
             if hasattr(handler, "route"):
                 verb, path = handler.route
