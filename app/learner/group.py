@@ -2,7 +2,7 @@
 
 `LearnerGroup` starts `learner.num_workers` `LearnerRankActor` actors (each a `LearnerRank` from
 `app.learner.rank`), has rank 0 pick a rendezvous port on its node, and joins them into one
-torch.distributed group. With several GPU workers they are placed on one node (STRICT_PACK): NCCL
+torch.distributed group (`app.learner.rank_group.RankGroup`, the Tinker learner's too). With several GPU workers they are placed on one node (STRICT_PACK): NCCL
 stays inside the learner node, and nothing but the bucket (the weights) and rank 0's Serve handle to the
 fleet's ingress (which version to load, `app.weight_sync`) connects the learner to the fleet. A
 step's groups reach the ranks as an ObjectRef of the rollout's `RolloutBatch`, which each rank
@@ -34,6 +34,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from app.learner.model import rendezvous_address
 from app.learner.notices import OUTLIVED_S
 from app.learner.rank import LearnerRank, NotStarted
+from app.learner.rank_group import RankGroup
 from app.messages import ResumePoint, StepResult
 from contracts.auth import Secret
 from contracts.rollouts import RolloutBatch
@@ -41,9 +42,7 @@ from core.config import RunConfig
 
 log = logging.getLogger(__name__)
 
-RESTART_TIMEOUT_S = 600.0
 MAX_RETRIES = 2  # of one step: a worker's death, or an abandoned step and the node's loss after it
-PLACEMENT_TIMEOUT_S = 900.0
 _DEAD = RayActorError  # ActorDiedError, ActorUnavailableError and their kin
 
 
@@ -62,22 +61,6 @@ class _WorkersLost(Exception):
     @property
     def cause_name(self) -> str:
         return type(self.cause).__name__
-
-
-def ready_placement_group(bundles: list[dict], gpus: bool, what: str):
-    """A placement group of the ranks' bundles, once placed: GPU ranks share a node (STRICT_PACK), so that NCCL stays
-    inside it. An autoscaler may have to bring that (spot) node up first, hence the long wait."""
-    from ray.util.placement_group import placement_group
-
-    group = placement_group(bundles, strategy="STRICT_PACK" if gpus else "PACK")
-    try:
-        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except GetTimeoutError:
-        raise RuntimeError(
-            f"{what}: no room for {len(bundles)} ranks {bundles} within {PLACEMENT_TIMEOUT_S:.0f} s "
-            f"(cluster resources: {ray.cluster_resources()})"
-        ) from None
-    return group
 
 
 class LearnerRankActor(LearnerRank):
@@ -129,6 +112,10 @@ class LearnerRankActor(LearnerRank):
     def rendezvous_address(self) -> tuple[str, int]:
         return rendezvous_address()
 
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join the ranks at rank 0's rendezvous address (`RankGroup`): `setup` there."""
+        self.setup(master_addr, master_port)
+
 
 class LearnerGroup:
     """1..N learner ranks behind one interface: `start`, `train_step`, `shutdown`."""
@@ -143,8 +130,6 @@ class LearnerGroup:
     ):
         """`signing_key`: the key the fleet gave this run's lineage (`contracts.auth.lineage_key`), which rank 0
         signs every version with."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self.cfg = cfg
         self.restarts = 0
         self.abandoned = 0  # steps a spot notice left no time for, trained again on the node's replacement
@@ -155,70 +140,28 @@ class LearnerGroup:
             "CPU": lcfg.num_cpus_per_worker,
             **({"GPU": lcfg.num_gpus_per_worker} if lcfg.device == "cuda" else {}),
         }
-        self._pg = None
-        options = {
-            "max_restarts": lcfg.max_restarts,
-            "max_task_retries": 0,
-            "num_cpus": lcfg.num_cpus_per_worker,
-            "num_gpus": lcfg.num_gpus_per_worker if lcfg.device == "cuda" else 0,
-        }
-        if n > 1:
-            # Custom resources (the cluster's `learner_node`) go on rank 0's bundle only: the node has one unit,
-            # and STRICT_PACK puts every GPU rank beside rank 0 (NCCL never leaves the learner node).
-            bundles = [{**bundle, **lcfg.ray_resources}] + [bundle] * (n - 1)
-            self._pg = ready_placement_group(bundles, lcfg.device == "cuda", "learner")
-        elif lcfg.ray_resources:
-            options["resources"] = dict(lcfg.ray_resources)
-        actor = ray.remote(LearnerRankActor)
-        self.workers = []
-        for rank in range(n):
-            opts = dict(options)
-            if self._pg is not None:
-                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    self._pg, placement_group_bundle_index=rank
-                )
-            # Only rank 0 publishes; `fleet_url` is best `deployments.fleet.cluster_address`: this node cannot
-            # count on reaching the fleet's HTTP proxy, which listens on the head at an address as the head sees it.
-            fleet = (fleet_url, fleet_token, signing_key) if rank == 0 else (None, None, None)
-            self.workers.append(actor.options(**opts).remote(cfg, model_path, rank, n, *fleet))
-        self._setup()
+        # Custom resources (the cluster's `learner_node`) go on rank 0's bundle only: the node has one unit,
+        # and STRICT_PACK puts every GPU rank beside rank 0 (NCCL never leaves the learner node).
+        bundles = [{**bundle, **lcfg.ray_resources}] + [bundle] * (n - 1)
+        # Only rank 0 publishes; `fleet_url` is best `deployments.fleet.cluster_address`: this node cannot
+        # count on reaching the fleet's HTTP proxy, which listens on the head at an address as the head sees it.
+        fleet = (fleet_url, fleet_token, signing_key)
 
-    def _setup(self) -> None:
-        addr, port = ray.get(self.workers[0].rendezvous_address.remote())
-        self._all("setup", addr, port)
+        def args_of(rank: int) -> tuple:
+            return (cfg, model_path, rank, n, *(fleet if rank == 0 else (None, None, None)))
 
-    @staticmethod
-    def _wait_all(refs: list) -> None:
-        """Wait for every rank's result, raising the first failure without waiting for the other ranks
-        (which may be blocked forever in a collective with the failed one)."""
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done[0])
+        # Ray restarts a dead worker (on the node that replaces a lost one); the group then resumes every rank.
+        self._ranks = RankGroup(LearnerRankActor, args_of, bundles, max_restarts=lcfg.max_restarts, what="learner")
 
-    def _all(self, method: str, *args) -> list:
-        """Call a method on every rank and return their results."""
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        self._wait_all(refs)
-        return ray.get(refs)
+    @property
+    def workers(self) -> list:
+        """The ranks' actor handles, rank 0 first."""
+        return self._ranks.actors
 
     def _reset(self, dead: set[int]) -> ResumePoint:
         """Restart every rank (the dead ones are already restarting) and resume them from the bucket."""
-        for i, w in enumerate(self.workers):
-            if i not in dead:
-                ray.kill(w, no_restart=False)
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
-        for w in self.workers:
-            while True:
-                try:
-                    ray.get(w.ping.remote(), timeout=30)
-                    break
-                except (_DEAD, GetTimeoutError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(1.0)
+        self._ranks.restart(dead)
         self.restarts += 1
-        self._setup()
         self.last_resume = self.start()
         log.warning(
             "learner resumed at step %s, policy version %s", self.last_resume.step, self.last_resume.policy_version
@@ -240,7 +183,7 @@ class LearnerGroup:
 
     def start(self) -> ResumePoint:
         """Resume from the newest committed checkpoint if any, else publish the untrained adapter as policy-v0."""
-        return self._all("start")[0]
+        return self._ranks.all("start")[0]
 
     def train_step(self, batch: RolloutBatch | ray.ObjectRef) -> StepResult:
         """One optimizer step on the batch's groups (those already trained on are skipped); rank 0's result.
@@ -288,9 +231,9 @@ class LearnerGroup:
 
     def _attempt(self, batch_ref: ray.ObjectRef) -> StepResult:
         """One try of the step on every rank: rank 0's result, `_WorkersLost` when a worker is dead."""
-        refs = [w.train_step.remote(batch_ref) for w in self.workers]
+        refs = self._ranks.call("train_step", batch_ref)
         try:
-            self._wait_all(refs)
+            RankGroup.wait(refs)
         except (_DEAD, NotStarted) as exc:
             raise _WorkersLost(exc, self._dead_ranks(refs)) from None
         except RayTaskError:
@@ -320,30 +263,23 @@ class LearnerGroup:
 
     def checkpoint(self) -> float:
         """Commit the learner's whole state to the bucket now (a collective: every rank takes part); seconds taken."""
-        return self._all("save_checkpoint")[0]
+        return self._ranks.all("save_checkpoint")[0]
 
     def state(self) -> ResumePoint:
         """The learner's counters as rank 0 holds them."""
-        return ray.get(self.workers[0].get_state.remote())
+        return self._ranks.rank0("get_state")
 
     def adapter_state_dict(self) -> dict:
         """The whole adapter, gathered from every shard."""
-        return self._all("adapter_state_dict")[0]
+        return self._ranks.all("adapter_state_dict")[0]
 
     def optimizer_state_dict(self) -> dict:
         """The whole AdamW state, keyed by parameter name."""
-        return self._all("optimizer_state_dict")[0]
+        return self._ranks.all("optimizer_state_dict")[0]
 
     def shutdown(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
         try:
-            ray.get([w.close.remote() for w in self.workers], timeout=60)
+            ray.get(self._ranks.call("close"), timeout=60)
         except Exception as exc:  # noqa: BLE001 - shutting down anyway
             log.info("learner close: %s", exc)
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        self.workers = []
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
+        self._ranks.stop()

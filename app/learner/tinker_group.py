@@ -2,9 +2,9 @@
 
 A Tinker training client's calls come to one named actor (`contracts.tinker.LEARNER_ACTOR`) one at a time. With
 `learner_ranks` above 1 (`launch/tinker.py`) that actor is this group: it starts N rank actors (each a
-`TinkerLearner` with its rank, one GPU each on CUDA, packed on one node as the run learner's `LearnerGroup` packs
-its ranks), joins them in one process group that shards the frozen base (FSDP2), and hands every call to the ranks
-that must take part. Calls that compute (`create`, `forward_backward`, `optim_step`, `load_state`, `drop`) go to
+`TinkerLearner` with its rank, one GPU each on CUDA, packed on one node), joins them in one process group that
+shards the frozen base (FSDP2), and hands every call to the ranks that must take part (`app.learner.rank_group`,
+as the run learner's `LearnerGroup` does). Calls that compute (`create`, `forward_backward`, `optim_step`, `load_state`, `drop`) go to
 every rank in the same order, since they run collectives; calls that write or read the bucket go to rank 0 alone,
 which holds the same adapters and optimizer as every other rank.
 
@@ -23,7 +23,7 @@ import random
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from app.learner.group import ready_placement_group
+from app.learner.rank_group import RankGroup
 from app.learner.tinker_learner import TinkerLearner
 from contracts.tinker import AdapterSpec, LearnerLost
 
@@ -47,61 +47,38 @@ class TinkerLearnerGroup:
     ):
         if ranks < 2:
             raise ValueError(f"ranks {ranks}: a group has at least 2 (one device is a TinkerLearner alone)")
-        self._learner_args = (model_path, max_models, spot, device, dtype)
-        self.device, self.ranks, self.cpus_per_rank = device, ranks, cpus_per_rank
+        gpus = 1 if device == "cuda" else 0
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        learner_args = (model_path, max_models, spot, device, dtype)
         self.restarts = 0
-        self._pg = None
-        self.workers: list = []
-        self._start()
+        self._ranks = RankGroup(
+            TinkerLearner,
+            lambda rank: (*learner_args, rank, ranks),
+            [bundle] * ranks,
+            max_restarts=0,  # the group restarts every rank together: a lone restarted rank has no peers
+            what="tinker learner",
+        )
 
     # ---- the ranks --------------------------------------------------------------------------------------
 
-    def _start(self) -> None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        gpus = 1 if self.device == "cuda" else 0
-        bundle = {"CPU": self.cpus_per_rank, **({"GPU": gpus} if gpus else {})}
-        self._pg = ready_placement_group([bundle] * self.ranks, bool(gpus), "tinker learner")
-        actor = ray.remote(TinkerLearner)
-        self.workers = [
-            actor.options(
-                num_cpus=self.cpus_per_rank,
-                num_gpus=gpus,
-                max_restarts=0,  # the group restarts every rank together: a lone restarted rank has no peers
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank),
-            ).remote(*self._learner_args, rank=rank, world_size=self.ranks)
-            for rank in range(self.ranks)
-        ]
-        address, port = ray.get(self.workers[0].rendezvous_address.remote())
-        ray.get([w.join.remote(address, port) for w in self.workers])
-
     def _restart(self, why: str) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        log.warning("tinker learner: %s; starting all %d ranks again", why, self.ranks)
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
-        if self._pg is not None:
-            remove_placement_group(self._pg)
+        log.warning("tinker learner: %s; starting all %d ranks again", why, len(self._ranks.actors))
         self.restarts += 1
-        self._start()
+        self._ranks.replace()
 
     def _all(self, method: str, *args):
         """`method` on every rank, in the same order on each; rank 0's answer."""
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        pending = list(refs)
+        refs = self._ranks.call(method, *args)
         try:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done[0])
+            RankGroup.wait(refs)
         except RayActorError as exc:
             self._restart(f"a rank died during {method} ({type(exc).__name__})")
             raise LearnerLost(f"a learner rank died during {method}; the ranks were started again") from None
         except RayTaskError as exc:
             # A bad input is refused by every rank alike before any collective; anything else may have left the
             # others waiting in one, and then only a restart frees them.
-            settled, _ = ray.wait(pending, num_returns=len(pending), timeout=SETTLE_S) if pending else ([], [])
-            if len(settled) < len(pending) or not isinstance(exc.cause, ValueError | KeyError):
+            settled, _ = ray.wait(refs, num_returns=len(refs), timeout=SETTLE_S)
+            if len(settled) < len(refs) or not isinstance(exc.cause, ValueError | KeyError):
                 self._restart(f"a rank failed in {method}: {type(exc.cause).__name__}")
             raise exc.cause from None
         return ray.get(refs[0])
@@ -109,7 +86,7 @@ class TinkerLearnerGroup:
     def _rank0(self, method: str, *args):
         """`method` on rank 0 alone: a bucket write or read, no collective."""
         try:
-            return ray.get(getattr(self.workers[0], method).remote(*args))
+            return self._ranks.rank0(method, *args)
         except RayActorError as exc:
             self._restart(f"rank 0 died during {method} ({type(exc).__name__})")
             raise LearnerLost(f"learner rank 0 died during {method}; the ranks were started again") from None
@@ -136,11 +113,11 @@ class TinkerLearnerGroup:
 
     def rank_actors(self) -> list:
         """The ranks' actor handles (a test kills one, as a lost node would)."""
-        return list(self.workers)
+        return list(self._ranks.actors)
 
     def notice(self) -> str | None:
         """The first rank's notice for its node, in words; None while no rank has one."""
-        for worker in self.workers:
+        for worker in self._ranks.actors:
             try:
                 heard = ray.get(worker.notice.remote(), timeout=10)
             except (RayActorError, GetTimeoutError):
