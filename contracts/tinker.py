@@ -3,7 +3,11 @@
 The two sit in products that never import each other, so the learner is reached as a named Ray actor
 (`LEARNER_ACTOR` in `LEARNER_NAMESPACE`, started by `launch/tinker.py`) and every call crosses as one of these typed
 messages: plain lists and numbers, never the SDK's pydantic objects (the learner needs no SDK), never dicts with
-string-named fields.
+string-named fields. `TinkerBackend` is the learner as the service sees it, one method per call (as SkyRL's Tinker
+server's `AbstractBackend`): `deployments.tinker.learner_handle.RayLearner` implements it over Ray, and a route's
+call reads as the learner method it reaches (`backend.forward_backward(call)` -> `TinkerLearner.forward_backward`).
+The learner answers numbers; the tinker paths the user is given for them are the service's to record
+(`core.bucket.tinker_registry`).
 
 `LOSS_INPUTS` is the one list of the built-in losses the service accepts and the `loss_fn_inputs` each needs
 (Tinker's documented names); what each computes is `app.objectives.tinker_losses`'.
@@ -12,6 +16,7 @@ string-named fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 LEARNER_ACTOR = "spotrl-tinker-learner"
 LEARNER_NAMESPACE = "spotrl-tinker"
@@ -83,10 +88,15 @@ class LossCall:
 
 @dataclass(frozen=True)
 class LossReply:
-    """Per datum the target tokens' log-probs, and the batch's metrics (`name:reduction`, as the SDK folds them)."""
+    """Per datum the target tokens' log-probs, and the batch's loss (summed over its datums)."""
 
     logprobs: list[list[float]]
-    metrics: dict[str, float]
+    loss: float
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """As the SDK folds a call's metrics: `name:reduction`."""
+        return {"loss:sum": self.loss}
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,19 @@ class AdamStep:
     eps: float
     weight_decay: float
     grad_clip_norm: float
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """An optimizer step: the gradient's norm before clipping, and the client's steps so far."""
+
+    grad_norm: float
+    steps: int
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """As the SDK folds a step's metrics: `name:reduction`."""
+        return {"grad_norm:mean": self.grad_norm, "step:max": float(self.steps)}
 
 
 @dataclass(frozen=True)
@@ -136,3 +159,44 @@ class Publication:
 
 class LearnerLost(RuntimeError):
     """The learner actor is gone (a preempted node, a crash): the request may succeed once it is back."""
+
+
+class TinkerBackend(Protocol):
+    """One learner as the service calls it: a method per call, typed records in and out. Raises `LearnerLost` while
+    the learner is gone, `KeyError` for a training client it does not hold (released, or the learner restarted), and
+    `ValueError` for what it refuses as sent."""
+
+    async def create(self, model: str, spec: AdapterSpec) -> None:
+        """A fresh adapter for training client `model`."""
+
+    async def drop(self, model: str) -> bool:
+        """Release `model`'s adapter and optimizer; whether the learner held it."""
+
+    async def models(self) -> list[str]:
+        """The training clients whose adapters the learner holds."""
+
+    async def notice(self) -> str | None:
+        """The spot notice for the learner's node, in words; None while there is none."""
+
+    async def forward_backward(self, call: LossCall) -> LossReply:
+        """Log-probs and loss of `call.data`; with `call.backward`, gradients accumulate until the next step."""
+
+    async def optim_step(self, step: AdamStep) -> StepReply:
+        """One AdamW step of `step.model`'s adapter."""
+
+    async def publish(self, model: str, lineage: Lineage) -> Publication:
+        """Commit the adapter as the tenant's next sampler version (`policy-vN`), signed with the lineage's key."""
+
+    async def adopt(self, lineage: Lineage, source: str, version: int, source_key: str) -> Publication:
+        """Copy sampler `version` of the prefix `source` (verified under `source_key`) into the tenant's lineage."""
+
+    async def save_state(self, model: str, lineage: Lineage, gradient: bool) -> int:
+        """Commit adapter, optimizer (and with `gradient`, a gradient not yet applied) as the tenant's next state."""
+
+    async def export(self, model: str, lineage: Lineage) -> Export:
+        """Commit the adapter as a PEFT folder to the tenant's exports."""
+
+    async def load_state(
+        self, model: str, lineage: Lineage, number: int, optimizer: bool, source: str | None
+    ) -> AdapterSpec:
+        """A client `model` from state `number` (of the prefix `source`, another tenant's, when not None)."""

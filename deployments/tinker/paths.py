@@ -10,6 +10,8 @@ the owner (`contracts.auth.lineage_key`).
 
 from __future__ import annotations
 
+import time
+
 from tinker.types.checkpoint import ParsedCheckpointTinkerPath
 
 from contracts.auth import Secret, lineage_key, signing_secret
@@ -19,6 +21,7 @@ SEGMENTS = {kind: segment for segment, kind in PATH_KINDS.items()}
 MAX_NAME = 256
 MAX_METADATA = 64  # entries of a checkpoint's user_metadata
 MAX_METADATA_TEXT = 1024  # characters of one key or value
+TTL_RANGE_S = (3600, 10 * 365 * 86400)  # a checkpoint's ttl_seconds, as the SDK documents it: 1 hour to 10 years
 
 
 class PathRefused(Exception):
@@ -68,3 +71,28 @@ def owner_key(admin_token: Secret | None, prefix: str) -> str:
     """The key the versions under `prefix` (a run's prefix of the fleet's bucket) are signed with, derived as the fleet
     derives it from its admin token (`deployments.fleet`): what a published version must verify under."""
     return lineage_key(signing_secret(admin_token.value if admin_token else None), owner_run(prefix)).value
+
+
+def parsed(path: str) -> ParsedCheckpointTinkerPath:
+    """A tinker path as the SDK's parser reads it; a 400 for one it does not."""
+    try:
+        return ParsedCheckpointTinkerPath.from_tinker_path(path)
+    except ValueError as exc:
+        raise PathRefused(f"tinker path {path[:200]!r}: {exc}") from None
+
+
+def route_path(training_run_id: str, checkpoint_id: str) -> str:
+    """The tinker path a checkpoint route names (`/training_runs/{id}/checkpoints/{checkpoint_id}`), checked."""
+    path = f"tinker://{training_run_id}/{checkpoint_id}"
+    parsed(path)
+    return path
+
+
+def expiry(ttl_seconds: int | None) -> float | None:
+    """When a checkpoint saved (or given a TTL) now with `ttl_seconds` expires, in epoch seconds; None: never."""
+    if ttl_seconds is None:
+        return None
+    low, high = TTL_RANGE_S
+    if not low <= ttl_seconds <= high:
+        raise PathRefused(f"ttl_seconds {ttl_seconds}: must be between {low} (1 hour) and {high} (10 years)")
+    return time.time() + ttl_seconds

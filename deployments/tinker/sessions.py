@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from contracts.tinker import AdapterSpec
 from deployments.tinker.turns import Turns
 
 TURN_WAIT_S = 300.0  # how long a request waits for the ones numbered before it (`Turns`), unless Sessions says
@@ -39,6 +40,7 @@ class Model:
     base_model: str
     rank: int
     learner: int = 0  # which of the service's learners holds its adapter
+    spec: AdapterSpec | None = None  # its adapter as created or loaded (what its saved paths' records say of it)
     saved: int | None = None  # its last saved state's number: what a restarted learner restores it from
     saved_from: str | None = None  # the prefix of that state when another tenant's (a published one it started from)
     trained: bool = False  # changed since that state (a step, or a gradient accumulated): what a notice's save keeps
@@ -46,6 +48,11 @@ class Model:
     restores: int = 0
     touched: float = field(default_factory=time.time)  # wall-clock time of its last request (training-run listings)
     turns: Turns = field(default_factory=lambda: Turns(TURN_WAIT_S, MAX_SEQ_AHEAD))  # its requests' order
+
+    @property
+    def adapter(self) -> AdapterSpec:
+        """Its adapter's spec; its rank alone before the learner said more (a state being loaded)."""
+        return self.spec or AdapterSpec(self.rank)
 
     def turn(self, seq_id: int):
         """Run the body when every request numbered below `seq_id` has had its turn (`Turns.turn`)."""

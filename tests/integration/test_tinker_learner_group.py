@@ -48,19 +48,18 @@ def test_two_ranks_compute_and_train_as_one_learner_and_load_what_rank_0_saved(g
         assert theirs.metrics["loss:sum"] == pytest.approx(mine.metrics["loss:sum"], abs=1e-4)
         for a, b in zip(theirs.logprobs, mine.logprobs, strict=True):
             assert a == pytest.approx(b, abs=1e-4)  # other rows, other float32 sums
-        norm = ray.get(group.optim_step.remote(_step("m")))["grad_norm:mean"]
-        assert norm == pytest.approx(single.optim_step(_step("m"))["grad_norm:mean"], rel=1e-4)
+        norm = ray.get(group.optim_step.remote(_step("m"))).grad_norm
+        assert norm == pytest.approx(single.optim_step(_step("m")).grad_norm, rel=1e-4)
     after = LossCall("m", _datums(5), "cross_entropy", backward=False)
     expected = single.forward_backward(after).logprobs
     for a, b in zip(ray.get(group.forward_backward.remote(after)).logprobs, expected, strict=True):
         assert a == pytest.approx(b, abs=1e-4)
 
-    number = ray.get(group.save_state.remote("m", lineage, "tinker://m/weights/s"))
+    number = ray.get(group.save_state.remote("m", lineage))
     ray.get(group.load_state.remote("m2", lineage, number, True))
     loaded = ray.get(group.forward_backward.remote(LossCall("m2", _datums(5), "cross_entropy", backward=False)))
     for a, b in zip(loaded.logprobs, expected, strict=True):
         assert a == pytest.approx(b, abs=1e-4)
-    assert ray.get(group.record.remote(lineage, "tinker://m/weights/s"))["number"] == number
     assert sorted(ray.get(group.models.remote())) == ["m", "m2"]
     assert ray.get(group.drop.remote("m2")) is True
 

@@ -1,16 +1,18 @@
 """The Tinker learner on the tiny model at small shapes: its precision path (a bfloat16 base under fp32 adapters, what it
 runs on a GPU) computes what the float32 one does, trains, and saves and restores fp32 adapters and moments; the
-tinker paths it saved are found again by path; datums packed in rows compute what one at a time does, and what a plain
-forward's full logits give at whatever targets a datum names."""
+tinker paths recorded for what it saved (`core.bucket.tinker_registry`) are found again by path; datums packed in rows
+compute what one at a time does, and what a plain forward's full logits give at whatever targets a datum names."""
 
 import time
 
 import pytest
 import torch
 
-from app.learner import tinker_learner
+from app.learner import tinker_learner, tinker_states
 from app.learner.tinker_learner import TinkerLearner, train_sample
-from contracts.tinker import AdamStep, AdapterSpec, Datum, Lineage, LossCall
+from contracts.tinker import AdamStep, AdapterSpec, Datum, Lineage, LossCall, TinkerBackend
+from core.bucket import tinker_paths
+from core.bucket.tinker_registry import PathRegistry
 
 TOKENS = [5, 9, 14, 3, 7, 11, 2]
 
@@ -22,6 +24,33 @@ def _call(model: str, backward: bool = True) -> LossCall:
 
 def _step(model: str) -> AdamStep:
     return AdamStep(model, 1e-2, 0.9, 0.999, 1e-8, 0.0, 1.0)
+
+
+def _save(learner, model, lineage, path, expires=None, user_metadata=None) -> int:
+    """A user's save_state as the service makes it: the learner commits the state, the registry records its path."""
+    number = learner.save_state(model, lineage)
+    spec = learner.clients[model].spec
+    PathRegistry(lineage).remember(path, "training", number, model, spec, expires, user_metadata)
+    return number
+
+
+def _publish(learner, model, lineage, path=None, expires=None, user_metadata=None):
+    published = learner.publish(model, lineage)
+    if path is not None:
+        spec = learner.clients[model].spec
+        PathRegistry(lineage).remember(path, "sampler", published.version, model, spec, expires, user_metadata)
+    return published
+
+
+def _export(learner, model, lineage, path):
+    export = learner.export(model, lineage)
+    spec = learner.clients[model].spec
+    PathRegistry(lineage).remember(path, "external", export.number, model, spec, None, size_bytes=export.size_bytes)
+    return export
+
+
+def _store(lineage, kind):
+    return tinker_paths.store(lineage.bucket_url, kind, lineage.cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +85,13 @@ def test_the_bfloat16_learner_trains_and_restores_its_state(learners, tmp_path):
 
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "k" * 32, "alice", str(tmp_path / "cache"))
     path = "tinker://alice-1:train:0/weights/step-5"
-    number = learner.save_state("b", lineage, path)
-    assert learner.record(lineage, path)["number"] == number  # a service that restarted finds the path again
-    assert learner.record(lineage, path + "x") is None
+    number = _save(learner, "b", lineage, path)
+    assert PathRegistry(lineage).record(path)["number"] == number  # a service that restarted finds the path again
+    assert PathRegistry(lineage).record(path + "x") is None
     bob = Lineage(f"file://{tmp_path}/bucket/runs/bob", "k" * 32, "bob", str(tmp_path / "cache"))
-    assert learner.record(bob, path) is None  # the record lies in alice's prefix only
-    assert [(r["path"], r["number"]) for r in learner.checkpoints(lineage)] == [(path, number)]
-    assert learner.checkpoints(bob) == []
+    assert PathRegistry(bob).record(path) is None  # the record lies in alice's prefix only
+    assert [(r["path"], r["number"]) for r in PathRegistry(lineage).checkpoints()] == [(path, number)]
+    assert PathRegistry(bob).checkpoints() == []
     moments = learner.clients["b"].optimizer.state_dict()["state"]
     learner.load_state("c", lineage, number, optimizer=True)
     restored = learner.clients["c"].optimizer.state_dict()["state"]
@@ -142,22 +171,22 @@ def test_forgetting_a_path_deletes_what_it_names_but_never_the_newest_sampler_ve
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     state = "tinker://f/weights/s"
     older, newest = "tinker://f/sampler_weights/a", "tinker://f/sampler_weights/b"
-    number = learner.save_state("f", lineage, state)
-    first = learner.publish("f", lineage, older).version
-    learner.publish("f", lineage, newest)
-    records = {r["path"]: r for r in learner.checkpoints(lineage)}
+    number = _save(learner, "f", lineage, state)
+    first = _publish(learner, "f", lineage, older).version
+    _publish(learner, "f", lineage, newest)
+    records = {r["path"]: r for r in PathRegistry(lineage).checkpoints()}
     assert records[state]["rank"] == 4 and records[older]["model"] == "f" and records[newest]["train_mlp"] is True
 
     with pytest.raises(ValueError, match="newest sampler weights"):
-        learner.forget(lineage, newest)
-    assert learner.forget(lineage, older) is True
-    assert learner.record(lineage, older) is None and learner.forget(lineage, older) is False
+        PathRegistry(lineage).forget(newest)
+    assert PathRegistry(lineage).forget(older) is True
+    assert PathRegistry(lineage).record(older) is None and PathRegistry(lineage).forget(older) is False
     from core.bucket.store import AdapterStore
 
     assert first not in AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).versions()
-    assert learner.forget(lineage, state) is True
-    assert number not in tinker_learner._store(lineage, "training").steps()
-    assert {r["path"] for r in learner.checkpoints(lineage)} == {newest}
+    assert PathRegistry(lineage).forget(state) is True
+    assert number not in _store(lineage, "training").steps()
+    assert {r["path"] for r in PathRegistry(lineage).checkpoints()} == {newest}
 
 
 def test_an_export_is_a_peft_folder_of_the_clients_adapter_and_deleted_like_any_path(learners, tmp_path):
@@ -171,19 +200,19 @@ def test_an_export_is_a_peft_folder_of_the_clients_adapter_and_deleted_like_any_
     expected = learner.forward_backward(_call("x", backward=False)).logprobs[0]
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     path = "tinker://x/external_weights/out"
-    export = learner.export("x", lineage, path)
+    export = _export(learner, "x", lineage, path)
     assert set(export.files) == {"adapter_model.safetensors", "adapter_config.json"}
-    assert learner.record(lineage, path)["size_bytes"] == export.size_bytes > 0
+    assert PathRegistry(lineage).record(path)["size_bytes"] == export.size_bytes > 0
 
-    folder = tinker_learner._store(lineage, "external").load(export.number, tmp_path / "download")
+    folder = _store(lineage, "external").load(export.number, tmp_path / "download")
     base = AutoModelForCausalLM.from_pretrained(learner.model_path, dtype=torch.float32)
     with torch.no_grad():
         logits = PeftModel.from_pretrained(base, str(folder))(torch.tensor([TOKENS[:-1]])).logits[0]
     logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
     assert logprobs.tolist() == pytest.approx(expected, abs=1e-4)
 
-    assert learner.forget(lineage, path) is True
-    assert export.number not in tinker_learner._store(lineage, "external").steps()
+    assert PathRegistry(lineage).forget(path) is True
+    assert export.number not in _store(lineage, "external").steps()
 
 
 def test_an_expired_path_is_gone_from_lookups_and_listings_and_its_files_from_the_bucket(learners, tmp_path):
@@ -191,18 +220,20 @@ def test_an_expired_path_is_gone_from_lookups_and_listings_and_its_files_from_th
     learner.create("e", AdapterSpec(rank=4, seed=7))
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     kept, lapsing = "tinker://e/weights/kept", "tinker://e/weights/lapsing"
-    learner.save_state("e", lineage, kept, expires=time.time() + 3600)
-    number = learner.save_state("e", lineage, lapsing)
-    assert learner.expire(lineage, lapsing, time.time() - 1) is True
-    assert learner.record(lineage, lapsing) is None
-    assert learner.expire(lineage, lapsing, None) is False  # gone is gone
-    assert [r["path"] for r in learner.checkpoints(lineage)] == [kept]
-    assert number not in tinker_learner._store(lineage, "training").steps()  # the listing deleted it
-    assert learner.expire(lineage, kept, None) is True and learner.record(lineage, kept)["expires"] is None
+    _save(learner, "e", lineage, kept, expires=time.time() + 3600)
+    number = _save(learner, "e", lineage, lapsing)
+    assert PathRegistry(lineage).expire(lapsing, time.time() - 1) is True
+    assert PathRegistry(lineage).record(lapsing) is None
+    assert PathRegistry(lineage).expire(lapsing, None) is False  # gone is gone
+    assert [r["path"] for r in PathRegistry(lineage).checkpoints()] == [kept]
+    assert number not in _store(lineage, "training").steps()  # the listing deleted it
+    assert PathRegistry(lineage).expire(kept, None) is True and PathRegistry(lineage).record(kept)["expires"] is None
 
     newest = "tinker://e/sampler_weights/newest"
-    learner.publish("e", lineage, newest, time.time() - 1)  # expired at once: out of sight, kept while newest
-    assert learner.record(lineage, newest) is None and newest not in {r["path"] for r in learner.checkpoints(lineage)}
+    _publish(learner, "e", lineage, newest, time.time() - 1)  # expired at once: out of sight, kept while newest
+    assert PathRegistry(lineage).record(newest) is None and newest not in {
+        r["path"] for r in PathRegistry(lineage).checkpoints()
+    }
     from core.bucket.store import AdapterStore
 
     assert AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).latest() is not None
@@ -214,16 +245,16 @@ def test_a_state_kept_mid_step_restores_the_gradient_not_yet_applied_and_a_users
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     learner.forward_backward(_call("k"))  # accumulated; no optim_step yet
     kept = learner.save_state("k", lineage, gradient=True)
-    users = learner.save_state("k", lineage, "tinker://k/weights/mid")
+    users = _save(learner, "k", lineage, "tinker://k/weights/mid")
     learner.optim_step(_step("k"))  # what the client's optim_step does where nothing is lost
     expected = learner.forward_backward(_call("k", backward=False)).logprobs[0]
 
     learner.load_state("k2", lineage, kept, optimizer=True)
-    assert all(p.grad is not None for p in tinker_learner._params(learner.clients["k2"]))
+    assert all(p.grad is not None for p in tinker_states.params(learner.clients["k2"]))
     learner.optim_step(_step("k2"))
     assert learner.forward_backward(_call("k2", backward=False)).logprobs[0] == pytest.approx(expected, abs=1e-6)
     learner.load_state("k3", lineage, users, optimizer=True)
-    assert all(p.grad is None for p in tinker_learner._params(learner.clients["k3"]))
+    assert all(p.grad is None for p in tinker_states.params(learner.clients["k3"]))
 
 
 def test_a_published_path_reaches_other_keys_until_its_owner_takes_it_back(learners, tmp_path):
@@ -242,26 +273,28 @@ def test_a_published_path_reaches_other_keys_until_its_owner_takes_it_back(learn
     alice = Lineage(f"file://{tmp_path}/bucket/runs/alice", "a" * 64, "alice", cache)
     bob = Lineage(f"file://{tmp_path}/bucket/runs/bob", "b" * 64, "bob", cache)
     state, sampler = "tinker://p/weights/shared", "tinker://p/sampler_weights/shared"
-    number = learner.save_state("p", alice, state)
-    version = learner.publish("p", alice, sampler).version
-    assert learner.record(bob, state) is None and learner.share(bob, state, True) is False  # not bob's to publish
+    number = _save(learner, "p", alice, state)
+    version = _publish(learner, "p", alice, sampler).version
+    assert (
+        PathRegistry(bob).record(state) is None and PathRegistry(bob).share(state, True) is False
+    )  # not bob's to publish
 
-    assert learner.share(alice, state, True) and learner.share(alice, sampler, True)
-    found = learner.record(bob, state)
+    assert PathRegistry(alice).share(state, True) and PathRegistry(alice).share(sampler, True)
+    found = PathRegistry(bob).record(state)
     assert found["number"] == number and found["prefix"] == alice.bucket_url and found["public"] is True
     learner.load_state("p-bob", bob, number, True, found["prefix"])
     assert learner.forward_backward(_call("p-bob", backward=False)).logprobs[0] == pytest.approx(expected, abs=1e-6)
-    copy = learner.adopt(bob, learner.record(bob, sampler)["prefix"], version, alice.signing_key)
+    copy = learner.adopt(bob, PathRegistry(bob).record(sampler)["prefix"], version, alice.signing_key)
     bobs = AdapterStore(bob.bucket_url, cache_dir=cache, signing_key=Secret(bob.signing_key))
     assert copy.version in bobs.versions() and bobs.signed(copy.version)  # signed with bob's lineage key
     as_alices = AdapterStore(bob.bucket_url, cache_dir=cache, signing_key=Secret(alice.signing_key))
     assert not as_alices.signed(copy.version)
-    assert learner.expire(bob, state, time.time() - 1) is False and learner.forget(bob, state) is False
+    assert PathRegistry(bob).expire(state, time.time() - 1) is False and PathRegistry(bob).forget(state) is False
 
-    assert learner.share(alice, state, False) and learner.record(bob, state) is None
+    assert PathRegistry(alice).share(state, False) and PathRegistry(bob).record(state) is None
     learner.publish("p", alice)  # sampler is no longer alice's newest: it may go
-    assert learner.forget(alice, sampler) and learner.record(bob, sampler) is None
-    assert {r["path"]: r.get("public") for r in learner.checkpoints(alice)} == {state: False}
+    assert PathRegistry(alice).forget(sampler) and PathRegistry(bob).record(sampler) is None
+    assert {r["path"]: r.get("public") for r in PathRegistry(alice).checkpoints()} == {state: False}
 
 
 def test_a_number_is_never_handed_out_twice_even_after_its_checkpoint_is_deleted(learners, tmp_path):
@@ -270,12 +303,12 @@ def test_a_number_is_never_handed_out_twice_even_after_its_checkpoint_is_deleted
     learner = learners["float32"]
     learner.create("n", AdapterSpec(rank=4, seed=9))
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
-    first = learner.save_state("n", lineage, "tinker://n/weights/a")
-    assert learner.forget(lineage, "tinker://n/weights/a")
-    assert learner.save_state("n", lineage, "tinker://n/weights/b") > first
-    export = learner.export("n", lineage, "tinker://n/external_weights/a")
-    assert learner.forget(lineage, "tinker://n/external_weights/a")
-    assert learner.export("n", lineage, "tinker://n/external_weights/b").number > export.number
+    first = _save(learner, "n", lineage, "tinker://n/weights/a")
+    assert PathRegistry(lineage).forget("tinker://n/weights/a")
+    assert _save(learner, "n", lineage, "tinker://n/weights/b") > first
+    export = _export(learner, "n", lineage, "tinker://n/external_weights/a")
+    assert PathRegistry(lineage).forget("tinker://n/external_weights/a")
+    assert _export(learner, "n", lineage, "tinker://n/external_weights/b").number > export.number
 
 
 def test_two_savers_of_one_key_that_read_the_same_newest_number_each_get_their_own(learners, tmp_path, monkeypatch):
@@ -287,16 +320,16 @@ def test_two_savers_of_one_key_that_read_the_same_newest_number_each_get_their_o
     learner.create("r", AdapterSpec(rank=4, seed=10))
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     monkeypatch.setattr(CheckpointStore, "latest", lambda self: None)  # each read before the other's commit
-    assert learner.save_state("r", lineage, "tinker://r/weights/a") == 1
-    assert learner.save_state("r", lineage, "tinker://r/weights/b") == 2
-    assert learner.export("r", lineage, "tinker://r/external_weights/a").number == 1
-    assert learner.export("r", lineage, "tinker://r/external_weights/b").number == 2
-    assert learner.record(lineage, "tinker://r/weights/b")["number"] == 2
+    assert _save(learner, "r", lineage, "tinker://r/weights/a") == 1
+    assert _save(learner, "r", lineage, "tinker://r/weights/b") == 2
+    assert _export(learner, "r", lineage, "tinker://r/external_weights/a").number == 1
+    assert _export(learner, "r", lineage, "tinker://r/external_weights/b").number == 2
+    assert PathRegistry(lineage).record("tinker://r/weights/b")["number"] == 2
 
 
-def test_a_name_saved_again_is_replaced_only_with_overwrite_and_what_it_named_is_deleted(learners, tmp_path):
-    """`save_state(name, overwrite=..., user_metadata=...)`: an existing name is kept unless overwrite is asked; the
-    replaced state (or sampler version, saved again under its name) leaves the bucket, so nothing a tenant wrote is
+def test_a_name_saved_again_is_replaced_and_what_it_named_is_deleted(learners, tmp_path):
+    """A name saved again (`save_state(name, overwrite=True, user_metadata=...)`; without overwrite the service
+    refuses it before the learner saves, `tests/unit/deployments/tinker/test_paths.py`): the replaced state (or sampler version, saved again under its name) leaves the bucket, so nothing a tenant wrote is
     left where no path reaches it; each record says its kind and the user's metadata."""
     from core.bucket.store import AdapterStore
 
@@ -304,19 +337,17 @@ def test_a_name_saved_again_is_replaced_only_with_overwrite_and_what_it_named_is
     learner.create("o", AdapterSpec(rank=4, seed=11))
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     path = "tinker://o/weights/x"
-    first = learner.save_state("o", lineage, path, user_metadata={"stage": "a"})
-    with pytest.raises(ValueError, match="overwrite"):
-        learner.save_state("o", lineage, path, overwrite=False)
-    second = learner.save_state("o", lineage, path, overwrite=True, user_metadata={"stage": "b"})
-    record = learner.record(lineage, path)
+    first = _save(learner, "o", lineage, path, user_metadata={"stage": "a"})
+    second = _save(learner, "o", lineage, path, user_metadata={"stage": "b"})
+    record = PathRegistry(lineage).record(path)
     assert (record["number"], record["kind"], record["user_metadata"]) == (second, "training", {"stage": "b"})
-    assert tinker_learner._store(lineage, "training").steps() == [second]  # the first is gone, not orphaned
+    assert _store(lineage, "training").steps() == [second]  # the first is gone, not orphaned
     assert first != second
 
     sampler = "tinker://o/sampler_weights/x"
-    older = learner.publish("o", lineage, sampler).version
-    newer = learner.publish("o", lineage, sampler, None, {"k": "v"}).version
-    assert learner.record(lineage, sampler)["kind"] == "sampler"
+    older = _publish(learner, "o", lineage, sampler).version
+    newer = _publish(learner, "o", lineage, sampler, None, {"k": "v"}).version
+    assert PathRegistry(lineage).record(sampler)["kind"] == "sampler"
     assert AdapterStore(lineage.bucket_url, cache_dir=lineage.cache_dir).versions() == [newer]
     assert older < newer
 
@@ -330,9 +361,13 @@ def test_the_services_own_saves_of_a_client_are_bounded_to_its_newest_two(learne
         learner.create(model, AdapterSpec(rank=4, seed=13))
     lineage = Lineage(f"file://{tmp_path}/bucket/runs/alice", "ab" * 32, "alice", str(tmp_path / "cache"))
     other = learner.save_state("q2", lineage, gradient=True)
-    users = learner.save_state("q1", lineage, "tinker://q1/weights/mine")
-    kept = [learner.save_state("q1", lineage, gradient=True) for _ in range(4)]
-    assert sorted(tinker_learner._store(lineage, "training").steps()) == sorted([other, users, *kept[-2:]])
+    PathRegistry(lineage).supersede("q2", other)
+    users = _save(learner, "q1", lineage, "tinker://q1/weights/mine")
+    kept = []
+    for _ in range(4):  # as the service's `Recovery.keep` does
+        kept.append(learner.save_state("q1", lineage, gradient=True))
+        PathRegistry(lineage).supersede("q1", kept[-1])
+    assert sorted(_store(lineage, "training").steps()) == sorted([other, users, *kept[-2:]])
     learner.load_state("q3", lineage, kept[-1], optimizer=True)  # the newest restores
 
 
@@ -348,7 +383,7 @@ def test_adopting_a_version_planted_in_the_owners_prefix_is_refused(learners, tm
     cache = str(tmp_path / "cache")
     alice = Lineage(f"file://{tmp_path}/bucket/runs/alice", "a" * 64, "alice", cache)
     bob = Lineage(f"file://{tmp_path}/bucket/runs/bob", "b" * 64, "bob", cache)
-    folder = learner._write_adapter(learner.clients["v"], tmp_path / "planted")
+    folder = tinker_states.write_adapter(learner.peft, learner.clients["v"], learner.model_path, tmp_path / "planted")
     AdapterStore(alice.bucket_url, cache_dir=cache, signing_key=Secret("c" * 64)).publish(folder, 1)  # another key
     AdapterStore(alice.bucket_url, cache_dir=cache).publish(folder, 2)  # no signature at all
     for planted in (1, 2):
@@ -357,6 +392,16 @@ def test_adopting_a_version_planted_in_the_owners_prefix_is_refused(learners, tm
     assert AdapterStore(bob.bucket_url, cache_dir=cache).versions() == []
     genuine = learner.publish("v", alice).version
     assert learner.adopt(bob, alice.bucket_url, genuine, alice.signing_key).version == 1
+
+
+def test_the_backend_the_service_calls_is_the_learners_own_methods():
+    """`contracts.tinker.TinkerBackend` is the learner's calls, by the learner's own names: a route's call reads as the
+    learner method it reaches."""
+
+    def calls(cls) -> set[str]:
+        return {name for name in vars(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+
+    assert calls(TinkerBackend) == calls(TinkerLearner) - {"join", "rendezvous_address"}
 
 
 def test_a_group_of_ranks_answers_every_call_one_learner_answers():

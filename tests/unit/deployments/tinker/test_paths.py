@@ -7,10 +7,9 @@ import pytest
 from tinker import types
 
 from contracts.auth import Secret, lineage_key, signing_secret
-from contracts.tinker import Lineage
 from core.bucket import tinker_paths
 from deployments.tinker.paths import PathRefused, checkpoint_path, owner_key, require_kind, user_metadata
-from tests.unit.deployments.tinker.test_service import FakeFleet, FakeLearner, client, new_model, post, result
+from tests.unit.deployments.tinker.test_service import FakeLearner, client, new_model, post, result
 
 BAD_NAMES = ("a/b", "", "..", "tab\there", "x" * 300)
 
@@ -75,8 +74,8 @@ def test_a_path_is_taken_only_by_the_routes_of_its_kind():
         state = result(http, saved.json()["request_id"]).json()["path"]
         request = types.SaveWeightsForSamplerRequest(model_id=model_id, path="k", seq_id=2)
         sampler = result(http, post(http, "save_weights_for_sampler", request).json()["request_id"]).json()["path"]
-        export = f"tinker://{model_id}/external_weights/k"
-        learner.bucket[("alice", export)] = 1  # as the learner recorded an export
+        request = types.SaveWeightsExternalRequest(model_id=model_id, path="k", seq_id=3)
+        export = result(http, post(http, "save_weights_external", request).json()["request_id"]).json()["path"]
         for path in (sampler, export):
             load = types.LoadWeightsRequest(path=path, session_id=session_id, model_seq_id=1, optimizer=False)
             refused = post(http, "load_weights", load)
@@ -93,26 +92,20 @@ def test_a_path_is_taken_only_by_the_routes_of_its_kind():
         assert learner.calls[-1][0] == "load_state"
 
 
-def test_save_state_replaces_a_name_only_with_overwrite_and_keeps_the_users_metadata(tmp_path):
+def test_save_state_replaces_a_name_only_with_overwrite_and_keeps_the_users_metadata():
     learner = FakeLearner()
     http, _ = client(learner=learner)
-    prefix = f"file://{tmp_path}/bucket/runs/alice"
-
-    class Bucketed(FakeFleet):
-        async def lineage(self, tenant):
-            return Lineage(prefix, "00", tenant.run, str(tmp_path))
-
-    http.app.state.api.fleet = Bucketed("http://127.0.0.1:9", "/tmp")
+    prefix = f"file://{learner.root}/bucket/runs/alice"  # alice's prefix of the fake fleet's bucket
     with http:
         _, model_id = _model(http)
         path = f"tinker://{model_id}/weights/x"
-        tinker_paths.remember(prefix, path, "training", 1)  # saved before, as the learner records it
+        tinker_paths.remember(prefix, path, "training", 1)  # saved before
         asked = types.SaveWeightsRequest(
             model_id=model_id, path="x", seq_id=1, overwrite=True, user_metadata={"stage": "b"}
         )
         assert result(http, post(http, "save_weights", asked).json()["request_id"]).json()["path"] == path
-        method, args = learner.calls[-1]
-        assert method == "save_state" and args[2] == path and args[-2:] == (True, {"stage": "b"})
+        record = tinker_paths.own_record(prefix, path)
+        assert record["number"] == learner.saves == 1 and record["user_metadata"] == {"stage": "b"}
         again = types.SaveWeightsRequest(model_id=model_id, path="x", seq_id=2)
         refused = post(http, "save_weights", again)
         assert refused.status_code == 400 and "overwrite=True" in refused.json()["detail"]

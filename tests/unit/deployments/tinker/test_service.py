@@ -2,6 +2,7 @@
 call, bounded and validated bodies, futures, capacity, and the SDK-shaped errors."""
 
 import asyncio
+import tempfile
 import threading
 
 import numpy as np
@@ -15,7 +16,7 @@ from tinker.types.try_again_response import TryAgainResponse
 
 from contracts.adapters import adapter_name
 from contracts.auth import Secret
-from contracts.tinker import AdapterSpec, LearnerLost, Lineage, LossReply, Publication
+from contracts.tinker import AdapterSpec, Export, LearnerLost, Lineage, LossReply, Publication, StepReply
 from deployments.tinker.fleet_calls import FleetCalls, Tenant
 from deployments.tinker.service import make_app
 from deployments.tinker.settings import TinkerSettings
@@ -24,24 +25,33 @@ KEYS = {"tml-a": "alice", "tml-b": "bob"}
 
 
 class FakeFleet(FleetCalls):
+    """The fleet's answers for the keys in `KEYS`; each run's prefix lies in the local bucket folder `root`."""
+
+    def __init__(self, root: str):
+        super().__init__("http://127.0.0.1:9", root)
+        self.root = root
+
     async def tenant(self, api_key):
         run = KEYS.get(api_key or "")
         return Tenant(run, api_key) if run else None
 
     async def lineage(self, tenant):
-        return Lineage("file:///nowhere", "00", tenant.run, "/tmp")
+        return Lineage(f"file://{self.root}/bucket/runs/{tenant.run}", "00", tenant.run, self.root)
 
     async def load_adapter(self, tenant, model, key):
         return None
 
 
 class FakeLearner:
+    """A `TinkerBackend` that answers at once and logs each call as (method, args); what it commits is numbered, not
+    written (the paths the service records for the numbers are real records, in `root`'s bucket)."""
+
     def __init__(self):
         self.calls, self.lost = [], False
-        self.notice: str | None = None  # what `notice` answers: a spot notice for the learner's node
+        self.noticed: str | None = None  # what `notice` answers: a spot notice for the learner's node
         self.saves = 0
         self.held: list[str] = []  # what `models` answers: the adapters on the learner
-        self.bucket: dict[tuple[str, str], int] = {}  # (tenant, tinker path) -> number: the records in the bucket
+        self.root = tempfile.mkdtemp(prefix="tinker-fake-bucket-")
 
     async def call(self, method, *args):
         self.calls.append((method, args))
@@ -51,40 +61,62 @@ class FakeLearner:
             call = args[0]
             if call.loss_fn == "nonsense":
                 raise ValueError("loss_fn 'nonsense' is not supported here")
-            return LossReply([[-1.0] * len(d.target_tokens) for d in call.data], {"loss:sum": 2.0})
+            return LossReply([[-1.0] * len(d.target_tokens) for d in call.data], 2.0)
         if method == "optim_step":
-            return {"grad_norm:mean": 1.0}
+            return StepReply(1.0, 1)
         if method == "notice":
-            return self.notice
+            return self.noticed
         if method == "save_state":
             self.saves += 1
-            self._record(args[1:], self.saves)
             return self.saves
-        if method == "publish":
-            self._record(args[1:], 7)
+        if method in ("publish", "adopt"):
             return Publication(7, "alice/policy-v7")
+        if method == "export":
+            return Export(1, {"adapter_model.safetensors": 10})
         if method == "models":
             return self.held
         if method == "load_state":
             return AdapterSpec(8)
-        if method == "record":
-            lineage, path = args
-            number = self.bucket.get((lineage.run, path))
-            return None if number is None else {"path": path, "number": number}
-        if method == "checkpoints":
-            mine = [(path, n) for (run, path), n in self.bucket.items() if run == args[0].run]
-            return [{"path": p, "number": n, "time": 1.8e9 + i} for i, (p, n) in enumerate(mine)][::-1]
         return None
 
-    def _record(self, lineage_and_path, number):
-        lineage, path = (*lineage_and_path, None)[:2]
-        if path is not None:
-            self.bucket[(lineage.run, path)] = number
+    async def create(self, model, spec):
+        return await self.call("create", model, spec)
+
+    async def drop(self, model):
+        return await self.call("drop", model)
+
+    async def models(self):
+        return await self.call("models")
+
+    async def notice(self):
+        return await self.call("notice")
+
+    async def forward_backward(self, call):
+        return await self.call("forward_backward", call)
+
+    async def optim_step(self, step):
+        return await self.call("optim_step", step)
+
+    async def publish(self, model, lineage):
+        return await self.call("publish", model, lineage)
+
+    async def adopt(self, lineage, source, version, source_key):
+        return await self.call("adopt", lineage, source, version, source_key)
+
+    async def save_state(self, model, lineage, gradient):
+        return await self.call("save_state", model, lineage, gradient)
+
+    async def export(self, model, lineage):
+        return await self.call("export", model, lineage)
+
+    async def load_state(self, model, lineage, number, optimizer, source):
+        return await self.call("load_state", model, lineage, number, optimizer, source)
 
 
 def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None, learners=None, admin=None, **limits):
-    """The app over fake learners (`learners`, else one: `learner`) and a fake fleet; the app and the first learner.
-    A fleet of context 128, vocabulary 64, LoRA ranks up to 8 and 16 completions per request, unless `limits` say."""
+    """The app over fake learners (`learners`, else one: `learner`) and a fake fleet whose bucket is the first
+    learner's; the app and the first learner. A fleet of context 128, vocabulary 64, LoRA ranks up to 8 and 16
+    completions per request, unless `limits` say."""
     settings = TinkerSettings(
         fleet_url="http://127.0.0.1:9",
         base_model="tiny",
@@ -99,8 +131,7 @@ def client(max_models=2, max_per_tenant=1, max_body=1 << 16, learner=None, learn
     )
     learners = learners or [learner or FakeLearner()]
     learner = learners[0]
-    app = make_app(settings, learners, admin)
-    app.state.api.fleet = FakeFleet("http://127.0.0.1:9", "/tmp")
+    app = make_app(settings, learners, admin, FakeFleet(learner.root))
     return TestClient(app), learner
 
 
@@ -232,11 +263,11 @@ def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_
 
         step(1)
         assert learner.saves == 0 and api.sessions.models[model_id].trained
-        learner.notice = "an AWS interruption notice for this node (120 s)"
-        asyncio.run(api.keep_everyone(learner.notice))  # what the upkeep does on its next round
+        learner.noticed = "an AWS interruption notice for this node (120 s)"
+        asyncio.run(api.recovery.keep_everyone(learner.noticed))  # what the upkeep does on its next round
         model = api.sessions.models[model_id]
         assert (learner.saves, model.saved, model.trained) == (1, 1, False)
-        asyncio.run(api.keep_everyone(learner.notice))  # nothing trained since: nothing saved again
+        asyncio.run(api.recovery.keep_everyone(learner.noticed))  # nothing trained since: nothing saved again
         assert learner.saves == 1
         step(2)
         assert (learner.saves, model.saved, model.trained) == (2, 2, False)
@@ -244,8 +275,8 @@ def test_after_a_spot_notice_every_client_that_trained_is_saved_and_again_after_
         # applies it, where a state without it would step on nothing.
         assert result(http, forward_backward(http, model_id, 3).json()["request_id"]).status_code == 200
         assert (learner.saves, model.pending, model.trained) == (3, True, False)
-        assert learner.calls[-1][0] == "save_state" and learner.calls[-1][1][2:] == (None, True)
-        learner.notice = None  # a learner started again elsewhere: no notice there
+        assert learner.calls[-1][0] == "save_state" and learner.calls[-1][1][2:] == (True,)
+        learner.noticed = None  # a learner started again elsewhere: no notice there
         step(4)
         assert (learner.saves, model.trained, model.pending) == (3, True, False)
 
@@ -302,7 +333,7 @@ def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
         assert http.get("/v1/checkpoints?limit=0", headers={"X-API-Key": "tml-a"}).status_code == 400
 
         learner.held = [model_id, *http.app.state.api.sessions.models]  # the first service's client is still there
-        asyncio.run(http.app.state.api.drop_orphans())
+        asyncio.run(http.app.state.api.recovery.drop_orphans())
         assert [args for method, args in learner.calls if method == "drop"] == [(model_id,)]
 
 
@@ -351,8 +382,8 @@ def test_with_several_learners_each_client_is_trained_saved_and_noticed_on_its_o
         for learner, model_id in zip((first, second), models, strict=True):
             trained = [args[0].model for method, args in learner.calls if method == "forward_backward"]
             assert trained == [model_id]
-        second.notice = "spot: a notice for the second learner's node"
-        asyncio.run(http.app.state.api.keep_everyone(second.notice, 1))
+        second.noticed = "spot: a notice for the second learner's node"
+        asyncio.run(http.app.state.api.recovery.keep_everyone(second.noticed, 1))
         assert (first.saves, second.saves) == (0, 1)
 
 
