@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contracts.auth import Secret
 from contracts.tinker import LEARNER_NAMESPACE, TINKER_APP, TINKER_ROUTE_PREFIX, learner_name
+from core.config.tinker import TinkerConfig
 from deployments.tinker.settings import TinkerSettings
 
 _started: dict = {}  # the learner actors this process started (`learner_actor`)
@@ -30,9 +31,9 @@ def start_tinker(settings: TinkerSettings, admin_token: str | None, num_cpus: fl
     from deployments.tinker.shell import tinker_app
 
     # A learner whose process dies (its node preempted, a crash) is started again by Ray with the base model alone;
-    # the service restores each client from its last saved state on its next call (`TinkerApi._learner`); after a
-    # notice for its node, that state is the one after the client's last optimizer step. Over several devices the
-    # named actor is a group that starts its ranks again itself when one dies.
+    # the service restores each client from its last saved state on its next call (`deployments.tinker.recovery`);
+    # after a notice for its node, that state is the one after the client's last optimizer step. Over several devices
+    # the named actor is a group that starts its ranks again itself when one dies.
     args = (settings.model_path, settings.max_models, spot, settings.learner_device, settings.learner_dtype)
     learners = []
     for index in range(settings.learners):
@@ -74,10 +75,9 @@ def build_parser():
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--config", default=None, help="the fleet's config file (default: the tiny CPU fleet)")
     parser.add_argument("--set", action="append", default=[], help="a fleet config override, key=value")
-    for name, field in TinkerSettings.model_fields.items():
-        if not field.is_required():  # the others are the fleet's (`TinkerSettings.of_fleet`)
-            flag = f"--{name.replace('_', '-')}"
-            parser.add_argument(flag, type=type(field.default), default=field.default, help=field.description)
+    for name, field in TinkerConfig.model_fields.items():  # the fleet's `tinker:` section, flag by flag
+        flag = f"--{name.replace('_', '-')}"
+        parser.add_argument(flag, type=type(field.default), default=None, help=f"{field.description} (tinker.{name})")
     return parser
 
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     url = fleet_url(cfg)
     token = resolve_admin_token(cfg)
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=30)
-    limits = {k: v for k, v in vars(args).items() if k in TinkerSettings.model_fields}
+    limits = {k: v for k, v in vars(args).items() if k in TinkerConfig.model_fields and v is not None}
     try:
         models.raise_for_status()  # the fleet is up; the service names the base model by its configured id
         settings = TinkerSettings.of_fleet(

@@ -22,6 +22,7 @@ from contracts.adapters import split_version_url
 from contracts.auth import check_token
 from core.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig, TaskConfig
 from core.config.teacher import TeacherDeployment, size_teacher_context
+from core.config.tinker import TinkerConfig
 
 # A fleet of its own (`serve run serve_config.yaml`) hosts at least two runs of the default config out of the
 # box (window 3 each, plus one slot to load into) with room to spare.
@@ -217,6 +218,10 @@ class FleetConfig(Section):
     )
     teacher: TeacherDeployment | None = Field(
         None, description="A teacher model served by replicas of its own beside the base model's (distillation)."
+    )
+    tinker: TinkerConfig = Field(
+        default_factory=TinkerConfig,
+        description="The Tinker API beside the fleet (python -m launch.tinker): its tenants' limits, its learners.",
     )
 
     @model_validator(mode="after")

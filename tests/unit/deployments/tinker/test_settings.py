@@ -33,3 +33,17 @@ def test_a_hub_model_is_named_by_its_hub_id_for_the_sdks_tokenizer_and_the_tiny_
 
     assert settings("Qwen/Qwen3-0.6B").tokenizer_id == "Qwen/Qwen3-0.6B"
     assert settings("tiny").tokenizer_id is None  # its folder (model_path), built on the fleet's machine
+
+
+def test_the_services_limits_are_the_fleets_tinker_section_and_a_flag_overrides_one(tmp_path):
+    """One config system: the fleet's YAML (or `--set tinker.max_models=...`) sets the service's limits."""
+    from core.config import load_fleet_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    fleet = load_fleet_config(None, ["tinker.max_models=7", "tinker.session_idle_s=30"])
+    settings = TinkerSettings.of_fleet(fleet, "http://127.0.0.1:1", "tiny", str(tmp_path), cache_dir="/tmp")
+    assert (settings.max_models, settings.session_idle_s, settings.learners) == (7, 30.0, 1)
+    flagged = TinkerSettings.of_fleet(
+        fleet, "http://127.0.0.1:1", "tiny", str(tmp_path), cache_dir="/tmp", max_models=2
+    )
+    assert flagged.max_models == 2
