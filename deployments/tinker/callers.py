@@ -10,7 +10,7 @@ from contracts.tinker import Lineage
 from deployments.control.errors import ApiError
 from deployments.tinker.fleet_calls import FleetCalls, FleetRefused, Tenant
 from deployments.tinker.futures import RequestFailed
-from deployments.tinker.sessions import Model, NotFound, Sessions
+from deployments.tinker.sessions import Model, NotFound, Sampler, Sessions
 from deployments.tinker.settings import TinkerSettings
 from deployments.tinker.tenants import Tenants
 from deployments.tinker.turns import TurnRefused
@@ -51,6 +51,12 @@ class Callers:
     def session(self, session_id: str, tenant: Tenant) -> None:
         try:
             self.sessions.session(session_id, tenant.run)
+        except NotFound as exc:
+            raise ApiError(404, str(exc)) from None
+
+    def sampler(self, sampler_id: str, tenant: Tenant) -> Sampler:
+        try:
+            return self.sessions.sampler(sampler_id, tenant.run)
         except NotFound as exc:
             raise ApiError(404, str(exc)) from None
 

@@ -17,14 +17,11 @@ from tinker import types
 
 from deployments.api.routing import route
 from deployments.control.errors import ApiError
-from deployments.tinker.callers import Callers
-from deployments.tinker.exports import LINK_TTL_S, ExportLinks, Link, LinkGone, LinkRefused
+from deployments.tinker.exports import LINK_TTL_S, Link, LinkGone, LinkRefused
 from deployments.tinker.fleet_calls import Tenant
-from deployments.tinker.http import TinkerRoutes, as_json, page
+from deployments.tinker.http import as_json, page
 from deployments.tinker.paths import expiry, parsed, require_kind, route_path
-from deployments.tinker.records import TenantPaths
-from deployments.tinker.sessions import Sessions
-from deployments.tinker.settings import TinkerSettings
+from deployments.tinker.routes import TinkerRoutes
 
 CHECKPOINT = "/v1/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}"
 
@@ -44,12 +41,6 @@ class WeightsInfoRequest(pydantic.BaseModel):
 
 
 class CheckpointRoutes(TinkerRoutes):
-    def __init__(
-        self, settings: TinkerSettings, callers: Callers, sessions: Sessions, paths: TenantPaths, links: ExportLinks
-    ):
-        super().__init__(settings.max_body_bytes)
-        self.settings, self.callers, self.sessions, self.paths, self.links = settings, callers, sessions, paths, links
-
     async def _checkpoints(self, tenant: Tenant) -> list[tuple[dict, types.Checkpoint]]:
         """The key's saved paths, newest first: each as recorded and as the SDK lists it."""
         records = await self.paths.read(tenant, "checkpoints", lambda registry: registry.checkpoints())

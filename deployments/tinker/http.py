@@ -4,7 +4,7 @@ A body is read as the fleet's are (`deployments.api.intake.read_body`: a 413 by 
 read, else while it streams in), then inflated off the event loop when zstd; a refusal is the fleet's `ApiError`,
 answered in the SDK's shape, `{"detail": ...}`, with the status the SDK acts on: 400 malformed, 401 unknown key, 404
 not this key's, 410 a released session, 413 too large, 429 over capacity (the SDK backs off and retries), 503 the
-learner or the fleet unreachable (retried too). Routes are `deployments.api.routing.Routes`, as the fleet's are.
+learner or the fleet unreachable (retried too).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse
 from tinker import types
 
 from deployments.api.intake import read_body
-from deployments.api.routing import Routes
 from deployments.control.errors import ApiError
 from deployments.control.offload import offload
 from deployments.tinker.paths import PathRefused
@@ -76,16 +75,3 @@ def refusal(exc: Exception) -> JSONResponse:
 def accepted(request_id: str, model_id: str | None = None, **extra) -> dict[str, Any]:
     """The SDK's answer to a request accepted as a future (`Futures.submit`): its id, to retrieve it by."""
     return as_json(types.UntypedAPIFuture(request_id=request_id, model_id=model_id, **extra))
-
-
-class TinkerRoutes(Routes):
-    """Routes of the Tinker API (`deployments.api.routing`): each reads its body within `max_body_bytes`."""
-
-    def __init__(self, max_body_bytes: int):
-        self.max_body_bytes = max_body_bytes
-
-    async def body(self, request: Request) -> bytes:
-        return await read(request, self.max_body_bytes)
-
-    async def parse(self, request: Request, model: type[Model]) -> Model:
-        return await parse(request, model, self.max_body_bytes)

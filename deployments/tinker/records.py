@@ -19,7 +19,7 @@ from deployments.control.errors import ApiError
 from deployments.tinker.callers import Callers
 from deployments.tinker.fleet_calls import Tenant
 from deployments.tinker.paths import require_kind
-from deployments.tinker.sessions import Sessions
+from deployments.tinker.sessions import Model, Sessions
 
 T = TypeVar("T")
 
@@ -65,12 +65,16 @@ class TenantPaths:
             known[path] = (tenant.run, int(record["number"]))
         return int(record["number"]), record.get("prefix")
 
-    async def remember(self, tenant: Tenant, lineage: Lineage, path: str, kind: str, number: int, **fields) -> None:
-        """Record `path` for `number` (`PathRegistry.remember`, with `fields`), from work in a future; one that does not
-        expire is remembered here too (one that expires is always looked up in the bucket, where its expiry is)."""
-        await asyncio.to_thread(PathRegistry(lineage).remember, path, kind, number, **fields)
-        if kind != "external" and fields.get("expires") is None:
-            self._known(kind)[path] = (tenant.run, number)
+    async def remember(
+        self, model: Model, lineage: Lineage, path: str, kind: str, number: int, expires: float | None, **extra
+    ) -> None:
+        """Record `path` for `number` of `kind`, saved by training client `model` (`PathRegistry.remember`, with its
+        adapter's spec and `extra`: `user_metadata`, `size_bytes`), from work in a future. One that does not expire is
+        remembered here too (one that expires is always looked up in the bucket, where its expiry is)."""
+        registry = PathRegistry(lineage)
+        await asyncio.to_thread(registry.remember, path, kind, number, model.model_id, model.adapter, expires, **extra)
+        if kind != "external" and expires is None:
+            self._known(kind)[path] = (model.tenant, number)
 
     def forget(self, path: str) -> None:
         """`path` is looked up in the bucket from now on (deleted, or given an expiry)."""

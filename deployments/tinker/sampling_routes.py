@@ -11,38 +11,20 @@ from fastapi import Request
 from tinker import types
 
 from contracts.adapters import adapter_name
-from contracts.auth import Secret
 from deployments.api.routing import route
 from deployments.control.errors import ApiError
-from deployments.tinker.callers import Callers
-from deployments.tinker.fleet_calls import FleetCalls, FleetRefused, Tenant
-from deployments.tinker.futures import Futures, RequestFailed, Result
-from deployments.tinker.http import TinkerRoutes, accepted, as_json
-from deployments.tinker.limits import Limits, Refused
+from deployments.tinker.fleet_calls import FleetRefused, Tenant
+from deployments.tinker.futures import RequestFailed, Result
+from deployments.tinker.http import accepted, as_json
+from deployments.tinker.limits import Refused
 from deployments.tinker.paths import owner_key, parsed
-from deployments.tinker.records import TenantPaths
-from deployments.tinker.recovery import Recovery
-from deployments.tinker.sessions import NotFound, Sampler, Sessions
-from deployments.tinker.settings import TinkerSettings
+from deployments.tinker.routes import Parts, TinkerRoutes
 from deployments.tinker.wire import Sequence, encode_sample_response
 
 
 class SamplingRoutes(TinkerRoutes):
-    def __init__(
-        self,
-        settings: TinkerSettings,
-        callers: Callers,
-        sessions: Sessions,
-        futures: Futures,
-        recovery: Recovery,
-        paths: TenantPaths,
-        fleet: FleetCalls,
-        admin_token: Secret | None,
-    ):
-        super().__init__(settings.max_body_bytes)
-        self.settings, self.callers, self.sessions, self.futures = settings, callers, sessions, futures
-        self.recovery, self.paths, self.fleet, self.admin_token = recovery, paths, fleet, admin_token
-        self.limits = Limits.of(settings)
+    def __init__(self, parts: Parts):
+        super().__init__(parts)
         self.adopted: dict[tuple[str, str, int], int] = {}  # (run, published path, its version) -> the run's copy
 
     def forget(self, run: str) -> None:
@@ -92,17 +74,11 @@ class SamplingRoutes(TinkerRoutes):
     @route("GET", "/v1/samplers/{sampler_id}")
     async def get_sampler(self, request: Request, sampler_id: str) -> dict:
         tenant = await self.callers.tenant(request)
-        sampler = self._sampler(sampler_id, tenant)
+        sampler = self.callers.sampler(sampler_id, tenant)
         reply = types.GetSamplerResponse(
             sampler_id=sampler.sampler_id, base_model=sampler.base_model, model_path=sampler.model_path
         )
         return as_json(reply)
-
-    def _sampler(self, sampler_id: str, tenant: Tenant) -> Sampler:
-        try:
-            return self.sessions.sampler(sampler_id, tenant.run)
-        except NotFound as exc:
-            raise ApiError(404, str(exc)) from None
 
     @route("POST", "/v1/asample")
     async def asample(self, request: Request) -> dict:
@@ -110,7 +86,7 @@ class SamplingRoutes(TinkerRoutes):
         body = await self.parse(request, types.SampleRequest)
         if body.sampling_session_id is None:
             raise ApiError(400, "SampleRequest: sampling_session_id is required here")
-        sampler = self._sampler(body.sampling_session_id, tenant)
+        sampler = self.callers.sampler(body.sampling_session_id, tenant)
         try:
             prompt = body.prompt.to_ints()
         except Exception as exc:  # noqa: BLE001 - an image chunk, say

@@ -29,9 +29,11 @@ from deployments.tinker.exports import ExportLinks
 from deployments.tinker.fleet_calls import FleetCalls
 from deployments.tinker.futures import Futures
 from deployments.tinker.http import refusal
+from deployments.tinker.limits import Limits
 from deployments.tinker.paths import PathRefused
 from deployments.tinker.records import TenantPaths
 from deployments.tinker.recovery import Recovery
+from deployments.tinker.routes import Parts
 from deployments.tinker.sampling_routes import SamplingRoutes
 from deployments.tinker.session_routes import SessionRoutes
 from deployments.tinker.sessions import Sessions
@@ -65,15 +67,21 @@ class TinkerApi:
         self.links = ExportLinks(admin_token, settings.cache_dir)
         self.callers = Callers(settings, self.keys, self.sessions, fleet)
         self.recovery = Recovery(learners, self.sessions, self.callers, settings.learner_wait_s)
-        self.paths = TenantPaths(self.callers, self.sessions)
-        shared = (settings, self.callers, self.sessions, self.futures, self.recovery)
-        self.sampling = SamplingRoutes(*shared, self.paths, fleet, admin_token)
-        self.routes = [
-            SessionRoutes(*shared, fleet, admin_token),
-            TrainingRoutes(*shared, self.paths, fleet),
-            self.sampling,
-            CheckpointRoutes(settings, self.callers, self.sessions, self.paths, self.links),
-        ]
+        paths = TenantPaths(self.callers, self.sessions)
+        parts = Parts(
+            settings,
+            self.callers,
+            self.sessions,
+            self.futures,
+            self.recovery,
+            paths,
+            fleet,
+            self.links,
+            Limits.of(settings),
+            admin_token,
+        )
+        self.sampling = SamplingRoutes(parts)
+        self.routes = [SessionRoutes(parts), TrainingRoutes(parts), self.sampling, CheckpointRoutes(parts)]
 
     async def _revoked(self, run: str) -> None:
         """The fleet no longer knows run `run` (the admin removed it, or it went idle): its futures are cancelled, its

@@ -12,17 +12,15 @@ from tinker import types
 from tinker.types.get_server_capabilities_response import SupportedModel
 from tinker.types.try_again_response import TryAgainResponse  # the SDK's own poll answer, not exported by tinker.types
 
-from contracts.auth import Secret, token_matches
+from contracts.auth import token_matches
 from deployments.api.callers import require_json
 from deployments.api.routing import route
 from deployments.control.errors import ApiError
-from deployments.tinker.callers import Callers
-from deployments.tinker.fleet_calls import FleetCalls, FleetRefused
-from deployments.tinker.futures import Futures, RequestFailed
-from deployments.tinker.http import TinkerRoutes, as_json
-from deployments.tinker.recovery import Recovery
-from deployments.tinker.sessions import NotFound, Sessions
-from deployments.tinker.settings import TinkerSettings
+from deployments.tinker.fleet_calls import FleetRefused
+from deployments.tinker.futures import RequestFailed
+from deployments.tinker.http import as_json
+from deployments.tinker.routes import TinkerRoutes
+from deployments.tinker.sessions import NotFound
 from deployments.tinker.wire import PROTOBUF
 
 
@@ -40,20 +38,6 @@ def client_config() -> types.ClientConfigResponse:
 
 
 class SessionRoutes(TinkerRoutes):
-    def __init__(
-        self,
-        settings: TinkerSettings,
-        callers: Callers,
-        sessions: Sessions,
-        futures: Futures,
-        recovery: Recovery,
-        fleet: FleetCalls,
-        admin_token: Secret | None,
-    ):
-        super().__init__(settings.max_body_bytes)
-        self.settings, self.callers, self.sessions, self.futures = settings, callers, sessions, futures
-        self.recovery, self.fleet, self.admin_token = recovery, fleet, admin_token
-
     @route("POST", "/v1/client/config")
     async def config(self, _request: Request) -> dict:
         return as_json(client_config())

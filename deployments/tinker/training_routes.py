@@ -22,35 +22,17 @@ from core.bucket.tinker_paths import own_record
 from deployments.api.routing import route
 from deployments.control.errors import ApiError
 from deployments.control.offload import offload
-from deployments.tinker.callers import Callers
-from deployments.tinker.fleet_calls import FleetCalls, FleetRefused
-from deployments.tinker.futures import Futures, RequestFailed, Result
-from deployments.tinker.http import TinkerRoutes, accepted, as_json
-from deployments.tinker.limits import Limits, Refused
+from deployments.tinker.fleet_calls import FleetRefused
+from deployments.tinker.futures import RequestFailed, Result
+from deployments.tinker.http import accepted, as_json
+from deployments.tinker.limits import Refused
 from deployments.tinker.paths import checkpoint_path, expiry, user_metadata
-from deployments.tinker.records import TenantPaths
-from deployments.tinker.recovery import Recovery
-from deployments.tinker.sessions import NotFound, OverCapacity, Sessions
-from deployments.tinker.settings import TinkerSettings
+from deployments.tinker.routes import TinkerRoutes
+from deployments.tinker.sessions import NotFound, OverCapacity
 from deployments.tinker.wire import WireError, encode_forward_backward_output, parse_forward_backward
 
 
 class TrainingRoutes(TinkerRoutes):
-    def __init__(
-        self,
-        settings: TinkerSettings,
-        callers: Callers,
-        sessions: Sessions,
-        futures: Futures,
-        recovery: Recovery,
-        paths: TenantPaths,
-        fleet: FleetCalls,
-    ):
-        super().__init__(settings.max_body_bytes)
-        self.settings, self.callers, self.sessions, self.futures = settings, callers, sessions, futures
-        self.recovery, self.paths, self.fleet = recovery, paths, fleet
-        self.limits = Limits.of(settings)
-
     def _reserve(self, session_id: str, tenant: str, seq: int, base: str, rank: int):
         try:
             return self.sessions.reserve_model(session_id, tenant, seq, base, rank)
@@ -164,9 +146,8 @@ class TrainingRoutes(TinkerRoutes):
                     model, tenant, lambda learner: learner.publish(model.model_id, lineage)
                 )
                 if path is not None:
-                    fields = {"model": model.model_id, "spec": model.adapter, "expires": expires}
                     await self.paths.remember(
-                        tenant, lineage, path, "sampler", published.version, **fields, user_metadata=metadata
+                        model, lineage, path, "sampler", published.version, expires, user_metadata=metadata
                     )
             fleet_model = adapter_name(published.version, tenant.run)
             try:
@@ -201,8 +182,7 @@ class TrainingRoutes(TinkerRoutes):
                 number = await self.recovery.run(
                     model, tenant, lambda learner: learner.save_state(model.model_id, lineage, False)
                 )
-                fields = {"model": model.model_id, "spec": model.adapter, "expires": expires}
-                await self.paths.remember(tenant, lineage, path, "training", number, **fields, user_metadata=metadata)
+                await self.paths.remember(model, lineage, path, "training", number, expires, user_metadata=metadata)
                 # A user's state holds no gradient: one accumulated and not yet applied is still unsaved. A restarted
                 # learner restores the client from it (an expiry makes it no less the client's newest state).
                 model.saved, model.saved_from, model.trained = number, None, model.pending
@@ -230,9 +210,8 @@ class TrainingRoutes(TinkerRoutes):
             async with model.turn(body.seq_id or 0):
                 lineage = await self.callers.lineage(tenant)
                 export = await self.recovery.run(model, tenant, lambda learner: learner.export(model.model_id, lineage))
-                fields = {"model": model.model_id, "spec": model.adapter, "expires": expires}
                 await self.paths.remember(
-                    tenant, lineage, path, "external", export.number, **fields, size_bytes=export.size_bytes
+                    model, lineage, path, "external", export.number, expires, size_bytes=export.size_bytes
                 )
             reply = types.SaveWeightsExternalResponseInternal(path=path, size_bytes=export.size_bytes)
             return Result(json=as_json(reply))
