@@ -48,7 +48,7 @@ def drift(window: list[dict], cfg) -> Verdict | None:
     """`drifting` when a drift figure of the window crosses its threshold (`logging.drift`), else None."""
     limits = cfg.logging.drift
     dropped = window[-1].get("sample/dropped_stale_total", 0) - window[0].get("sample/dropped_stale_total", 0)
-    taken = (len(window) - 1) * cfg.grpo.num_prompts_per_step  # groups trained over the same steps
+    taken = (len(window) - 1) * cfg.train.num_prompts_per_step  # groups trained over the same steps
     figures = {
         "dropped_stale_share": dropped / (dropped + taken) if dropped + taken else 0.0,
         "clip_share": _mean(window, "clip_ratio/region_mean"),
@@ -63,10 +63,10 @@ def drift(window: list[dict], cfg) -> Verdict | None:
 def drift_knob(window: list[dict], cfg, crossed: list[str]) -> str:
     """Which knob to turn: groups dropped as stale want a looser or smarter staleness bound; samples too far off
     the learner's policy want fresher ones (a faster sync, more frequent versions, earlier cuts, a tighter bound)."""
-    g, r = cfg.grpo, cfg.rollout
+    r = cfg.rollout
     if crossed == ["dropped_stale_share"]:
         return (
-            f"the staleness bound drops finished work: raise grpo.max_staleness (now {g.max_staleness}), or set "
+            f"the staleness bound drops finished work: raise rollout.max_staleness (now {r.max_staleness}), or set "
             "rollout.staleness_rule=bound_at_admission (nothing finished is dropped) or rollout.partial_rollouts=true"
         )
     sync_s, step_s = _mean(window, "perf/weight_sync_s"), _mean(window, "perf/step_s") or 1e-9
@@ -75,12 +75,12 @@ def drift_knob(window: list[dict], cfg, crossed: list[str]) -> str:
             f"weight sync is slow (perf/weight_sync_s {sync_s:.2f} s against a {step_s:.2f} s step): samples wait "
             "under old versions; speed up the bucket and the fleet's load"
         )
-    if g.weight_sync_steps > 1:
-        return f"lower grpo.weight_sync_steps (now {g.weight_sync_steps}): each new version is further from the last"
+    if cfg.learner.weight_sync_steps > 1:
+        return f"lower learner.weight_sync_steps (now {cfg.learner.weight_sync_steps}): each new version is further from the last"
     if r.partial_rollouts and r.partial_min_lag > 1:
         return f"lower rollout.partial_min_lag (now {r.partial_min_lag}): generations go on that far behind"
     hard = f", rollout.hard_max_staleness (now {cfg.hard_max_staleness})" if r.staleness_rule != "drop_at_take" else ""
-    return f"tighten the staleness bound: grpo.max_staleness (now {g.max_staleness}){hard}"
+    return f"tighten the staleness bound: rollout.max_staleness (now {r.max_staleness}){hard}"
 
 
 def bottleneck(window: list[dict], cfg) -> Verdict:
@@ -92,7 +92,7 @@ def bottleneck(window: list[dict], cfg) -> Verdict:
     wait_share = wait_s / (wait_s + step_s)
     # Each request asks for G sequences; a replica batches up to max_num_seqs of them.
     seqs_per_replica = (
-        mean(m.get("rollout/inflight", 0) for m in window) * cfg.grpo.num_generations / cfg.fleet.num_replicas
+        mean(m.get("rollout/inflight", 0) for m in window) * cfg.sampling.num_generations / cfg.fleet.num_replicas
     )
     replica_fill = seqs_per_replica / cfg.fleet.max_num_seqs
     figures = {
@@ -119,6 +119,6 @@ def bottleneck(window: list[dict], cfg) -> Verdict:
             "generation-bound",
             figures,
             "add replicas (fleet.num_replicas) or raise fleet.max_num_seqs; "
-            "a larger grpo.max_staleness lets generation run further ahead",
+            "a larger rollout.max_staleness lets generation run further ahead",
         )
     return Verdict("balanced", figures, "no single side dominates")

@@ -111,7 +111,7 @@ def evaluate(
         async def run() -> dict:
             try:
                 return await evaluate_async(
-                    sampler, tokenizer, problems, model, cfg.grpo.max_completion_length, cfg.task.eval_concurrency
+                    sampler, tokenizer, problems, model, cfg.sampling.max_completion_length, cfg.task.eval_concurrency
                 )
             finally:
                 await client.aclose()  # on the loop its connections belong to

@@ -82,7 +82,7 @@ def join(cfg, model_path: str) -> FleetRun:
         with contextlib.closing(FleetClient(url, token=admin)) as client:
             token = _call(
                 lambda: client.register_run(
-                    name, max_staleness=cfg.grpo.max_staleness, lora_rank=cfg.lora.rank, lineages=cfg.lineages
+                    name, max_staleness=cfg.rollout.max_staleness, lora_rank=cfg.lora.rank, lineages=cfg.lineages
                 )["token"],
                 f"registering run {name!r} on {url}",
             )
@@ -115,9 +115,9 @@ def check_terms(cfg, info: dict, url: str) -> None:
     LoRA rank or lineages smaller than this run's config: the fleet would unpin versions its samples still use,
     refuse its adapters, or count no slots for its ema average."""
     registered = info.get("max_staleness")
-    if registered is not None and cfg.grpo.max_staleness > registered:
+    if registered is not None and cfg.rollout.max_staleness > registered:
         raise SystemExit(
-            f"grpo.max_staleness={cfg.grpo.max_staleness}: run {cfg.logging.run_name!r} is registered on {url} with "
+            f"rollout.max_staleness={cfg.rollout.max_staleness}: run {cfg.logging.run_name!r} is registered on {url} with "
             f"max_staleness {registered}; use at most that, or have the admin register it with yours"
         )
     rank = info.get("lora_rank")

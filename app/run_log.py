@@ -229,7 +229,7 @@ def progress_bar(cfg: RunConfig, initial: int):
     from tqdm import tqdm
 
     return tqdm(
-        total=cfg.grpo.max_steps,
+        total=cfg.train.max_steps,
         initial=initial,
         desc=cfg.logging.run_name,
         unit="step",

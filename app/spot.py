@@ -6,7 +6,7 @@ cleanly with exit code 0 and one line that says the same command resumes. In a c
 has its own watcher (`app.learner`), and the replicas' nodes theirs (`deployments`).
 
 Run again, a run says in one line where it resumes (step and version), and a run that already reached
-`grpo.max_steps` is reported in one line and left untouched.
+`train.max_steps` is reported in one line and left untouched.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 
+from contracts.notice_sources import watched_sources
 from contracts.notice_watcher import NoticeWatcher
 from contracts.notices import Notice
 
@@ -29,16 +30,17 @@ class Preempted(Exception):
 
 class DriverNotices:
     """The notices of the driver's own machine. A first SIGTERM is a notice (`spot.sigterm_grace_s`); a second one,
-    or one while notices are not watched (`spot.watch` false), stops the run at once, as Ctrl-C does."""
+    or one while notices are not watched (`spot.watch` false), stops the run at once, as Ctrl-C does. `joined`: the
+    driver joined a cluster (`--address`), where `spot.metadata: auto` watches the clouds' metadata services."""
 
-    def __init__(self, spot):
+    def __init__(self, spot, joined: bool = False):
         self.spot = spot
         self.watcher = (
             NoticeWatcher(
                 [],
                 interval_s=spot.poll_interval_s,
-                probe_timeout_s=spot.probe_timeout_s,
                 notice_file=spot.notice_file,
+                sources=watched_sources(spot, joined),
             )
             if spot.watch
             else None
@@ -79,17 +81,17 @@ def preempted_line(cfg, notice: Notice, step: int, version: int) -> str:
 def resumed_line(cfg, step: int, version: int) -> str:
     return (
         f"resuming run {cfg.logging.run_name} from step {step} (policy-v{version}), "
-        f"{cfg.grpo.max_steps - step} of {cfg.grpo.max_steps} steps to go"
+        f"{cfg.train.max_steps - step} of {cfg.train.max_steps} steps to go"
     )
 
 
 def finished_line(cfg) -> str | None:
-    """One line about this run if its learner already reached `grpo.max_steps` (a checkpoint in its bucket at or
+    """One line about this run if its learner already reached `train.max_steps` (a checkpoint in its bucket at or
     past it), else None. Reads the bucket's listing and the run's summary.json; writes nothing."""
     from core.bucket.store import CheckpointStore
 
     step = CheckpointStore.from_config(cfg).latest()
-    if step is None or step < cfg.grpo.max_steps:
+    if step is None or step < cfg.train.max_steps:
         return None
     summary_file = cfg.run_dir / "summary.json"
     try:
@@ -103,8 +105,8 @@ def finished_line(cfg) -> str | None:
         else "held-out accuracy not recorded (no summary.json)"
     )
     return (
-        f"run {cfg.logging.run_name} is finished ({step} steps, grpo.max_steps={cfg.grpo.max_steps}; {accuracy}): "
+        f"run {cfg.logging.run_name} is finished ({step} steps, train.max_steps={cfg.train.max_steps}; {accuracy}): "
         f"its files are in {cfg.run_dir}/ and {cfg.bucket_url}. Train it further with "
-        f'ARGS="--set grpo.max_steps={2 * cfg.grpo.max_steps}", or start a new run with '
+        f'ARGS="--set train.max_steps={2 * cfg.train.max_steps}", or start a new run with '
         f'ARGS="--set logging.run_name=<new name>"'
     )

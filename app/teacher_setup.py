@@ -111,7 +111,7 @@ def prepare_teacher(
     except ConfigError as e:
         raise refuse(str(e)) from None
     probe = probe_sequence(cfg, student, teacher.context)
-    self_test(endpoint, probe, teacher.self_test_tolerance, cfg.grpo.temperature, teacher_top_k(cfg))
+    self_test(endpoint, probe, teacher.self_test_tolerance, cfg.sampling.temperature, teacher_top_k(cfg))
     log.info("teacher %s: %s %s at %s, checked", name or "", endpoint.kind, endpoint.model, endpoint.url)
     return replace(endpoint, name=name) if name is not None else endpoint
 
@@ -220,7 +220,7 @@ def self_test(
     if compared and max(abs(a - b) for a, b in zip(first, at_one[0], strict=True)) <= tolerance:
         raise refuse(
             f"{endpoint.model} at {endpoint.url} scores at temperature 1 whatever it is asked (plain vLLM does), and the "
-            f"run samples at grpo.temperature {temperature}: its scores would be compared with tempered samples' "
+            f"run samples at sampling.temperature {temperature}: its scores would be compared with tempered samples' "
             f"log-probs; serve the teacher from a spotrl fleet, which scores at the request's temperature, or sample at 1"
         )
     return worst

@@ -113,7 +113,7 @@ def bench_run_sets(out: Path, workdir: Path, steps: int, port: int, trusted: lis
     the evaluation), a model cache shared by the arms under `workdir`, no trackio or progress bar, the fleet on
     `port` trusting the adapter folders `trusted`."""
     return [
-        f"grpo.max_steps={steps}",
+        f"train.max_steps={steps}",
         f"logging.output_dir={out}",
         "logging.run_name=bench",
         f"bucket.url=file://{out / 'bench' / 'bucket'}",

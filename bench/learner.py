@@ -97,7 +97,7 @@ def start_variant(batching: str, checkpointing: bool, model_path: str, workdir: 
     cfg.learner.gradient_checkpointing = checkpointing
     cfg.learner.token_budget = TOKEN_BUDGET
     cfg.learner.per_device_train_batch_size = PADDED_BATCH
-    cfg.grpo.weight_sync_steps = cfg.learner.save_steps = 10**6  # time the step, not the bucket
+    cfg.learner.weight_sync_steps = cfg.learner.save_steps = 10**6  # time the step, not the bucket
     cfg.bucket.url = f"file://{workdir}/bucket-{batching}-{int(checkpointing)}"
     cfg.bucket.cache_dir = f"{workdir}/cache"
     _learner = LearnerRank(cfg, model_path)

@@ -55,8 +55,8 @@ from bench.common import fmt_bytes, fmt_seconds, print_table, write_result
 SEED_RECIPE = {
     "model": {"dtype": "bfloat16", "revision": None},
     "lora": {"rank": 1, "alpha": 2.0, "dropout": 0.0, "target_modules": "all-linear"},
-    "grpo": {
-        "temperature": 1.0,
+    "sampling": {"temperature": 1.0},
+    "train": {
         "learning_rate": 4e-5,
         "adam_beta1": 0.9,
         "adam_beta2": 0.95,
@@ -64,14 +64,11 @@ SEED_RECIPE = {
         "max_grad_norm": 1.0,
         "lr_scheduler_type": "constant",
         "warmup_steps": 0,
-        "epsilon": 0.2,
-        "epsilon_high": 0.2,
-        "vllm_importance_sampling_correction": False,
-        "vllm_importance_sampling_cap": 2.0,
         "max_steps": 500,
         "seed": 42,
     },
     "learner": {
+        "weight_sync_steps": 4,
         "device": "cuda",
         "batching": "packed",
         "token_budget": 16384,
@@ -109,11 +106,21 @@ TINKER_STEP = {"datums": 8, "tokens": (950, 1450), "rank": 32}
 SMALL_TINKER_STEP = {"datums": 2, "tokens": (40, 88), "rank": 8}
 
 
-SEED_OBJECTIVES = [{"kind": "grpo", "weight": 1.0}]  # the seed recipe's `objectives` (the default)
+# The seed recipe's `objectives`: GRPO alone, with its clip and importance sampling.
+SEED_OBJECTIVES = [
+    {
+        "kind": "grpo",
+        "weight": 1.0,
+        "epsilon": 0.2,
+        "epsilon_high": 0.2,
+        "vllm_importance_sampling_correction": False,
+        "vllm_importance_sampling_cap": 2.0,
+    }
+]
 
 
 def bench_config(**learner) -> SimpleNamespace:
-    """The seed recipe as attribute access (`cfg.grpo.temperature`), learner fields overridden."""
+    """The seed recipe as attribute access (`cfg.sampling.temperature`), learner fields overridden."""
     sections = {**SEED_RECIPE, "learner": {**SEED_RECIPE["learner"], **learner}}
     cfg = SimpleNamespace(**{name: SimpleNamespace(**values) for name, values in sections.items()})
     cfg.objectives = [SimpleNamespace(**spec) for spec in SEED_OBJECTIVES]

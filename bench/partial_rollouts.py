@@ -51,7 +51,7 @@ def alarm_figures(run_dir: Path) -> dict:
 
 def run_arm(name: str, sets: list[str], args, workdir: Path) -> dict:
     out = workdir / name.replace(" + ", "+")
-    sets = [*WORKLOAD, f"env.kwargs={{latency_s: {args.latency}}}", *sets, f"grpo.max_steps={args.steps}"]
+    sets = [*WORKLOAD, f"env.kwargs={{latency_s: {args.latency}}}", *sets, f"train.max_steps={args.steps}"]
     summary = train_run(CONFIG, [*sets, *args.overrides], out, name)
     before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
     return {

@@ -18,14 +18,14 @@ from pathlib import Path
 from bench.common import print_table, train_run, write_result
 
 VARIANTS = {
-    "async (max_staleness=4)": ["rollout.mode=async", "grpo.max_staleness=4"],
-    "sync (max_staleness=0)": ["rollout.mode=sync", "grpo.max_staleness=0"],
+    "async (max_staleness=4)": ["rollout.mode=async", "rollout.max_staleness=4"],
+    "sync (max_staleness=0)": ["rollout.mode=sync", "rollout.max_staleness=0"],
 }
 
 
 def run_variant(name: str, sets: list[str], steps: int, extra: list[str], workdir: Path) -> dict:
     return train_run(
-        "configs/tiny-cpu.yaml", [*sets, f"grpo.max_steps={steps}", *extra], workdir / name.split()[0], name
+        "configs/tiny-cpu.yaml", [*sets, f"train.max_steps={steps}", *extra], workdir / name.split()[0], name
     )
 
 

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"model.max_model_len={args.prompt_len + args.max_tokens + 32}",
                 f"fleet.port={free_port()}",
                 f"fleet.router.block_size={BLOCK_SIZE}",
-                f"grpo.max_staleness={max(args.versions - 1, 0)}",
+                f"rollout.max_staleness={max(args.versions - 1, 0)}",
                 f"bucket.url=file://{work}/bucket",
                 f"bucket.cache_dir={work}/cache",
             ],

@@ -102,7 +102,7 @@ def trl_args(cfg, out: Path, steps: int):
     generation batch a step, fp32 on the CPU, transformers' generate."""
     from trl.experimental.sdft import SDFTConfig
 
-    g = cfg.grpo
+    t, s = cfg.train, cfg.sampling
     return SDFTConfig(
         output_dir=str(out),
         teacher_model_kind=self_teacher(cfg).model,
@@ -110,20 +110,20 @@ def trl_args(cfg, out: Path, steps: int):
         distillation_mode="sampled_token",
         distillation_alpha=1.0,  # reverse KL(student || teacher): what spotrl's sampled mode estimates
         use_vllm=False,
-        learning_rate=g.learning_rate,
-        adam_beta1=g.adam_beta1,
-        adam_beta2=g.adam_beta2,
-        weight_decay=g.weight_decay,
-        max_grad_norm=g.max_grad_norm,
-        lr_scheduler_type=g.lr_scheduler_type,
-        warmup_steps=g.warmup_steps,
-        num_generations=g.num_generations,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=max(g.top_k, 0),  # spotrl's -1 and TRL's 0 both mean no top-k
+        learning_rate=t.learning_rate,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_steps,
+        num_generations=s.num_generations,
+        max_completion_length=s.max_completion_length,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=max(s.top_k, 0),  # spotrl's -1 and TRL's 0 both mean no top-k
         max_steps=steps,
-        seed=g.seed,
+        seed=t.seed,
         per_device_train_batch_size=samples_per_step(cfg),  # 16 prompts x G, one optimizer step
         gradient_accumulation_steps=1,
         bf16=False,  # fp32 on the CPU, like spotrl's learner
@@ -180,7 +180,7 @@ def trl_main(args) -> None:
                 model.save_pretrained(out / "adapters" / f"trl-step-{state.global_step}")
                 self.paused += time.time() - t
 
-    torch.manual_seed(cfg.grpo.seed)
+    torch.manual_seed(cfg.train.seed)
     trainer = SDFTTrainer(
         model=args.model_path,
         args=trl_args(cfg, out, max(args.save_at)),

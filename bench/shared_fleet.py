@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = load_config(REPO / "configs/tiny-cpu.yaml", args.overrides)  # what each run trains, so the fleet serves it
     model_path = prepare_model(runs.model, runs.task, log=print)
     window = 3  # tiny-cpu's max_staleness 2, plus one
-    fleet_overrides = ["grpo.max_staleness=2", f"fleet.max_loras={(args.runs + 1) * window + 1}"]
+    fleet_overrides = ["rollout.max_staleness=2", f"fleet.max_loras={(args.runs + 1) * window + 1}"]
     with (
         tempfile.TemporaryDirectory(prefix="spotrl-bench-shared-") as tmp,
         running_fleet(Path(tmp), model_path, fleet_overrides, TOKEN) as fleet,

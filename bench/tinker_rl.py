@@ -65,21 +65,21 @@ def rl_datum(prompt: list[int], tokens: list[int], logprobs: list[float], advant
 
 
 def make_train_adam():
-    """`AdamParams` of the optimizer `make train` steps with (tiny-cpu's grpo section: AdamW at 1e-3, torch's
+    """`AdamParams` of the optimizer `make train` steps with (tiny-cpu's train section: AdamW at 1e-3, torch's
     beta2 and eps, gradients clipped at norm 1), not the SDK's defaults (beta2 0.95, eps 1e-12, no clipping): the
     two loops then differ by the API alone."""
     from tinker import types
 
     from core.config import load_config
 
-    grpo = load_config().grpo
+    train = load_config().train
     return types.AdamParams(
-        learning_rate=grpo.learning_rate,
-        beta1=grpo.adam_beta1,
-        beta2=grpo.adam_beta2,
+        learning_rate=train.learning_rate,
+        beta1=train.adam_beta1,
+        beta2=train.adam_beta2,
         eps=1e-8,
-        weight_decay=grpo.weight_decay,
-        grad_clip_norm=grpo.max_grad_norm,
+        weight_decay=train.weight_decay,
+        grad_clip_norm=train.max_grad_norm,
     )
 
 
@@ -163,7 +163,7 @@ def make_train_arm(steps: int, work: Path) -> dict:
 
     from tests.support.fleet_helpers import REPO
 
-    sets = [f"grpo.max_steps={steps}", f"logging.output_dir={work}", "logging.run_name=make-train"]
+    sets = [f"train.max_steps={steps}", f"logging.output_dir={work}", "logging.run_name=make-train"]
     # Its bucket in the bench's folder too: the config's own (runs/make-train/bucket) would hold the last bench's
     # finished run, and the same command would then only say so.
     sets += [f"bucket.url=file://{work}/bucket", f"bucket.cache_dir={work}/cache", "logging.progress_bar=false"]

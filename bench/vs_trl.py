@@ -52,8 +52,8 @@ def bench_overrides(workdir: Path, max_steps: int, seed: int) -> list[str]:
     """The config both trainers share: tiny-cpu, its fleet accepting TRL's and the bench's adapter folders."""
     trusted = [str(workdir / "trl" / ".vllm_lora"), str(workdir / "spotrl" / "bench" / "bucket" / "adapters")]
     return [
-        f"grpo.max_steps={max_steps}",
-        f"grpo.seed={seed}",
+        f"train.max_steps={max_steps}",
+        f"train.seed={seed}",
         f"logging.output_dir={workdir / 'spotrl'}",
         "logging.run_name=bench",
         f"bucket.url=file://{workdir / 'spotrl' / 'bench' / 'bucket'}",
@@ -121,7 +121,7 @@ def run_spotrl(cfg, url: str, model_path: str, steps: list[int], label: str = "s
 
 
 def samples_per_step(cfg) -> int:
-    return cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations
+    return cfg.train.num_prompts_per_step * cfg.sampling.num_generations
 
 
 # ---- TRL side (a child process, so that its patches never touch spotrl) ------------------------------------
@@ -187,7 +187,7 @@ def trl_main(args) -> None:
     from core.config import load_config
 
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", args.overrides)
-    g = cfg.grpo
+    t, s, grpo = cfg.train, cfg.sampling, cfg.objectives[0]  # tiny-cpu's objectives: GRPO alone
     out = Path(args.out)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     tokenizer.chat_template = RAW_PROMPT_TEMPLATE
@@ -199,16 +199,16 @@ def trl_main(args) -> None:
     trl_args = AsyncGRPOConfig(
         output_dir=str(out),
         vllm_server_base_url=args.url,
-        learning_rate=g.learning_rate,
-        num_generations=g.num_generations,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high,
-        max_staleness=g.max_staleness,
-        weight_sync_steps=g.weight_sync_steps,
+        learning_rate=t.learning_rate,
+        num_generations=s.num_generations,
+        max_completion_length=s.max_completion_length,
+        temperature=s.temperature,
+        epsilon=grpo.epsilon,
+        epsilon_high=grpo.epsilon_high,
+        max_staleness=cfg.rollout.max_staleness,
+        weight_sync_steps=cfg.learner.weight_sync_steps,
         max_steps=max(args.steps),
-        seed=g.seed,
+        seed=t.seed,
         # Same samples per optimizer step as spotrl (16 prompts x G): one fixed-count micro-batch.
         token_budget=0,
         per_device_train_batch_size=samples_per_step(cfg),

@@ -198,7 +198,7 @@ def take_groups(rollout, n: int):
 
 
 def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | None = None) -> dict | None:
-    """Train to `grpo.max_steps`; returns the run's summary (also in runs/<name>/summary.json), or None when the run
+    """Train to `train.max_steps`; returns the run's summary (also in runs/<name>/summary.json), or None when the run
     had finished already (reported in one line, nothing touched). Raises `Preempted` after checkpointing when the
     driver's machine gets a spot notice."""
     from app.learner.group import LearnerGroup
@@ -248,7 +248,7 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
 
 
 def report_finished(cfg: RunConfig) -> bool:
-    """Print one line and say True when this run reached `grpo.max_steps` already (`app.spot.finished_line`)."""
+    """Print one line and say True when this run reached `train.max_steps` already (`app.spot.finished_line`)."""
     line = finished_line(cfg)
     if line:
         print(line, file=sys.stderr)
@@ -256,7 +256,7 @@ def report_finished(cfg: RunConfig) -> bool:
 
 
 def loop(cfg, run: Run, steps: StepLog, learner, rollout, resume: ResumePoint, notices: DriverNotices | None) -> int:
-    """Get groups, train, log, to `grpo.max_steps`; returns the policy version trained last. A spot notice for this
+    """Get groups, train, log, to `train.max_steps`; returns the policy version trained last. A spot notice for this
     machine stops it after the step under way, checkpointed (`Preempted`). The last step is always checkpointed, so
     that a run trained further later resumes exactly where this one ended."""
     import ray
@@ -266,12 +266,12 @@ def loop(cfg, run: Run, steps: StepLog, learner, rollout, resume: ResumePoint, n
     step, version = resume.step, resume.policy_version
     checkpointed = step
     run.start_loop(ray.get(rollout.stats.remote()))
-    while step < cfg.grpo.max_steps:
+    while step < cfg.train.max_steps:
         if notices is not None and notices.binding is not None:
             if checkpointed != step:
                 learner.checkpoint()
             raise Preempted(preempted_line(cfg, notices.binding, step, version))
-        batch, rollout_wait_s = take_groups(rollout, cfg.grpo.num_prompts_per_step)
+        batch, rollout_wait_s = take_groups(rollout, cfg.train.num_prompts_per_step)
         rollout_stats = ray.get(rollout.stats.remote())
         if rollout_stats.failing:  # the take raised: no group is coming (the learner would only find the error)
             raise SystemExit(f"rollout: {rollout_stats.failing}")

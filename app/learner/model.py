@@ -117,7 +117,7 @@ def build_lora_model(cfg: RunConfig, model_path: str, device: torch.device):
     if cfg.learner.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Every rank must draw the same LoRA init (FSDP shards assume identical replicas): seed it.
-    torch.manual_seed(cfg.grpo.seed)
+    torch.manual_seed(cfg.train.seed)
     model = get_peft_model(base, peft_lora_config(cfg.lora))
     # fp32 masters: PEFT's autocast_adapter_dtype already makes half-precision adapters fp32; say so explicitly,
     # since FSDP2's mixed precision and the fp32 AdamW state rely on it.
@@ -174,7 +174,7 @@ def build_optimizer(cfg: RunConfig, model):
     """AdamW over the trainable (LoRA) parameters, and the learning-rate schedule."""
     from transformers import get_scheduler
 
-    g = cfg.grpo
+    g = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=g.learning_rate, betas=(g.adam_beta1, g.adam_beta2), weight_decay=g.weight_decay

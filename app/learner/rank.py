@@ -222,7 +222,7 @@ class LearnerRank:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`_forward`, and the log-probs (with gradient) at `ids` (`[targets, k]`) at each target's position, at
         the same temperature, computed in the same chunks (`[targets, k]`; None without ids)."""
-        scores = forward_scores(self.model, self.head, mb, self.cfg.grpo.temperature, ids)
+        scores = forward_scores(self.model, self.head, mb, self.cfg.sampling.temperature, ids)
         logp, entropy = scores[0], scores[1]
         return logp, entropy.detach(), None if ids is None else scores[2:].T
 
@@ -270,7 +270,7 @@ class LearnerRank:
         if not self._started:
             raise NotStarted("call start() before train_step()")
         t_step = time.perf_counter()
-        g, lcfg = self.cfg.grpo, self.cfg.learner
+        lcfg = self.cfg.learner
         noticed, fits = self._rank0_decides((self.notices.noticed, self.notices.step_fits()))
         if noticed:
             self.save_checkpoint()  # at once, unless this step is committed already
@@ -295,7 +295,7 @@ class LearnerRank:
         self.state.step += 1
         self._update_ema()
         self._mark_consumed(fresh, batch)
-        if self.state.step % g.weight_sync_steps == 0:
+        if self.state.step % lcfg.weight_sync_steps == 0:
             metrics["perf/weight_sync_s"] = self._publish(self.state.policy_version + 1)
             if self.fleet_url:
                 metrics["weight_sync/fleet_load_failures"] = float(self.publisher.fleet_load_failures)
@@ -320,7 +320,7 @@ class LearnerRank:
         watch = Stopwatch(torch.cuda.synchronize if self.device.type == "cuda" else None)
         with watch("optimizer"):
             params = [p for p in self.model.parameters() if p.requires_grad]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grpo.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()

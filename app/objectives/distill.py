@@ -24,7 +24,7 @@ the step's whole update to it. `distill/clipped` is the share of tokens clipped 
 
 `distill/reverse_kl` is the mean of the (clipped) gap over the step's model tokens: the reverse KL of the
 sampling policy to the teacher, estimated on the student's own samples (it falls as the student learns). Observation tokens of multi-turn episodes are never scored nor trained (the completion mask).
-Teacher log-probs are the fleet's `prompt_logprobs` at the run's sampling temperature (`grpo.temperature`, which
+Teacher log-probs are the fleet's `prompt_logprobs` at the run's sampling temperature (`sampling.temperature`, which
 the rollout sends with its scoring request): the sampling log-probs are after temperature, so the teacher's are
 `log_softmax(teacher logits / T)` too, and the gap compares like with like (`deployments.replica.scoring_temperature`
 is why a fleet's replica scores prompt tokens at the request's temperature; vLLM alone scores them at 1).

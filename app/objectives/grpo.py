@@ -139,9 +139,8 @@ class GRPO(Objective):
 
     @classmethod
     def from_config(cls, spec, cfg) -> GRPO:
-        g = cfg.grpo  # GRPO's settings are the `grpo` section's, named as in TRL
-        tis_cap = g.vllm_importance_sampling_cap if g.vllm_importance_sampling_correction else None
-        return cls(spec.weight, epsilon=g.epsilon, epsilon_high=g.epsilon_high, tis_cap=tis_cap)
+        tis_cap = spec.vllm_importance_sampling_cap if spec.vllm_importance_sampling_correction else None
+        return cls(spec.weight, epsilon=spec.epsilon, epsilon_high=spec.epsilon_high, tis_cap=tis_cap)
 
     def annotate(self, group: Group) -> None:
         for sample, advantage in zip(group.samples, group_advantages(group.rewards), strict=True):

@@ -71,8 +71,8 @@ class GroupProducer:
         self.objectives = Objectives.from_config(cfg)
         if any(TEACHER_LOGPROBS in o.streams for o in self.objectives.objectives) and teacher is None:
             raise ValueError("objectives: a distill objective needs a teacher to score the groups; none was given")
-        g = cfg.grpo
-        self.sampling = SamplingArgs(g.max_completion_length, g.temperature, g.top_p, g.top_k)
+        s = cfg.sampling
+        self.sampling = SamplingArgs(s.max_completion_length, s.temperature, s.top_p, s.top_k)
         self.retries_done, self.cut = retries_done, cut
         self.staleness = StalenessRule.from_config(cfg)
         resume = resume or ResumePoint()
@@ -108,7 +108,7 @@ class GroupProducer:
         """Epoch-shuffled order, a pure function of the index, so a resumed cursor replays exactly."""
         epoch, pos = divmod(index, len(self.problems))
         order = list(range(len(self.problems)))
-        random.Random(self.cfg.grpo.seed + epoch).shuffle(order)
+        random.Random(self.cfg.train.seed + epoch).shuffle(order)
         return self.problems[order[pos]]
 
     # -- producing -------------------------------------------------------------------------
@@ -181,7 +181,7 @@ class GroupProducer:
         try:
             # The fleet client retries what is worth retrying (`app.retry`): what still fails here is final.
             sampled = await self.sampler.sample(
-                problem, prompt_ids, model, self.cfg.grpo.num_generations, self.sampling, flight
+                problem, prompt_ids, model, self.cfg.sampling.num_generations, self.sampling, flight
             )
         except asyncio.CancelledError:
             raise

@@ -33,5 +33,5 @@ def sampler_for(
         return ToolEpisodeRunner.from_config(cfg, tokenizer, generate, decode)
     if cfg.env.multi_turn:
         return EpisodeRunner.from_config(cfg, tokenizer, generate, decode)
-    scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s, cfg.grpo.max_steps)
+    scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s, cfg.train.max_steps)
     return CompletionSampler(generate, scorer, decode)

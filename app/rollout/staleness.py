@@ -5,10 +5,10 @@ A group's staleness is the learner's version when it is taken minus the version 
 Two rules (`rollout.staleness_rule`):
 
 - `drop_at_take`: groups are generated as fast as `max_inflight_tasks` and the queue allow, and one whose
-  oldest token is more than `grpo.max_staleness` versions behind is dropped when taken: finished work
+  oldest token is more than `rollout.max_staleness` versions behind is dropped when taken: finished work
   thrown away, the longest generations (often the hardest problems) first.
 - `bound_at_admission` (AReaL's staleness manager, Tinker's pacing): a group starts only while the groups
-  admitted and not yet taken stay within what the learner consumes in `grpo.max_staleness` versions
+  admitted and not yet taken stay within what the learner consumes in `rollout.max_staleness` versions
   (`max_staleness x weight_sync_steps x num_prompts_per_step` groups, at least one step's), so that
   finished work is, as a rule, fresh enough to train, and is trained, corrected per token by the
   learner's ratio against the sampling log-probs; only a group whose oldest token is past a hard limit
@@ -43,9 +43,9 @@ class StalenessRule:
 
     @classmethod
     def from_config(cls, cfg) -> StalenessRule:
-        r, g = cfg.rollout, cfg.grpo
-        per_version = g.weight_sync_steps * g.num_prompts_per_step
-        return cls(r.staleness_rule, g.max_staleness, cfg.hard_max_staleness, per_version)
+        r = cfg.rollout
+        per_version = cfg.learner.weight_sync_steps * cfg.train.num_prompts_per_step
+        return cls(r.staleness_rule, r.max_staleness, cfg.hard_max_staleness, per_version)
 
     def too_stale(self, learner_version: int, oldest_version: int) -> bool:
         """A group whose oldest token is this old can never be trained."""

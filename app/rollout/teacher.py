@@ -4,7 +4,7 @@ On-policy distillation needs the teacher's log-prob of every token the student s
 asynchronous I/O through the fleet (or the teacher's own server), so the rollout does it here, between sampling
 and the objectives' synchronous `annotate`; the learner never calls a teacher. One request per group: the
 G sequences (prompt + completion) as a batch of token-id prompts with `prompt_logprobs: 0` and `max_tokens: 1`,
-the request TRL's AsyncDistillationTrainer sends its teacher, at the run's sampling temperature (`grpo.temperature`):
+the request TRL's AsyncDistillationTrainer sends its teacher, at the run's sampling temperature (`sampling.temperature`):
 the sampling log-probs it is compared with are taken after temperature, and the fleet scores prompt tokens at the
 request's temperature too. The prefix router keeps a group's sequences, which share their prompt, on one replica.
 Top-k distillation asks `prompt_logprobs: k` instead and keeps, per model token, the teacher's k most likely ids and
@@ -175,7 +175,7 @@ class TeacherScorer:
             endpoint,
             client,
             prompt_ids,
-            cfg.grpo.temperature,
+            cfg.sampling.temperature,
             teacher_top_k(cfg),
             cfg.fleet.max_prompt_logprobs_per_request,
         )

@@ -132,7 +132,7 @@ class ToolEpisodeRunner(Sampler):
             max_episode_tokens=cfg.max_episode_tokens,
             timeout_s=cfg.env.timeout_s,
             reward_timeout_s=cfg.task.reward_timeout_s,
-            max_steps=cfg.grpo.max_steps,
+            max_steps=cfg.train.max_steps,
             decode=decode,
         )
 

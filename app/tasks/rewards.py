@@ -188,7 +188,7 @@ def _no_log_extra(column: str, values: list) -> None:
 
 def trainer_state(step: int, max_steps: int):
     """What TRL's reward functions read as `trainer_state` (transformers' `TrainerState`): the step the group was
-    sampled at (its policy version: one version per step) and the run's `grpo.max_steps`, for rewards shaped by
+    sampled at (its policy version: one version per step) and the run's `train.max_steps`, for rewards shaped by
     progress."""
     from transformers import TrainerState
 

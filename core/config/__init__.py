@@ -2,11 +2,16 @@
 every field, read from YAML with `--set` overrides.
 
 - `core.config.sections`: what both share (model, LoRA, task, router, bucket);
-- `core.config.run`: a run, and the fleet it brings along when it joins none (`RunConfig.own_fleet`);
+- `core.config.run`: a run, the checks that cross its sections, and the fleet it brings along when it joins none
+  (`RunConfig.own_fleet`); its sections by concern: `core.config.envs` (the environment's kinds),
+  `core.config.objectives` (each objective with its settings), `core.config.training` (the optimizer and the
+  sampling every objective shares), `core.config.teacher`, `core.config.tasks` (a run's checks of its task);
+- `core.config.deprecated`: old keys read for one more release, each moved with one line naming the new key;
 - `core.config.fleet`: a fleet, as `serve_config.yaml` names it and the ingress and replicas read it;
 - `core.config.loading`: YAML, overrides, errors.
 """
 
+from core.config.envs import EnvConfig
 from core.config.fleet import FleetConfig, FleetSettings, slots_needed
 from core.config.loading import (
     DEFAULT_CONFIG,
@@ -17,16 +22,8 @@ from core.config.loading import (
     load_config,
     load_fleet_config,
 )
-from core.config.run import (
-    EnvConfig,
-    GRPOConfig,
-    JoinConfig,
-    LearnerConfig,
-    LoggingConfig,
-    ObjectiveConfig,
-    RolloutConfig,
-    RunConfig,
-)
+from core.config.objectives import ObjectiveConfig
+from core.config.run import JoinConfig, LearnerConfig, LoggingConfig, RolloutConfig, RunConfig
 from core.config.sections import (
     CONFIG_DIR,
     HEAD_NODE,
@@ -44,6 +41,7 @@ from core.config.sections import (
     ToolWarmupConfig,
     vllm_rank_for,
 )
+from core.config.training import SamplingConfig, TrainConfig
 
 __all__ = [
     "CONFIG_DIR",
@@ -57,7 +55,6 @@ __all__ = [
     "EnvConfig",
     "FleetConfig",
     "FleetSettings",
-    "GRPOConfig",
     "JoinConfig",
     "LearnerConfig",
     "LoggingConfig",
@@ -67,12 +64,14 @@ __all__ = [
     "RolloutConfig",
     "RouterConfig",
     "RunConfig",
+    "SamplingConfig",
     "Section",
     "SpotConfig",
     "TaskConfig",
     "NO_REASONING_GYM",
     "TinyModelConfig",
     "ToolWarmupConfig",
+    "TrainConfig",
     "add_config_args",
     "config_from_args",
     "load_config",

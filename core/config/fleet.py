@@ -96,7 +96,7 @@ class FleetSettings(Section):
         None,
         ge=0,
         description="Versions pinned behind the newest of a lineage no run registered (its own policy-vN, TRL's); "
-        "default 2, or the run's grpo.max_staleness.",
+        "default 2, or the run's rollout.max_staleness.",
     )
     max_num_batched_tokens: int = Field(
         8192, ge=1, description="Tokens one engine step schedules (prefill chunks included); at least max_model_len."

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import SecretStr, ValidationError
 
+from core.config.deprecated import move_grpo_keys
 from core.config.fleet import FleetConfig
 from core.config.run import RunConfig
 from core.config.sections import CONFIG_DIR
@@ -90,8 +91,16 @@ def _load(schema: type[ConfigT], path: Path, overrides: list[str] | tuple[str, .
         raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    for item in overrides:
-        _apply_override(data, *_parse_override(item))
+    moved = move_grpo_keys if schema is RunConfig else lambda d: d
+    try:
+        data = moved(data)  # the file's old keys first, so that a later `--set grpo.<key>` wins over its new key
+        for item in overrides:
+            _apply_override(data, *_parse_override(item))
+            data = moved(data)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         return schema.model_validate(data)
     except ValidationError as e:

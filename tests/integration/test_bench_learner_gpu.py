@@ -82,5 +82,5 @@ def test_the_stand_in_config_is_the_seed_recipe():
         for field in values:
             assert getattr(getattr(cfg, section), field) == getattr(getattr(seed, section), field), f"{section}.{field}"
     assert [vars(spec) for spec in cfg.objectives] == [spec.model_dump() for spec in seed.objectives]
-    assert cfg.learner.token_budget == 16384 and seed.grpo.num_generations == learner_gpu.SEED_STEP["group_size"]
-    assert seed.grpo.num_prompts_per_step == learner_gpu.SEED_STEP["prompts"]
+    assert cfg.learner.token_budget == 16384 and seed.sampling.num_generations == learner_gpu.SEED_STEP["group_size"]
+    assert seed.train.num_prompts_per_step == learner_gpu.SEED_STEP["prompts"]

@@ -46,8 +46,8 @@ def _overrides(tmp: Path, port: int) -> list[str]:
         "fleet.replica_resources={rollout_node: 1}",
         "learner.ray_resources={learner_node: 1}",
         "learner.save_steps=100",
-        "grpo.num_prompts_per_step=4",
-        f"grpo.max_steps={STEPS}",
+        "train.num_prompts_per_step=4",
+        f"train.max_steps={STEPS}",
     ]
 
 

@@ -136,7 +136,7 @@ def test_prompt_logprobs_of_the_base_model_and_an_adapter_are_transformers_logpr
 
 def test_prompt_tokens_are_scored_at_the_requests_temperature(fleet):
     """A teacher asked at the sampling temperature (TRL's clients send their `teacher_temperature`, spotrl's rollout
-    `grpo.temperature`) answers log_softmax(logits / T), the token's and the top alternatives', as transformers computes
+    `sampling.temperature`) answers log_softmax(logits / T), the token's and the top alternatives', as transformers computes
     it: for the base model, an adapter and the teacher deployment, requests of different temperatures sent at once (the
     engine batches them) alike. A greedy request (temperature 0) is scored at 1, as vLLM's sampler treats greedy rows."""
     from core.models import load_tokenizer
@@ -189,7 +189,7 @@ def test_each_kind_of_teacher_is_resolved_and_checked_at_start(fleet):
         return prepare_teacher(cfg, fleet.client, fleet.model_path, TOKEN)
 
     assert prepared("base").model == fleet.base
-    assert prepared("base", "grpo.temperature=0.7").model == fleet.base  # the fleet tempers: not refused
+    assert prepared("base", "sampling.temperature=0.7").model == fleet.base  # the fleet tempers: not refused
     assert prepared(f"{{model: {{name_or_path: '{fleet.teacher_path}'}}}}").model == "teacher"
     served = prepared(f"{{url: '{fleet.url}', served_model: teacher}}")  # any server: its /tokenize compared
     assert (served.kind, served.model) == ("url", "teacher")
@@ -265,7 +265,7 @@ def test_a_topk_distill_step_runs_through_the_fleet_and_the_learner(fleet, tmp_p
             "objectives=[{kind: distill, teacher: base, mode: topk, top_k: 5, alpha: 0.5, tail: true}]",
             f"bucket.url=file://{tmp_path}/bucket",
             f"bucket.cache_dir={tmp_path}/cache",
-            "grpo.learning_rate=0.01",
+            "train.learning_rate=0.01",
         ],
     )
     torch.set_num_threads(1)
@@ -339,6 +339,6 @@ def test_a_self_teacher_scores_the_students_completion_after_its_privileged_prom
         model = _hf(fleet.model_path, adapter)
         for sample, completion in zip(group.samples, completions, strict=True):
             ids = teacher_prompt + completion
-            reference = _reference(model, ids, cfg.grpo.temperature)  # scored at the run's temperature
+            reference = _reference(model, ids, cfg.sampling.temperature)  # scored at the run's temperature
             expected = [reference[len(teacher_prompt) + j - 1, t].item() for j, t in enumerate(completion)]
             assert sample.streams["teacher_logprobs"] == pytest.approx(expected, abs=TOLERANCE)

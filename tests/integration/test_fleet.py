@@ -178,7 +178,7 @@ def test_admin_calls_need_the_token_as_bearer_or_netrc_basic(fleet, tmp_path, mo
     trl_client.pause()
     trl_client.resume()
     info = trl_client.get_server_info()
-    assert info["lora_config"]["max_loras"] >= fleet.cfg.grpo.max_staleness + 2
+    assert info["lora_config"]["max_loras"] >= fleet.cfg.rollout.max_staleness + 2
     assert info["lora_config"]["max_lora_rank"] == fleet.cfg.own_fleet().max_lora_rank
     assert info["parallel_config"]["data_parallel_size"] == 1  # loads reach every replica: no merged-weight fallback
     assert trl_client.get_max_model_len() == fleet.cfg.model.max_model_len
@@ -389,7 +389,7 @@ def _running(pid: int) -> bool:
 def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_live_adapters(fleet):
     import ray
 
-    window = fleet.store.versions()[: fleet.cfg.grpo.max_staleness + 1]
+    window = fleet.store.versions()[: fleet.cfg.rollout.max_staleness + 1]
     for version in window:  # the steady state the learner keeps: the newest versions loaded everywhere
         fleet.client.load_adapter(f"policy-v{version}", fleet.store.url_of(version))
     newest = f"policy-v{window[0]}"

@@ -31,7 +31,7 @@ MiB = 2**20
 def fleet(tmp_path_factory, tiny_model_path):
     work = tmp_path_factory.mktemp("fleet-weeks")
     overrides = [
-        "grpo.max_staleness=1",  # every lineage pins 2 slots: the fleet's own (policy-v1, committed before start-up)
+        "rollout.max_staleness=1",  # every lineage pins 2 slots: the fleet's own (policy-v1, committed before start-up)
         "fleet.max_loras=9",  # and three runs' (two of them killed, not yet released), and one to load into
         "fleet.adapter_cache_keep=1",
         f"fleet.run_idle_timeout_s={RUN_IDLE_S}",

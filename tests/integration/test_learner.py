@@ -51,7 +51,7 @@ def _config(tmp_path, bucket: str, **learner):
     cfg = learner_config(**learner)
     cfg.bucket.url = f"file://{tmp_path}/{bucket}"
     cfg.bucket.cache_dir = str(tmp_path / "cache")
-    cfg.grpo.learning_rate = 1e-2  # large steps, so that a wrong update cannot hide inside the tolerance
+    cfg.train.learning_rate = 1e-2  # large steps, so that a wrong update cannot hide inside the tolerance
     return cfg
 
 

@@ -31,7 +31,7 @@ GROUPS = random_groups(4, seed=7, max_completion=20)
 
 def _config():
     cfg = learner_config(token_budget=48, logprob_chunk_tokens=5)
-    cfg.grpo.temperature = 0.7
+    cfg.sampling.temperature = 0.7
     return cfg
 
 
@@ -45,7 +45,7 @@ def plain_forward(learner: LearnerRank, mb):
         use_cache=False,
         **extra,
     )
-    return token_logprobs(out.logits[mb.target_rows, mb.target_cols], mb.targets, learner.cfg.grpo.temperature)
+    return token_logprobs(out.logits[mb.target_rows, mb.target_cols], mb.targets, learner.cfg.sampling.temperature)
 
 
 TOP_K = 4
@@ -78,8 +78,8 @@ def plain_forward_at(learner: LearnerRank, mb, ids):
         **extra,
     )
     logits = out.logits[mb.target_rows, mb.target_cols]
-    logp, entropy = token_logprobs(logits, mb.targets, learner.cfg.grpo.temperature)
-    full = torch.log_softmax(logits.float() / learner.cfg.grpo.temperature, -1)
+    logp, entropy = token_logprobs(logits, mb.targets, learner.cfg.sampling.temperature)
+    full = torch.log_softmax(logits.float() / learner.cfg.sampling.temperature, -1)
     return logp, entropy.detach(), full.gather(-1, ids)
 
 

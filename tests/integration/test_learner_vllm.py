@@ -71,8 +71,8 @@ from core.models import load_tokenizer  # noqa: E402
 def _config(tmp_path) -> RunConfig:
     cfg = RunConfig()
     cfg.lora.rank, cfg.lora.alpha = 1, 2.0  # the seed recipe
-    cfg.grpo.temperature = TEMPERATURE
-    cfg.grpo.learning_rate = 0.05  # one large step, so the adapter is far from the identity
+    cfg.sampling.temperature = TEMPERATURE
+    cfg.train.learning_rate = 0.05  # one large step, so the adapter is far from the identity
     cfg.bucket.url = f"file://{tmp_path}/bucket"
     cfg.bucket.cache_dir = str(tmp_path / "cache")
     return cfg

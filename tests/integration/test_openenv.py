@@ -28,7 +28,7 @@ from app.tasks import openenv_env
 from app.tasks.openenv_env import WORKER_LOST, OpenEnvServer, OpenEnvSessions, serve_openenv
 from app.tasks.problems import Problem
 from core.config import load_config
-from core.config.run import OpenEnvConfig
+from core.config.envs import OpenEnvConfig
 from tests.support.scripted_fleet import EOS, ScriptedFleet, encode
 
 ARITHMETIC = "examples.openenv_arithmetic:app"
@@ -274,7 +274,7 @@ def test_the_server_and_the_worker_end_with_the_process_that_started_them():
     script = f"""
 import json, os, signal
 from app.tasks.openenv_env import OpenEnvServer, OpenEnvWorker, worker_config
-from core.config.run import OpenEnvConfig
+from core.config.envs import OpenEnvConfig
 server = OpenEnvServer("{ARITHMETIC}", {START_S}).start()
 worker = OpenEnvWorker(worker_config(OpenEnvConfig(url=server.url), 5.0), {START_S}).start()
 print(json.dumps([server.process.pid, worker.process.pid]), flush=True)

@@ -28,7 +28,7 @@ def fleet(tmp_path_factory, tiny_model_path):
     work = tmp_path_factory.mktemp("shared-fleet")
     (work / "trl").mkdir()
     overrides = [
-        "grpo.max_staleness=1",
+        "rollout.max_staleness=1",
         f"fleet.max_loras={MAX_LORAS}",
         f"fleet.extra_adapter_dirs=['{work}/trl']",  # where a TRL trainer writes its adapters
         f"fleet.pause_lease_s={PAUSE_LEASE_S}",
@@ -374,7 +374,7 @@ def test_trls_async_grpo_trainer_is_served_exactly_the_adapters_it_wrote_also_wh
     for seed in (1, 2):
         cmd = [sys.executable, "-m", "bench.vs_trl", "--trl-worker", "--url", fleet.url]
         cmd += ["--model-path", fleet.model_path, "--out", str(out), "--steps", "3"]
-        for override in ("grpo.max_staleness=1", "grpo.weight_sync_steps=1", f"grpo.seed={seed}"):
+        for override in ("rollout.max_staleness=1", "learner.weight_sync_steps=1", f"train.seed={seed}"):
             cmd += ["--set", override]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

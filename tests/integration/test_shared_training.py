@@ -41,7 +41,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 @pytest.mark.slow
 def test_two_runs_at_once_both_learn_and_a_third_joins_midway_and_leaves(tmp_path, tiny_model_path):
     # Four runs and the fleet's own lineage pin max_staleness + 1 = 3 slots each, and one to load into.
-    overrides = ["grpo.max_staleness=2", "fleet.max_loras=16", f"fleet.run_idle_timeout_s={RUN_IDLE_S}"]
+    overrides = ["rollout.max_staleness=2", "fleet.max_loras=16", f"fleet.run_idle_timeout_s={RUN_IDLE_S}"]
     with running_fleet(tmp_path, tiny_model_path, overrides, TOKEN) as fleet:
         admin = {"SPOTRL_ADMIN_TOKEN": TOKEN, "SPOTRL_RUN_TOKEN": ""}
         trainers = {name: start_fleet_run(tmp_path, fleet.url, name, STEPS, admin) for name in ("alice", "bob")}

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def train_cmd(tmp_path: Path, steps: int, *extra: str, config: str = "configs/tiny-cpu.yaml") -> list[str]:
     sets = [
-        f"grpo.max_steps={steps}",
+        f"train.max_steps={steps}",
         f"logging.output_dir={tmp_path}",
         "logging.run_name=smoke",
         f"bucket.url=file://{tmp_path}/bucket",
@@ -67,7 +67,7 @@ def assert_a_healthy_run(tmp_path: Path, summary: dict, metrics: list[dict], out
     assert summary["samples_trained"] == steps * 16 * 8
     assert summary["policy_version"] >= 2
     assert max(m["sample/version_max"] for m in metrics) >= 2  # groups sampled under newer versions were trained
-    # The admission bound keeps groups within grpo.max_staleness (2) as a rule; finished work is trained up to the hard
+    # The admission bound keeps groups within rollout.max_staleness (2) as a rule; finished work is trained up to the hard
     # limit (twice that), never beyond.
     assert summary["staleness_max"] <= 4
     assert all(m["sample/staleness_max"] <= 4 for m in metrics)
@@ -121,7 +121,7 @@ def test_the_calculator_tool_environment_runs_end_to_end(tmp_path):
         "env.name=calculator",
         "env.kwargs={max_calls: 1}",
         "env.max_turns=2",
-        "grpo.max_completion_length=8",
+        "sampling.max_completion_length=8",
     )
     assert all(m["env/episodes"] == 128 for m in metrics) and summary["env_errors_total"] == 0
     assert 0.99 <= summary["ratio_mean"] <= 1.01
@@ -191,7 +191,7 @@ def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_com
     t0 = time.monotonic()
     finished = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert finished.returncode == 0 and time.monotonic() - t0 < 60, finished.stderr[-3000:]
-    assert "run smoke is finished (8 steps" in finished.stderr and "grpo.max_steps=16" in finished.stderr
+    assert "run smoke is finished (8 steps" in finished.stderr and "train.max_steps=16" in finished.stderr
     assert (summary_file.read_bytes(), summary_file.stat().st_mtime_ns) == kept  # its files untouched
     assert "Ray" not in finished.stderr  # nothing was started
 

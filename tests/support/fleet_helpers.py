@@ -74,7 +74,7 @@ def running_fleet(work: Path, model_path: str, overrides: list[str], token: str,
             "model.max_model_len=128",
             f"fleet.port={free_port()}",
             f"fleet.router.block_size={block_size}",
-            "grpo.max_staleness=2",
+            "rollout.max_staleness=2",
             f"bucket.url=file://{work}/bucket",
             f"bucket.cache_dir={work}/cache",
             "logging.run_name=fleet-test",
@@ -163,7 +163,7 @@ def start_fleet_run(
     log in `work/name.log`; `env` holds its token (SPOTRL_ADMIN_TOKEN to register itself, or SPOTRL_RUN_TOKEN)."""
     sets = [
         f"logging.run_name={name}",
-        f"grpo.max_steps={steps}",
+        f"train.max_steps={steps}",
         f"logging.output_dir={work}",
         f"bucket.cache_dir={work}/cache-{name}",
         "logging.progress_bar=false",

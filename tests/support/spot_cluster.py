@@ -146,7 +146,7 @@ class SpotCluster:
         return CheckpointStore.from_config(self.config()).steps()
 
     def start_driver(self, max_steps: int) -> subprocess.Popen:
-        args = [a for s in [*self.overrides(), f"grpo.max_steps={max_steps}"] for a in ("--set", s)]
+        args = [a for s in [*self.overrides(), f"train.max_steps={max_steps}"] for a in ("--set", s)]
         self.log_path = self.tmp / f"driver-{max_steps}.log"
         return subprocess.Popen(
             [sys.executable, "-m", "launch.train", "--config", CONFIG, "--address", self.address, *args],

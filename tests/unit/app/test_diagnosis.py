@@ -55,7 +55,7 @@ def test_groups_dropped_as_stale_name_the_staleness_bound():
     v = diagnose(steps, CFG)
     assert v.kind == "drifting" and str(v).startswith("drift alarm: drifting")
     assert v.figures["dropped_stale_share"] == 9 / (9 + 48)
-    assert "grpo.max_staleness" in v.advice and "bound_at_admission" in v.advice
+    assert "rollout.max_staleness" in v.advice and "bound_at_admission" in v.advice
     quiet = [{**healthy(1)[0], "sample/dropped_stale_total": k // 2} for k in range(4)]  # 1 in 49: below 5%
     assert diagnose(quiet, CFG).kind != "drifting"
 
@@ -68,8 +68,8 @@ def test_clipped_tokens_or_a_wide_ratio_name_the_knob_that_makes_samples_stale()
     assert "ratio_std" in diagnose(spread, CFG).advice
     slow = healthy(**{"ratio/std": 0.9, "perf/weight_sync_s": 0.8})  # against a 1 s step
     assert "weight sync is slow" in diagnose(slow, CFG).advice
-    every_4 = load_config(None, ["grpo.weight_sync_steps=4"])
-    assert "grpo.weight_sync_steps (now 4)" in diagnose(spread, every_4).advice
+    every_4 = load_config(None, ["learner.weight_sync_steps=4"])
+    assert "learner.weight_sync_steps (now 4)" in diagnose(spread, every_4).advice
     lagging = load_config(None, ["rollout.partial_rollouts=true", "rollout.partial_min_lag=3"])
     assert "rollout.partial_min_lag (now 3)" in diagnose(spread, lagging).advice
     admitted = load_config(None, ["rollout.staleness_rule=bound_at_admission"])

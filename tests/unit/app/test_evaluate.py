@@ -63,7 +63,7 @@ def test_evaluation_scores_a_problem_as_training_does_with_every_column_it_has()
     assert evaluated == {"answer": ["46"], "truncated": [False], "level": ["easy"], "source": ["unit"]}
 
     async def train_one_group():
-        cfg = load_config(None, ["grpo.num_generations=2", "rollout.max_inflight_tasks=1"])
+        cfg = load_config(None, ["sampling.num_generations=2", "rollout.max_inflight_tasks=1"])
         producer = GroupProducer(cfg, [problem], lambda p: [1, 2], sampler)
         producer.start()
         await producer.get_groups(1)

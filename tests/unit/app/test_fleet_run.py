@@ -64,7 +64,7 @@ def test_a_handed_over_token_must_be_this_runs_and_its_run_stays_registered_with
     fleet, monkeypatch
 ):
     url, backend, _ = fleet
-    token = _admin(url).register_run("alice", max_staleness=2)["token"]  # the run's own grpo.max_staleness
+    token = _admin(url).register_run("alice", max_staleness=2)["token"]  # the run's own rollout.max_staleness
     monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, token)
     with pytest.raises(SystemExit, match="belongs to run 'alice', not logging.run_name='bob'"):
         fleet_run.join(_cfg(url, "bob"), BASE)
@@ -79,17 +79,17 @@ def test_a_handed_over_token_must_be_this_runs_and_its_run_stays_registered_with
 
 
 def test_a_run_states_its_rank_and_window_and_a_registration_that_cannot_hold_them_is_refused(fleet, monkeypatch):
-    """The driver registers with its own `grpo.max_staleness` and `lora.rank`; a token the admin registered for a
+    """The driver registers with its own `rollout.max_staleness` and `lora.rank`; a token the admin registered for a
     smaller window or rank would have the fleet unpin versions the run still samples, or refuse its adapters."""
     url, _, _ = fleet
     monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
     monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
     run = fleet_run.join(_cfg(url), BASE)
     info = FleetClient(url, token=run.token.value).run_info("alice")
-    assert (info["max_staleness"], info["lora_rank"]) == (2, 8)  # tiny-cpu's grpo.max_staleness and lora.rank
+    assert (info["max_staleness"], info["lora_rank"]) == (2, 8)  # tiny-cpu's rollout.max_staleness and lora.rank
     fleet_run.leave(run)
     for terms, message in (
-        ({"max_staleness": 1}, "grpo.max_staleness=2: run 'alice' is registered .* with max_staleness 1"),
+        ({"max_staleness": 1}, "rollout.max_staleness=2: run 'alice' is registered .* with max_staleness 1"),
         ({"max_staleness": 2, "lora_rank": 4}, "lora.rank=8: run 'alice' is registered .* with lora_rank 4"),
     ):
         monkeypatch.setenv(fleet_run.RUN_TOKEN_ENV, _admin(url).register_run("alice", **terms)["token"])
@@ -105,7 +105,7 @@ def test_a_run_with_an_ema_teacher_registers_two_lineages_and_a_token_registered
     ema = "objectives=[{kind: distill, teacher: {self: {model: ema, context: '{answer} {prompt}'}}}]"
     monkeypatch.delenv(fleet_run.RUN_TOKEN_ENV, raising=False)
     monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", TOKEN)
-    cfg = load_config(None, [f"join.url={url}", "logging.run_name=alice", "grpo.max_staleness=1", ema])
+    cfg = load_config(None, [f"join.url={url}", "logging.run_name=alice", "rollout.max_staleness=1", ema])
     run = fleet_run.join(cfg, BASE)
     assert FleetClient(url, token=run.token.value).run_info("alice")["lineages"] == 2
     fleet_run.leave(run)

@@ -33,7 +33,7 @@ def test_trl_settings_follow_the_shipped_config(tmp_path):
     assert args.teacher_prompt_template == "Hint: {privileged_context}\n{prompt}"
     # 16 prompts x 8 samples in one optimizer step, generated once per step, as spotrl's step
     assert args.generation_batch_size == 128 and args.steps_per_generation == 1 and args.num_generations == 8
-    assert args.learning_rate == cfg.grpo.learning_rate and args.lr_scheduler_type == "constant"
+    assert args.learning_rate == cfg.train.learning_rate and args.lr_scheduler_type == "constant"
     assert args.max_completion_length == 6 and args.temperature == 1.0 and args.top_k == 0
 
 
@@ -42,7 +42,7 @@ def test_arm_config_grpo_keeps_only_the_reward(tmp_path):
     spotrl = self_distill.arm_config("spotrl", tmp_path, 20, 18000)
     assert [o.kind for o in grpo.objectives] == ["grpo"]
     assert [o.kind for o in spotrl.objectives] == ["distill"]
-    assert grpo.grpo.max_steps == spotrl.grpo.max_steps == 20 and grpo.model == spotrl.model
+    assert grpo.train.max_steps == spotrl.train.max_steps == 20 and grpo.model == spotrl.model
 
 
 def test_ratios_and_table():

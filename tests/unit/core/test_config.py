@@ -12,15 +12,15 @@ def test_shipped_configs_validate():
     tiny = load_config(CONFIG_DIR / "tiny-cpu.yaml")
     assert tiny.model.name_or_path == "tiny" and tiny.learner.device == "cpu"
     seed = load_config(CONFIG_DIR / "qwen2.5-math-1.5b.yaml")
-    assert (seed.lora.rank, seed.lora.alpha, seed.grpo.learning_rate) == (1, 2.0, 4e-5)
-    assert seed.grpo.max_staleness == 4 and seed.own_fleet().max_loras >= seed.grpo.max_staleness + 2
+    assert (seed.lora.rank, seed.lora.alpha, seed.train.learning_rate) == (1, 2.0, 4e-5)
+    assert seed.rollout.max_staleness == 4 and seed.own_fleet().max_loras >= seed.rollout.max_staleness + 2
 
 
 def test_overrides_are_typed_and_nested():
     cfg = load_config(
-        None, ["lora.rank=4", "grpo.learning_rate=3e-4", "fleet.router.block_size=64", "task.reward_funcs=[a, b]"]
+        None, ["lora.rank=4", "train.learning_rate=3e-4", "fleet.router.block_size=64", "task.reward_funcs=[a, b]"]
     )
-    assert cfg.lora.rank == 4 and cfg.grpo.learning_rate == 3e-4
+    assert cfg.lora.rank == 4 and cfg.train.learning_rate == 3e-4
     assert cfg.fleet.router.block_size == 64 and cfg.task.reward_funcs == ["a", "b"]
 
 
@@ -29,7 +29,7 @@ def test_overrides_are_typed_and_nested():
     [
         ("lora.rank=-1", "lora.rank"),
         ("lora.rnak=4", "lora.rnak"),
-        ("grpo.max_staleness=many", "grpo.max_staleness"),
+        ("rollout.max_staleness=many", "rollout.max_staleness"),
         ("learner.batching=sorted", "learner.batching"),
         ("lora.rank.x=1", "lora.rank"),
         ("fleet.max_loras=1", "fleet.max_loras"),
@@ -101,7 +101,9 @@ def test_one_node_gpu_config_needs_no_custom_resources_and_shares_one_gpu():
     gpus += cfg.fleet.num_replicas * cfg.fleet.num_gpus_per_replica
     assert cfg.learner.device == "cuda" and gpus <= 1
     assert cfg.fleet.gpu_memory_utilization <= 0.5  # the learner keeps the rest of the shared GPU
-    assert cfg.rollout.max_inflight_tasks * cfg.grpo.num_generations <= cfg.fleet.max_num_seqs * cfg.fleet.num_replicas
+    assert (
+        cfg.rollout.max_inflight_tasks * cfg.sampling.num_generations <= cfg.fleet.max_num_seqs * cfg.fleet.num_replicas
+    )
     assert cfg.bucket.url.startswith("file://")
 
 
@@ -126,7 +128,7 @@ def test_a_run_and_a_fleet_are_configured_apart():
     sized for itself from its `fleet` section, or joins one (`join.url`), stating its own rank and window there."""
     from core.config import DEFAULT_FLEET_CONFIG, load_fleet_config
 
-    run = load_config(None, ["lora.rank=4", "grpo.max_staleness=3"])
+    run = load_config(None, ["lora.rank=4", "rollout.max_staleness=3"])
     own = run.own_fleet()
     assert (own.max_loras, own.max_lora_rank, own.max_staleness, own.window) == (5, 8, 3, 4)  # its window + 1, vLLM's 8
     assert own.bucket_url == run.bucket_url and own.model == run.model and own.tiny_task == run.task
@@ -140,14 +142,14 @@ def test_a_run_and_a_fleet_are_configured_apart():
     seed_fleet = load_fleet_config(CONFIG_DIR / "fleet-qwen2.5-math-1.5b.yaml")  # the cluster's shared fleet
     seed_run = load_config(CONFIG_DIR / "qwen2.5-math-1.5b.yaml")
     assert seed_fleet.model == seed_run.model and seed_fleet.fleet.replica_resources == {"rollout_node": 1}
-    assert seed_fleet.max_loras >= slots_needed([seed_run.grpo.max_staleness + 1] * 3)
+    assert seed_fleet.max_loras >= slots_needed([seed_run.rollout.max_staleness + 1] * 3)
 
     fleet = load_fleet_config()  # configs/fleet-tiny-cpu.yaml, which serve_config.yaml names
     assert "fleet-tiny-cpu.yaml" in str(DEFAULT_FLEET_CONFIG)
     assert fleet.bucket_url == "file://runs/fleet/bucket" and fleet.model.name_or_path == "tiny"
     assert (fleet.max_loras, fleet.max_lora_rank, fleet.window) == (8, 8, 3)
-    with pytest.raises(ConfigError, match="grpo: unknown key"):  # a run's settings have no place in a fleet's
-        load_fleet_config(None, ["grpo.max_staleness=2"])
+    with pytest.raises(ConfigError, match="rollout: unknown key"):  # a run's settings have no place in a fleet's
+        load_fleet_config(None, ["rollout.max_staleness=2"])
     with pytest.raises(ConfigError, match=r"fleet.max_loras must be >= max_staleness \+ 2 = 6"):
         load_fleet_config(None, ["fleet.max_staleness=4", "fleet.max_loras=5"])
 

@@ -59,7 +59,7 @@ def test_an_ema_teacher_takes_trls_update_rate_and_sync_steps_and_a_second_linea
     assert cfg.ema_teachers == [spec] and cfg.lineages == 2
     plain = load_config(None, [SELF % ("live", "{answer} {prompt}")])
     assert plain.lineages == 1 and plain.ema_teachers == []
-    w = cfg.grpo.max_staleness + 1
+    w = cfg.rollout.max_staleness + 1
     assert cfg.own_fleet_sizes()["max_loras"] == 2 * w + 1 == plain.own_fleet_sizes()["max_loras"] + w
     assert load_config(None, [EMA % ""]).teacher.self_teacher.update_rate == 0.05  # TRL's defaults
     again = TeacherConfig.model_validate(cfg.teacher.model_dump(by_alias=True))
@@ -81,6 +81,6 @@ def test_an_ema_teacher_takes_trls_update_rate_and_sync_steps_and_a_second_linea
     ],
 )
 def test_a_bad_ema_teacher_is_a_config_error(override, why):
-    extra = ["fleet.max_loras=3", "grpo.max_staleness=1"] if "max_loras" in why else []
+    extra = ["fleet.max_loras=3", "rollout.max_staleness=1"] if "max_loras" in why else []
     with pytest.raises(ConfigError, match=why):
         load_config(None, [override, *extra])

@@ -286,7 +286,7 @@ def test_the_config_of_topk_mode_is_validated_and_built():
 
 
 def test_the_config_bound_on_top_k_is_what_the_fleet_answers():
-    from core.config.run import MAX_TEACHER_TOP_K
+    from core.config.objectives import MAX_TEACHER_TOP_K
     from deployments.api.bodies import MAX_LOGPROBS
 
     assert MAX_TEACHER_TOP_K == MAX_LOGPROBS

@@ -12,10 +12,12 @@ from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
 from core.config import load_config
 
 
-def test_the_default_is_grpo_alone_with_the_grpo_sections_settings():
+def test_the_default_is_grpo_alone_with_its_own_settings():
     (objective,) = Objectives.from_config(load_config(None)).objectives
     assert isinstance(objective, GRPO) and objective.weight == 1.0 and objective.tis_cap is None
-    cfg = load_config(None, ["grpo.vllm_importance_sampling_correction=true", "grpo.epsilon_high=0.28"])
+    cfg = load_config(
+        None, ["objectives=[{kind: grpo, vllm_importance_sampling_correction: true, epsilon_high: 0.28}]"]
+    )
     cfg.objectives[0].weight = 0.5
     (objective,) = Objectives.from_config(cfg).objectives
     assert (objective.weight, objective.epsilon_high, objective.tis_cap) == (0.5, 0.28, 2.0)

@@ -264,7 +264,9 @@ def test_the_producer_makes_groups_of_episodes_and_counts_environment_errors():
     from core.config import load_config
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(1, 1), operand_max=9).train
-    cfg = load_config(None, ["env.name=chained_arithmetic", "rollout.max_inflight_tasks=2", "grpo.num_generations=4"])
+    cfg = load_config(
+        None, ["env.name=chained_arithmetic", "rollout.max_inflight_tasks=2", "sampling.num_generations=4"]
+    )
     calls = iter(range(10**6))
 
     class FlakyChain(ChainedArithmetic):
@@ -341,7 +343,7 @@ def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_
     from core.config import load_config
 
     problems = make_chained_arithmetic(2, 20, 2, seed=0, extra_operands=(2, 2), operand_max=9).train
-    sets = ["env.name=chained_arithmetic", "grpo.max_staleness=1", "rollout.max_inflight_tasks=1"]
+    sets = ["env.name=chained_arithmetic", "rollout.max_staleness=1", "rollout.max_inflight_tasks=1"]
     cfg = load_config(None, [*sets, "rollout.staleness_rule=drop_at_take"])  # bound_at_admission: see its own test
     turns_asked = []
 

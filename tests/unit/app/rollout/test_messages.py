@@ -43,7 +43,7 @@ def test_consumed_groups_stay_a_frontier_and_a_few_ids_however_long_a_run_trains
             raise RuntimeError("a generation that fails: its group is lost, never trained")
         return [Choice(i, [4], [-0.1], "4", "stop") for i in range(n)]
 
-    cfg = load_config(None, ["grpo.num_generations=2", "rollout.max_inflight_tasks=16", "rollout.queue_maxsize=16"])
+    cfg = load_config(None, ["sampling.num_generations=2", "rollout.max_inflight_tasks=16", "rollout.queue_maxsize=16"])
     problems = [Problem(f"p{i}", "2+2=", "4") for i in range(50)]
     state = LearnerState()
 

@@ -63,8 +63,8 @@ class CuttableFleet:
 
 def producer(fleet: CuttableFleet, sampler=None, **overrides) -> GroupProducer:
     sets = {
-        "grpo.num_generations": 2,
-        "grpo.max_completion_length": 40,
+        "sampling.num_generations": 2,
+        "sampling.max_completion_length": 40,
         "rollout.max_inflight_tasks": 2,
         "rollout.queue_maxsize": 8,
         **overrides,
@@ -137,7 +137,7 @@ def test_only_versions_at_least_partial_min_lag_behind_are_cut_and_none_without_
 
 
 def test_bound_at_admission_admits_only_what_the_learner_takes_within_the_bound():
-    rule = load_config(None, ["rollout.staleness_rule=bound_at_admission", "grpo.max_staleness=2"])
+    rule = load_config(None, ["rollout.staleness_rule=bound_at_admission", "rollout.max_staleness=2"])
     assert StalenessRule.from_config(rule).admission_bound == 2 * 16  # max_staleness x weight_sync_steps x prompts
     assert StalenessRule.from_config(load_config(None, ["rollout.staleness_rule=drop_at_take"])).admission_bound is None
 
@@ -145,9 +145,9 @@ def test_bound_at_admission_admits_only_what_the_learner_takes_within_the_bound(
         fleet = CuttableFleet(tick=0.001)
         sets = {
             "rollout.staleness_rule": "bound_at_admission",
-            "grpo.max_staleness": 1,
-            "grpo.num_prompts_per_step": 3,
-            "grpo.max_completion_length": 2,
+            "rollout.max_staleness": 1,
+            "train.num_prompts_per_step": 3,
+            "sampling.max_completion_length": 2,
             "rollout.max_inflight_tasks": 8,
             "rollout.queue_maxsize": 16,
         }
@@ -168,7 +168,9 @@ def test_bound_at_admission_admits_only_what_the_learner_takes_within_the_bound(
 
 @pytest.mark.parametrize("rule, trained", [("drop_at_take", False), ("bound_at_admission", True)])
 def test_finished_work_is_trained_under_the_hard_limit_with_bound_at_admission(rule, trained):
-    cfg = load_config(None, [f"rollout.staleness_rule={rule}", "grpo.max_staleness=1", "rollout.hard_max_staleness=3"])
+    cfg = load_config(
+        None, [f"rollout.staleness_rule={rule}", "rollout.max_staleness=1", "rollout.hard_max_staleness=3"]
+    )
     staleness = StalenessRule.from_config(cfg)
     assert staleness.too_stale(3, 0) is not trained  # past max_staleness, within the hard limit
     assert staleness.too_stale(4, 0) and not staleness.too_stale(1, 0)
@@ -177,10 +179,10 @@ def test_finished_work_is_trained_under_the_hard_limit_with_bound_at_admission(r
         fleet = CuttableFleet(tick=0.001)
         sets = {
             "rollout.staleness_rule": rule,
-            "grpo.max_staleness": 1,
+            "rollout.max_staleness": 1,
             "rollout.hard_max_staleness": 3,
-            "grpo.num_prompts_per_step": 2,
-            "grpo.max_completion_length": 2,
+            "train.num_prompts_per_step": 2,
+            "sampling.max_completion_length": 2,
             "rollout.queue_maxsize": 2,
         }
         w = producer(fleet, **sets)
@@ -205,7 +207,7 @@ def test_staleness_in_flight_and_in_the_queue_by_oldest_newest_and_token_mean():
 
     async def main():
         fleet = CuttableFleet(tick=0.02)
-        w = producer(fleet, **{"rollout.partial_rollouts": "true", "grpo.max_completion_length": 30})
+        w = producer(fleet, **{"rollout.partial_rollouts": "true", "sampling.max_completion_length": 30})
         w.start()
         await until(lambda: fleet.on_wire("policy-v0"))
         await asyncio.sleep(0.1)
@@ -234,7 +236,7 @@ class AlwaysOn(Environment):
 
 def episodes_producer(fleet, **overrides):
     runner = EpisodeRunner(AlwaysOn, lambda text: [7], fleet, max_turns=3, max_episode_tokens=64, timeout_s=2.0)
-    sets = {"env.name": "chained_arithmetic", "grpo.max_completion_length": 3, **overrides}
+    sets = {"env.name": "chained_arithmetic", "sampling.max_completion_length": 3, **overrides}
     return producer(fleet, runner, **sets)
 
 
@@ -245,7 +247,7 @@ def test_later_turns_sample_under_the_newest_version_with_partial_rollouts(parti
         sets = {
             "rollout.partial_rollouts": str(partial).lower(),
             "rollout.staleness_rule": "bound_at_admission",
-            "grpo.max_staleness": 1,
+            "rollout.max_staleness": 1,
             "rollout.max_inflight_tasks": 1,
         }
         w = episodes_producer(fleet, **sets)
@@ -273,7 +275,7 @@ def test_an_episode_past_the_hard_limit_is_stopped_between_turns():
         sets = {
             "rollout.partial_rollouts": "true",
             "rollout.staleness_rule": "bound_at_admission",
-            "grpo.max_staleness": 1,
+            "rollout.max_staleness": 1,
             "rollout.hard_max_staleness": 2,
             "rollout.max_inflight_tasks": 1,
         }
@@ -290,14 +292,15 @@ def test_an_episode_past_the_hard_limit_is_stopped_between_turns():
 
 
 def test_the_staleness_settings_are_checked_against_each_other():
-    with pytest.raises(ValueError, match="rollout.hard_max_staleness=1 is below grpo.max_staleness=2"):
+    with pytest.raises(ValueError, match="rollout.hard_max_staleness=1 is below rollout.max_staleness=2"):
         load_config(
-            None, ["rollout.staleness_rule=bound_at_admission", "grpo.max_staleness=2", "rollout.hard_max_staleness=1"]
+            None,
+            ["rollout.staleness_rule=bound_at_admission", "rollout.max_staleness=2", "rollout.hard_max_staleness=1"],
         )
     with pytest.raises(ValueError, match="bucket.keep_versions=8"):
         load_config(None, ["rollout.staleness_rule=bound_at_admission", "rollout.hard_max_staleness=8"])
-    assert load_config(None, ["grpo.max_staleness=2"]).hard_max_staleness == 4  # twice max_staleness by default
-    assert load_config(None, ["grpo.max_staleness=6"]).hard_max_staleness == 7  # ... below bucket.keep_versions (8)
+    assert load_config(None, ["rollout.max_staleness=2"]).hard_max_staleness == 4  # twice max_staleness by default
+    assert load_config(None, ["rollout.max_staleness=6"]).hard_max_staleness == 7  # ... below bucket.keep_versions (8)
     with pytest.raises(ValueError, match="partial_min_lag"):
         load_config(None, ["rollout.partial_min_lag=0"])
 

@@ -46,7 +46,7 @@ def test_groups_carry_version_and_stale_ones_are_dropped():
         w = make_worker(
             echo_answer_generate(calls),
             **{
-                "grpo.max_staleness": 1,
+                "rollout.max_staleness": 1,
                 "rollout.queue_maxsize": 4,
                 "rollout.max_inflight_tasks": 2,
                 "rollout.staleness_rule": "drop_at_take",
@@ -298,7 +298,7 @@ def test_reward_functions_are_called_by_keyword_as_trl_calls_them():
 
 
 def test_reward_functions_get_trls_state_and_logging_hooks():
-    """`trainer_state` (the group's step of `grpo.max_steps`), and `log_metric` / `log_extra` as TRL passes them;
+    """`trainer_state` (the group's step of `train.max_steps`), and `log_metric` / `log_extra` as TRL passes them;
     what `log_metric` logs is in the rollout's metrics."""
     sampled, metrics = sample_four(RewardScorer([shaped], timeout_s=5.0, max_steps=10))
     assert [s.reward for s in sampled.samples] == [0.3] * 4

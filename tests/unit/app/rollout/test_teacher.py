@@ -235,7 +235,7 @@ def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teach
     prepare_teacher(topk, None, student_folder, None)
     assert FakeTeacher.asked == 4  # the self-test asks what the rollout will
 
-    tempered = load_config(None, [*cfg_overrides, "grpo.temperature=0.7"])
+    tempered = load_config(None, [*cfg_overrides, "sampling.temperature=0.7"])
     assert prepare_teacher(tempered, None, student_folder, None).model == "the-teacher"  # it scores at 0.7 when asked
     FakeTeacher.tempers = False  # plain vLLM: at temperature 1 whatever it is asked
     with pytest.raises(SystemExit, match="scores at temperature 1 whatever it is asked"):
@@ -264,7 +264,7 @@ def test_scoring_asks_what_trls_distillation_trainer_asks(teacher_url):
         client = endpoint.client(5.0, 0)
         asyncio.run(client.aprompt_logprobs([[1, 2, 3]], "m"))
         # A run's scorer asks at the run's sampling temperature: its samples' log-probs are taken after it.
-        scorer = TeacherScorer.from_config(endpoint, load_config(None, [*DISTILL, "grpo.temperature=0.7"]))
+        scorer = TeacherScorer.from_config(endpoint, load_config(None, [*DISTILL, "sampling.temperature=0.7"]))
         group = Group(0, "p", [1, 2], 0, [Sample([3], [-0.1], 1.0)])
         asyncio.run(scorer.score(group))
     finally:

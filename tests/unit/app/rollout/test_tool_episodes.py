@@ -200,9 +200,9 @@ def test_the_rollout_trains_on_the_prompt_the_environment_rendered(chat):
     from core.config import load_config
     from tests.support.rollout_parts import PROBLEMS, run
 
-    sets = ["env.factory=examples.trl_calculator:CalculatorEnv", "grpo.num_generations=2"]
+    sets = ["env.factory=examples.trl_calculator:CalculatorEnv", "sampling.num_generations=2"]
     # A turn's room: the tiny tokenizer spells a tool call in about 60 tokens.
-    cfg = load_config(None, [*sets, "grpo.max_completion_length=200", "model.max_model_len=256"])
+    cfg = load_config(None, [*sets, "sampling.max_completion_length=200", "model.max_model_len=256"])
     fleet = ScriptedFleet(chat.tokenizer, [SUBMIT, "Done.<|im_end|>"])
     runner = ToolEpisodeRunner(
         {None: CalculatorEnv}, chat, fleet, [], max_tool_calling_iterations=None, max_episode_tokens=4096, timeout_s=2

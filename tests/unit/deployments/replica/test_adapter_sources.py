@@ -221,7 +221,7 @@ def test_a_teacher_is_loaded_from_another_lineage_only_where_the_fleet_trusts_it
     # A run that names this teacher brings a fleet that trusts its lineage (and a slot for it).
     cfg = local_config(tmp_path, f"objectives=[{{kind: distill, teacher: {{adapter: '{url}'}}}}]")
     own = cfg.own_fleet()
-    assert own.fleet.extra_adapter_buckets == [finished] and own.max_loras == cfg.grpo.max_staleness + 3
+    assert own.fleet.extra_adapter_buckets == [finished] and own.max_loras == cfg.rollout.max_staleness + 3
 
 
 def test_a_version_planted_in_a_runs_prefix_by_another_writer_of_the_bucket_is_refused(tmp_path):
