@@ -669,3 +669,24 @@ def test_an_upkeep_round_that_fails_is_logged_and_the_next_one_runs(monkeypatch)
 
     asyncio.run(upkeep_for_a_while())
     assert len(pruned) >= 3
+
+
+def test_listings_and_lookups_read_the_bucket_and_never_wait_for_a_learner():
+    """The key's paths are recorded by the service in its prefix of the bucket: while the learner is gone (a preempted
+    node) its listings, lookups, TTLs and publishing answer at once, none of it asked of a learner."""
+    http, learner = client()
+    with http:
+        model_id = created(http)
+        saved = post(http, "save_weights", types.SaveWeightsRequest(model_id=model_id, path="kept", seq_id=1))
+        path = result(http, saved.json()["request_id"]).json()["path"]
+        learner.lost, asked = True, len(learner.calls)
+        alice = {"X-API-Key": "tml-a"}
+        listed = http.get("/v1/checkpoints", headers=alice)
+        assert listed.status_code == 200 and [c["tinker_path"] for c in listed.json()["checkpoints"]] == [path]
+        assert http.get("/v1/training_runs", headers=alice).status_code == 200
+        info = http.post("/v1/weights_info", json={"tinker_path": path}, headers=alice)
+        assert info.status_code == 200 and info.json()["lora_rank"] == 8
+        route = f"/v1/training_runs/{model_id}/checkpoints/weights/kept"
+        assert http.post(f"{route}/publish", headers=alice).status_code == 200
+        assert http.put(f"{route}/ttl", json={"ttl_seconds": 7200}, headers=alice).status_code == 200
+        assert len(learner.calls) == asked  # the learner was asked nothing
