@@ -3,6 +3,8 @@
 The metadata services are reached where the clouds' own SDKs reach them, honouring their variables:
 `AWS_EC2_METADATA_SERVICE_ENDPOINT` (botocore's, a URL; `AWS_EC2_METADATA_DISABLED=true` turns AWS off)
 and `GCE_METADATA_HOST` (google-auth's, host:port), so tests point them at a fake server on 127.0.0.1.
+Whether they are asked at all is `spot.metadata` (`metadata_clouds`): by default only on a node that is a cloud
+instance, judged without network, so that a laptop's run sends nothing to 169.254.169.254.
 IMDSv2 first (a session token, then GETs that carry it); where the instance offers no tokens, IMDSv1 (plain GETs).
 Each source answers `probe` (is it here at all: off a cloud the first short probe finds nothing) and `poll` (a
 `contracts.notices.Notice`, or None); `contracts.notice_watcher` asks them.
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,12 @@ AWS_ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
 AWS_DISABLED_ENV = "AWS_EC2_METADATA_DISABLED"
 GCE_HOST_ENV = "GCE_METADATA_HOST"
 METADATA_IP = "169.254.169.254"  # both clouds' default, when their variable is not set
+AWS, GCP = "aws", "gcp"
+# The machine's firmware strings, which name the cloud on its instances: "Amazon EC2" (sys_vendor, bios_vendor on
+# Nitro), "4.11.amazon" (bios_version on Xen), "Google" / "Google Compute Engine" (google-auth's own check reads
+# product_name). Readable without root and without network.
+DMI_DIR = Path("/sys/class/dmi/id")
+DMI_FILES = ("sys_vendor", "bios_vendor", "bios_version", "product_name")
 AWS_TOKEN_TTL_S = 21600
 # The token answers that mean this instance offers no IMDSv2 (botocore's reading too): then IMDSv1. Any other failure
 # (throttling, a server error) is asked again at the next poll.
@@ -47,7 +56,7 @@ def _parse_utc(stamp: str) -> float:
 class AwsMetadata:
     """EC2's instance metadata service: `spot/instance-action` and the rebalance recommendation."""
 
-    name = "aws"
+    name = AWS
 
     def __init__(self, endpoint: str | None = None, timeout_s: float = 1.0):
         import httpx  # here, not at import: the learner imports this module where only its constants are needed
@@ -107,7 +116,7 @@ class AwsMetadata:
 class GcpMetadata:
     """GCE's metadata server: `instance/preempted` and `instance/maintenance-event`."""
 
-    name = "gcp"
+    name = GCP
 
     def __init__(self, host: str | None = None, timeout_s: float = 1.0, interval_s: float = 5.0):
         import httpx
@@ -213,7 +222,49 @@ class RayDrain:
         pass
 
 
-def cloud_sources(timeout_s: float, interval_s: float = 5.0) -> list:
-    """The metadata services to ask (every `interval_s`): AWS's unless disabled, GCP's."""
-    sources = [] if os.environ.get(AWS_DISABLED_ENV, "").lower() == "true" else [AwsMetadata(timeout_s=timeout_s)]
-    return [*sources, GcpMetadata(timeout_s=timeout_s, interval_s=interval_s)]
+def detected_clouds(environ: Mapping[str, str], dmi_dir: Path) -> set[str]:
+    """The clouds whose metadata service this node has, judged without network: the SDKs' endpoint variable of a
+    cloud (a service moved off its default address, as the tests' fake one on 127.0.0.1), or the machine's DMI
+    strings naming Amazon or Google."""
+    clouds = {AWS} if environ.get(AWS_ENDPOINT_ENV) else set()
+    if environ.get(GCE_HOST_ENV):
+        clouds.add(GCP)
+    firmware = " ".join(_read(dmi_dir / name) for name in DMI_FILES).lower()
+    if "amazon" in firmware:
+        clouds.add(AWS)
+    if "google" in firmware:
+        clouds.add(GCP)
+    return clouds
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:  # absent (a laptop without DMI, a container that hides /sys), or unreadable
+        return ""
+
+
+def metadata_clouds(metadata: str, joined: bool, environ: Mapping[str, str] | None = None) -> set[str]:
+    """Whose metadata service to watch (`spot.metadata`): `on` both clouds', `off` none, `auto` those this node is
+    an instance of (`detected_clouds`), or both on a node of a cluster that was joined (`--address`, or a node that
+    is not its cluster's head: a cluster's nodes are the cloud's machines, even where a container hides DMI)."""
+    if metadata == "off":
+        return set()
+    if metadata == "on" or joined:
+        return {AWS, GCP}
+    return detected_clouds(os.environ if environ is None else environ, DMI_DIR)
+
+
+def cloud_sources(timeout_s: float, interval_s: float = 5.0, clouds: set[str] = frozenset({AWS, GCP})) -> list:
+    """The metadata services of `clouds` to ask (every `interval_s`): AWS's unless disabled, GCP's."""
+    aws = AWS in clouds and os.environ.get(AWS_DISABLED_ENV, "").lower() != "true"
+    return [
+        *([AwsMetadata(timeout_s=timeout_s)] if aws else []),
+        *([GcpMetadata(timeout_s=timeout_s, interval_s=interval_s)] if GCP in clouds else []),
+    ]
+
+
+def watched_sources(spot, joined: bool) -> list:
+    """The metadata services that `spot` (a `core.config.SpotConfig`) watches on this node (`metadata_clouds`)."""
+    clouds = metadata_clouds(spot.metadata, joined)
+    return cloud_sources(spot.probe_timeout_s, spot.poll_interval_s, clouds)

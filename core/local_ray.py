@@ -29,8 +29,12 @@ import sys
 from contextlib import contextmanager
 
 LOOPBACK = "127.0.0.1"
+# No usage reports from a Ray of one machine, as `make serve`'s head (ops/serve_local.sh): Ray's dashboard would ask
+# three clouds' metadata addresses (169.254.169.254, and metadata.google.internal through the machine's resolver) for
+# its report and post it to usage-stats.ray.io; vLLM's GPU workers post theirs to stats.vllm.ai.
+NO_USAGE_STATS_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1"}
 # Ray's one-machine mode: the node address stays 127.0.0.1 (`ray._private.services.get_node_ip_address`).
-SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **NO_USAGE_STATS_ENV}
 # Imported by every worker of our Ray before it runs anything (system config `preload_python_modules`, which the
 # raylet passes to each worker as `--worker-preload-modules`; see ray/_private/workers/default_worker.py).
 PRELOAD_MODULE = "core.local_ray"
@@ -43,8 +47,8 @@ def loopback_system_config() -> dict:
 
 @contextmanager
 def single_machine_mode():
-    """Ray's one-machine mode while a local Ray starts: for this process (the constant Ray read at import)
-    and for the processes it spawns (GCS, raylet, agents; workers inherit from the raylet). Restored after,
+    """Ray's one-machine mode, usage reports off, while a local Ray starts: for this process (the constant Ray read
+    at import) and for the processes it spawns (GCS, raylet, agents; workers inherit from the raylet). Restored after,
     so that a later `ray.init(address=...)` of this process joins a cluster as usual."""
     import ray._private.ray_constants as ray_constants
 

@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the run
     # A spot notice for this machine (a SIGTERM too: a scheduler stopping us) ends the run after a checkpoint;
     # a second SIGTERM, like Ctrl-C, stops it at once. Either way train() stops what it started.
-    notices = DriverNotices(cfg.spot).start()
+    notices = DriverNotices(cfg.spot, joined=args.address is not None).start()
     try:
         summary = train(cfg, args.address, notices)
     except ConfigError as e:  # found once the model was built (its context, its tokenizer): as any config error

@@ -134,17 +134,17 @@ def node_watcher(spot, handlers: list[Callable[[Notice], None]], sources: bool =
     """A learner process's `NoticeWatcher` (not started) for its node (`core.config.SpotConfig`): with `sources`, the
     clouds' metadata, the scheduler's file and Ray's drain, reported to `handlers`; either way a first SIGTERM is a
     notice and not the end of the process (the learner must checkpoint first), the second one is."""
-    from contracts.notice_sources import RayDrain, cloud_sources
+    from contracts.notice_sources import RayDrain, watched_sources
     from contracts.notice_watcher import NoticeWatcher
+    from contracts.notices import on_head_node
 
     return NoticeWatcher(
         handlers if sources else [],
         interval_s=spot.poll_interval_s,
         probe_timeout_s=spot.probe_timeout_s,
         notice_file=spot.notice_file if sources else None,
-        sources=[*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)]
-        if sources
-        else [],
+        # A node of a cluster that is not its head is one that joined it (`spot.metadata`).
+        sources=[*watched_sources(spot, joined=not on_head_node()), RayDrain(spot.sigterm_grace_s)] if sources else [],
         sigterm_grace_s=spot.sigterm_grace_s,
         chain_sigterm=False,
     )

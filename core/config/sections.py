@@ -211,6 +211,9 @@ class SpotConfig(Section):
     """Spot interruption notices (`contracts.notices`), watched by every role of the run and of the fleet."""
 
     watch: bool = Field(True, description="Watch for notices: AWS and GCP metadata, SIGTERM, notice_file.")
+    metadata: Literal["auto", "on", "off"] = Field(
+        "auto", description="Poll AWS's and GCP's metadata services: auto = only on a cloud instance or joined cluster."
+    )
     poll_interval_s: float = Field(5.0, gt=0, description="Seconds between two polls of the metadata service.")
     probe_timeout_s: float = Field(
         1.0, gt=0, description="How long the first probe waits for a metadata service before giving up on it."

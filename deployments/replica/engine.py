@@ -117,6 +117,16 @@ def engine_args(cfg: FleetConfig, model_path: str, on_cpu: bool, block_size: int
     )
 
 
+def name_host_ip() -> None:
+    """Tell vLLM this node's address as Ray knows it (`VLLM_HOST_IP`; 127.0.0.1 on the embedded default), unless set:
+    without it, each engine finds its address by routing a socket towards 8.8.8.8 (`vllm.utils.network_utils.get_ip`),
+    a connection beyond the machine that the embedded default must not make. The engine's processes inherit it."""
+    import ray
+
+    if "VLLM_HOST_IP" not in os.environ and ray.is_initialized():  # in a Ray worker: no probe, Ray's own record
+        os.environ["VLLM_HOST_IP"] = ray.util.get_node_ip_address()
+
+
 def allow_scoring_room(args: dict[str, Any]) -> None:
     """Let vLLM take the engine's `SCORING_ROOM` past the context even where the context is all the positions the model
     has (vLLM refuses a max_model_len beyond them unless told, `VLLM_ALLOW_LONG_MAX_MODEL_LEN`): the extra position only
@@ -241,6 +251,7 @@ class Engine:
         if on_cpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             cores = sorted(os.sched_getaffinity(0))
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(rank, fleet.cpu_threads_per_replica, cores)
+        name_host_ip()
         block_size = engine_block_size(fleet.router.block_size, on_cpu)
         kwargs = engine_args(cfg, model_path, on_cpu, block_size)
         allow_scoring_room(kwargs)

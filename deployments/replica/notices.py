@@ -27,7 +27,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from contracts.notice_sources import RayDrain, cloud_sources
+from contracts.notice_sources import RayDrain, watched_sources
 from contracts.notice_watcher import NoticeWatcher
 from contracts.notices import OUTLIVED_S, Notice, drain_this_node, on_head_node
 from contracts.serving import ReplicaDraining
@@ -65,7 +65,8 @@ class ReplicaNotices:
         if not spot.watch or on_head_node():
             return self
         self._loop = asyncio.get_running_loop()
-        sources = [*cloud_sources(spot.probe_timeout_s, spot.poll_interval_s), RayDrain(spot.sigterm_grace_s)]
+        # Off the head node: a node of a cluster, `joined` for `spot.metadata`.
+        sources = [*watched_sources(spot, joined=True), RayDrain(spot.sigterm_grace_s)]
         self._watcher = NoticeWatcher(
             [self._heard],
             interval_s=spot.poll_interval_s,
