@@ -150,11 +150,15 @@ class Limits:
             "topk_sample_logprobs": body.topk_sample_logprobs > 0,
             "target_prompt_logprobs": body.target_prompt_logprobs is not None,
             "prompt_alt_tokens_k": body.prompt_alt_tokens_k > 0,
-            "record_stability_info (stable_reinforce's)": bool(body.record_stability_info),
         }
         asked = [name for name, set_ in unserved.items() if set_]
         if asked:
             raise Refused(f"{', '.join(asked)}: not supported by this server (top-1 log-probs only); leave unset")
+        if body.record_stability_info:  # asked by a client that trains with stable_reinforce: say what works instead
+            raise Refused(
+                "record_stability_info: this server keeps no sampling records, so it does not train stable_reinforce; "
+                "sample without them and train with loss_fn 'ppo' (the cookbook's AsyncConfig(loss_fn='ppo'))"
+            )
         if not 1 <= body.num_samples <= self.max_samples:
             raise Refused(f"num_samples {body.num_samples}: this server samples 1..{self.max_samples} per request")
         if not 1 <= len(prompt) <= self.max_context:

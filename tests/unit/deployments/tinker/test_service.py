@@ -543,7 +543,7 @@ def test_samples_are_bounded_by_the_fleet_and_unserved_fields_are_refused_by_nam
             ({"topk_prompt_logprobs": 5}, "topk_prompt_logprobs"),
             ({"topk_sample_logprobs": 5}, "topk_sample_logprobs"),
             ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
-            ({"record_stability_info": True}, "stable_reinforce"),
+            ({"record_stability_info": True}, "train with loss_fn 'ppo'"),
             ({"prompt_logprobs_last_n": 2}, "needs prompt_logprobs"),
             ({"prompt": [1, 99]}, "token id 99 is outside"),
             ({"prompt": [1] * 129}, "129 tokens"),
