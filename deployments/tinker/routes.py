@@ -41,14 +41,10 @@ class TinkerRoutes(Routes):
     """A class of Tinker routes over the service's `Parts`; each reads its body within `max_body_bytes`."""
 
     def __init__(self, parts: Parts):
-        self.settings, self.callers, self.sessions, self.futures = (
-            parts.settings,
-            parts.callers,
-            parts.sessions,
-            parts.futures,
-        )
-        self.recovery, self.paths, self.fleet, self.links = parts.recovery, parts.paths, parts.fleet, parts.links
-        self.limits, self.admin_token = parts.limits, parts.admin_token
+        p = parts
+        self.settings, self.callers, self.sessions, self.futures = p.settings, p.callers, p.sessions, p.futures
+        self.recovery, self.paths, self.fleet, self.links = p.recovery, p.paths, p.fleet, p.links
+        self.limits, self.admin_token = p.limits, p.admin_token
 
     async def body(self, request: Request) -> bytes:
         return await read(request, self.settings.max_body_bytes)
