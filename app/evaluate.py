@@ -17,7 +17,7 @@ import json
 import math
 
 from app.fleet_client import FleetClient
-from app.rollout.samplers import sampler_for
+from app.kinds.registry import problems_of, sampler_for
 from app.rollout.sampling import Sampler, SamplingArgs
 from app.tasks.checks import check_names
 from app.tasks.problems import Problem
@@ -96,10 +96,9 @@ def evaluate(
     privileged prompt `context` renders where one is given (a self teacher); its client and sampler are closed when
     done (the driver evaluates twice a run, a long-lived caller many times)."""
     from app.tasks.privileged import privileged_problem
-    from app.tasks.verifiers_tasksets import load_problems
     from core.models import load_tokenizer
 
-    problems = load_problems(cfg).heldout
+    problems = problems_of(cfg).heldout
     if context is not None:
         problems = [privileged_problem(context, p) for p in problems]
     tokenizer = load_tokenizer(model_path)

@@ -31,10 +31,10 @@ from dataclasses import replace
 
 from app.evaluate import base_model_name
 from app.fleet_client import FleetClient, FleetError
+from app.kinds.registry import problems_of
 from app.objectives.distill import teacher_top_k
 from app.rollout.teacher import TEACHER_TOKEN_ENV, TeacherEndpoint
 from app.tasks.privileged import check_context, privileged_problem
-from app.tasks.problems import load_task
 from contracts.adapters import EMA_STEM, in_lineage
 from contracts.auth import Secret
 from core.config import ConfigError
@@ -58,7 +58,7 @@ def prepare_teachers(
     problem must name one of them in its `teacher_field` column, or the run have one named `default`."""
     teachers = cfg.teachers
     if cfg.distill.teachers is not None:
-        splits = load_task(cfg.task)
+        splits = problems_of(cfg)
         check_teacher_choice(cfg.distill.teacher_field, teachers, splits.train + splits.heldout)
     return {
         name: prepare_teacher(cfg, fleet, model_path, token, policy_model, teacher, name)
@@ -120,7 +120,7 @@ def _self_teacher(cfg, spec, fleet: FleetClient, token: Secret | None, policy_mo
     """A `self` teacher (`spec`): the base model, the run's own newest version or its ema average of the same number,
     under the privileged prompt, whose
     template must name only what the task's problems have (checked on both splits' first problems)."""
-    splits = load_task(cfg.task)
+    splits = problems_of(cfg)
     try:
         check_context(spec.context, splits.train[:CHECKED_PROBLEMS] + splits.heldout[:CHECKED_PROBLEMS], "context")
     except ValueError as e:
@@ -169,7 +169,7 @@ def _teacher_server(teacher, student) -> TeacherEndpoint:
 def probe_sequence(cfg, tokenizer, context: str | None = None) -> list[int]:
     """A sequence a student might sample: the first held-out problem's prompt (a self teacher's privileged one,
     rendered by `context`), its answer and EOS."""
-    problem = load_task(cfg.task).heldout[0]
+    problem = problems_of(cfg).heldout[0]
     if context is not None:
         problem = privileged_problem(context, problem)
     text = (

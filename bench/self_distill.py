@@ -144,15 +144,15 @@ def trl_main(args) -> None:
     from transformers import TrainerCallback
     from trl.experimental.sdft import SDFTTrainer
 
+    from app.kinds.registry import problems_of
     from app.learner.model import peft_lora_config
-    from app.tasks.problems import load_task
     from core.config import load_config
     from core.models import load_tokenizer
 
     cfg = load_config(CONFIG, args.overrides)
     out = Path(args.out)
     tokenizer = load_tokenizer(args.model_path)
-    train = load_task(cfg.task).train
+    train = problems_of(cfg).train
     probe = train[0].prompt
     if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
         raise SystemExit("the tokenizer adds special tokens to a prompt: TRL's prompts would differ from spotrl's")

@@ -195,14 +195,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import httpx
 
-    from app.tasks.problems import load_task
+    from app.kinds.registry import problems_of
     from app.tiny_model import prepare_model
     from deployments.tinker.settings import TinkerSettings
     from launch.tinker import start_tinker, stop_tinker
 
     cfg = load_config()
     model_path = prepare_model(cfg.model, cfg.task)
-    splits = load_task(cfg.task)
+    splits = problems_of(cfg)
     with tempfile.TemporaryDirectory(prefix="bench-tinker-rl-") as tmp:
         work = Path(tmp)
         with running_fleet(work, model_path, ["fleet.max_loras=12"], TOKEN) as fleet:

@@ -182,7 +182,7 @@ def trl_main(args) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    from app.tasks.problems import load_task
+    from app.kinds.registry import problems_of
     from bench.vs_trl import ExactAnswerOfIds  # by module name: TRL pickles the reward into its rollout process
     from core.config import load_config
 
@@ -192,7 +192,7 @@ def trl_main(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     tokenizer.chat_template = RAW_PROMPT_TEMPLATE
     tokenizer.response_template = PLAIN_TEXT_RESPONSE
-    train = load_task(cfg.task).train
+    train = problems_of(cfg).train
     dataset = Dataset.from_dict(
         {"prompt": [[{"role": "user", "content": p.prompt}] for p in train], "answer": [p.answer for p in train]}
     )

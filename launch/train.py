@@ -20,11 +20,11 @@ import time
 from contextlib import ExitStack
 
 from app.evaluate import EvaluationLost
+from app.kinds.registry import serve_environment
 from app.messages import ResumePoint
 from app.run_log import Run, StepLog, previous_steps
 from app.spot import DriverNotices, Preempted, finished_line, preempted_line, resumed_line
 from app.tasks.checks import check_episode_budget, check_names
-from app.tasks.openenv_env import serve_openenv
 from app.tiny_model import prepare_model
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, admin_token, inference_token
@@ -214,8 +214,8 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
         return None
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
-        # An OpenEnv app the run serves itself: up before anything plays an episode, down after everything stopped.
-        cfg = serve_openenv(stack, cfg)
+        # What the environment's kind serves (an OpenEnv app): up before any episode, down after everything stopped.
+        cfg = serve_environment(stack, cfg)
         if cfg.join.url:  # a shared fleet: the learner, like everyone, tells it of versions over HTTP
             joined = join_fleet(stack, cfg, model_path, address)
             if joined is None:

@@ -14,9 +14,9 @@ import warnings
 import ray
 
 from app.fleet_client import FleetClient
+from app.kinds.registry import problems_of, sampler_for
 from app.messages import ResumePoint, RolloutStats
 from app.rollout.producer import GroupProducer
-from app.rollout.samplers import sampler_for
 from app.rollout.teacher import TeacherEndpoint, scorer_for
 from contracts.auth import Secret, admin_token
 from contracts.retry import Backoff
@@ -55,7 +55,6 @@ class RolloutActor:
         # Where a distilling run's teacher scores, or its several teachers by name (`app.teacher_setup`).
         teacher: TeacherEndpoint | dict[str, TeacherEndpoint] | None = None,
     ):
-        from app.tasks.verifiers_tasksets import load_problems
         from core.models import load_tokenizer, prompt_token_ids
 
         logging.basicConfig(level=logging.WARNING)
@@ -74,7 +73,7 @@ class RolloutActor:
 
         self.producer = GroupProducer(
             cfg,
-            load_problems(cfg).train,
+            problems_of(cfg).train,
             prompt_ids,
             sampler_for(
                 cfg,

@@ -141,19 +141,13 @@ class EpisodeRunner(Sampler):
         self._calls = TimedCalls(max_threads, timeout_s, "env")
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, generate: Generate, decode=None) -> EpisodeRunner:
-        """The runner of the config's environment, observations tokenised as prompts are."""
+    def from_config(
+        cls, cfg, factory: Callable[[], Environment], tokenizer, generate: Generate, decode=None
+    ) -> EpisodeRunner:
+        """The runner of the environments `factory` makes (one per episode; its kind's, `app.kinds`) under the
+        config's budgets, observations tokenised as prompts are."""
         from core.models import prompt_token_ids
 
-        if cfg.env.openenv is not None:
-            from app.tasks.openenv_env import openenv_factory
-
-            factory = openenv_factory(cfg.env.openenv, cfg.env.timeout_s)
-        else:
-            from app.tasks.environments import resolve_environment
-
-            env_cls, kwargs = resolve_environment(cfg.env.name), dict(cfg.env.kwargs)
-            factory = lambda: env_cls(**kwargs)  # noqa: E731 - one instance per episode
         return cls(
             factory,
             lambda text: prompt_token_ids(tokenizer, text),

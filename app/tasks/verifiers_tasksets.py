@@ -7,9 +7,9 @@ takes either that id or `module:TasksetClass`, any importable module that export
 registered under an id of its own (`alias_id`) so that verifiers' loader, unchanged, finds it there.
 
 The env is verifiers' own (`load_environment`: the env the taskset names, else `SingleAgentEnv`), built from its own
-config (`resolve_env_config`). The run's problems are the taskset's tasks, in its order: the first `task.num_heldout`
-held out, the next `task.num_train` for training; each `Problem` carries its task's index (`VF_INDEX`), by which the
-sampler finds the task to play.
+config (`resolve_env_config`). The run's problems are the taskset's tasks (`app.kinds.verifiers_kind`), in its
+order: the first `task.num_heldout` held out, the next `task.num_train` for training; each `Problem` carries its
+task's index (`VF_INDEX`), by which the sampler finds the task to play.
 """
 
 from __future__ import annotations
@@ -112,15 +112,6 @@ def taskset_tasks(env) -> list:
     """The taskset's tasks, in its order (an infinite taskset is cut at 100,000)."""
     taskset = env.taskset if env.taskset.bounded else env.taskset.take(100_000)
     return list(taskset)
-
-
-def load_problems(cfg) -> TaskSplits:
-    """The run's splits: the verifiers taskset's tasks where the run names one, else its task's (`load_task`)."""
-    from app.tasks.problems import load_task
-
-    if cfg.env.verifiers is None:
-        return load_task(cfg.task)
-    return task_splits(taskset_tasks(load_env(cfg.env.verifiers)), cfg.task.num_heldout, cfg.task.num_train)
 
 
 def check_verifiers(cfg) -> None:

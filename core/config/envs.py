@@ -1,7 +1,8 @@
 """The environment of a run's episodes (`env`), one kind of several: spotrl's own environments (`env.name`), an
 OpenEnv server's (`env.openenv`), TRL's `environment_factory` (`env.factory`) or a verifiers v1 taskset
 (`env.verifiers`); none, single-turn completions. Each kind is one field of `EnvConfig` made by `env_kind`, its
-settings that field's type; what a kind does at run time is its module under `app.envs` (`app.envs.registry`).
+settings that field's type; what a kind does at run time is its module of `app.kinds`, listed in
+`app.kinds.registry` (adding a kind: docs/tasks-and-environments.md).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class EnvConfig(Section):
     @classmethod
     def _named(cls, name: str | None) -> str | None:
         """A registered name or `module:Class`; whether it names an environment is the run side's to say at start
-        (`app.tasks.registry.check_names`), before anything runs."""
+        (`app.kinds.spotrl_kind`), before anything runs."""
         if name is not None and not name.strip():
             raise ValueError("an environment's name, or no env.name for single-turn completions")
         return name
@@ -134,7 +135,7 @@ class EnvConfig(Section):
     @classmethod
     def _factories(cls, factory: str | dict[str, str] | None) -> str | dict[str, str] | None:
         """`module:callable`, or a non-empty mapping of names to such; whether they import is the run side's to say
-        at start (`app.tasks.checks.check_names`)."""
+        at start (`app.kinds.trl_kind`)."""
         paths = [factory] if isinstance(factory, str) else list((factory or {}).values())
         if isinstance(factory, dict) and not factory:
             raise ValueError("a mapping of environment names to factories needs at least one")
@@ -159,8 +160,3 @@ class EnvConfig(Section):
     def kind(self) -> str | None:
         """The field naming this run's kind of environment; None: single-turn completions, no environment."""
         return next((k for k in self.kinds() if getattr(self, k) is not None), None)
-
-    @property
-    def multi_turn(self) -> bool:
-        """Episodes against spotrl's runner (`app.rollout.episodes`): a named environment or an OpenEnv one."""
-        return self.name is not None or self.openenv is not None

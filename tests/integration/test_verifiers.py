@@ -17,10 +17,10 @@ import math
 import httpx
 import pytest
 
-from app.rollout.samplers import sampler_for
+from app.kinds.registry import problems_of, sampler_for
 from app.rollout.sampling import SamplingArgs
 from app.rollout.verifiers_episodes import trace_sample
-from app.tasks.verifiers_tasksets import VF_INDEX, load_problems
+from app.tasks.verifiers_tasksets import VF_INDEX
 from core.config import RunConfig, load_config
 from core.models import load_tokenizer, prompt_token_ids
 from tests.support.fleet_helpers import running_fleet
@@ -89,7 +89,7 @@ def _segments(ids, mask):
 def test_a_taskset_plays_token_exact_with_verifiers_rewards_and_one_replica_per_session(fleet, replies):
     cfg, runner = _runner(fleet, agent={"harness": {"id": HARNESS, "turns": 2}})
     tokenizer = fleet.tokenizer
-    problem = load_problems(cfg).train[0]
+    problem = problems_of(cfg).train[0]
     task = runner.tasks[problem.columns[VF_INDEX]]
     ctx = runner.context("policy-v1", SamplingArgs(6, temperature=1.0))
     before = _sessions(fleet)
@@ -148,7 +148,7 @@ def test_the_sampler_answers_a_scored_group_and_the_evaluation_counts_it(fleet):
     from app.evaluate import evaluate_async
 
     cfg, runner = _runner(fleet)
-    problems = load_problems(cfg)
+    problems = problems_of(cfg)
     sampled = asyncio.run(runner.sample(problems.train[1], [], "policy-v1", G, SamplingArgs(6)))
     assert len(sampled.samples) == G and not any(s.env_error for s in sampled.samples)
     # the problem's prompt is the task's as chat messages, which spotrl renders as verifiers' renderer did
@@ -166,7 +166,7 @@ def test_the_sampler_answers_a_scored_group_and_the_evaluation_counts_it(fleet):
 )
 def test_a_reward_that_fails_costs_its_episodes_counted_by_cause(fleet, fault, cause):
     cfg, runner = _runner(fleet, taskset_args={"num_tasks": 24, "task": {"fault": fault}}, episode_timeout_s=3.0)
-    problem = load_problems(cfg).train[0]
+    problem = problems_of(cfg).train[0]
     with pytest.raises(RuntimeError, match="every episode"):  # nothing left to train: the group is dropped
         asyncio.run(runner.sample(problem, [], "policy-v1", G, SamplingArgs(6)))
     assert runner.reward_metrics() == {f"env/errors/{cause}": float(G)} and runner.env_errors == G

@@ -108,7 +108,7 @@ def test_the_openenv_processes_import_from_the_working_folder_and_the_repository
 
 def test_the_config_takes_a_url_or_an_app():
     cfg = load_config(None, ["env.openenv.app=examples.openenv_arithmetic:app"])
-    assert cfg.env.openenv.app == "examples.openenv_arithmetic:app" and cfg.env.multi_turn
+    assert cfg.env.openenv.app == "examples.openenv_arithmetic:app" and cfg.env.kind == "openenv"
     assert cfg.env.openenv.client == "openenv.core.generic_client:GenericEnvClient"
     for bad in (
         ["env.openenv.url=http://127.0.0.1:1", "env.openenv.app=examples.openenv_arithmetic:app"],  # both

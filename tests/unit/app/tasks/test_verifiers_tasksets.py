@@ -4,8 +4,9 @@ does not resolve; with the example taskset (`examples/verifiers_arithmetic.py`) 
 
 import pytest
 
+from app.kinds.registry import problems_of
 from app.tasks.problems import make_arithmetic
-from app.tasks.verifiers_tasksets import VF_INDEX, alias_id, check_verifiers, load_env, load_problems, taskset_id
+from app.tasks.verifiers_tasksets import VF_INDEX, alias_id, check_verifiers, load_env, taskset_id
 from core.config import ConfigError, RunConfig, load_config
 
 EXAMPLE = "examples.verifiers_arithmetic:ArithmeticTaskset"
@@ -43,7 +44,7 @@ def test_a_name_that_is_no_taskset_says_why(spec, reason):
 
 def test_the_tasksets_tasks_are_the_runs_splits_in_its_order():
     cfg = _cfg(taskset_args={"num_tasks": 40, "seed": 1234})
-    splits = load_problems(cfg)
+    splits = problems_of(cfg)
     assert (len(splits.heldout), len(splits.train)) == (8, 20)
     assert [p.columns[VF_INDEX] for p in splits.heldout + splits.train] == list(range(28))
     first = splits.heldout[0]

@@ -1,0 +1,34 @@
+"""An OpenEnv environment (`env.openenv`): a server running, or an app the run serves on 127.0.0.1 for its length,
+played over OpenEnv's own client in the OpenEnv venv (`app.tasks.openenv_env`) by spotrl's episode runner."""
+
+from __future__ import annotations
+
+from app.kinds.kind import EnvKind
+from app.rollout.episodes import EpisodeRunner
+from core.config import ConfigError
+
+
+class OpenEnv(EnvKind):
+    field = "openenv"
+
+    def check(self, cfg) -> None:
+        """The client and Action classes fit and the app imports, resolved in the OpenEnv venv as the run will
+        (`app.tasks.openenv_env.check_classes`); one line saying what builds the venv where there is none."""
+        from app.tasks.openenv_env import check_classes  # the OpenEnv venv's client: only runs that name it pay
+
+        try:
+            check_classes(cfg.env.openenv)
+        except ValueError as e:
+            named = str(e).split(":")[0] in ("client", "action", "action_field", "app")  # the message starts with it
+            raise ConfigError(f"env.openenv.{e}" if named else f"env.openenv: {e}") from None
+
+    def serve(self, stack, cfg):
+        from app.tasks.openenv_env import serve_openenv
+
+        return serve_openenv(stack, cfg)
+
+    def sampler(self, cfg, tokenizer, generate, decode, fleet):
+        from app.tasks.openenv_env import openenv_factory
+
+        factory = openenv_factory(cfg.env.openenv, cfg.env.timeout_s)
+        return EpisodeRunner.from_config(cfg, factory, tokenizer, generate, decode)
