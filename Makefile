@@ -22,7 +22,7 @@ setup: $(STAMP) $(OPENENV_STAMP) $(COOKBOOK_STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[$(DEVICE),tasks,envs,tinker,dev]"
+	$(PY) -m pip install -q -e ".[$(DEVICE),tasks,envs,tinker,trackers,dev]"
 ifeq ($(DEVICE),cpu)
 	# PyPI's torchvision is a CUDA build that breaks `import transformers` beside torch+cpu; triton has no CPU backend.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true

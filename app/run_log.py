@@ -135,7 +135,7 @@ class StepLog:
         # Which groups each step trained: the audit trail of exactly-once across restarts (a resumed learner
         # repeats step numbers; the last line of a step is the one its checkpoints descend from).
         self.trained = stack.enter_context(open(cfg.run_dir / "trained_groups.jsonl", "a"))
-        self.sink = MetricsSink(cfg.run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.trackio)
+        self.sink = MetricsSink(cfg.run_dir, cfg.logging.run_name, cfg.model_dump(mode="json"), cfg.logging.report_to)
         stack.callback(self.sink.close)
         self.bar = progress_bar(cfg, initial_step)
         stack.callback(self.bar.close)

@@ -32,6 +32,7 @@ from core.config.sections import (
 )
 from core.config.tasks import RunTask
 from core.config.teacher import SelfTeacher, TeacherConfig, size_teacher_context
+from core.config.trackers import DEFAULT_TRACKERS, Tracker, check_trackers, move_trackio_switch
 from core.config.training import SamplingConfig, TrainConfig
 
 
@@ -135,12 +136,19 @@ class LoggingConfig(Section):
 
     run_name: str = Field("tiny-cpu", description="Name of the run: runs/<run_name>/ holds its files.")
     output_dir: str = Field("runs", description="Folder of run outputs (metrics.jsonl, summary.json).")
-    trackio: bool = Field(True, description="Also log to trackio (offline, SQLite).")
+    report_to: list[Tracker] = Field(
+        default_factory=lambda: list(DEFAULT_TRACKERS),
+        description="Where each step's metrics go: jsonl (metrics.jsonl, always), trackio (offline), ray (the "
+        "dashboard's spotrl_* gauges), tensorboard (runs/<run_name>/tensorboard), wandb (offline, runs/<run_name>/wandb).",
+    )
     diagnose_every: int = Field(
         5, ge=1, description="Judge the bottleneck and drift over this many steps; printed when the verdict changes."
     )
     drift: DriftConfig = Field(default_factory=DriftConfig, description="Thresholds of the drift alarm.")
     progress_bar: bool = Field(True, description="Show a progress bar on the terminal.")
+
+    _old_trackio_switch = model_validator(mode="before")(move_trackio_switch)
+    _installed = field_validator("report_to")(check_trackers)
 
 
 class JoinConfig(Section):

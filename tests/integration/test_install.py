@@ -1,6 +1,6 @@
-"""The GPU dependency set installs: pip's resolver in dry-run mode on the `gpu` extra with `envs` and `tinker`; and so
-does the OpenEnv venv's requirement (`requirements-openenv.txt`, resolved by itself: openenv's mcp<2 cannot share a
-resolution with vLLM's mcp>=2, which is why it has a venv of its own).
+"""The GPU dependency set installs: pip's resolver in dry-run mode on the `gpu` extra with `envs`, `tinker` and
+`trackers`; and so does the OpenEnv venv's requirement (`requirements-openenv.txt`, resolved by itself: openenv's
+mcp<2 cannot share a resolution with vLLM's mcp>=2, which is why it has a venv of its own).
 
 Nothing is downloaded but metadata, and nothing is installed. It runs on CPU machines (CI) so that a
 pin that cannot be resolved (vllm requiring another torch than the one we pin, a Python range that
@@ -30,8 +30,9 @@ def resolve(report: Path, *what: str) -> dict[str, str]:
     return {p["metadata"]["name"].lower(): p["metadata"]["version"] for p in json.loads(report.read_text())["install"]}
 
 
-# The GPU machine installs the environment libraries and the Tinker SDK beside vllm: they must resolve together.
-GPU_SET = "gpu,envs,tinker"
+# The GPU machine installs the environment libraries, the Tinker SDK and the trackers beside vllm: they must resolve
+# together.
+GPU_SET = "gpu,envs,tinker,trackers"
 PYTHON_3_12 = ("--python-version", "3.12", "--only-binary=:all:")
 
 
