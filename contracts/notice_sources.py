@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -255,7 +255,7 @@ def metadata_clouds(metadata: str, joined: bool, environ: Mapping[str, str] | No
     return detected_clouds(os.environ if environ is None else environ, DMI_DIR)
 
 
-def cloud_sources(timeout_s: float, interval_s: float = 5.0, clouds: set[str] = frozenset({AWS, GCP})) -> list:
+def cloud_sources(timeout_s: float, interval_s: float = 5.0, clouds: Collection[str] = (AWS, GCP)) -> list:
     """The metadata services of `clouds` to ask (every `interval_s`): AWS's unless disabled, GCP's."""
     aws = AWS in clouds and os.environ.get(AWS_DISABLED_ENV, "").lower() != "true"
     return [
