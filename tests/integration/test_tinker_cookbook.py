@@ -189,20 +189,31 @@ def final_sampler_path(log_path) -> str:
     return [r["sampler_path"] for r in records if r.get("sampler_path")][-1]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+STABLE_REINFORCE_REFUSED = pytest.mark.xfail(
+    strict=True,
+    reason="issue 43 finding: the service refuses `stable_reinforce` (AsyncConfig's default loss) at the first "
+    "sample, record_stability_info being a 400 that names ppo; neither the SDK 0.38.0 nor the cookbook 0.6.1 "
+    "defines its objective, so it is not implemented",
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=STABLE_REINFORCE_REFUSED), "async with ppo"])
 def test_the_cookbooks_rl_loop_runs_its_steps_and_saves(cookbook_env, tmp_path, mode):
     """`rl.train` for 3 steps, sync (`importance_sampling`) and async (`AsyncConfig`'s default loss,
-    `stable_reinforce`): every step trains (a `train/` metric row each) and its final sampler weights sample."""
+    `stable_reinforce`, refused; and `ppo`, the loss the refusal names): every step trains (a metric row of its
+    episodes each) and its final sampler weights sample."""
     fleet = cookbook_env
-    fields = (
-        {"async_config": rl_train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=4)} if mode == "async" else {}
-    )
-    config = rl_config(fleet, tmp_path / mode, steps=3, batch_size=4, group_size=4, **fields)
+    fields = {}
+    if mode.startswith("async"):
+        loss = {"loss_fn": "ppo"} if mode.endswith("ppo") else {}
+        fields["async_config"] = rl_train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=4, **loss)
+    log_path = tmp_path / "rl"
+    config = rl_config(fleet, log_path, steps=3, batch_size=4, group_size=4, **fields)
     asyncio.run(rl_train.main(config))
-    steps = {row["step"] for row in metric_rows(tmp_path / mode) if any(k.startswith("env/") for k in row)}
+    steps = {row["step"] for row in metric_rows(log_path) if any(k.startswith("env/") for k in row)}
     assert len(steps) == 3, steps
     with tinker.ServiceClient() as client:
-        sampler = client.create_sampling_client(model_path=final_sampler_path(tmp_path / mode))
+        sampler = client.create_sampling_client(model_path=final_sampler_path(log_path)).result()
         prompt = tinker.types.ModelInput.from_ints([1, 2, 3])
         assert len(sampler.sample(prompt, 1, tinker.types.SamplingParams(max_tokens=2)).result().sequences) == 1
 
@@ -220,9 +231,8 @@ def test_the_cookbooks_sync_rl_loop_raises_held_out_accuracy_by_10_points(cookbo
     heldout = tiny_task().heldout
     tokenizer = get_tokenizer(fleet.model_path)
     with tinker.ServiceClient() as client:
-        before = heldout_accuracy(client.create_sampling_client(base_model=fleet.model_path), tokenizer, heldout)
-        after = heldout_accuracy(
-            client.create_sampling_client(model_path=final_sampler_path(tmp_path / "rl")), tokenizer, heldout
-        )
+        base = client.create_sampling_client(base_model=fleet.model_path).result()
+        trained = client.create_sampling_client(model_path=final_sampler_path(tmp_path / "rl")).result()
+        before, after = heldout_accuracy(base, tokenizer, heldout), heldout_accuracy(trained, tokenizer, heldout)
     print(f"\n[cookbook rl] held-out {100 * before:.1f}% -> {100 * after:.1f}% in {steps} steps")
     assert after - before >= 0.10, (before, after)
