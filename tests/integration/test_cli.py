@@ -1,5 +1,5 @@
 """The `spotrl` command end to end, as installed (`.venv/bin/spotrl`): `spotrl train` is `make train`'s run on the
-embedded default (a few steps), `spotrl eval` measures the version that run produced as the driver measured it,
+embedded default (a few steps), `spotrl eval` measures the adapter that run produced as the driver measured it,
 and `spotrl runs` lists, shows and removes the runs of a fleet with its admin token."""
 
 import json
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.bucket.store import AdapterStore
 from tests.integration.test_train import train_cmd
 from tests.support.fleet_helpers import running_fleet
 
@@ -26,7 +27,7 @@ def last_json(output: str) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
-def test_spotrl_train_is_make_trains_run_and_spotrl_eval_measures_the_version_it_produced(tmp_path, tiny_model_path):
+def test_spotrl_train_is_make_trains_run_and_spotrl_eval_measures_the_adapter_it_produced(tmp_path, tiny_model_path):
     cmd = train_cmd(tmp_path, 2)
     assert cmd[1:3] == ["-m", "launch.train"]  # what `make train` runs, with these arguments
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
@@ -38,12 +39,14 @@ def test_spotrl_train_is_make_trains_run_and_spotrl_eval_measures_the_version_it
     assert summary["samples_trained"] == 2 * 16 * 8 and 0.99 <= summary["ratio_mean"] <= 1.01
     assert last_json(trained.stdout) == summary  # printed at the end, as `make train` prints it
 
-    version = f"policy-v{summary['policy_version']}"
-    # On a fleet of its own as the driver starts one; one replica is enough to measure (greedy, the same answers).
-    measured = spotrl("eval", *cmd[3:], "--set", "fleet.num_replicas=1", version, env=env)
+    # The adapter it produced, as a folder (as `tinker checkpoint download` or a copy would hand it over), measured
+    # on a fleet of its own as the driver starts one (one replica is enough: greedy, the same answers), from a
+    # scratch bucket where it is version 1.
+    folder = AdapterStore(f"file://{tmp_path}/bucket").fetch(summary["policy_version"], dest=tmp_path / "adapter")
+    measured = spotrl("eval", *cmd[3:], "--set", "fleet.num_replicas=1", str(folder), env=env)
     assert measured.returncode == 0 and "Traceback" not in measured.stderr, measured.stderr[-5000:]
     heldout = last_json(measured.stdout)
-    assert heldout["model"] == version and heldout["num_problems"] == 256 and heldout["lost"] == 0
+    assert heldout["model"] == "policy-v1" and heldout["num_problems"] == 256 and heldout["lost"] == 0
     # Greedy on the run's model and adapter: the accuracy the run measured after its last step, to a problem or two.
     assert abs(heldout["accuracy"] - summary["heldout_accuracy_after"]) <= 2 / 256, (heldout, summary)
 
