@@ -16,7 +16,7 @@ import itertools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
@@ -59,6 +59,17 @@ class Probe:
     sampled: str
     exported: str
     names: itertools.count
+    own_clients: list[tinker.ServiceClient] = field(default_factory=list)
+
+    def own_client(self) -> tinker.ServiceClient:
+        """A ServiceClient of its own for a call that opens a training client: closed after the call, so the key's
+        limit of training clients is never what a later call of the matrix meets."""
+        self.own_clients.append(tinker.ServiceClient(base_url=self.url, api_key=self.key))
+        return self.own_clients[-1]
+
+    def close_own_clients(self) -> None:
+        while self.own_clients:
+            self.own_clients.pop().close("success").result(timeout=120)
 
     def name(self) -> str:
         return f"compat-{next(self.names)}"
@@ -83,11 +94,11 @@ def service_calls(p: Probe) -> dict:
         "close": lambda: (tinker.ServiceClient(base_url=p.url, api_key=p.key), ("success",), {}),
         "copy_weights": lambda: (s, (p.sampled,), {}),
         "create_custom_loss": lambda: (s, (per_datum_nll, {"weights": 1}), {}),
-        "create_lora_training_client": lambda: (s, (), {"base_model": p.base, "rank": RANK}),
+        "create_lora_training_client": lambda: (p.own_client(), (), {"base_model": p.base, "rank": RANK}),
         "create_rest_client": lambda: (s, (), {}),
         "create_sampling_client": lambda: (s, (), {"model_path": p.sampled}),
-        "create_training_client_from_state": lambda: (s, (p.state,), {}),
-        "create_training_client_from_state_with_optimizer": lambda: (s, (p.state,), {}),
+        "create_training_client_from_state": lambda: (p.own_client(), (p.state,), {}),
+        "create_training_client_from_state_with_optimizer": lambda: (p.own_client(), (p.state,), {}),
         "get_console_url": lambda: (s, (), {}),
         "get_server_capabilities": lambda: (s, (), {}),
         "get_telemetry": lambda: (s, (), {}),
@@ -230,6 +241,7 @@ def matrix(p: Probe) -> dict[str, list[tuple[str, str]]]:
                 answer = "supported" + (f" ({note})" if note else "")
             except Exception as exc:  # noqa: BLE001 - what the SDK raised is the matrix's entry
                 answer = "refused: " + refusal(exc)
+            p.close_own_clients()
             rows[cls.__name__].append((name, answer))
     return rows
 
