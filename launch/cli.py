@@ -11,10 +11,10 @@ takes. A module is imported only when its command runs: `spotrl --help` starts n
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from pydantic import BaseModel
 
@@ -33,55 +33,24 @@ class EntryPoint(Protocol):
 @dataclass(frozen=True)
 class Command:
     summary: str
-    load: Callable[[], EntryPoint]  # imports the module on use (some import torch, Ray and vLLM)
+    module: str  # the module `make` and `python -m` run, imported on use (some import torch, Ray and vLLM)
     schema: type[BaseModel]  # the config whose fields the help lists
 
-
-def _train() -> EntryPoint:
-    from launch import train
-
-    return train
-
-
-def _serve() -> EntryPoint:
-    from launch import serve
-
-    return serve
-
-
-def _tinker() -> EntryPoint:
-    from launch import tinker
-
-    return tinker
-
-
-def _plan() -> EntryPoint:
-    from app import plan
-
-    return plan
-
-
-def _eval() -> EntryPoint:
-    from launch import evaluate
-
-    return evaluate
-
-
-def _runs() -> EntryPoint:
-    from launch import runs
-
-    return runs
+    def load(self) -> EntryPoint:
+        return cast(EntryPoint, importlib.import_module(self.module))
 
 
 COMMANDS: dict[str, Command] = {
     "train": Command(
-        "train a run (as `make train`): Ray, a fleet or a shared one, learner, rollout", _train, RunConfig
+        "train a run (as `make train`): Ray, a fleet or a shared one, learner, rollout", "launch.train", RunConfig
     ),
-    "serve": Command("start a fleet on its own (as `make serve`), for runs to join", _serve, FleetConfig),
-    "tinker": Command("start the Tinker API beside a running fleet", _tinker, FleetConfig),
-    "plan": Command("bytes, sync times and cost of a run before it goes on spot", _plan, RunConfig),
-    "eval": Command("held-out accuracy of a committed version, an adapter folder or the base", _eval, RunConfig),
-    "runs": Command("list, inspect and remove the runs of a shared fleet (admin token)", _runs, FleetConfig),
+    "serve": Command("start a fleet on its own (as `make serve`), for runs to join", "launch.serve", FleetConfig),
+    "tinker": Command("start the Tinker API beside a running fleet", "launch.tinker", FleetConfig),
+    "plan": Command("bytes, sync times and cost of a run before it goes on spot", "app.plan", RunConfig),
+    "eval": Command(
+        "held-out accuracy of a committed version, an adapter folder or the base", "launch.evaluate", RunConfig
+    ),
+    "runs": Command("list, inspect and remove the runs of a shared fleet (admin token)", "launch.runs", FleetConfig),
 }
 
 
