@@ -43,6 +43,7 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
 }
 # loss_fn_config keys each loss reads, with Tinker's defaults.
 LOSS_CONFIG: dict[str, dict[str, float]] = {
@@ -51,6 +52,7 @@ LOSS_CONFIG: dict[str, dict[str, float]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
 }
 
 

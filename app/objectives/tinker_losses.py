@@ -10,7 +10,10 @@ never normalises: the client scales its advantages or weights), and the batch's 
 - `ppo`: `-min(ratio * A, clip(ratio, low, high) * A).sum()`, `low`/`high` = `clip_low_threshold` (0.8) and
   `clip_high_threshold` (1.2);
 - `cispo`: `-(detach(clip(ratio, low, high)) * target * A).sum()`;
-- `dro`: `-(target * A - beta / 2 * (target - sampling) ** 2).sum()`, `beta` from the config (0.05).
+- `dro`: `-(target * A - beta / 2 * (target - sampling) ** 2).sum()`, `beta` from the config (0.05);
+- `gspo` (GSPO-token): the sequence ratio `s = exp(mean(detach(target) - sampling))` over the tokens
+  `sequence_ratio_mask` marks; each token's ratio `detach(s) * exp(target - detach(target))` (s's value, its own
+  gradient), then `ppo`'s clipped objective on it, with `ppo`'s `clip_low_threshold` and `clip_high_threshold`.
 
 `forward_backward_custom` needs nothing here: the SDK runs it as a forward pass and a `cross_entropy` backward whose
 weights are the custom loss's gradient.
@@ -48,6 +51,10 @@ def check_inputs(loss_fn: str, length: int, inputs: Mapping[str, object]) -> Non
             raise LossInputError(f"{loss_fn} needs loss_fn_inputs[{name!r}] (one value per target token)")
         if len(values) != length:  # type: ignore[arg-type]
             raise LossInputError(f"loss_fn_inputs[{name!r}] has {len(values)} values for {length} target tokens")  # type: ignore[arg-type]
+    if loss_fn == "gspo" and not any(float(v) != 0 for v in inputs["sequence_ratio_mask"]):  # type: ignore[union-attr]
+        raise LossInputError(
+            "gspo: loss_fn_inputs['sequence_ratio_mask'] marks no token to take the sequence ratio over"
+        )
 
 
 def datum_loss(
@@ -60,7 +67,11 @@ def datum_loss(
     ratio = torch.exp(target - sampling)
     if loss_fn == "importance_sampling":
         return -(ratio * advantages).sum()
-    if loss_fn == "ppo":
+    if loss_fn == "gspo":  # every token carries the sequence's ratio, with the gradient of its own log-prob
+        in_ratio = inputs["sequence_ratio_mask"] != 0
+        sequence_log_ratio = (target.detach() - sampling)[in_ratio].mean()
+        ratio = torch.exp(sequence_log_ratio + target - target.detach())
+    if loss_fn in ("ppo", "gspo"):
         clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
         return -torch.minimum(ratio * advantages, clipped * advantages).sum()
     if loss_fn == "cispo":

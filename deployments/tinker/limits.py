@@ -24,7 +24,6 @@ from deployments.tinker.wire import TOKEN_DTYPE, loss_call, tensor_length, tenso
 NOT_HERE = {
     "stable_reinforce": "it needs the sampler's per-sequence stability records (record_stability_info), "
     "which this server does not keep",
-    "gspo": "the SDK and the cookbook document no formula for it",
 }
 
 

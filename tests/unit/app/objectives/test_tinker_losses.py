@@ -55,6 +55,30 @@ def test_dro_penalises_the_squared_log_ratio():
     assert loss("dro", beta=beta) == pytest.approx(by_hand)
 
 
+def test_gspo_gives_every_token_the_sequence_ratio_over_the_masked_tokens_and_its_own_gradient():
+    """GSPO-token as Tinker's losses page gives it: the first two tokens' log-ratios (0.1 and -0.5) set the sequence
+    ratio exp(-0.2), the unmasked third does not; each token's loss term is ppo's on that ratio, and its gradient is
+    the ratio times its advantage (inside the clip band) or nothing (outside it, on the side the advantage pushes)."""
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    target = TARGET.clone().requires_grad_(True)
+    inputs = {"logprobs": SAMPLING, "advantages": ADV, "sequence_ratio_mask": mask}
+    datum_loss("gspo", target, inputs, check_loss("gspo", {})).backward()
+    s = math.exp(((-0.5 + 0.6) + (-1.0 + 0.5)) / 2)  # 0.819: inside [0.8, 1.2]
+    assert target.grad.tolist() == pytest.approx([-s * a for a in ADV.tolist()])
+    narrow = check_loss("gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+    target.grad = None
+    value = datum_loss("gspo", target, inputs, narrow)
+    value.backward()
+    # s < 0.9: a positive advantage keeps min(s * A, 0.9 * A) = s * A and its gradient, a negative one the clipped
+    # constant and none
+    assert target.grad.tolist() == pytest.approx([-s * 1.0, 0.0, -s * 2.0])
+    assert value.item() == pytest.approx(-(s * 1.0 + 0.9 * -1.0 + s * 2.0))
+    unchanged = {"logprobs": TARGET, "advantages": ADV, "sequence_ratio_mask": mask}
+    assert datum_loss("gspo", TARGET, unchanged, check_loss("gspo", {})).item() == pytest.approx(-ADV.sum().item())
+    with pytest.raises(LossInputError, match="marks no token"):
+        check_inputs("gspo", 3, {"logprobs": [0] * 3, "advantages": [0] * 3, "sequence_ratio_mask": [0.0] * 3})
+
+
 def test_unknown_losses_keys_and_missing_inputs_are_refused_by_name():
     with pytest.raises(LossInputError, match="supported"):
         check_loss("custom", {})
