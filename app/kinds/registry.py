@@ -2,7 +2,9 @@
 evaluation, the teachers' checks, the driver), so that no code outside a kind's own module tells kinds apart.
 
 Adding a kind is its config (a field of `core.config.envs.EnvConfig` made by `env_kind`) and its runtime (a module
-of `app.kinds` with an `EnvKind`), and one line in `KINDS` below (docs/tasks-and-environments.md shows one).
+of `app.kinds` with an `EnvKind`), and one line in `KINDS` below (docs/tasks-and-environments.md shows one). A kind
+of one's own outside spotrl is one module: its config a field of an `EnvConfig` subclass, and one `register_kind` line
+(`examples/kind_inline.py`, docs/extending.md).
 """
 
 from __future__ import annotations
@@ -26,9 +28,24 @@ KINDS: dict[str | None, EnvKind] = {
 }
 
 
+def register_kind(kind: EnvKind) -> EnvKind:
+    """Add a kind defined outside this package, by the `EnvConfig` field that names it. Call it where the kind's
+    config is defined (at its module's import), so that every process that reads such a config (the rollout's and
+    the evaluation's, in Ray workers) has the kind too. Registering the same class again (its module imported under
+    a second name) replaces it; another class under a field already taken is refused."""
+    taken = KINDS.get(kind.field)
+    if taken is not None and type(taken).__qualname__ != type(kind).__qualname__:
+        raise ValueError(f"env.{kind.field}: already the field of {type(taken).__qualname__}")
+    KINDS[kind.field] = kind
+    return kind
+
+
 def kind_of(cfg) -> EnvKind:
     """The kind of environment the run's config names."""
-    return KINDS[cfg.env.kind]
+    try:
+        return KINDS[cfg.env.kind]
+    except KeyError:
+        raise ValueError(f"env.{cfg.env.kind}: no kind registered for it (app.kinds.registry.register_kind)") from None
 
 
 def problems_of(cfg) -> TaskSplits:
