@@ -26,13 +26,16 @@ from contextlib import contextmanager
 
 import torch
 
+from app.learner.truncation import Truncation, kept, truncate
+
 DEFAULT_CHUNK_TOKENS = 1024
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, truncation: Truncation | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target token and the entropy of its distribution, both at `temperature`.
+    """Log-prob of each target token and the entropy of its distribution, both at `temperature` (and over the tokens
+    the sampler's `truncation` keeps, `app.learner.truncation`, as vLLM's are).
 
     vLLM (with `logprobs_mode="processed_logprobs"`) reports log-probs of the tempered distribution
     it sampled from, so the learner must divide its logits by the same temperature before the
@@ -40,6 +43,10 @@ def token_logprobs(
     whatever the model's dtype, so it adds no bfloat16 rounding of its own. Entropy carries no gradient.
     """
     scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if truncation is not None and truncation.active:  # out of place: `logits` may carry a gradient
+        with torch.no_grad():
+            keep = kept(scaled, truncation, targets)
+        scaled = scaled.masked_fill(~keep, torch.finfo(scaled.dtype).min)
     log_norm = torch.logsumexp(scaled, dim=-1)
     logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
     with torch.no_grad():
@@ -47,10 +54,11 @@ def token_logprobs(
     return logp, entropy
 
 
-def _chunk_values(hidden, weight, bias, targets, temperature, want_grad):
-    """(log-probs, entropy, d logp / d hidden or None) of one chunk, at `temperature`, softmax in fp32."""
+def _chunk_values(hidden, weight, bias, targets, temperature, want_grad, truncation=None):
+    """(log-probs, entropy, d logp / d hidden or None) of one chunk, at `temperature` and over the tokens the
+    sampler's `truncation` keeps, softmax in fp32 (outside the kept set `probs` is 0, so the gradient is right)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)  # the model's dtype, as the lm_head computes it
-    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    scaled = truncate(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, truncation, targets)
     del logits
     log_norm = torch.logsumexp(scaled, dim=-1)
     logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_norm
@@ -67,11 +75,17 @@ def _chunk_values(hidden, weight, bias, targets, temperature, want_grad):
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_tokens, truncation):
         want_grad = hidden.requires_grad
         parts = [
             _chunk_values(
-                hidden[s : s + chunk_tokens], weight, bias, targets[s : s + chunk_tokens], temperature, want_grad
+                hidden[s : s + chunk_tokens],
+                weight,
+                bias,
+                targets[s : s + chunk_tokens],
+                temperature,
+                want_grad,
+                truncation,
             )
             for s in range(0, hidden.shape[0], chunk_tokens)
         ]
@@ -93,7 +107,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_hidden = None
         if dlogp_dhidden is not None and ctx.needs_input_grad[0]:
             grad_hidden = (grad_logp.unsqueeze(-1) * dlogp_dhidden).to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -104,8 +118,10 @@ def chunked_token_logprobs(
     *,
     bias: torch.Tensor | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target token and the entropy of its distribution, as `token_logprobs(hidden @ W.T + b)`.
+    """Log-prob of each target token and the entropy of its distribution, as
+    `token_logprobs(hidden @ W.T + b, truncation=truncation)`.
 
     `hidden` is `[tokens, hidden_size]` (the positions that predict `targets`), `weight` the frozen
     output layer. Gradients flow into `hidden` only; entropy carries none.
@@ -114,7 +130,7 @@ def chunked_token_logprobs(
         raise ValueError("chunked_token_logprobs: the output layer must be frozen (LoRA does not train lm_head)")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedLogProbs.apply(hidden, weight, bias, targets, temperature, chunk_tokens)
+    return _ChunkedLogProbs.apply(hidden, weight, bias, targets, temperature, chunk_tokens, truncation)
 
 
 def _chunk_values_at(hidden, weight, bias, targets, ids, temperature, want_grad):
@@ -223,13 +239,17 @@ class LogProbHead(torch.nn.Module):
     Outside `scoring()` it is the original head. Inside, the model's forward hands it the hidden
     states (at `logits_to_keep`), and it returns `stack([logp, entropy])` of the requested targets in
     place of the logits: the chunked computation runs inside the model's own forward, where FSDP has
-    gathered the output layer's weight.
+    gathered the output layer's weight. With a `truncation` (the run's sampler's top-k/top-p/min-p), the
+    targets' log-probs and entropies are over the tokens it keeps, as the sampler's are.
     """
 
-    def __init__(self, head: torch.nn.Linear, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(
+        self, head: torch.nn.Linear, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, truncation: Truncation | None = None
+    ):
         super().__init__()
         self.head = head
         self.chunk_tokens = chunk_tokens
+        self.truncation = truncation if truncation is not None and truncation.active else None
         self._request: tuple | None = None
 
     @property
@@ -259,6 +279,8 @@ class LogProbHead(torch.nn.Module):
             return self.head(hidden)
         rows, cols, targets, temperature, ids = self._request
         if ids is not None:
+            if self.truncation is not None:  # the config refuses it (`RunConfig`); a second guard for other callers
+                raise ValueError("log-probs at ids (top-k distillation) under a truncated sampler are not supported")
             logp, entropy, at_ids = chunked_logprobs_at(
                 hidden[rows, cols],
                 self.head.weight,
@@ -276,6 +298,7 @@ class LogProbHead(torch.nn.Module):
             temperature,
             bias=self.head.bias,
             chunk_tokens=self.chunk_tokens,
+            truncation=self.truncation,
         )
         return torch.stack([logp, entropy])
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from app.learner.logprobs import LogProbHead
 from app.learner.packing import register_packed_attention
+from app.learner.truncation import Truncation
 
 if TYPE_CHECKING:  # not at run time: the GPU benchmark drives the learner without pydantic
     from app.objectives import LossStats
@@ -126,7 +127,9 @@ def build_lora_model(cfg: RunConfig, model_path: str, device: torch.device):
             p.data = p.data.float()
     # After get_peft_model: "all-linear" never targets the output layer, which must stay a plain frozen Linear.
     # With tied embeddings the wrapped Linear keeps the very weight object the input embedding uses.
-    base.set_output_embeddings(LogProbHead(base.get_output_embeddings(), cfg.learner.logprob_chunk_tokens))
+    # The head takes log-probs under the sampler's truncation (top-k/top-p), over the tokens vLLM's are.
+    head = LogProbHead(base.get_output_embeddings(), cfg.learner.logprob_chunk_tokens, Truncation.of(cfg.sampling))
+    base.set_output_embeddings(head)
     pad_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
     return model.to(device), pad_id
 

@@ -247,6 +247,18 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _truncation_with_the_objectives(self) -> RunConfig:
+        """The learner takes its log-probs under the sampler's top-k/top-p (`app.learner.truncation`), but not the
+        log-probs at a teacher's top k, whose divergence is over the whole vocabulary: refuse the two together."""
+        s = self.sampling
+        if (s.top_k > 0 or s.top_p < 1) and any(getattr(o, "mode", None) == "topk" for o in self.objectives):
+            raise ValueError(
+                "sampling.top_k/top_p: distill mode topk compares whole distributions, which a truncated sampler "
+                "does not have; sample untruncated (top_k -1, top_p 1) or use mode sampled"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _env_with_the_rest(self) -> RunConfig:
         """What the environment's kind asks of the rollout and of the tiny model's warm-up."""
         if self.env.verifiers is not None and self.rollout.partial_rollouts:
@@ -344,7 +356,6 @@ class RunConfig(Section):
         bucket = self.bucket.model_copy(update={"url": self.bucket_url.replace("{", "{{").replace("}", "}}")})
         return FleetConfig(
             model=self.model,
-            tiny_task=self.task,
             bucket=bucket,
             fleet=self.fleet.model_copy(update=self.own_fleet_sizes()),
             spot=self.spot,
