@@ -18,6 +18,19 @@ from contracts.rollouts import Group
 KINDS: dict[str, type[Objective]] = {GRPO.kind: GRPO, Distill.kind: Distill}  # what `objectives[].kind` may name
 
 
+def register_objective(objective: type[Objective]) -> type[Objective]:
+    """Add an objective defined outside this package, by its `kind` (its config: `core.config.objectives.
+    objectives_with`). Call it where its config is defined (at its module's import), so that every process that
+    reads such a config (the rollout's, the learner's ranks, in Ray workers) has it too. The same class registered
+    again (its module imported under a second name) replaces it; another class under a kind already taken is
+    refused."""
+    taken = KINDS.get(objective.kind)
+    if taken is not None and taken.__qualname__ != objective.__qualname__:
+        raise ValueError(f"objectives: kind {objective.kind!r} is already {taken.__qualname__}'s")
+    KINDS[objective.kind] = objective
+    return objective
+
+
 class Objectives:
     """The objectives of one run, in config order."""
 

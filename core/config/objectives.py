@@ -4,7 +4,7 @@ sampling, is `core.config.training`'s; their code is `app.objectives`."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -142,3 +142,11 @@ def _each_kind_once(objectives: list) -> list:
 
 # The objectives a run's learner sums: each kind at most once.
 Objectives = Annotated[list[ObjectiveConfig], AfterValidator(_each_kind_once)]
+
+
+def objectives_with(*own: type[Section]) -> Any:
+    """The type of `objectives` with objectives of one's own beside the shipped ones, each a Section with a
+    `kind: Literal[...]` field (told apart by it, each at most once): a `RunConfig` subclass's field
+    (`examples/objective_rloo.py`, docs/extending.md)."""
+    union = Union[(GRPOObjectiveConfig, DistillObjectiveConfig, *own)]  # built from a tuple: `A | B` cannot splat
+    return Annotated[list[Annotated[union, Field(discriminator="kind")]], AfterValidator(_each_kind_once)]
