@@ -8,10 +8,11 @@ replicas have room means the client's limit, not vLLM, is what holds generation 
 
 Before all that, the drift alarm (the check PastAGI's article recommends: the rejection rate and the
 tokens at the clip bounds rise before any quality metric moves): a `drifting` verdict when the share of
-groups dropped as stale, the share of tokens at the clip bounds (`clip_ratio/region_mean`) or the
-per-token spread of the learner/sampler ratio (`ratio/std`) crosses its threshold (`logging.drift`), naming
-the knob to turn: the staleness bound, `weight_sync_steps`, `partial_min_lag`, or a weight sync slow
-against the step.
+groups dropped as stale, the share of tokens at the clip bounds (`clip_ratio/region_mean`), the
+per-token spread of the learner/sampler ratio (`ratio/std`) or the share of tokens GRPO's off-policy guards drop
+(`off_policy/masked_share`: its token and sequence masks, `app.objectives.off_policy`) crosses its threshold
+(`logging.drift`), naming the knob to turn: the staleness bound, `weight_sync_steps`, `partial_min_lag`, or a
+weight sync slow against the step.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def drift(window: list[dict], cfg) -> Verdict | None:
         "dropped_stale_share": dropped / (dropped + taken) if dropped + taken else 0.0,
         "clip_share": _mean(window, "clip_ratio/region_mean"),
         "ratio_std": _mean(window, "ratio/std"),
+        # Only a run whose GRPO masks something logs it; the others read 0.
+        "masked_share": _mean(window, "off_policy/masked_share"),
     }
     crossed = [k for k in figures if figures[k] > getattr(limits, k)]
     if not crossed:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.objectives.base import SAMPLE_INDEX
 from contracts.rollouts import Group, Sample
 
 PACKED_ATTENTION = "spotrl_packed_sdpa"
@@ -249,7 +250,10 @@ def _layout(rows: list[list[tuple[int, TrainSample]]], pad_id: int, packed: bool
         target_rows=torch.tensor(t_rows, dtype=torch.long),
         target_cols=cols,
         targets=torch.tensor(targets, dtype=torch.long),
-        streams={name: torch.tensor(values, dtype=torch.float32) for name, values in streams.items()},
+        streams={
+            **{name: torch.tensor(values, dtype=torch.float32) for name, values in streams.items()},
+            SAMPLE_INDEX: torch.tensor(t_sample, dtype=torch.float32),  # a sample is never split over micro-batches
+        },
         target_sample=torch.tensor(t_sample, dtype=torch.long),
         num_samples=sum(len(row) for row in rows),
         num_tokens=int(mask.sum()),

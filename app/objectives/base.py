@@ -23,6 +23,9 @@ from contracts.rollouts import SAMPLING_LOGPROBS, Group
 # The stream an objective's loss finds the learner's log-probs in (with gradient, `[targets, k]`) at the ids it asked
 # for (`Objective.scored_ids`): no rollout writes it, the learner adds it to the micro-batch's streams.
 LEARNER_LOGPROBS_AT_IDS = "learner_logprobs_at_ids"
+# The stream each trained token's sample index is in (within its micro-batch): no rollout writes it, the learner's
+# packing adds it (`app.learner.packing`), for a loss that works per sample (GRPO's sequence-level guard).
+SAMPLE_INDEX = "sample_index"
 SQUARES = "/sq_mean"  # a sum named `<m>/sq_mean`, of the squares of what `<m>` sums, also yields `<m>/std`
 
 
@@ -41,6 +44,12 @@ class LossStats:
     def over_tokens(cls, sums: dict[str, float], count: float, mins=None, maxs=None) -> LossStats:
         """Statistics whose every sum runs over the same `count` tokens."""
         return cls(sums, dict.fromkeys(sums, count), mins or {}, maxs or {})
+
+    @classmethod
+    def totals(cls, sums: dict[str, float]) -> LossStats:
+        """Counts reported as the step's totals, not as means: summed over tokens of no count (`metrics` divides a
+        sum by its count, or by 1 where that is 0)."""
+        return cls(dict(sums), dict.fromkeys(sums, 0.0))
 
     def add(self, other: LossStats) -> None:
         for k, v in other.sums.items():

@@ -25,6 +25,11 @@ truncated weight `min(exp(logp.detach() - sampling_logp), cap)` that multiplies 
 The `ratio` metric always reports `exp(logp - sampling_logp)`, the learner/sampler agreement that
 should sit at 1.000 right after a weight sync, and `ratio/std` its per-token spread: stale or drifting
 samples widen it before any quality metric moves (`app.diagnosis`'s `drifting` verdict reads it).
+
+Beyond TIS, two guards reject (or cap) samples far off the learner's policy, off by default: a sequence-level ratio
+with masking or truncation (MIS) and a token-level mask of extreme ratios (IcePop-style); `app.objectives.off_policy`
+says how, and counts what they did. The learner's log-probs are taken under the sampler's top-k/top-p
+(`app.learner.truncation`), so every ratio here compares like with like.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from app.objectives.base import LossStats, Objective
+from app.objectives.base import SAMPLE_INDEX, LossStats, Objective
+from app.objectives.off_policy import OffPolicyMasks, off_policy_weights
 from contracts.rollouts import SAMPLING_LOGPROBS, Group
 
 ADVANTAGE_EPS = 1e-8
@@ -74,17 +80,26 @@ def grpo_loss(
     epsilon_high: float,
     tis_cap: float | None = None,
     entropy: torch.Tensor | None = None,
+    masks: OffPolicyMasks | None = None,
+    sample_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO objective over a flat set of completion tokens, and its statistics.
 
     All tensors are 1-D, one entry per completion token. `normalizer` is the number of completion
     tokens the whole optimizer step divides by (see the module docstring); a micro-batch's loss is
     its share of that, so summing the backward passes of all micro-batches gives the step's gradient.
-    A NaN sampling log-prob (vLLM did not report one) counts as agreement: ratio 1, as TRL does.
+    A NaN sampling log-prob (vLLM did not report one) counts as agreement: ratio 1, as TRL does. `masks` are the
+    off-policy guards beyond TIS (`app.objectives.off_policy`); the sequence guard needs each token's `sample_index`.
     """
     sampling_logp = torch.where(torch.isnan(sampling_logp), logp.detach(), sampling_logp.to(logp.dtype))
     log_ratio_sampler = logp - sampling_logp
-    if tis_cap is None:
+    if masks is not None and masks.corrects and tis_cap is not None:
+        raise ValueError("sequence truncation carries the off-policy correction itself: not with TIS as well")
+    guards = off_policy_weights(log_ratio_sampler, sample_index, masks) if masks and masks.active else None
+    if masks is not None and masks.corrects:  # the proximal policy is the learner's own, as under TIS
+        log_ratio = logp - logp.detach()
+        is_weight = None
+    elif tis_cap is None:
         log_ratio = log_ratio_sampler
         is_weight = None
     else:
@@ -95,9 +110,14 @@ def grpo_loss(
     per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     if is_weight is not None:
         per_token_loss = per_token_loss * is_weight
+    if guards is not None:
+        per_token_loss = per_token_loss * guards.factor
     loss = per_token_loss.sum() / normalizer
     with torch.no_grad():
-        return loss, _stats(logp, log_ratio_sampler, coef_1, advantages, epsilon, epsilon_high, is_weight, entropy)
+        stats = _stats(logp, log_ratio_sampler, coef_1, advantages, epsilon, epsilon_high, is_weight, entropy)
+    if guards is not None:
+        stats.add(guards.stats)
+    return loss, stats
 
 
 def _stats(logp, log_ratio_sampler, coef_1, advantages, epsilon, epsilon_high, is_weight, entropy) -> LossStats:
@@ -133,14 +153,32 @@ class GRPO(Objective):
     kind = "grpo"
     streams = (SAMPLING_LOGPROBS, ADVANTAGES)
 
-    def __init__(self, weight: float = 1.0, *, epsilon: float, epsilon_high: float, tis_cap: float | None = None):
+    def __init__(
+        self,
+        weight: float = 1.0,
+        *,
+        epsilon: float,
+        epsilon_high: float,
+        tis_cap: float | None = None,
+        masks: OffPolicyMasks | None = None,
+    ):
         super().__init__(weight)
         self.epsilon, self.epsilon_high, self.tis_cap = epsilon, epsilon_high, tis_cap
+        self.masks = masks if masks is not None and masks.active else None
 
     @classmethod
     def from_config(cls, spec, cfg) -> GRPO:
         tis_cap = spec.vllm_importance_sampling_cap if spec.vllm_importance_sampling_correction else None
-        return cls(spec.weight, epsilon=spec.epsilon, epsilon_high=spec.epsilon_high, tis_cap=tis_cap)
+        off = OffPolicyMasks()  # the GPU bench passes a namespace without the guards: they stay off there
+        masks = OffPolicyMasks(
+            sequence=getattr(spec, "sequence_is", off.sequence),
+            sequence_low=getattr(spec, "sequence_is_low", off.sequence_low),
+            sequence_high=getattr(spec, "sequence_is_high", off.sequence_high),
+            token_mask=getattr(spec, "token_mask", off.token_mask),
+            token_low=getattr(spec, "token_mask_low", off.token_low),
+            token_high=getattr(spec, "token_mask_high", off.token_high),
+        )
+        return cls(spec.weight, epsilon=spec.epsilon, epsilon_high=spec.epsilon_high, tis_cap=tis_cap, masks=masks)
 
     def annotate(self, group: Group) -> None:
         for sample, advantage in zip(group.samples, group_advantages(group.rewards), strict=True):
@@ -158,4 +196,6 @@ class GRPO(Objective):
             epsilon_high=self.epsilon_high,
             tis_cap=self.tis_cap,
             entropy=entropy,
+            masks=self.masks,
+            sample_index=streams.get(SAMPLE_INDEX),
         )

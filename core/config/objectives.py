@@ -24,6 +24,33 @@ class GRPOObjectiveConfig(Section):
         False, description="Truncated importance sampling against the sampler's log-probs."
     )
     vllm_importance_sampling_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight.")
+    sequence_is: Literal["off", "mask", "truncate"] = Field(
+        "off",
+        description="Sequence-level importance ratio (MIS, the product of a sample's token ratios): mask drops a "
+        "sample outside [sequence_is_low, sequence_is_high], truncate caps it into that band; off: none.",
+    )
+    sequence_is_low: float = Field(0.5, gt=0, description="Lower bound of the sequence ratio's band.")
+    sequence_is_high: float = Field(2.0, gt=0, description="Upper bound of the sequence ratio's band.")
+    token_mask: bool = Field(
+        False,
+        description="IcePop-style: tokens whose learner/sampler ratio is outside [token_mask_low, token_mask_high] "
+        "contribute nothing.",
+    )
+    token_mask_low: float = Field(0.5, gt=0, description="Lower bound of a token's ratio under token_mask.")
+    token_mask_high: float = Field(2.0, gt=0, description="Upper bound of a token's ratio under token_mask.")
+
+    @model_validator(mode="after")
+    def _off_policy_guards(self) -> GRPOObjectiveConfig:
+        """Bands that hold something, and one off-policy correction at a time (each replaces the PPO ratio's)."""
+        for low, high in (("sequence_is_low", "sequence_is_high"), ("token_mask_low", "token_mask_high")):
+            if getattr(self, low) >= getattr(self, high):
+                raise ValueError(f"{low} must be below {high}")
+        if self.sequence_is == "truncate" and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "sequence_is truncate and vllm_importance_sampling_correction both carry the off-policy correction "
+                "(per sample, per token): choose one"
+            )
+        return self
 
 
 # The most alternatives a fleet's scoring request may ask for (`deployments.api.bodies.MAX_LOGPROBS`, vLLM's default

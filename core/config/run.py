@@ -126,6 +126,9 @@ class DriftConfig(Section):
     ratio_std: float = Field(
         0.5, ge=0, description="Mean per-token standard deviation of the learner/sampler ratio (ratio/std)."
     )
+    masked_share: float = Field(
+        0.1, ge=0, le=1, description="Mean share of tokens GRPO's off-policy masks drop (off_policy/masked_share)."
+    )
     slow_sync_share: float = Field(
         0.5, gt=0, description="A weight sync longer than this share of the step time is named as the cause."
     )

@@ -81,3 +81,11 @@ def test_thresholds_are_configurable():
     assert diagnose(healthy(), strict).kind == "drifting"
     lax = load_config(None, ["logging.drift.ratio_std=5"])
     assert diagnose(healthy(**{"ratio/std": 0.9}), lax).kind != "drifting"
+
+
+def test_tokens_the_off_policy_masks_drop_raise_the_alarm():
+    masked = healthy(**{"off_policy/masked_share": 0.3})
+    v = diagnose(masked, CFG)
+    assert v.kind == "drifting" and "masked_share" in v.advice and v.figures["masked_share"] == 0.3
+    assert diagnose(healthy(**{"off_policy/masked_share": 0.02}), CFG).kind != "drifting"
+    assert diagnose(masked, load_config(None, ["logging.drift.masked_share=0.5"])).kind != "drifting"

@@ -12,6 +12,7 @@ import torch
 
 from app.learner.packing import batch_metrics, filler, pack, pad, register_packed_attention, samples_from_groups, shard
 from app.objectives import Objectives
+from app.objectives.base import SAMPLE_INDEX
 from contracts.rollouts import SAMPLING_LOGPROBS, Group, Sample
 from core.config import RunConfig
 from tests.support.learner_parts import VOCAB, learner_config, random_groups, random_model
@@ -168,7 +169,10 @@ def test_the_targets_of_an_episode_are_exactly_its_model_tokens_and_it_packs_wit
     for c, tok in zip(mb.target_cols.tolist(), mb.targets.tolist(), strict=True):
         assert row[mb.logits_to_keep[c] + 1] == tok
     assert not torch.isnan(mb.streams[SAMPLING_LOGPROBS]).any()  # observation tokens' NaN never reach the loss
-    for name, values in mb.streams.items():  # every stream sits at its sample's trained tokens, in order
+    assert torch.equal(mb.streams[SAMPLE_INDEX], mb.target_sample.float())  # the learner's own stream
+    for name, values in mb.streams.items():  # every sample's stream sits at its trained tokens, in order
+        if name == SAMPLE_INDEX:
+            continue
         for index, sample in enumerate(samples):
             at = (mb.target_sample == index).nonzero().flatten()
             expected = torch.tensor([sample.streams[name][j] for j in sample.target_offsets()], dtype=torch.float32)
@@ -210,7 +214,7 @@ def test_packing_lays_out_whatever_streams_the_samples_carry_and_refuses_samples
             sample.streams["teacher_logprobs"] = [-float(t) for t in sample.completion_ids]
     samples = samples_from_groups(groups)
     for mb in pack(samples, token_budget=30, pad_id=0):
-        assert set(mb.streams) == {SAMPLING_LOGPROBS, "advantages", "teacher_logprobs"}
+        assert set(mb.streams) == {SAMPLING_LOGPROBS, "advantages", "teacher_logprobs", SAMPLE_INDEX}
         assert torch.equal(mb.streams["teacher_logprobs"], -mb.targets.float())
     del groups[1].samples[2].streams["teacher_logprobs"]
     with pytest.raises(ValueError, match="group 1: streams"):
