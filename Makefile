@@ -50,7 +50,7 @@ train: setup
 	$(PY) -m launch.train --config $(CONFIG) $(ARGS)
 
 tiny-model: setup
-	$(PY) -m app.tiny_model --config $(CONFIG)
+	@$(PY) -m tiny --config $(CONFIG)
 
 # What CI runs: every unit and integration test, fault and spot legs included, but the long runs marked `slow`.
 test: setup
@@ -67,8 +67,8 @@ bench: setup
 	$(PY) -m bench.run_all
 
 lint: setup
-	$(PY) -m ruff check app bench contracts core deployments launch tests
-	$(PY) -m ruff format --check app bench contracts core deployments launch tests
+	$(PY) -m ruff check app bench contracts core deployments launch tests tiny
+	$(PY) -m ruff format --check app bench contracts core deployments launch tests tiny
 
 clean:
 	rm -rf $(VENV) $(OPENENV_VENV) .pytest_cache

@@ -9,7 +9,7 @@
   `environment_factory` contract), and the names a config gives them.
 - the modules at its root: the fleet's HTTP client (`fleet_client`), joining a shared fleet (`fleet_run`), weight
   sync (`weight_sync`), the teacher at start (`teacher_setup`), evaluation, the run's log and metrics, the drift
-  alarm (`diagnosis`), the sizing plan (`plan`), the driver's spot notices (`spot`), the tiny model (`tiny_model`; its chat templates, `tiny_templates`; its tool episodes, `tiny_tools`).
+  alarm (`diagnosis`), the sizing plan (`plan`), the driver's spot notices (`spot`). The tiny model is no role of a run: it is `tiny/`, beside the products.
 
 It talks to the fleet over HTTP (or a Serve handle by name) only; the driver that wires it to a fleet is
 `launch.train`.

@@ -1,29 +1,23 @@
 """Held-out accuracy through the fleet: greedy completions (or, with an environment, greedy episodes) of the
 held-out split, sampled and scored by the run's sampler (`app.rollout.sampling`), as the rollout scores them.
 
-    python -m app.evaluate --config FILE [--adapter policy-vN] [--url http://127.0.0.1:8000]
-
-The driver calls `evaluate()` before and after training; as a command it evaluates against a fleet
-that is already running (`make serve` or a run in progress): the newest version in the bucket, or
-the base model (under the name the fleet serves it) when none is published yet.
+The driver calls `evaluate()` before and after training; as a command, `spotrl eval --url URL [policy-vN]`
+(`launch.evaluate`, which builds the tiny model first where it is the run's) evaluates against a fleet that is
+already running (`make serve` or a run in progress): the newest version in the bucket (`default_model`), or the base
+model (under the name the fleet serves it) when none is published yet.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import math
 
 from app.fleet_client import FleetClient
 from app.kinds.registry import problems_of, sampler_for
 from app.rollout.sampling import Sampler, SamplingArgs
-from app.tasks.checks import check_names
 from app.tasks.problems import Problem
-from contracts.auth import inference_token
 from contracts.rollouts import Sample
-from core.config import add_config_args, config_from_args
 from core.models import prompt_token_ids
 
 
@@ -133,26 +127,3 @@ def default_model(cfg, fleet: FleetClient) -> str:
 
     latest = AdapterStore.from_config(cfg).latest()
     return adapter_name(latest, cfg.fleet_run) if latest is not None else base_model_name(fleet)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(parser)
-    parser.add_argument("--adapter", default=None, help="policy-vN to evaluate (default: the newest in the bucket).")
-    parser.add_argument("--url", default=None, help="Fleet URL (default: http://fleet.host:fleet.port).")
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args, checks=(check_names,))
-    from app.tiny_model import prepare_model
-
-    url = args.url or f"http://{cfg.fleet.host}:{cfg.fleet.port}"
-    token = inference_token(cfg)
-    if args.adapter:
-        model = args.adapter
-    else:
-        with contextlib.closing(FleetClient(url, token)) as fleet:
-            model = default_model(cfg, fleet)
-    print(json.dumps(evaluate(cfg, url, prepare_model(cfg.model, cfg.task), model, token)))
-
-
-if __name__ == "__main__":
-    main()

@@ -61,7 +61,7 @@ KNOWN = {
     "qwen/qwen3-1.7b": Shape(2048, 6144, 28, 16, 8, 151936, True, head_dim=128, qkv_bias=False),
     "qwen/qwen3-8b": Shape(4096, 12288, 36, 32, 8, 151936, False, head_dim=128, qkv_bias=False),
     "meta-llama/llama-3.1-8b": Shape(4096, 14336, 32, 32, 8, 128256, False, qkv_bias=False),
-    # The embedded default (app.tiny_model): its BPE vocabulary is at most 384 tokens.
+    # The embedded default (tiny.build): its BPE vocabulary is at most 384 tokens.
     "tiny": Shape(128, 512, 2, 4, 2, 384, True),
 }
 

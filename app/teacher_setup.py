@@ -142,7 +142,7 @@ def _self_teacher(cfg, spec, fleet: FleetClient, token: Secret | None, policy_mo
 def _deployed_teacher(cfg, teacher, fleet: FleetClient, student, token: Secret | None) -> TeacherEndpoint:
     """A `model` teacher: the fleet's teacher deployment, which must be there and of the student's tokenizer."""
     deployment = teacher.deployment()
-    check_same_tokenizer(student, resolve_model_path(deployment.model, cfg.task), "teacher.model")
+    check_same_tokenizer(student, resolve_model_path(deployment.model), "teacher.model")
     if deployment.name not in {m["id"] for m in fleet.models()}:
         raise refuse(f"the fleet at {fleet.base_url} serves no teacher {deployment.name!r} (started without it?)")
     return TeacherEndpoint("model", fleet.base_url, deployment.name, token)

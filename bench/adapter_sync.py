@@ -37,7 +37,7 @@ QWEN25_1_5B = dict(
     vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
     num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768,
 )  # fmt: skip
-TINY_VOCAB = 384  # app.tiny_model trains a 384-token BPE; the vocabulary does not touch an all-linear adapter
+TINY_VOCAB = 384  # tiny.tokenizer trains a 384-token BPE; the vocabulary does not touch an all-linear adapter
 KEEP_VERSIONS = 8  # gc as a run would (bucket.keep_versions), so the bucket does not grow through the benchmark
 SHARD_BYTES = 1 << 30  # full weights in ~1 GiB safetensors shards, as HF writes them
 

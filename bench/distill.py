@@ -53,8 +53,8 @@ def run_variant(cfg, teacher, steps: list[int]) -> dict:
     """A fleet of its own (with the teacher deployment whatever the variant), the run, its adapters evaluated."""
     from app.evaluate import base_model_name, evaluate
     from app.fleet_client import FleetClient
-    from app.tiny_model import prepare_model
     from deployments.fleet import deploy_fleet, shutdown_fleet
+    from tiny.build import prepare_model
 
     model_path = prepare_model(cfg.model, cfg.task)
     try:
@@ -110,10 +110,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from core.config import load_config
     from core.local_ray import start_ray
+    from tiny.build import name_built
 
     shipped = load_config(CONFIG)
     distill = next(o for o in shipped.objectives if o.kind == "distill").model_dump(mode="json")
     teacher = shipped.own_fleet().teacher
+    name_built(teacher.model, shipped.task)  # the tiny teacher, which its deployment loads by its folder
     steps = list(range(args.every, args.steps + 1, args.every))
     workdir = Path(tempfile.mkdtemp(prefix="spotrl-bench-distill-"))
     start_ray(None, offline=True)

@@ -73,7 +73,7 @@ def make_groups(n_groups: int, group_size: int, seed: int, objectives):
 
 
 def build_model(folder: Path) -> str:
-    from app.tiny_model import random_qwen2
+    from tiny.network import random_qwen2
 
     random_qwen2(**MODEL, max_position_embeddings=512).save_pretrained(folder)
     return str(folder)

@@ -215,12 +215,12 @@ def main(argv: list[str] | None = None) -> None:
     import ray
 
     from app.fleet_client import FleetClient
-    from app.tiny_model import prepare_model
     from contracts.auth import admin_token, lineage_key, signing_secret
     from core.bucket.store import AdapterStore
     from core.config import load_config
     from deployments.fleet import deploy_fleet, shutdown_fleet
     from tests.support.fleet_helpers import free_port, publish_random_adapters, start_local_ray
+    from tiny.build import prepare_model
 
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-") as work:

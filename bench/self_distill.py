@@ -11,7 +11,7 @@ same student tells what the privileged teacher adds over the reward. The three a
   disabled), `distillation_mode="sampled_token"` with `distillation_alpha=1.0` (the reverse KL at the sampled token,
   the only alpha that mode takes), the teacher prompt spotrl renders (`teacher_prompt_template` is the config's
   `context` with `{answer}` as TRL's `{privileged_context}`, a column holding each problem's answer), generation on
-  the CPU with transformers (`use_vllm=False`); the same tiny model folder (`app.tiny_model.prepare_model`), LoRA
+  the CPU with transformers (`use_vllm=False`); the same tiny model folder (`tiny.build.prepare_model`), LoRA
   (rank 8, alpha 16, all linear layers, zero-initialised B), train split, learning rate, AdamW, gradient clipping,
   constant schedule, temperature, G and 16 prompts x G samples per optimizer step; in a child process of its own
   while no fleet or Ray runs, so it has the machine to itself;
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     import ray
 
-    from app.tiny_model import prepare_model
     from core.local_ray import start_ray
+    from tiny.build import prepare_model
 
     steps = list(range(args.every, args.steps + 1, args.every))
     workdir = Path(tempfile.mkdtemp(prefix="spotrl-bench-self-distill-"))

@@ -100,8 +100,8 @@ def run_row(phase: str, name: str, s: dict) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from app.tiny_model import prepare_model
     from core.config import load_config
+    from tiny.build import prepare_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150, help="Steps of each run (tiny-cpu's own: 150).")

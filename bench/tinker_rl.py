@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     import httpx
 
     from app.kinds.registry import problems_of
-    from app.tiny_model import prepare_model
     from deployments.tinker.settings import TinkerSettings
     from launch.tinker import start_tinker, stop_tinker
+    from tiny.build import prepare_model
 
     cfg = load_config()
     model_path = prepare_model(cfg.model, cfg.task)

@@ -277,9 +277,9 @@ def run_seed(seed: int, steps: list[int], port: int) -> dict:
     """One fleet on the Ray already started, both trainers (spotrl first, then TRL), evaluated alike."""
     from app.evaluate import base_model_name, evaluate
     from app.fleet_client import FleetClient
-    from app.tiny_model import prepare_model
     from core.config import load_config
     from deployments.fleet import deploy_fleet, shutdown_fleet
+    from tiny.build import prepare_model
 
     workdir = Path(tempfile.mkdtemp(prefix="spotrl-vs-trl-"))
     (workdir / "trl" / ".vllm_lora").mkdir(parents=True)

@@ -1,8 +1,8 @@
 """Where the model and its tokenizer come from, for the learner, the rollout, evaluation and the fleet alike.
 
-One place resolves the model path (a local folder, a hub name, or the embedded tiny model's folder, which the
-entry points build first: `app.tiny_model.prepare_model`) and loads the tokenizer with the round-trip check, so
-every part sees the same tokens;
+One place resolves the model path (a local folder or a hub name; the embedded tiny model is named by the folder the
+entry points build first, `tiny.build.prepare_model`) and loads the tokenizer with the round-trip check, so every
+part sees the same tokens;
 fingerprints the model, so a run can tell that a fleet it joins serves the same base model; and
 compares two tokenizers by the ids they give, so a teacher that would score other tokens is refused.
 """
@@ -10,66 +10,25 @@ compares two tokenizers by the ids they give, so a teacher that would score othe
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from core.config import NO_REASONING_GYM, ConfigError, ModelConfig, TaskConfig
+from core.config import ConfigError, ModelConfig
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 logger = logging.getLogger("spotrl.models")
 
 
-TINY_BUILD_VERSION = 1  # bump when the tiny model's build recipe changes (`app.tiny_model`), so stale caches go unused
-
-
-def tiny_model_folder(model_cfg: ModelConfig, task_cfg: TaskConfig) -> Path:
-    """Where the tiny model of these configs is built (`app.tiny_model`): keyed by everything the folder depends on,
-    its shape, its warm-up and the held-out split it avoids."""
-    spec = {
-        "v": TINY_BUILD_VERSION,
-        "tiny": model_cfg.tiny.model_dump(
-            exclude={"warmup_context", "warmup_context_accuracy", "warmup_chat", "warmup_tools"}
-        ),
-        "task": [task_cfg.digits, task_cfg.seed, task_cfg.num_heldout],
-    }
-    if (
-        model_cfg.tiny.warmup_context is not None
-    ):  # also taught to read a self teacher's context (the key without stays)
-        spec["context"] = [model_cfg.tiny.warmup_context, model_cfg.tiny.warmup_context_accuracy]
-    if model_cfg.tiny.warmup_chat:  # warmed up on chat-rendered prompts (the key without stays as it was)
-        spec["chat"] = True
-    if model_cfg.tiny.warmup_tools is not None:  # a tool template, warmed up on played tool episodes
-        spec["tools"] = model_cfg.tiny.warmup_tools.model_dump()
-    if task_cfg.name == "chained_arithmetic":  # warmed up on episodes instead (the single-turn key stays as it was)
-        spec["episodes"] = [task_cfg.chain_min, task_cfg.chain_max, task_cfg.chain_operand_max]
-    if task_cfg.name == "reasoning_gym":
-        # Its tokenizer and warm-up come from the datasets' own problems, in the mix's order (which seeds each
-        # dataset), drawn by the library's version of the generators, and held-out accuracy is judged by the rewards.
-        spec["reasoning_gym"] = {
-            "datasets": [[name, d.model_dump()] for name, d in task_cfg.datasets.items()],
-            "library": reasoning_gym_version(),
-            "reward_funcs": task_cfg.reward_funcs,
-        }
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(model_cfg.cache_dir).expanduser() / f"tiny-qwen2-{key}"
-
-
-def reasoning_gym_version() -> str:
-    try:
-        return importlib.metadata.version("reasoning-gym")
-    except importlib.metadata.PackageNotFoundError:
-        raise ConfigError(NO_REASONING_GYM) from None
-
-
-def resolve_model_path(model_cfg: ModelConfig, task_cfg: TaskConfig) -> str:
-    """The local folder (or hub name) that the learner and the fleet load; for the tiny model, its folder (built by
-    the entry point that starts the run or the fleet, `app.tiny_model.prepare_model`)."""
+def resolve_model_path(model_cfg: ModelConfig) -> str:
+    """The local folder (or hub name) that the learner and the fleet load, as the config names it. The tiny model is
+    named by its built folder: "tiny" is the entry points' to build and name (`tiny.build`), never resolved here."""
     if model_cfg.name_or_path == "tiny":
-        return str(tiny_model_folder(model_cfg, task_cfg))
+        raise ConfigError(
+            "model.name_or_path: tiny is built by the entry point, which names its folder (`make tiny-model` prints it)"
+        )
     return model_cfg.name_or_path
 
 

@@ -10,5 +10,5 @@
 - `launch.cli`: the `spotrl` command, whose subcommands run these modules' `main(argv)` (and `app.plan`'s);
   `launch.config_help` lists a config's fields for its `--help`.
 
-Each builds the tiny model first where it is the one served (`app.tiny_model.prepare_model`).
+Each builds the tiny model first where it is the one served (`tiny.build.prepare_model`).
 """

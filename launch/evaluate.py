@@ -24,7 +24,6 @@ from pathlib import Path
 from app.evaluate import EvaluationLost, base_model_name, evaluate
 from app.fleet_client import FleetClient, FleetError
 from app.tasks.checks import check_names
-from app.tiny_model import prepare_model
 from app.weight_sync import ensure_served
 from contracts.adapters import adapter_name
 from contracts.auth import admin_token, inference_token
@@ -33,6 +32,7 @@ from core.bucket.store import AdapterStore
 from core.config import ConfigError, RunConfig, add_config_args, config_from_args
 from core.models import pin_revision
 from launch.train import start_fleet
+from tiny.build import prepare_run
 
 log = logging.getLogger("spotrl.eval")
 
@@ -86,7 +86,7 @@ def held_out(cfg: RunConfig, ref: str | None, url: str | None = None, address: s
         if folder is not None:
             cfg = in_scratch_bucket(stack, cfg)
         version = None if folder is not None else committed_version(AdapterStore.from_config(cfg), ref)
-        model_path = prepare_model(cfg.model, cfg.task, log=log.info)
+        model_path = prepare_run(cfg, log=log.info)
         pin_revision(cfg.model, model_path, log=log.info)
         if url:
             fleet = FleetClient(url, token=admin_token(cfg))

@@ -6,9 +6,9 @@ config or overrides, on a copy of it that names them (and the fleet's host and p
 repeat).
 
 It reads a fleet config file (`core.config.FleetConfig`), builds the tiny model where that is the base model (or
-the teacher's), pins a hub model's revision, and hands both to the fleet's builder (`deployments.fleet.fleet_app`).
-It sits above both products because building the tiny model is the run side's (`app.tiny_model`, which warms it up
-on the run's task): the fleet itself only ever loads a model folder it is given.
+the teacher's: the embedded default's, since a fleet names no task; another task's is named by its folder), pins a
+hub model's revision, and hands both to the fleet's builder (`deployments.fleet.fleet_app`). It sits above both
+products because building the tiny model is neither's (`tiny.build`): the fleet only ever loads a folder it is given.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 
 import yaml
 
-from app.tiny_model import prepare_model
 from core.bucket.filesystem import absolute_bucket_url
 from core.config import REPO_ROOT, ConfigError, FleetConfig, load_fleet_config
 from core.models import pin_revision
 from deployments.fleet import fleet_app
+from tiny.build import name_built, prepare_model
 
 log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the app-build and controller logs
 
@@ -48,9 +48,9 @@ def serve_fleet_config(config: str | None, overrides: list[str]) -> FleetConfig:
 def build_app(args: dict[str, Any]):
     """Entry point of `serve run serve_config.yaml`: args `config` (a fleet config file) and `overrides`."""
     cfg = serve_fleet_config(args.get("config"), list(args.get("overrides") or []))
-    model_path = prepare_model(cfg.model, cfg.tiny_task, log=log.info)
-    if cfg.teacher is not None:
-        prepare_model(cfg.teacher.model, cfg.tiny_task, log=log.info)
+    model_path = prepare_model(cfg.model, log=log.info)
+    if cfg.teacher is not None:  # its replicas load the folder its config names
+        name_built(cfg.teacher.model, log=log.info)
     pin_revision(cfg.model, model_path, log=log.info)  # every replica, restarts included, loads one commit
     log.info(
         "fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, absolute_bucket_url(cfg.bucket_url)

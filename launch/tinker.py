@@ -92,14 +92,14 @@ def main(argv: list[str] | None = None) -> None:
     import pydantic
     import ray
 
-    from app.tiny_model import prepare_model
     from contracts.auth import admin_token as resolve_admin_token
     from core.config import load_fleet_config
     from deployments.fleet import fleet_url
+    from tiny.build import prepare_model
 
     args = build_parser().parse_args(argv)
     cfg = load_fleet_config(args.config, args.set)
-    model_path = prepare_model(cfg.model, cfg.tiny_task)
+    model_path = prepare_model(cfg.model)
     ray.init(address="auto", namespace=LEARNER_NAMESPACE)
     url = fleet_url(cfg)
     token = resolve_admin_token(cfg)

@@ -25,11 +25,11 @@ from app.messages import ResumePoint
 from app.run_log import Run, StepLog, previous_steps
 from app.spot import DriverNotices, Preempted, finished_line, preempted_line, resumed_line
 from app.tasks.checks import check_episode_budget, check_names
-from app.tiny_model import prepare_model
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, admin_token, inference_token
 from core.config import ConfigError, RunConfig, add_config_args, config_from_args
 from core.models import is_local, pin_revision
+from tiny.build import prepare_run
 
 log = logging.getLogger("spotrl.train")
 
@@ -205,9 +205,7 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
     from app.weight_sync import ensure_served
 
     run = Run(cfg)
-    model_path = prepare_model(cfg.model, cfg.task, log=log.info)
-    if (model_teacher := cfg.teacher_of("model")) is not None:  # its own fleet's teacher deployment loads it
-        prepare_model(model_teacher.model, cfg.task, log=log.info)
+    model_path = prepare_run(cfg, log=log.info)  # a tiny teacher too, named by its folder for its deployment
     pin_revision(cfg.model, model_path, log=log.info)
     check_episode_budget(cfg, model_path)  # needs the model's tokenizer; before Ray and the fleet all the same
     if not cfg.join.url and report_finished(cfg):

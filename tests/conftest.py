@@ -36,7 +36,7 @@ def default_config():
 @pytest.fixture(scope="session")
 def tiny_model_path(default_config) -> str:
     """The embedded default's tiny model folder (built on first use, then reused from the cache)."""
-    from app.tiny_model import prepare_model
+    from tiny.build import prepare_model
 
     return prepare_model(default_config.model, default_config.task)
 

@@ -35,7 +35,7 @@ class TrlEnvironments(EnvKind):
             except TypeError as e:
                 raise ConfigError(f"env.factory{'' if kind.name is None else '.' + kind.name}: {e}") from None
         tools = cfg.model.tiny.warmup_tools if cfg.model.name_or_path == "tiny" else None
-        if tools is not None:  # the tiny model's warm-up plays its demonstrations (`app.tiny_tools`)
+        if tools is not None:  # the tiny model's warm-up plays its demonstrations (`tiny.tool_play`)
             from app.tasks.registry import resolve_named
 
             try:

@@ -3,7 +3,7 @@
 A self teacher (`teacher: {self: {model: ..., context: TEMPLATE}}`) is the student's own model, scoring the student's
 sampled tokens under another prompt: the template filled with the problem's prompt and its privileged context, the
 gold answer or a worked solution (SDFT), or what the environment said of a failed episode (SDPO). Both the rollout's
-teacher (`app.rollout.teacher`) and the tiny model's warm-up (`app.tiny_model`, which teaches the embedded default
+teacher (`app.rollout.teacher`) and the tiny model's warm-up (`tiny.context`, which teaches the embedded default
 to read an answer given so) render it here, so that the two never lay it out differently.
 
 The fields a template may name: `prompt` (the student's prompt; for a chat prompt, its last user message), `answer`

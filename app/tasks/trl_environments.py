@@ -229,7 +229,7 @@ def tool_tokenizer(tokenizer):
     of its cache) are unchanged."""
     from trl.chat_template_utils import qwen2_5_chat_template
 
-    from app.tiny_templates import CHAT_TEMPLATE as TINY_CHAT_TEMPLATE
+    from core.chat_templates import CHAT_TEMPLATE as TINY_CHAT_TEMPLATE
 
     if tokenizer.chat_template != TINY_CHAT_TEMPLATE:
         return tokenizer

@@ -1,5 +1,6 @@
 """Old keys read for one more release: the `grpo` section, split by concern (`core.config.training`,
-`core.config.objectives`), is moved to its new homes with one line naming each new key, once per process.
+`core.config.objectives`), is moved to its new homes with one line naming each new key, once per process; a fleet's
+`tiny_task` is dropped with one line naming what replaced it.
 
 `RunConfig` moves them before it validates (a model_validator), so an old YAML file keeps working; `--set
 grpo.<key>=...` is moved as it is applied (`core.config.loading`), so that it overrides the file's new key.
@@ -74,3 +75,18 @@ def move_grpo_keys(data: Any) -> Any:
         data["objectives"] = objectives
         _warn(f"grpo.{key} is now the grpo objective's: {new_key(key)} (grpo is read for one more release)")
     return data
+
+
+# A fleet's `tiny_task` named the task its tiny model was warmed up on: a fleet names a built model instead.
+TINY_TASK_GONE = (
+    "tiny_task is ignored: a fleet's model.name_or_path names the model it serves, tiny for the embedded default's or "
+    "the folder `make tiny-model CONFIG=<run config>` prints for another task's (tiny_task is read for one more release)"
+)
+
+
+def drop_tiny_task(data: Any) -> Any:
+    """`data` (a fleet's config as read) without `tiny_task`, said once."""
+    if not isinstance(data, dict) or "tiny_task" not in data:
+        return data
+    _warn(TINY_TASK_GONE)
+    return {k: v for k, v in data.items() if k != "tiny_task"}

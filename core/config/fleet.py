@@ -20,7 +20,8 @@ from pydantic import ConfigDict, Field, SecretStr, field_serializer, field_valid
 
 from contracts.adapters import split_version_url
 from contracts.auth import check_token
-from core.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig, TaskConfig
+from core.config.deprecated import drop_tiny_task
+from core.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig
 from core.config.teacher import TeacherDeployment, size_teacher_context
 from core.config.tinker import TinkerConfig
 
@@ -180,6 +181,20 @@ class FleetSettings(Section):
         default_factory=list,
         description="Other lineages' bucket prefixes (a finished run's bucket.url) whose versions load under any name.",
     )
+    routes: list[str] = Field(
+        default_factory=list,
+        description='More endpoints of the API: "module:callable"s, each making a deployments.api.routing.Routes from '
+        "the app's RouteParts (docs/extending.md).",
+    )
+
+    @field_validator("routes")
+    @classmethod
+    def _route_names(cls, routes: list[str]) -> list[str]:
+        """`module:callable` each; whether they import is the fleet builder's to say, before anything starts."""
+        for name in routes:
+            if ":" not in name:
+                raise ValueError(f"{name!r}: expected module:callable")
+        return routes
 
     @model_validator(mode="before")
     @classmethod
@@ -205,10 +220,6 @@ class FleetConfig(Section):
     """A whole fleet: the base model, the bucket, the fleet's settings."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="Base model every replica serves.")
-    tiny_task: TaskConfig = Field(
-        default_factory=TaskConfig,
-        description="The task the tiny model is warmed up on (model.name_or_path tiny only; its runs train on it).",
-    )
     bucket: BucketConfig = Field(
         default_factory=BucketConfig, description="The fleet's bucket ({run_name} is the fleet's app_name)."
     )
@@ -223,6 +234,11 @@ class FleetConfig(Section):
         default_factory=TinkerConfig,
         description="The Tinker API beside the fleet (python -m launch.tinker): its tenants' limits, its learners.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        return drop_tiny_task(data)  # read for one more release
 
     @model_validator(mode="after")
     def _check_cross_field(self) -> FleetConfig:

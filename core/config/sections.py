@@ -35,7 +35,7 @@ class Section(BaseModel):
 
 
 class ToolWarmupConfig(Section):
-    """A warm-up on played tool episodes: the tiny model gets a chat template that renders tools (`app.tiny_tools`)."""
+    """A warm-up on played tool episodes: the tiny model gets a chat template that renders tools (`tiny.tools`)."""
 
     environment: str = Field(
         ...,

@@ -27,7 +27,7 @@ def teacher_app(cfg: FleetConfig, model_path: str, bucket_url: str, replica_depl
     from core.models import check_same_tokenizer, load_tokenizer, resolve_model_path
 
     teacher = cfg.teacher
-    teacher_path = resolve_model_path(teacher.model, cfg.tiny_task)  # built by the entry point
+    teacher_path = resolve_model_path(teacher.model)  # a tiny teacher: its folder, built and named by the entry point
     if Path(teacher_path).expanduser().exists():
         teacher_path = str(Path(teacher_path).expanduser().resolve())
     check_same_tokenizer(load_tokenizer(model_path), teacher_path, f"teacher {teacher.name!r} ({teacher_path})")

@@ -27,8 +27,9 @@ TOP = 3
 def _teacher_folder(model_path: str, folder, *, vocab_size: int | None = None) -> str:
     """A teacher model that is not the base model: one random layer, with the base's tokenizer or (`vocab_size`)
     a tokenizer of other ids."""
-    from app.tiny_model import build_tokenizer, random_qwen2
     from core.models import load_tokenizer
+    from tiny.network import random_qwen2
+    from tiny.tokenizer import build_tokenizer
 
     tokenizer = load_tokenizer(model_path) if vocab_size is None else build_tokenizer(2, 0, vocab_size)
     model = random_qwen2(

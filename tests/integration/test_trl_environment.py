@@ -33,10 +33,11 @@ from app.rollout.sampling import SamplingArgs  # noqa: E402
 from app.rollout.tool_episodes import ToolEpisodeRunner  # noqa: E402
 from app.tasks.problems import Problem  # noqa: E402
 from app.tasks.trl_environments import ToolChat, tool_tokenizer  # noqa: E402
-from app.tiny_model import build_tokenizer, random_qwen2  # noqa: E402
-from app.tiny_tools import turn_ids  # noqa: E402
 from contracts.rollouts import Choice  # noqa: E402
 from examples.trl_calculator import CalculatorEnv  # noqa: E402
+from tiny.network import random_qwen2  # noqa: E402
+from tiny.tokenizer import build_tokenizer  # noqa: E402
+from tiny.tool_play import turn_ids  # noqa: E402
 
 
 def call(name: str, **arguments) -> dict:

@@ -14,7 +14,7 @@ VOCAB = 64
 
 def random_model(folder) -> str:
     """A small random Qwen2 saved as a model folder (no tokenizer: the learner works on token ids)."""
-    from app.tiny_model import random_qwen2
+    from tiny.network import random_qwen2
 
     model = random_qwen2(
         vocab_size=VOCAB,

@@ -122,8 +122,8 @@ class SpotCluster:
 
     def deploy_fleet(self) -> float:
         """The fleet of two replicas (one per rollout node); seconds it took."""
-        from app.tiny_model import prepare_model
         from deployments.fleet import deploy_fleet
+        from tiny.build import prepare_model
 
         t0 = time.time()
         cfg = self.config()  # task.num_heldout=32: a tiny model of its own (its warm-up never sees those 32)

@@ -2,7 +2,9 @@
 
 From the ground: `contracts/` (what both sides agree on) imports nothing of ours; the base, `core/` (config, bucket,
 model paths, the local Ray), imports the contracts; the run's roles (`app/`) and the fleet (`deployments/`) import
-the base and the contracts, never each other; the entry points (`launch/`) are the only modules that import both.
+the base and the contracts, never each other; the tiny model (`tiny/`), the demos' model and no role of a run, stands
+on the run's roles (whose tasks it warms up on) and never on the fleet; the entry points (`launch/`) are the only
+modules that import both products, and build the tiny model.
 Every `import` statement of every module counts, those inside functions and under `TYPE_CHECKING` too (a lazy or
 type-only import is a dependency all the same), and there is no circle of imports anywhere, inside a package or
 across: each module can be read, and replaced, knowing only those below it.
@@ -20,7 +22,8 @@ FLOORS = {
     "core": ("core", "contracts"),
     "app": ("app", "core", "contracts"),
     "deployments": ("deployments", "core", "contracts"),
-    "launch": ("launch", "app", "deployments", "core", "contracts"),
+    "tiny": ("tiny", "app", "core", "contracts"),
+    "launch": ("launch", "tiny", "app", "deployments", "core", "contracts"),
 }
 PACKAGES = tuple(FLOORS)
 

@@ -1,4 +1,4 @@
-"""`python -m app.evaluate` without --adapter: the newest version in the bucket, else the base model as served."""
+"""`spotrl eval` on a running fleet without a version: the newest version in the bucket, else the base model as served."""
 
 import httpx
 
@@ -129,8 +129,8 @@ def _evaluate_episodes(broken: list[bool]) -> dict:
     from app.rollout.tool_episodes import ToolEpisodeRunner
     from app.tasks.problems import Problem
     from app.tasks.trl_environments import ToolChat, tool_tokenizer
-    from app.tiny_model import build_tokenizer
     from contracts.rollouts import Choice
+    from tiny.tokenizer import build_tokenizer
 
     chat = ToolChat(tool_tokenizer(build_tokenizer(2, 0)))
 

@@ -131,7 +131,7 @@ def test_a_run_and_a_fleet_are_configured_apart():
     run = load_config(None, ["lora.rank=4", "rollout.max_staleness=3"])
     own = run.own_fleet()
     assert (own.max_loras, own.max_lora_rank, own.max_staleness, own.window) == (5, 8, 3, 4)  # its window + 1, vLLM's 8
-    assert own.bucket_url == run.bucket_url and own.model == run.model and own.tiny_task == run.task
+    assert own.bucket_url == run.bucket_url and own.model == run.model  # a fleet names no task (`tiny.build`)
     assert load_config(None, ["fleet.max_loras=9"]).own_fleet().max_loras == 9  # as its fleet section says
     with pytest.raises(ConfigError, match="lora.rank=16 exceeds fleet.max_lora_rank=8"):
         load_config(None, ["lora.rank=16", "fleet.max_lora_rank=8"])

@@ -4,7 +4,7 @@ import pytest
 
 from core.config import ConfigError, load_config
 from core.config.teacher import TeacherConfig
-from core.models import tiny_model_folder
+from tiny.folder import tiny_model_folder
 
 SELF = "objectives=[{kind: distill, teacher: {self: {model: %s, context: '%s'}}}]"
 

@@ -202,7 +202,7 @@ def test_a_distilling_producer_needs_a_teacher():
 
 @pytest.fixture(scope="module")
 def student_folder(tmp_path_factory):
-    from app.tiny_model import build_tokenizer
+    from tiny.tokenizer import build_tokenizer
 
     folder = tmp_path_factory.mktemp("student")
     build_tokenizer(2, seed=0).save_pretrained(folder)
@@ -211,8 +211,8 @@ def student_folder(tmp_path_factory):
 
 def test_a_teacher_server_is_checked_by_its_token_ids_and_by_scoring_twice(teacher_url, student_folder):
     from app.teacher_setup import prepare_teacher
-    from app.tiny_model import build_tokenizer
     from core.models import load_tokenizer
+    from tiny.tokenizer import build_tokenizer
 
     cfg_overrides = [f"objectives=[{{kind: distill, teacher: {{url: '{teacher_url}'}}}}]"]
     cfg = load_config(None, cfg_overrides)

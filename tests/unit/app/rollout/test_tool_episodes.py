@@ -12,9 +12,9 @@ from app.rollout.sampling import SamplingArgs
 from app.rollout.tool_episodes import ToolEpisodeRunner
 from app.tasks.problems import Problem
 from app.tasks.trl_environments import ToolChat, tool_methods, tool_tokenizer
-from app.tiny_model import build_tokenizer
 from contracts.rollouts import Choice
 from examples.trl_calculator import CalculatorEnv
+from tiny.tokenizer import build_tokenizer
 
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'
 SUBMIT = '<tool_call>\n{"name": "submit", "arguments": {"answer": 3}}\n</tool_call><|im_end|>'

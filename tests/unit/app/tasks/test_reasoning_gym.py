@@ -177,8 +177,8 @@ def test_a_run_without_the_package_is_told_which_extra_to_install(monkeypatch):
 
 
 def test_the_tiny_model_of_a_run_without_the_package_is_refused_in_the_same_line(monkeypatch):
-    """`python -m app.tiny_model` keys its folder by the library's version before it loads a problem."""
-    from core.models import tiny_model_folder
+    """`python -m tiny` keys its folder by the library's version before it loads a problem."""
+    from tiny.folder import tiny_model_folder
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)

@@ -14,8 +14,8 @@ from app.tasks.trl_environments import (
     tool_tokenizer,
     with_observation,
 )
-from app.tiny_model import build_tokenizer
 from examples.trl_calculator import CalculatorEnv
+from tiny.tokenizer import build_tokenizer
 
 
 class Counter:

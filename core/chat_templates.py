@@ -1,12 +1,12 @@
 """The tiny model's chat templates: a plain one, and one that renders tools, for a tiny model that calls them.
 
-The tiny model is built here (`app.tiny_model`), so its templates are too. The tool template writes Qwen2.5's
-tool-call format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the assistant's turn, each tool result
+The tiny model is built by `tiny/`; its templates sit below both it and the run's roles, because the run
+recognises the tiny model's tokenizer by its plain template (`app.tasks.trl_environments.tool_tokenizer`). The tool
+template writes Qwen2.5's tool-call format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the assistant's turn, each tool result
 as `<tool_response>...</tool_response>` in a user turn, `<|im_end|>` closing every turn), so that TRL's own Qwen
 response template (`trl.chat_template_utils.qwen3_template`) parses the model's turns. It lists the tools in one
 short line (`Tools: add(a,b) submit(answer)`) where Qwen2.5's preamble gives their JSON schemas in about 1,000 of the
-tiny tokenizer's tokens, four times the model's context. A module that compares a tokenizer's template with these
-imports them from here, not from the builder.
+tiny tokenizer's tokens, four times the model's context.
 """
 
 EOS = "<|endoftext|>"

@@ -10,12 +10,13 @@ import torch
 
 from app.tasks.problems import Problem, arithmetic_prompt
 from app.tasks.trl_environments import ToolChat, tool_methods, tool_tokenizer
-from app.tiny_model import build_tokenizer, random_qwen2
-from app.tiny_templates import END_OF_TURN
-from app.tiny_tools import LocalGreedy, ToolPlay, turn_ids
+from core.chat_templates import END_OF_TURN
 from core.config import RunConfig, TaskConfig, ToolWarmupConfig
-from core.models import tiny_model_folder
 from examples.trl_calculator import CalculatorEnv, demonstration
+from tiny.folder import tiny_model_folder
+from tiny.network import random_qwen2
+from tiny.tokenizer import build_tokenizer
+from tiny.tool_play import LocalGreedy, ToolPlay, turn_ids
 
 TOOLS = ToolWarmupConfig(
     environment="examples.trl_calculator:CalculatorEnv", demonstration="examples.trl_calculator:demonstration"
@@ -147,17 +148,17 @@ def test_a_tool_warm_up_must_be_played_in_the_runs_own_environment_and_has_a_cac
 
 
 def test_the_tool_warm_ups_tokenizer_learns_the_format_so_a_whole_episode_fits_the_tiny_models_context(monkeypatch):
-    import app.tiny_model as tiny_model
+    import tiny.tools as tools
     from core.config import TinyModelConfig
 
-    monkeypatch.setattr(tiny_model, "TOOL_POOL", 64)
+    monkeypatch.setattr(tools, "TOOL_POOL", 64)
     tiny = TinyModelConfig(warmup_tools=TOOLS)
     heldout = additions(8, seed=2)
-    tokenizer, plan = tiny_model.tool_plan(tiny, TASK, heldout)
+    tokenizer, plan = tools.tool_plan(tiny, TASK, heldout)
     examples = [plan.example(random.Random(k)) for k in range(16)]
     assert all(len(ids) <= 160 < tiny.max_position_embeddings for ids, _ in examples)  # ~130 tokens
     assert all(tokenizer.decode(ids).count("<tool_call>") == 2 for ids, _ in examples)
     held = {p.prompt for p in heldout}
     assert not any(p in tokenizer.decode(ids) for ids, _ in examples for p in held)  # held-out problems unseen
     with pytest.raises(ValueError, match="demonstrates additions"):
-        tiny_model.tool_plan(tiny, TaskConfig(name="chained_arithmetic"), heldout)
+        tools.tool_plan(tiny, TaskConfig(name="chained_arithmetic"), heldout)

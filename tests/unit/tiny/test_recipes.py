@@ -7,20 +7,14 @@ import pytest
 
 from app.tasks.problems import SEED_BLOCK, WARMUP_BLOCK, draw_reasoning_gym, load_task
 from app.tasks.rewards import RewardScorer
-from app.tiny_model import (
-    EOS,
-    WarmUpPlan,
-    build_model,
-    build_tokenizer,
-    check_context,
-    greedy_accuracy,
-    reference_example,
-    rewarded,
-    warm_up,
-    warmup_plan,
-)
+from core.chat_templates import EOS
 from core.config import CONFIG_DIR, ConfigError, ModelConfig, TinyModelConfig, load_config
-from core.models import prompt_token_ids, tiny_model_folder
+from core.models import prompt_token_ids
+from tiny.folder import tiny_model_folder
+from tiny.network import build_model
+from tiny.recipes import warmup_plan
+from tiny.tokenizer import build_tokenizer
+from tiny.warmup import WarmUpPlan, check_context, greedy_accuracy, reference_example, rewarded, warm_up
 
 TINY = TinyModelConfig(
     hidden_size=32,
@@ -166,7 +160,8 @@ def test_the_context_part_of_the_warm_up_shows_the_answer_under_the_teachers_tem
 
     from app.tasks.privileged import privileged_problem
     from app.tasks.problems import make_arithmetic
-    from app.tiny_model import context_plan, exactly_the_answer
+    from tiny.context import context_plan
+    from tiny.warmup import exactly_the_answer
 
     cfg = load_config(CONFIG_DIR / "tiny-self-distill.yaml")
     template = cfg.model.tiny.warmup_context
@@ -191,7 +186,7 @@ def test_a_chat_warm_up_sees_an_addition_as_verifiers_renderer_sends_it():
 
     from renderers import create_renderer
 
-    from app.tiny_model import addition_example, chat_rendered, fresh_addition
+    from tiny.arithmetic import addition_example, chat_rendered, fresh_addition
 
     tokenizer = build_tokenizer(2, 0)
     plain = fresh_addition(random.Random(3), 100, set())
@@ -203,3 +198,12 @@ def test_a_chat_warm_up_sees_an_addition_as_verifiers_renderer_sends_it():
     assert tokenizer.decode(completion) == plain.answer + EOS
     cfg = load_config(None, ["model.tiny.warmup_chat=true"])
     assert tiny_model_folder(cfg.model, cfg.task) != tiny_model_folder(load_config(None, []).model, cfg.task)
+
+
+def test_every_task_has_a_recipe():
+    from typing import get_args
+
+    from core.config import TaskConfig
+    from tiny.recipes import RECIPES
+
+    assert set(RECIPES) == set(get_args(TaskConfig.model_fields["name"].annotation))
