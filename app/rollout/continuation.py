@@ -142,6 +142,8 @@ class Continuation:
             batches.setdefault(r, []).append(k)
         # Only a multi-turn episode's request says its turn (the router counts affinity per turn).
         extra = {} if turn is None else {"turn": turn}
+        if sampling.min_p:  # vLLM's SamplingParams name, which the fleet's body takes; unset, its default (0)
+            extra["min_p"] = sampling.min_p
         with flight.sending(model):
             answers = await asyncio.gather(
                 *(

@@ -72,7 +72,7 @@ class GroupProducer:
         if any(TEACHER_LOGPROBS in o.streams for o in self.objectives.objectives) and teacher is None:
             raise ValueError("objectives: a distill objective needs a teacher to score the groups; none was given")
         s = cfg.sampling
-        self.sampling = SamplingArgs(s.max_completion_length, s.temperature, s.top_p, s.top_k)
+        self.sampling = SamplingArgs(s.max_completion_length, s.temperature, s.top_p, s.top_k, s.min_p)
         self.retries_done, self.cut = retries_done, cut
         self.staleness = StalenessRule.from_config(cfg)
         resume = resume or ResumePoint()

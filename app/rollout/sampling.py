@@ -43,6 +43,7 @@ class SamplingArgs:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
 
 
 @dataclass

@@ -213,6 +213,8 @@ class VerifiersRunner(Sampler):
             renderer_model_name=self.renderer_model,
         )
         extra = {"top_k": sampling.top_k} if sampling.top_k > 0 else {}
+        if sampling.min_p:
+            extra["min_p"] = sampling.min_p
         knobs = SamplingConfig(
             temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_completion_length, **extra
         )

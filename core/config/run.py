@@ -254,10 +254,11 @@ class RunConfig(Section):
         """The learner takes its log-probs under the sampler's top-k/top-p (`app.learner.truncation`), but not the
         log-probs at a teacher's top k, whose divergence is over the whole vocabulary: refuse the two together."""
         s = self.sampling
-        if (s.top_k > 0 or s.top_p < 1) and any(getattr(o, "mode", None) == "topk" for o in self.objectives):
+        truncated = s.top_k > 0 or s.top_p < 1 or s.min_p > 0
+        if truncated and any(getattr(o, "mode", None) == "topk" for o in self.objectives):
             raise ValueError(
-                "sampling.top_k/top_p: distill mode topk compares whole distributions, which a truncated sampler "
-                "does not have; sample untruncated (top_k -1, top_p 1) or use mode sampled"
+                "sampling.top_k/top_p/min_p: distill mode topk compares whole distributions, which a truncated "
+                "sampler does not have; sample untruncated (top_k -1, top_p 1, min_p 0) or use mode sampled"
             )
         return self
 

@@ -41,3 +41,6 @@ class SamplingConfig(Section):
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1 disables).")
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="Min-p sampling: drop tokens below min_p x the top token's probability (0: off)."
+    )

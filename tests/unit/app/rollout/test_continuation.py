@@ -98,3 +98,15 @@ def test_a_model_that_is_no_policy_version_leaves_versions_unknown():
 
     (choice,), _ = complete(fleet, Flight.pinned("tiny-base"), n=1)
     assert choice.versions is None and all(v != v for v in choice.version_stream())  # NaN: unknown
+
+
+def test_a_min_p_reaches_the_fleet_only_when_set():
+    async def fleet(prompt_ids, model, n=1, max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, **extra):
+        asked.append(extra)
+        return [Choice(i, [4, 0], [-0.4, -0.5], "4", "stop") for i in range(n)]
+
+    asked = []
+    for sampling in (SAMPLING, SamplingArgs(8, min_p=0.1)):
+        continuation = Continuation(fleet)
+        asyncio.run(continuation.complete([PROMPT], 2, [8], sampling, Flight(1, lambda: "policy-v1")))
+    assert asked == [{}, {"min_p": 0.1}]
