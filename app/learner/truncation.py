@@ -37,8 +37,9 @@ class Truncation:
 
     @classmethod
     def of(cls, sampling) -> Truncation | None:
-        """The truncation a run's `sampling` section asks of the fleet, or None where it keeps every token."""
-        t = cls(sampling.top_k, sampling.top_p, getattr(sampling, "min_p", 0.0))
+        """The truncation a run's `sampling` section asks of the fleet, or None where it keeps every token (read as
+        attributes, each with vLLM's default: the GPU bench passes a namespace of the temperature alone)."""
+        t = cls(getattr(sampling, "top_k", -1), getattr(sampling, "top_p", 1.0), getattr(sampling, "min_p", 0.0))
         return t if t.active else None
 
 

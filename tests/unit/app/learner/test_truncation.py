@@ -7,6 +7,7 @@ learner trains with, given the same logits.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,6 +151,7 @@ def test_of_reads_a_runs_sampling_section():
     assert Truncation.of(SamplingConfig()) is None
     assert Truncation.of(SamplingConfig(top_p=0.7, top_k=20)) == Truncation(top_k=20, top_p=0.7)
     assert Truncation.of(SamplingConfig(min_p=0.05)) == Truncation(min_p=0.05)
+    assert Truncation.of(SimpleNamespace(temperature=1.0)) is None  # the GPU bench's namespace
 
 
 def test_a_truncated_sampler_with_topk_distillation_is_refused():
