@@ -18,7 +18,7 @@ from tinker import types
 from deployments.api.routing import route
 from deployments.control.errors import ApiError
 from deployments.tinker.exports import LINK_TTL_S, Link, LinkGone, LinkRefused
-from deployments.tinker.fleet_calls import Tenant
+from deployments.tinker.fleet_calls import FleetRefused, Tenant
 from deployments.tinker.http import as_json, page
 from deployments.tinker.paths import expiry, parsed, require_kind, route_path
 from deployments.tinker.routes import TinkerRoutes
@@ -72,9 +72,11 @@ class CheckpointRoutes(TinkerRoutes):
 
     @route("GET", "/v1/training_runs/{training_run_id}/checkpoints")
     async def list_checkpoints(self, request: Request, training_run_id: str) -> dict:
-        """`RestClient.list_checkpoints(training_run_id)`: those of one training client (a model id); another key's
-        lists nothing, since a key's records lie in its own prefix."""
+        """`RestClient.list_checkpoints(training_run_id)`: those of one training client (a model id); one that is not
+        the key's is a 404, as `get_training_run` answers it (another key's and none at all alike)."""
         tenant = await self.callers.tenant(request)
+        if training_run_id not in {r.training_run_id for r in await self._training_runs(tenant)}:
+            raise ApiError(404, f"training run {training_run_id[:120]!r} does not exist for this API key")
         prefix = f"tinker://{training_run_id}/"
         checkpoints = [c for _, c in await self._checkpoints(tenant) if c.tinker_path.startswith(prefix)]
         return as_json(types.CheckpointsListResponse(checkpoints=checkpoints))
@@ -198,16 +200,15 @@ class CheckpointRoutes(TinkerRoutes):
         working without the key for `LINK_TTL_S` (`deployments.tinker.exports`)."""
         tenant = await self.callers.tenant(request)
         path = route_path(training_run_id, checkpoint_id)
-        if parsed(path).checkpoint_type != "external":
-            raise ApiError(400, f"{path}: only exported weights (external_weights) have download links")
-        record = await self.paths.record(tenant, path)
+        parsed(path)
+        record = await self.paths.record(tenant, path)  # its kind from the record, once the key may see it at all
         if record is None:
             raise ApiError(404, f"{path}: no such checkpoint for this API key")
         require_kind(record, "external", path)
         prefix = (
             record.get("prefix") or (await self.callers.lineage_now(tenant)).bucket_url
         )  # a published one's owner's
-        link = Link(prefix, path, int(record["number"]), owner=record.get("prefix") is None)
+        link = Link(prefix, path, int(record["number"]), owner=record.get("prefix") is None, holder=tenant.run)
         try:
             files = await asyncio.to_thread(self.links.files, link.store_url, link.number)
         except Exception as exc:  # noqa: BLE001 - deleted meanwhile, or the bucket unreachable
@@ -232,6 +233,7 @@ class CheckpointRoutes(TinkerRoutes):
             raise ApiError(404, str(gone)) from None
         except Exception as exc:  # noqa: BLE001 - the bucket unreachable
             raise ApiError(503, f"the export's record could not be read: {exc}") from None
+        await self._holder_still_a_tenant(link)
         try:
             local = await self.links.local_file(link.store_url, link.number, name)
         except Exception as exc:  # noqa: BLE001 - the export was deleted, or the bucket is unreachable
@@ -239,3 +241,17 @@ class CheckpointRoutes(TinkerRoutes):
         if local is None:
             raise ApiError(404, f"export {link.number} has no file {name[:200]!r}")
         return FileResponse(local, media_type="application/octet-stream")
+
+    async def _holder_still_a_tenant(self, link: Link) -> None:
+        """404 once the admin has revoked the key the link was given to (its run removed from the fleet): a leaked
+        key's links end with it. A fleet without an admin token has no keys to revoke."""
+        if self.admin_token is None:
+            return
+        try:
+            registered = await self.fleet.registered(self.admin_token.value, link.holder)
+        except FleetRefused as refused:
+            raise ApiError(
+                503, f"the fleet could not say whether this link's API key is valid: {refused.message}"
+            ) from None
+        if not registered:
+            raise ApiError(404, "the API key this download link was given to has been revoked")

@@ -7,7 +7,8 @@ expires, signed with a key of the service (HMAC-SHA256; derived from the admin t
 and one started again, accepts the links of the others). A signature only says what a link was given for: at each
 download the export's record, as its owner's prefix holds it now (`core.bucket.tinker_paths`), must still name the
 same number, and, for a link given to another key, still be published; so a link stops working the moment its export
-is deleted, expires or is unpublished, and never reaches the export that came after it. A download fetches the export once from the bucket, checked
+is deleted, expires or is unpublished, or once the admin revokes the key it was given to, and never reaches the
+export that came after it. A download fetches the export once from the bucket, checked
 against its manifest (`core.bucket.CheckpointStore.load`), into a local cache that the upkeep empties of copies older
 than a link's lifetime, and serves files from there.
 """
@@ -42,12 +43,14 @@ class LinkGone(Exception):
 @dataclass(frozen=True)
 class Link:
     """What a download link was signed for: export `number`, recorded as `path` in the owner's `prefix`, handed to the
-    owner itself (`owner`) or to another key (which reaches it only while it is published)."""
+    owner itself (`owner`) or to another key (which reaches it only while it is published), that key being run
+    `holder`'s (the link ends when the admin revokes it)."""
 
     prefix: str
     path: str
     number: int
     owner: bool
+    holder: str
 
     @property
     def store_url(self) -> str:
@@ -67,7 +70,7 @@ class ExportLinks:
 
     def sign(self, link: Link, expires: float) -> str:
         """A token for `link`, valid until `expires` (epoch seconds)."""
-        fields = [link.prefix, link.path, link.number, link.owner, expires]
+        fields = [link.prefix, link.path, link.number, link.owner, link.holder, expires]
         payload = base64.urlsafe_b64encode(json.dumps(fields).encode()).decode().rstrip("=")
         return f"{payload}.{self._mac(payload)}"
 
@@ -77,14 +80,14 @@ class ExportLinks:
         if not mac or not hmac.compare_digest(mac, self._mac(payload)):
             raise LinkRefused("this download link is not one of this service's")
         try:
-            prefix, path, number, owner, expires = json.loads(
+            prefix, path, number, owner, holder, expires = json.loads(
                 base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
             )
         except ValueError:  # signed by this service for another shape of link (before an upgrade)
             raise LinkRefused("this download link is of an older form; ask for new ones") from None
         if expires <= time.time():
             raise LinkRefused("this download link has expired; ask for new ones (get_external_weights_urls)")
-        return Link(prefix, path, int(number), bool(owner))
+        return Link(prefix, path, int(number), bool(owner), str(holder))
 
     @staticmethod
     def still_there(link: Link) -> None:

@@ -80,6 +80,16 @@ class FleetCalls:
         """The tenant's run is alive (`POST /v1/runs/NAME/heartbeat`): the fleet's idle timeout, in seconds."""
         return float((await self._call("POST", f"/v1/runs/{tenant.run}/heartbeat", tenant.token))["idle_timeout_s"])
 
+    async def registered(self, admin_token: str, run: str) -> bool:
+        """Whether `run` is still one of the fleet's runs (its key not revoked), as the admin sees it now."""
+        try:
+            await self._call("GET", f"/v1/runs/{run}", admin_token)
+        except FleetRefused as refused:
+            if refused.status == 404:
+                return False
+            raise
+        return True
+
     def forget(self, run: str) -> None:
         """Drop what is kept of `run` (its lineage): a run registered again under its name is asked afresh."""
         self._lineages.pop(run, None)

@@ -20,7 +20,7 @@ from deployments.api.intake import read_body
 from deployments.control.errors import ApiError
 from deployments.control.offload import offload
 from deployments.tinker.paths import PathRefused
-from deployments.tinker.wire import WireError, decompress
+from deployments.tinker.wire import TooLarge, WireError, decompress
 
 MAX_LISTED = 1000  # checkpoints one listing page may hold
 
@@ -33,6 +33,8 @@ async def read(request: Request, limit: int) -> bytes:
     encoding = request.headers.get("content-encoding")
     try:
         return await offload(decompress, raw, encoding, limit) if raw and encoding else raw
+    except TooLarge as exc:
+        raise ApiError(413, str(exc)) from None
     except WireError as exc:
         raise ApiError(400, str(exc)) from None
 

@@ -27,6 +27,10 @@ class WireError(ValueError):
     """A body that is not what the SDK sends (a 400 with this reason)."""
 
 
+class TooLarge(WireError):
+    """A body that inflates past the service's limit (a 413, as one sent that large)."""
+
+
 @dataclass(frozen=True)
 class ForwardBackward:
     """A decoded `/api/v1/forward_backward`: which client, its place in the client's order, and the call."""
@@ -37,18 +41,26 @@ class ForwardBackward:
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """The body as sent before `Content-Encoding: zstd`, refusing one that inflates past `limit` bytes."""
+    """The body as sent before `Content-Encoding: zstd`, refusing one that inflates past `limit` bytes before it
+    holds more than that: a frame that declares a larger size at once, any other as soon as it streams past it."""
     if not encoding or encoding.lower() == "identity":
         return body
     if encoding.lower() != "zstd":
         raise WireError(f"Content-Encoding {encoding!r}: only zstd is accepted")
     try:
-        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=limit)
+        declared = zstandard.frame_content_size(body)
+        if declared > limit:  # -1: not declared
+            raise TooLarge(f"the body inflates to {declared} bytes, over the limit of {limit}")
+        chunks, size = [], 0
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            while chunk := reader.read(min(1 << 20, limit + 1 - size)):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise TooLarge(f"the body inflates past the limit of {limit} bytes")
     except zstandard.ZstdError as exc:
         raise WireError(f"zstd body: {exc}") from None
-    if len(out) > limit:
-        raise WireError(f"the body inflates past {limit} bytes")
-    return out
+    return b"".join(chunks)
 
 
 def tensor_length(tensor: pb.Tensor, name: str) -> int:

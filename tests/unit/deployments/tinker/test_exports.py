@@ -22,21 +22,21 @@ def export(tmp_path):
     source.mkdir()
     (source / "adapter_model.safetensors").write_bytes(b"weights" * 100)
     (source / "adapter_config.json").write_text("{}")
-    link = Link(PREFIX_OF.format(tmp_path), PATH, 3, owner=True)
+    link = Link(PREFIX_OF.format(tmp_path), PATH, 3, owner=True, holder="alice")
     CheckpointStore(link.store_url, cache_dir=tmp_path / "cache").save(3, source)
     return link.store_url
 
 
 def test_a_link_names_its_export_until_it_expires_and_a_forged_one_is_refused(tmp_path, export):
     links = ExportLinks(Secret("admin-token"), tmp_path / "service")
-    link = Link(PREFIX_OF.format(tmp_path), PATH, 3, owner=False)
+    link = Link(PREFIX_OF.format(tmp_path), PATH, 3, owner=False, holder="bob")
     token = links.sign(link, time.time() + 60)
     assert links.check(token) == link and link.store_url == export
     assert ExportLinks(Secret("admin-token"), tmp_path / "other").check(token) == link  # another replica
     with pytest.raises(LinkRefused, match="not one of this service's"):
         ExportLinks(Secret("another-token"), tmp_path / "service").check(token)
     payload, mac = token.split(".")
-    forged = links.sign(Link(link.prefix, PATH, 4, owner=True), time.time() + 60).split(".")[0]
+    forged = links.sign(Link(link.prefix, PATH, 4, owner=True, holder=link.holder), time.time() + 60).split(".")[0]
     with pytest.raises(LinkRefused, match="not one of this service's"):
         links.check(f"{forged}.{mac}")
     with pytest.raises(LinkRefused, match="expired"):
@@ -49,7 +49,7 @@ def test_a_link_works_only_while_the_owners_record_names_its_export(tmp_path, ex
     another key's link ends when the owner unpublishes, every link when the export is deleted or its name saved
     again, and a link never reaches the export that took a later number."""
     prefix = PREFIX_OF.format(tmp_path)
-    owners, others = Link(prefix, PATH, 3, owner=True), Link(prefix, PATH, 3, owner=False)
+    owners, others = Link(prefix, PATH, 3, owner=True, holder="alice"), Link(prefix, PATH, 3, owner=False, holder="bob")
     for link in (owners, others):
         with pytest.raises(LinkGone, match="deleted"):  # nothing recorded under the path
             ExportLinks.still_there(link)

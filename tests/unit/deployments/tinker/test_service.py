@@ -329,7 +329,7 @@ def test_a_service_that_restarted_finds_the_paths_it_handed_out_in_the_bucket():
         by_run = http.get(f"/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": "tml-a"}).json()
         assert len(by_run["checkpoints"]) == 2
         bob_lists = http.get(f"/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": "tml-b"})
-        assert bob_lists.json()["checkpoints"] == []
+        assert bob_lists.status_code == 404  # her run is not his, as one that never was
         assert http.get("/v1/checkpoints?limit=0", headers={"X-API-Key": "tml-a"}).status_code == 400
 
         learner.held = [model_id, *http.app.state.api.sessions.models]  # the first service's client is still there
@@ -353,13 +353,16 @@ def test_ttls_outside_the_sdks_range_encrypted_exports_and_foreign_links_are_ref
         age = types.SaveWeightsExternalRequest(model_id=model_id, path="e", age_encryption_recipients=["age1xyz"])
         refused = post(http, "save_weights_external", age)
         assert refused.status_code == 400 and "encrypt" in refused.json()["detail"]
+        kept = post(http, "save_weights", types.SaveWeightsRequest(model_id=model_id, path="s", seq_id=1))
+        assert result(http, kept.json()["request_id"]).json()["path"].endswith("/weights/s")
         urls = http.get(
             f"/v1/training_runs/{model_id}/checkpoints/weights/s/external_weights_urls", headers={"X-API-Key": "tml-a"}
-        )
-        assert urls.status_code == 400 and "external_weights" in urls.json()["detail"]
+        )  # a saved state, by its record: no download links
+        assert urls.status_code == 400 and "external_weights" in urls.json()["detail"], urls.text
         forged = http.get("/v1/exported/bm90LW1pbmU.0000/adapter_model.safetensors")
         assert forged.status_code == 403
-        assert not any(method in ("save_state", "export", "expire") for method, _ in learner.calls)
+        stored = [method for method, _ in learner.calls if method in ("save_state", "export", "expire")]
+        assert stored == ["save_state"]  # the kept state alone: nothing of what was refused
 
 
 def test_with_several_learners_each_client_is_trained_saved_and_noticed_on_its_own():

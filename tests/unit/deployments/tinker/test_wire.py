@@ -2,6 +2,7 @@
 SDK decodes (`tinker.proto.request_conv`, `tinker.proto.response_conv`), zstd included."""
 
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 
 from deployments.tinker.wire import (
     Sequence,
+    TooLarge,
     WireError,
     decode_forward_backward,
     decompress,
@@ -60,8 +62,18 @@ def test_zstd_bodies_inflate_and_are_bounded():
     body = sdk_request()
     packed = zstandard.ZstdCompressor().compress(body)
     assert decompress(packed, "zstd", 1 << 20) == body
-    with pytest.raises(WireError, match="inflates|zstd"):
-        decompress(zstandard.ZstdCompressor().compress(b"x" * 5000), "zstd", 1000)
+    for declared in (True, False):  # a frame that says its size is refused by it, one that does not as it streams
+        bomb = zstandard.ZstdCompressor(write_content_size=declared).compress(b"\0" * (64 << 20))
+        with pytest.raises(TooLarge, match="inflates"):
+            tracemalloc.start()
+            try:
+                decompress(bomb, "zstd", 1 << 20)
+            finally:
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
+        assert peak < 8 << 20, peak  # never inflated to 64 MiB on the way to the refusal
+    with pytest.raises(WireError, match="zstd"):
+        decompress(b"no zstd frame", "zstd", 1 << 20)
     with pytest.raises(WireError, match="gzip"):
         decompress(body, "gzip", 1 << 20)
 
