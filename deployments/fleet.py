@@ -53,10 +53,12 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     from ray import serve
 
     from contracts.auth import Secret, admin_token, check_exposure, signing_secret
+    from deployments.api.routing import route_factories
     from deployments.ingress.shell import Ingress
     from deployments.replica.teacher import teacher_app
 
     fleet = cfg.fleet
+    route_factories(fleet.routes)  # a name that does not import fails here, before any replica starts
     token = admin_token(cfg)
     http_host = _http_address(cfg)[0]
     check_exposure(http_host, fleet.protect_inference, token)

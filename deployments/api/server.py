@@ -16,7 +16,8 @@ every other request, `/health` included.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -25,6 +26,7 @@ from deployments.api.admin_routes import AdminRoutes
 from deployments.api.callers import Callers
 from deployments.api.inference_routes import InferenceRoutes
 from deployments.api.replies import FiniteJSONResponse
+from deployments.api.routing import Routes
 from deployments.api.run_routes import RunRoutes
 from deployments.api.settings import ApiSettings
 from deployments.api.status_routes import StatusRoutes
@@ -41,6 +43,20 @@ log = logging.getLogger("ray.serve")
 WWW_AUTHENTICATE = {"WWW-Authenticate": 'Bearer realm="spotrl", Basic realm="spotrl"'}
 
 
+@dataclass(frozen=True)
+class RouteParts:
+    """What a fleet's own routes (`fleet.routes`) are made from: the app's settings and its control layer's objects,
+    the ones the shipped routes share."""
+
+    settings: ApiSettings
+    callers: Callers
+    backend: Backend
+    gate: FairShare
+    runs: Runs
+    membership: Membership
+    scrub: Scrub
+
+
 def make_app(
     backend: Backend,
     settings: ApiSettings,
@@ -48,11 +64,13 @@ def make_app(
     records=None,
     gate: FairShare | None = None,
     own_lineage: Callable[[], bool] | None = None,
+    routes: Sequence[Callable[[RouteParts], Routes]] = (),
 ) -> FastAPI:
     """The FastAPI app of the fleet, over any `Backend`; `runs` is the registry of its tenants, `records` (an
     `core.bucket.records.RunRecords`) where registrations are kept across restarts of the ingress, `gate` the fair
     share of in-flight sequences between them, `own_lineage` whether the fleet's own lineage has a committed version
-    (`deployments.control.tenancy`). `app.state.upkeep` is its background upkeep."""
+    (`deployments.control.tenancy`), `routes` more routes of one's own (`fleet.routes`), beside the shipped ones
+    and never in their place. `app.state.upkeep` is its background upkeep."""
     scrub = Scrub(settings.admin_token)
     runs = runs if runs is not None else Runs.of(settings)
     gate = gate if gate is not None else FairShare(settings.inflight_budget, runs.weight, is_run=runs.__contains__)
@@ -72,13 +90,22 @@ def make_app(
     app.add_exception_handler(ApiError, replies.api_error)
     app.add_exception_handler(Exception, replies.unexpected)
     callers = Callers(settings.admin_token, runs, settings.protect_inference)
-    for routes in (
+    shipped = (
         InferenceRoutes(settings, callers, backend, gate, scrub),
         StatusRoutes(settings, callers, backend, membership, gate, runs),
         AdminRoutes(callers, backend, settings.limits),
         RunRoutes(callers, tenancy, settings.limits, settings.signing),
-    ):
-        routes.register(app)
+    )
+    parts = RouteParts(settings, callers, backend, gate, runs, membership, scrub)
+    own = [factory(parts) for factory in routes]
+    taken = {(verb, path) for group in shipped for verb, path, _ in group.handlers()}
+    for group in own:
+        for verb, path, _ in group.handlers():
+            if (verb, path) in taken:  # the first route that matches answers: it would never be reached, or shadow
+                raise ValueError(f"fleet.routes: {type(group).__name__} answers {verb} {path}, which the fleet does")
+            taken.add((verb, path))
+    for group in (*shipped, *own):
+        group.register(app)
     return app
 
 

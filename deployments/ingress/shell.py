@@ -47,6 +47,7 @@ from core.config import FleetConfig
 from core.models import model_fingerprint
 from deployments.api import ApiSettings, make_app
 from deployments.api.bodies import RequestLimits
+from deployments.api.routing import route_factories
 from deployments.control.broadcast import load_everywhere
 from deployments.control.errors import ApiError
 from deployments.control.fair_share import FairShare
@@ -272,7 +273,8 @@ class Ingress:
         )
         own = AdapterStore.at(bucket_url, cfg.bucket) if bucket_url else None  # the fleet's own policy-vN
         own_lineage = (lambda: own.latest() is not None) if own is not None else None
-        self._app = make_app(self._backend, settings, runs, records, gate, own_lineage)
+        routes = route_factories(cfg.fleet.routes)  # the fleet's own (`fleet.routes`), beside the shipped ones
+        self._app = make_app(self._backend, settings, runs, records, gate, own_lineage, routes)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",
             base_model,

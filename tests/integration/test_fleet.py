@@ -25,9 +25,14 @@ PROMPT_LEN = 96
 BLOCK = 32
 
 
+# An endpoint of one's own (`fleet.routes`, docs/extending.md), served beside the shipped ones.
+OWN_ROUTES = ["fleet.routes=[examples.route_tokenize:tokenize_routes]"]
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_model_path):
-    with running_fleet(tmp_path_factory.mktemp("fleet"), tiny_model_path, [], TOKEN, block_size=BLOCK) as fleet:
+    work = tmp_path_factory.mktemp("fleet")
+    with running_fleet(work, tiny_model_path, OWN_ROUTES, TOKEN, block_size=BLOCK) as fleet:
         yield fleet
 
 
@@ -213,6 +218,18 @@ def test_the_openai_client_speaks_to_the_fleet(fleet):
     )
     assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
     assert chat.usage.completion_tokens > 0
+
+
+def test_a_route_of_ones_own_is_answered_by_the_fleet_beside_its_own(fleet):
+    """`examples/route_tokenize.py`, named in `fleet.routes`: the ingress serves `POST /v1/tokenize`, counting a
+    prompt's tokens as a completion of it counts them."""
+    text = "Compute 12+34. Answer: "
+    with httpx.Client(base_url=fleet.url, timeout=120, trust_env=False) as client:
+        counted = client.post("/v1/tokenize", json={"text": text})
+        assert counted.status_code == 200, counted.text
+        completion = client.post("/v1/completions", json={"model": fleet.base, "prompt": text, "max_tokens": 1})
+    assert counted.json()["count"] == completion.json()["usage"]["prompt_tokens"] == len(counted.json()["tokens"])
+    assert counted.json()["max_model_len"] == 128  # running_fleet's test config
 
 
 def test_a_stop_string_ends_a_generation_where_vllm_would_and_its_text_stops_before_it(fleet):
