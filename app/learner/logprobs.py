@@ -18,6 +18,10 @@ so the same pass keeps `p @ W` (`[tokens x hidden]`, as above) and a copy of the
 was asked (at most the whole layer, however long the sequence); backward weighs those rows by the incoming
 gradient a chunk at a time. Still no `[tokens x vocab]` tensor beyond one chunk's, and the weight is never read
 in backward (FSDP may have resharded it by then).
+
+A run that samples with top-k/top-p/min-p gets its vLLM log-probs normalised over the kept tokens; the head then
+masks, chunk by chunk, the tokens the sampler would not keep (`app.learner.truncation`) before the log-softmax, so
+the ratio compares like with like.
 """
 
 from __future__ import annotations
