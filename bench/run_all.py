@@ -10,6 +10,7 @@ import time
 BENCHMARKS = [
     "adapter_sync",
     "router",
+    "request_shapes",
     "learner",
     "learner_memory",
     "learner_gpu",
