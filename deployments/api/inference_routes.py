@@ -9,8 +9,10 @@ token-id sequence, and `/tokenize` lets a client compare tokenizers; and what ve
 by its `X-Session-ID`). Open to anyone unless `protect_inference` puts
 them behind the token; a run's token reaches the base model and its own adapters only (`Caller`). Each
 generation waits for places in the fleet, one per sequence (`deployments.control.fair_share`; a batch of prompts is
-one generation per prompt, prompts x n places in all), then goes to the backend;
-tokenizing and decoding run in worker threads (`offload`), never on the event loop.
+one generation per prompt, prompts x n places in all), then goes to the backend; like generations of one run that
+arrive together (a group sent one sample per request) go as one (`deployments.control.coalesce`);
+tokenizing and decoding run in worker threads (`offload`), never on the event loop, except work smaller than the trip to
+a thread (a few hundred token ids to check or answer: `offload_unless_small`).
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ from deployments.api.routing import Routes, route
 from deployments.api.settings import ApiSettings
 from deployments.control.backend import Backend
 from deployments.control.broadcast import everywhere
+from deployments.control.coalesce import Coalescer
 from deployments.control.errors import as_api_error
 from deployments.control.fair_share import FairShare
-from deployments.control.offload import offload
+from deployments.control.offload import INLINE_TOKENS, offload, offload_unless_small
 
 log = logging.getLogger("ray.serve")
 
@@ -66,9 +69,15 @@ class InferenceRoutes(Routes):
         self.settings, self.callers, self.backend, self.gate, self.scrub = settings, callers, backend, gate, scrub
         self.prompts = Prompts(settings)
         self._token_text = cached_token_text(settings.decode)
+        # Like requests of one run sent together share one engine call (`deployments.control.coalesce`).
+        self.coalescer = Coalescer(max_n=settings.limits.max_sequences_per_request)
 
     async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
-        """One generation, once the caller's run has places in the fleet for its `n` sequences
+        """One generation, merged with like ones of the same run sent at the same moment (`Coalescer`)."""
+        return await self.coalescer.generate(caller.tenant, request, lambda merged: self._generate(merged, caller))
+
+    async def _generate(self, request: GenerateRequest, caller: Caller) -> Generated:
+        """One engine call, once the caller's run has places in the fleet for its `n` sequences
         (`deployments.control.fair_share`)."""
         try:
             async with self.gate.slot(caller.tenant, request.sampling.n) as used:
@@ -103,11 +112,16 @@ class InferenceRoutes(Routes):
         limits = self.settings.limits
         limits.check_fanout(len(prompts), body.n)
         limits.check_text(p for p in prompts if isinstance(p, str))
-        jobs = await offload(self.prompts.completion_jobs, body, prompts)
+        # Token ids to check are small work, text to tokenize is not (`offload_unless_small`).
+        few_ids = not any(isinstance(p, str) for p in prompts) and sum(map(len, prompts)) <= INLINE_TOKENS
+        jobs = await offload_unless_small(few_ids, self.prompts.completion_jobs, body, prompts)
         id_lists = [job.prompt_ids for job in jobs]
         limits.check_prompt_logprobs(sum(map(len, id_lists)), body.prompt_logprobs, body.n)
         results = await asyncio.gather(*(self.generate(job, caller) for job in jobs))
-        choices = await offload(self.completion_choices, body, id_lists, results)
+        tokens = sum(map(len, id_lists)) * (body.prompt_logprobs is not None) + sum(
+            len(c.token_ids) for r in results for c in r.choices
+        )
+        choices = await offload_unless_small(tokens <= INLINE_TOKENS, self.completion_choices, body, id_lists, results)
         reply = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -178,7 +192,7 @@ class InferenceRoutes(Routes):
         model = body.model or self.settings.base_model
         self.check_use(caller, model)
         self.settings.limits.check_fanout(1, body.sampling_params.n)
-        job = await offload(self.prompts.token_job, body, session)
+        job = await offload_unless_small(len(body.token_ids) <= INLINE_TOKENS, self.prompts.token_job, body, session)
         result = await self.generate(job, caller)
         with_logprobs = job.sampling.logprobs is not None
         reply = {

@@ -2,7 +2,7 @@
 
 A body over `fleet.max_request_bytes` is a 413 by its Content-Length, without waiting for a byte of it, else
 (chunked, or a Content-Length that lies) as soon as the bytes read cross the limit; the rest is never read.
-What a body may then hold is checked by `deployments.api.bodies`, in a worker thread (`offload`).
+What a body may then hold is checked by `deployments.api.bodies`, in a worker thread (`offload`) unless it is small.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from fastapi import Request
 
 from deployments.api.bodies import Body, RequestLimits, parse_body
 from deployments.control.errors import ApiError
-from deployments.control.offload import offload
+from deployments.control.offload import INLINE_BODY_BYTES, offload_unless_small
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -37,4 +37,4 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def read_json(request: Request, schema: type[Body], limits: RequestLimits) -> Body:
     """The body as `schema`, within `limits`; a 413 or a 400 that says why not."""
     raw = await read_body(request, limits.max_request_bytes)
-    return await offload(parse_body, raw, schema, limits.max_json_depth)
+    return await offload_unless_small(len(raw) <= INLINE_BODY_BYTES, parse_body, raw, schema, limits.max_json_depth)

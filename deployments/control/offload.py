@@ -18,6 +18,19 @@ from typing import Any
 _WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spotrl-ingress")
 
 
+# Work this small costs the event loop less than its trip to a worker thread and back, which also waits for the GIL
+# (up to its 5 ms switch interval while the loop is busy, as it is under a burst of requests): a body of a few KiB
+# parses, and a few hundred tokens are checked or answered, in tens of microseconds (bench/request_shapes.py).
+INLINE_BODY_BYTES = 16 * 1024
+INLINE_TOKENS = 2048
+
+
 async def offload(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` in a worker thread, off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args))
+
+
+async def offload_unless_small(small: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on the event loop if the work is `small` (by `INLINE_BODY_BYTES` or `INLINE_TOKENS`), else
+    `offload`ed."""
+    return fn(*args) if small else await offload(fn, *args)

@@ -36,8 +36,11 @@ def fleet(tmp_path_factory, tiny_model_path):
         yield fleet
 
 
-def burst(url: str, requests: list[tuple[list[int], str]], **sampling) -> list[httpx.Response]:
-    """Send all requests at once, as the rollout worker does, and return the responses in order."""
+def burst(
+    url: str, requests: list[tuple[list[int], str]], seeds: list[int] | None = None, **sampling
+) -> list[httpx.Response]:
+    """Send all requests at once, as the rollout worker does, and return the responses in order. Requests of one
+    prompt are merged into one engine call (`deployments.control.coalesce`) unless `seeds` gives each its own."""
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=300, trust_env=False) as client:
@@ -50,8 +53,9 @@ def burst(url: str, requests: list[tuple[list[int], str]], **sampling) -> list[h
                     "logprobs": 0,
                     "return_token_ids": True,
                     **sampling,
+                    **({"seed": seeds[i]} if seeds else {}),
                 }
-                for ids, model in requests
+                for i, (ids, model) in enumerate(requests)
             ]
             return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
 
@@ -86,7 +90,8 @@ def test_a_group_lands_on_one_replica_and_vllm_counts_its_prefix_hits(fleet):
     prompt = random_prompt(1)
     before_engines, before_router = engines(fleet.client), fleet.client.router_stats()["totals"]
 
-    responses = burst(fleet.url, [(prompt, "policy-v1")] * G)
+    # Seeded, so that each sample is routed on its own (unseeded ones are one engine call: the test below).
+    responses = burst(fleet.url, [(prompt, "policy-v1")] * G, seeds=list(range(G)))
 
     assert [r.status_code for r in responses] == [200] * G
     served = {r.headers["x-spotrl-replica"] for r in responses}
@@ -359,7 +364,7 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
 
 def test_engine_and_router_metrics_reach_rays_metrics_export(fleet):
     """vLLM's counters and the router's, as Prometheus scrapes them from Ray (Ray prefixes `ray_`)."""
-    burst(fleet.url, [(random_prompt(9), "policy-v1")] * 2)  # the second sample reuses the first one's blocks
+    burst(fleet.url, [(random_prompt(9), "policy-v1")] * 2, seeds=[1, 2])  # the second reuses the first's blocks
 
     def totals(text: str) -> dict[str, float]:
         sums: dict[str, float] = {}
@@ -595,6 +600,47 @@ def test_a_batch_of_prompts_in_one_request_is_answered_prompt_by_prompt(fleet):
         assert [c["index"] for c in choices] == list(range(8))
         assert [c["prompt_token_ids"] for c in choices] == [p for p in prompts for _ in range(2)]
     assert fleet.client.router_stats()["totals"]["routed"] - before == 20  # each prompt routed on its own
+
+
+def test_one_sample_per_request_is_token_exact_against_a_group_and_like_requests_share_one_engine_call(fleet):
+    """What clients that ask one sample per request get (TRL, the Tinker cookbook, verifiers). Seeded, the G requests
+    of seeds s..s+G-1 are the group of seed s, token for token (vLLM seeds a group's children `seed + i`). Unseeded,
+    they are merged into one engine call (`deployments.control.coalesce`): routed once, to one replica, each reply a
+    sample of its own whose log-probs are the model's for its tokens, as scoring them says."""
+    prompt = random_prompt(4242, 40)
+    sampling = {"max_tokens": 6, "ignore_eos": True}
+    body = {"model": "policy-v1", "prompt": prompt, "temperature": 1.0, "logprobs": 0, "return_token_ids": True}
+    with httpx.Client(base_url=fleet.url, timeout=120, trust_env=False) as client:
+        grouped = client.post("/v1/completions", json={**body, **sampling, "n": G, "seed": 11})
+        assert grouped.status_code == 200, grouped.text
+        seeded = burst(fleet.url, [(prompt, "policy-v1")] * G, seeds=[11 + i for i in range(G)], **sampling)
+        for one, of_group in zip(seeded, grouped.json()["choices"], strict=True):
+            (choice,) = one.json()["choices"]
+            assert choice["token_ids"] == of_group["token_ids"]
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+                of_group["logprobs"]["token_logprobs"], abs=1e-4
+            )
+
+        other = random_prompt(4343, 40)
+        before = fleet.client.router_stats()["totals"]["routed"]
+        merged = burst(fleet.url, [(other, "policy-v1")] * G, **sampling)
+        assert [r.status_code for r in merged] == [200] * G
+        # Sent together, they reach the ingress within its window (a loaded machine may split them: never one each).
+        assert fleet.client.router_stats()["totals"]["routed"] - before < G
+        assert len({r.headers["x-spotrl-replica"] for r in merged}) == 1
+        choices = [r.json()["choices"] for r in merged]
+        assert all(len(c) == 1 and c[0]["index"] == 0 for c in choices)
+        samples = [c[0]["token_ids"] for c in choices]
+        assert len({tuple(s) for s in samples}) > 1  # samples of their own, not one sample copied
+        scored = client.post(
+            "/v1/completions",
+            json={"model": "policy-v1", "prompt": [other + s for s in samples], "max_tokens": 1, "prompt_logprobs": 0},
+        )
+        assert scored.status_code == 200, scored.text
+        for c, score, sample in zip(choices, scored.json()["choices"], samples, strict=True):
+            positions = score["prompt_logprobs"][len(other) :]
+            expected = [p[str(t)]["logprob"] for p, t in zip(positions, sample, strict=True)]
+            assert c[0]["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-3)
 
 
 def test_a_generation_cut_by_a_new_version_is_continued_token_exact_and_each_segment_scored_as_its_version(

@@ -81,7 +81,8 @@ def test_prompts_completions_and_text_per_request_are_limited(backend):
     r = client.post("/v1/chat/completions", json={**chat, "messages": [{"role": "u", "content": "ab"}], "n": 9})
     assert r.status_code == 400 and "completions exceed" in r.json()["error"]["message"]
     generations = [c for c in backend.calls if c[0] == "generate"]
-    assert len(generations) == 4  # the first request's, nothing of the refused ones
+    # The first request's, nothing of the refused ones: its 4 like prompts as one call (`deployments.control.coalesce`).
+    assert [g[1].sampling.n for g in generations] == [8]
 
 
 @pytest.mark.parametrize(
