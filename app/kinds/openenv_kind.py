@@ -23,7 +23,7 @@ class OpenEnv(EnvKind):
             raise ConfigError(f"env.openenv.{e}" if named else f"env.openenv: {e}") from None
 
     def serve(self, stack, cfg):
-        from app.tasks.openenv_env import serve_openenv
+        from app.tasks.openenv_server import serve_openenv
 
         return serve_openenv(stack, cfg)
 

@@ -23,7 +23,7 @@ are resolved, one line says so, and the worker exits. At end of input (the rollo
 is closed and the worker exits, so it never outlives the process that started it.
 
 With `--serve module:app HOST PORT` it serves an OpenEnv app instead, with uvicorn (openenv's own server dependency),
-until SIGTERM or the end of its stdin (`app.tasks.openenv_env.OpenEnvServer`).
+until SIGTERM or the end of its stdin (`app.tasks.openenv_server.OpenEnvServer`).
 """
 
 from __future__ import annotations

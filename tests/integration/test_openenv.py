@@ -1,5 +1,5 @@
 """OpenEnv environments through real OpenEnv servers on 127.0.0.1, each started as a run starts one
-(`app.tasks.openenv_env.OpenEnvServer`: uvicorn in a process of the OpenEnv venv) and played by spotrl's episode
+(`app.tasks.openenv_server.OpenEnvServer`: uvicorn in a process of the OpenEnv venv) and played by spotrl's episode
 runner through OpenEnv's own client (in the worker process of that venv, `app/tasks/openenv_worker.py`). The model is
 a scripted fleet (fixed turns), so what is checked is the adapter and the processes' lifecycle: episodes, rewards,
 observations rendered token-exact, and each fault (a server killed mid-episode, a step that hangs, garbage, an
@@ -25,7 +25,8 @@ import pytest
 from app.rollout.episodes import EpisodeRunner
 from app.rollout.sampling import SamplingArgs
 from app.tasks import openenv_env
-from app.tasks.openenv_env import WORKER_LOST, OpenEnvServer, OpenEnvSessions, serve_openenv
+from app.tasks.openenv_env import WORKER_LOST, OpenEnvSessions
+from app.tasks.openenv_server import OpenEnvServer, serve_openenv
 from app.tasks.problems import Problem
 from core.config import load_config
 from core.config.envs import OpenEnvConfig
@@ -273,7 +274,8 @@ def test_the_server_and_the_worker_end_with_the_process_that_started_them():
     """A driver or rollout actor killed outright (SIGKILL: no ExitStack, no close) leaves no OpenEnv process."""
     script = f"""
 import json, os, signal
-from app.tasks.openenv_env import OpenEnvServer, OpenEnvWorker, worker_config
+from app.tasks.openenv_env import OpenEnvWorker, worker_config
+from app.tasks.openenv_server import OpenEnvServer
 from core.config.envs import OpenEnvConfig
 server = OpenEnvServer("{ARITHMETIC}", {START_S}).start()
 worker = OpenEnvWorker(worker_config(OpenEnvConfig(url=server.url), 5.0), {START_S}).start()

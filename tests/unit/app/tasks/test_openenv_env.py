@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from app.tasks import openenv_env
+from app.tasks import openenv_env, openenv_server
 from app.tasks.environments import EnvLost, EnvStep
 from app.tasks.openenv_env import (
     DISCONNECTED,
@@ -130,4 +130,4 @@ def test_a_run_without_the_openenv_venv_is_refused_at_start_in_one_line_saying_w
     said = str(refused.value)
     assert said.startswith("env.openenv: the OpenEnv venv") and "`make setup` builds it" in said and "\n" not in said
     with pytest.raises(ValueError, match="make setup"):
-        openenv_env.OpenEnvServer("examples.openenv_arithmetic:app").start()  # nothing started either
+        openenv_server.OpenEnvServer("examples.openenv_arithmetic:app").start()  # nothing started either
