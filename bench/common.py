@@ -119,7 +119,7 @@ def bench_run_sets(out: Path, workdir: Path, steps: int, port: int, trusted: lis
         f"bucket.url=file://{out / 'bench' / 'bucket'}",
         f"bucket.cache_dir={workdir / 'cache'}",
         f"bucket.keep_versions={steps + 2}",
-        "logging.trackio=false",
+        "logging.report_to=[jsonl, ray]",
         "logging.progress_bar=false",
         f"fleet.extra_adapter_dirs={json.dumps(trusted)}",
         f"fleet.port={port}",
@@ -138,7 +138,7 @@ def train_run(config: str, sets: list[str], out: Path, label: str) -> dict:
         "logging.run_name=bench",
         f"bucket.url=file://{out}/bucket",
         f"bucket.cache_dir={out}/cache",
-        "logging.trackio=false",
+        "logging.report_to=[jsonl, ray]",
         "logging.progress_bar=false",
         f"fleet.port={free_port()}",
     ]

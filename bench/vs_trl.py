@@ -59,7 +59,7 @@ def bench_overrides(workdir: Path, max_steps: int, seed: int) -> list[str]:
         f"bucket.url=file://{workdir / 'spotrl' / 'bench' / 'bucket'}",
         f"bucket.cache_dir={workdir / 'cache'}",
         f"bucket.keep_versions={max_steps + 2}",  # keep every step's adapter for the evaluation
-        "logging.trackio=false",
+        "logging.report_to=[jsonl, ray]",
         "logging.progress_bar=false",
         f"fleet.extra_adapter_dirs={json.dumps(trusted)}",
     ]

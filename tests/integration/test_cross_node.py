@@ -38,7 +38,7 @@ def _overrides(tmp: Path, port: int) -> list[str]:
         "logging.run_name=cross",
         f"logging.output_dir={tmp}",
         "logging.progress_bar=false",
-        "logging.trackio=false",
+        "logging.report_to=[jsonl, ray]",
         f"bucket.url=file://{tmp}/bucket",
         f"bucket.cache_dir={tmp}/cache",
         f"fleet.port={port}",

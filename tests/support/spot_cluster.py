@@ -102,7 +102,7 @@ class SpotCluster:
             "logging.run_name=spot",
             f"logging.output_dir={self.tmp}",
             "logging.progress_bar=false",
-            "logging.trackio=false",
+            "logging.report_to=[jsonl, ray]",
             f"bucket.url={self.bucket}",
             f"bucket.endpoint_url={self.s3.endpoint_url}",
             f"bucket.cache_dir={self.tmp}/cache",

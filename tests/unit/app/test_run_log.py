@@ -43,7 +43,7 @@ def test_verdicts_are_printed_when_they_change_and_the_summary_counts_partial_sa
         None,
         [
             f"logging.output_dir={tmp_path}",
-            "logging.trackio=false",
+            "logging.report_to=[jsonl, ray]",
             "logging.diagnose_every=2",
             "rollout.queue_maxsize=16",
         ],
@@ -65,7 +65,7 @@ def test_verdicts_are_printed_when_they_change_and_the_summary_counts_partial_sa
 
 
 def _config(tmp_path, name: str):
-    cfg = load_config(None, [f"logging.output_dir={tmp_path}", "logging.trackio=false", f"logging.run_name={name}"])
+    cfg = load_config(None, [f"logging.output_dir={tmp_path}", "logging.report_to=[jsonl, ray]", f"logging.run_name={name}"])
     cfg.run_dir.mkdir(parents=True)
     return cfg
 
