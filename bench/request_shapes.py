@@ -119,7 +119,7 @@ async def send_all(url: str, headers: dict[str, str], requests: list[dict]) -> f
         return time.perf_counter() - t0
 
 
-# ---- where the time goes: metrics and CPU -----------------------------------------------------------------------------
+# ---- where the time goes: metrics and CPU ---------------------------------------------------------------------------
 
 HOPS = {  # hop: (metric, label filter, scale to seconds)
     "proxy": ("ray_serve_http_request_latency_ms", ('route="/v1/completions"',), 1e-3),

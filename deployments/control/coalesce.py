@@ -11,8 +11,9 @@ What stays as it was: the merged request goes through the same gate (its run's p
 prefix-hash routing (same prompt, same adapter) and the same hand-back (`ServeBackend.generate` stitches before the
 choices are dealt). A choice is the engine's sample for that caller alone, its tokens and log-probs as sampled:
 vLLM samples the `n` children of a request independently. Never merged: requests with a seed (vLLM seeds a group's
-children `seed + i`, so a seeded request's tokens would change), greedy ones (vLLM samples them one by one) and runs apart (each run's fair share). A caller
-that goes away leaves its samples unread; the engine call is cancelled only once every caller of it has gone.
+children `seed + i`, so a seeded request's tokens would change), greedy ones (vLLM samples them one by one) and runs
+apart (each run's fair share). A caller that goes away leaves its samples unread; the engine call is cancelled only
+once every caller of it has gone, and a caller gone before its call was sent is left out of it.
 """
 
 from __future__ import annotations
