@@ -576,12 +576,13 @@ def test_multi_turn_episodes_are_token_exact_through_the_fleet_and_stay_on_their
     assert err < 1e-4
     learner.close()
 
-    # Turns 2 and 3 extend a prefix the router placed: each trajectory stays on its replica.
+    # Turns 2 and 3 extend a prefix the router placed: each trajectory stays on its replica. Trajectories alike so far
+    # that ask together are one engine call (`deployments.control.coalesce`): at most 8 routings, every one affinity.
     turns = fleet.client.router_stats()["turns"]
     for turn in ("2", "3"):
         routed = turns[turn]["routed"] - before.get(turn, {}).get("routed", 0)
         affinity = turns[turn]["affinity"] - before.get(turn, {}).get("affinity", 0)
-        assert routed == 8 and affinity == 8, turns
+        assert 1 <= routed <= 8 and affinity == routed, turns
 
 
 def test_a_batch_of_prompts_in_one_request_is_answered_prompt_by_prompt(fleet):
