@@ -91,6 +91,8 @@ class RolloutStats:
     teacher_failed_total: int | None = None  # groups dropped because the teacher failed to score them (distilling)
     teacher_failed_by: dict[str, int] = field(default_factory=dict)  # of several teachers, by name
     failing: str | None = None  # why the run cannot go on: every one of the last rollout.max_failed_groups failed
+    zero_variance_share: float = 0.0  # of the groups scored, those whose rewards were all equal (no advantage)
+    dropped_zero_variance_total: int = 0  # dropped by dynamic sampling: each one an extra group sampled in its place
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -110,6 +112,8 @@ class RolloutStats:
             "rollout/cut_share": self.cut_share,
             "rollout/cuts_total": self.cuts_total,
             "rollout/prefilled_again_total": self.prefilled_again_total,
+            "sample/zero_variance_share": self.zero_variance_share,
+            "rollout/dropped_zero_variance_total": self.dropped_zero_variance_total,
             **(self.staleness_inflight.metrics("inflight") if self.staleness_inflight else {}),
             **(self.staleness_queue.metrics("queue") if self.staleness_queue else {}),
             **(

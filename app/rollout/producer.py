@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -99,7 +100,11 @@ class GroupProducer:
             "cut_calls": 0,
             "cut_failures": 0,
             "teacher_failed": 0,
+            "scored": 0,  # groups sampled and scored (dynamic sampling's denominator)
+            "zero_variance": 0,  # of them, those whose rewards were all equal
+            "dropped_zero_variance": 0,  # of those, dropped by dynamic sampling (each one more group sampled)
         }
+        self.zero_variance_in_row = 0  # dropped by dynamic sampling since the last informative group
         self.failed_in_row = 0  # groups lost (failed, or their teacher did) since the last one produced
         self.last_failure = ""  # why the last of them was lost, in one line
 
@@ -199,6 +204,8 @@ class GroupProducer:
         if sampled.prompt_ids is not None:  # the sampler rendered the prompt itself (a TRL environment's)
             prompt_ids = sampled.prompt_ids
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
+        if self._drop_uninformative(group):  # before the teacher: a dropped group costs it nothing
+            return None
         if self.teacher is not None:
             try:
                 await self.teacher.score(group, problem, self._newest_model())
@@ -210,6 +217,24 @@ class GroupProducer:
                 self._failed(e, "the teacher: ")
                 return None
         return self.objectives.annotate(group)
+
+    def _drop_uninformative(self, group: Group) -> bool:
+        """Dynamic sampling (DAPO): a group whose rewards are all equal has no advantage, so no gradient; drop it and
+        let the producer sample another in its place. Its problem is consumed (the cursor went past it), never retried.
+        After `dynamic_sampling_max_extra` drops in a row the next one is trained anyway, as plain GRPO would: a task
+        the model always solves (or never does) then slows the run down by a bounded amount instead of stalling it."""
+        self.counters["scored"] += 1
+        if not zero_variance(group):
+            self.zero_variance_in_row = 0
+            return False
+        self.counters["zero_variance"] += 1
+        r = self.cfg.rollout
+        if not r.dynamic_sampling or self.zero_variance_in_row >= r.dynamic_sampling_max_extra:
+            self.zero_variance_in_row = 0
+            return False
+        self.zero_variance_in_row += 1
+        self.counters["dropped_zero_variance"] += 1
+        return True
 
     def _failed(self, error: BaseException, where: str = "") -> None:
         self.failed_in_row += 1
@@ -336,6 +361,8 @@ class GroupProducer:
             teacher_failed_total=c["teacher_failed"] if self.teacher is not None else None,
             teacher_failed_by=getattr(self.teacher, "failed_by_teacher", dict)(),
             failing=self.failing,
+            zero_variance_share=c["zero_variance"] / c["scored"] if c["scored"] else 0.0,
+            dropped_zero_variance_total=c["dropped_zero_variance"],
         )
 
     def _queued(self) -> list[Group]:
@@ -362,3 +389,9 @@ def _flight_span(flight: Flight) -> tuple[int, int, float | None]:
 def _sample_span(group: Group, sample) -> tuple[int, int, float]:
     versions = sample.token_versions() or [group.policy_version]
     return min(versions), max(versions), sum(versions) / len(versions)
+
+
+def zero_variance(group: Group) -> bool:
+    """All scored rewards equal (NaN, unscorable, left out): every advantage of the group is zero."""
+    rewards = {s.reward for s in group.samples if not math.isnan(s.reward)}
+    return len(rewards) <= 1

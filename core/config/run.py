@@ -79,6 +79,15 @@ class RolloutConfig(Section):
         description="bound_at_admission: drop groups whose oldest token lags more versions; None: twice "
         "rollout.max_staleness, below bucket.keep_versions.",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: drop groups whose rewards are all equal (no advantage) before the learner; more are sampled.",
+    )
+    dynamic_sampling_max_extra: int = Field(
+        64,
+        ge=0,
+        description="dynamic_sampling: zero-variance groups dropped in a row before the next one is trained anyway.",
+    )
 
 
 class LearnerConfig(Section):
