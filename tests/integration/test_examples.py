@@ -68,3 +68,20 @@ def test_the_reward_recipe_scores_with_its_partial_credit(tmp_path):
 def test_the_environment_recipe_plays_second_chances(tmp_path):
     _, metrics, _ = run_recipe("env_second_chance", tmp_path, "attempts=2")
     assert all(1 <= m["env/turns_mean"] <= 2 for m in metrics)
+
+
+@pytest.mark.slow
+def test_the_route_recipe_brings_up_a_fleet_with_its_endpoint_and_asks_it(tmp_path):
+    sets = [f"fleet.port={free_port()}", "fleet.num_replicas=1", f"bucket.url=file://{tmp_path}/bucket"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.route_tokenize", f"sets={json.dumps(sets)}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (proc.stderr + proc.stdout)[-5000:]
+    # Its one line of JSON; Ray's own lines (a raylet's, at shutdown) may come after it on stdout.
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith('{"url"')]
+    answer = json.loads(line)
+    assert answer["count"] == len(answer["tokens"]) > 0 and answer["max_model_len"] == 64
