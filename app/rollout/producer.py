@@ -37,6 +37,7 @@ from app.messages import ResumePoint, RolloutStats
 from app.objectives import Objectives
 from app.objectives.distill import TEACHER_LOGPROBS
 from app.rollout.continuation import Flight, version_of
+from app.rollout.overlong import OverlongShaping
 from app.rollout.sampling import GroupStale, Sampler, SamplingArgs
 from app.rollout.staleness import StalenessRule, figures
 from app.rollout.teacher import TeacherChoice, TeacherScorer
@@ -76,6 +77,7 @@ class GroupProducer:
         self.sampling = SamplingArgs(s.max_completion_length, s.temperature, s.top_p, s.top_k, s.min_p)
         self.retries_done, self.cut = retries_done, cut
         self.staleness = StalenessRule.from_config(cfg)
+        self.overlong = OverlongShaping.from_config(cfg)
         resume = resume or ResumePoint()
         self.cursor = resume.data_cursor or 0
         self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
@@ -103,6 +105,8 @@ class GroupProducer:
             "scored": 0,  # groups sampled and scored (dynamic sampling's denominator)
             "zero_variance": 0,  # of them, those whose rewards were all equal
             "dropped_zero_variance": 0,  # of those, dropped by dynamic sampling (each one more group sampled)
+            "overlong_penalised": 0,  # samples whose reward the overlong penalty lowered
+            "truncated_masked": 0,  # truncated samples given no reward (rollout.mask_truncated)
         }
         self.zero_variance_in_row = 0  # dropped by dynamic sampling since the last informative group
         self.failed_in_row = 0  # groups lost (failed, or their teacher did) since the last one produced
@@ -204,6 +208,10 @@ class GroupProducer:
         if sampled.prompt_ids is not None:  # the sampler rendered the prompt itself (a TRL environment's)
             prompt_ids = sampled.prompt_ids
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
+        if self.overlong.active:  # shaped before dynamic sampling judges the group's variance
+            penalised, masked = self.overlong.apply(group)
+            self.counters["overlong_penalised"] += penalised
+            self.counters["truncated_masked"] += masked
         if self._drop_uninformative(group):  # before the teacher: a dropped group costs it nothing
             return None
         if self.teacher is not None:
@@ -363,6 +371,8 @@ class GroupProducer:
             failing=self.failing,
             zero_variance_share=c["zero_variance"] / c["scored"] if c["scored"] else 0.0,
             dropped_zero_variance_total=c["dropped_zero_variance"],
+            overlong_penalised_total=c["overlong_penalised"],
+            truncated_masked_total=c["truncated_masked"],
         )
 
     def _queued(self) -> list[Group]:

@@ -88,6 +88,15 @@ class RolloutConfig(Section):
         ge=0,
         description="dynamic_sampling: zero-variance groups dropped in a row before the next one is trained anyway.",
     )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong penalty: tokens before sampling.max_completion_length over which it grows; 0 off.",
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="The overlong penalty subtracted at the length limit.")
+    mask_truncated: bool = Field(
+        False, description="Give a sample cut by the length limit no reward (advantage 0) instead of scoring it."
+    )
 
 
 class LearnerConfig(Section):
