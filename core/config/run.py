@@ -261,6 +261,8 @@ class RunConfig(Section):
         """A completion, and an episode, fit the model's context."""
         if self.sampling.max_completion_length >= self.model.max_model_len:
             raise ValueError("sampling.max_completion_length must be smaller than model.max_model_len")
+        if self.rollout.overlong_buffer >= self.sampling.max_completion_length:  # else every sample is penalised
+            raise ValueError("rollout.overlong_buffer must be smaller than sampling.max_completion_length")
         if self.env.max_episode_tokens is not None and self.env.max_episode_tokens > self.model.max_model_len:
             raise ValueError(
                 f"env.max_episode_tokens={self.env.max_episode_tokens} exceeds model.max_model_len={self.model.max_model_len}"

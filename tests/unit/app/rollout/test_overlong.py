@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from app.rollout.overlong import OverlongShaping, overlong_penalty
 from app.rollout.producer import GroupProducer
 from app.rollout.sampling import CompletionSampler
@@ -17,6 +19,11 @@ def test_the_penalty_is_zero_before_the_buffer_then_linear_to_the_limit():
     assert overlong_penalty(100, 100, 20, 0.5) == -0.5
     assert overlong_penalty(130, 100, 20, 1.0) == -1.0  # past the limit (a continuation's overrun): capped
     assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # no buffer: off
+
+
+def test_a_buffer_as_long_as_the_limit_is_refused():
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        load_config(None, ["sampling.max_completion_length=6", "rollout.overlong_buffer=6"])
 
 
 def _group():
