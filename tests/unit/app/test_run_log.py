@@ -65,7 +65,9 @@ def test_verdicts_are_printed_when_they_change_and_the_summary_counts_partial_sa
 
 
 def _config(tmp_path, name: str):
-    cfg = load_config(None, [f"logging.output_dir={tmp_path}", "logging.report_to=[jsonl, ray]", f"logging.run_name={name}"])
+    cfg = load_config(
+        None, [f"logging.output_dir={tmp_path}", "logging.report_to=[jsonl, ray]", f"logging.run_name={name}"]
+    )
     cfg.run_dir.mkdir(parents=True)
     return cfg
 
