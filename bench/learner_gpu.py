@@ -115,6 +115,12 @@ SEED_OBJECTIVES = [
         "epsilon_high": 0.2,
         "vllm_importance_sampling_correction": False,
         "vllm_importance_sampling_cap": 2.0,
+        "sequence_is": "off",  # the off-policy guards beyond TIS, off as in the recipe
+        "sequence_is_low": 0.5,
+        "sequence_is_high": 2.0,
+        "token_mask": False,
+        "token_mask_low": 0.5,
+        "token_mask_high": 2.0,
     }
 ]
 
