@@ -304,24 +304,11 @@ def run_vllm(cfg, model_path: str, adapter: Path, work: Path, args) -> dict:
 
 def run_fleet(model_path: str, work: Path, args, window_s: float | None) -> dict:
     """The fleet's numbers, with the ingress's coalescing window `window_s` (0: off; None: the fleet's own)."""
-    from deployments.control.coalesce import WINDOW_ENV
-
-    work.mkdir()
-    saved = os.environ.pop(WINDOW_ENV, None)
-    if window_s is not None:
-        os.environ[WINDOW_ENV] = str(window_s)  # the ingress's process inherits it (a local Ray started here)
-    try:
-        return _measure_fleet(model_path, work, args)
-    finally:
-        os.environ.pop(WINDOW_ENV, None)
-        if saved is not None:
-            os.environ[WINDOW_ENV] = saved
-
-
-def _measure_fleet(model_path: str, work: Path, args) -> dict:
     from tests.support.fleet_helpers import running_fleet
 
-    with running_fleet(work, model_path, FLEET_SETS, TOKEN) as fleet:
+    work.mkdir()
+    sets = FLEET_SETS if window_s is None else [*FLEET_SETS, f"fleet.coalesce_window_s={window_s}"]
+    with running_fleet(work, model_path, sets, TOKEN) as fleet:
         print(f"fleet up at {fleet.url}, measuring ...", flush=True)
         headers = {"Authorization": f"Bearer {TOKEN}"}
         try:

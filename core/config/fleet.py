@@ -131,6 +131,12 @@ class FleetSettings(Section):
         ge=1,
         description="Log-probs one scoring request may ask for: prompt tokens x (prompt_logprobs + 1) x n.",
     )
+    coalesce_window_s: float = Field(
+        0.005,
+        ge=0,
+        le=1,
+        description="How long the ingress holds a run's n=1 request for like ones to share its engine call (0: never).",
+    )
     poison_ttl_s: float = Field(
         600.0, gt=0, description="How long the ingress refuses a request during which two engines died."
     )

@@ -70,7 +70,7 @@ class InferenceRoutes(Routes):
         self.prompts = Prompts(settings)
         self._token_text = cached_token_text(settings.decode)
         # Like requests of one run sent together share one engine call (`deployments.control.coalesce`).
-        self.coalescer = Coalescer(max_n=settings.limits.max_sequences_per_request)
+        self.coalescer = Coalescer(settings.coalesce_window_s, max_n=settings.limits.max_sequences_per_request)
 
     async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
         """One generation, merged with like ones of the same run sent at the same moment (`Coalescer`)."""

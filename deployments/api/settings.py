@@ -37,6 +37,8 @@ class ApiSettings:
     # Places per live replica (its engine's max_num_seqs) when no fixed budget is set: the budget follows the fleet.
     inflight_per_replica: int | None = None
     default_run_weight: float = 1.0
+    # How long like generations of one run wait for each other to share an engine call (`deployments.control.coalesce`).
+    coalesce_window_s: float = 0.005
     # The teacher deployments' model names (`FleetConfig.teacher`): served by replicas of their own, open to every run.
     teacher_models: frozenset[str] = frozenset()
     # What every lineage's signing key derives from (`contracts.auth.lineage_key`): the replicas verify with the same.

@@ -20,25 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from contracts.serving import Generated, GenerateRequest
 
-# How long the first request of a kind waits for others to join it: well under one engine step on a CPU, and the
-# samples of one group, sent back to back, reach the ingress within it.
-WINDOW_S = 0.005
 # vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily, one sample per request.
 GREEDY_BELOW = 1e-5
-# Another window for the ingress's process (0: never merge), for bench/request_shapes.py's arm without it.
-WINDOW_ENV = "SPOTRL_COALESCE_WINDOW_S"
-
-
-def configured_window_s() -> float:
-    """The window: `WINDOW_S`, or the environment's `SPOTRL_COALESCE_WINDOW_S` (the bench compares 0 with it)."""
-    return float(os.environ.get(WINDOW_ENV, WINDOW_S))
-
 
 Send = Callable[[GenerateRequest], Awaitable[Generated]]
 
@@ -87,8 +75,10 @@ class Coalescer:
     """Merges concurrent like generations of one run (`merge_key`) into one `send` of their summed `n`, up to
     `max_n` sequences per call; `window_s` 0 sends every request alone."""
 
-    def __init__(self, window_s: float | None = None, max_n: int = 256):
-        self.window_s = configured_window_s() if window_s is None else window_s
+    def __init__(self, window_s: float, max_n: int = 256):
+        # How long the first request of a kind waits for others (`fleet.coalesce_window_s`): well under one engine
+        # step on a CPU, and the samples of one group, sent back to back, reach the ingress within it.
+        self.window_s = window_s
         self.max_n = max_n
         self._open: dict[tuple, _Batch] = {}
         self.requests = 0  # generations asked for

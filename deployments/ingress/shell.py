@@ -257,6 +257,7 @@ class Ingress:
             inflight_budget=cfg.inflight_limit,
             inflight_per_replica=None if cfg.fleet.inflight_budget else cfg.fleet.max_num_seqs,
             default_run_weight=cfg.fleet.default_run_weight,
+            coalesce_window_s=cfg.fleet.coalesce_window_s,
             teacher_models=frozenset([cfg.teacher.name] if cfg.teacher else []),
             signing_secret=signing or signing_secret(token or None),
         )
