@@ -11,10 +11,12 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 from app.messages import RolloutStats, StepResult
+from app.periodic_eval import EvalPoint
 from core.config import RunConfig
 
 
@@ -42,6 +44,7 @@ class Run:
         self.idle_at_loop_start = 0.0
         self.teacher_heldout: dict | None = None  # a distilling run's teacher, evaluated as the student is
         self.teachers_heldout: dict[str, dict] = {}  # of several teachers, each so evaluated, by name
+        self.eval_points: list[EvalPoint] = []  # the evaluation curve during training (`app.periodic_eval`)
 
     def start_loop(self, rollout_stats: RolloutStats) -> None:
         self.loop_t0 = time.time()
@@ -50,15 +53,26 @@ class Run:
     def end_loop(self) -> None:
         self.loop_s = time.time() - self.loop_t0
 
-    def record(self, result: StepResult, rollout_stats: RolloutStats, rollout_wait_s: float) -> dict:
-        """The step's metrics as logged: the learner's, the rollout's, its groups', and how long we waited for them."""
+    def record(
+        self,
+        result: StepResult,
+        rollout_stats: RolloutStats,
+        rollout_wait_s: float,
+        evaluated: Sequence[EvalPoint] = (),
+        eval_counts: dict[str, int] | None = None,
+    ) -> dict:
+        """The step's metrics as logged: the learner's, the rollout's, its groups', how long we waited for them, and
+        the evaluation during training that landed meanwhile (the newest, if several: each joins the curve)."""
         metrics = {
             **result.metrics,
             "policy_version": result.policy_version,
             **rollout_stats.metrics(),
             **(result.batch.metrics() if result.batch else {}),
             "perf/rollout_wait_s": rollout_wait_s,
+            **(evaluated[-1].metrics() if evaluated else {}),
+            **(eval_counts or {}),
         }
+        self.eval_points.extend(evaluated)
         self.history.append(metrics)
         if result.batch:
             batch = result.batch
@@ -81,6 +95,7 @@ class Run:
                 self.stale_groups += groups
                 self.stale_max = max(self.stale_max or 0, int(m["sample/staleness_max"]))
         self.history = records + self.history
+        self.eval_points = [p for m in records if (p := EvalPoint.from_metrics(m))] + self.eval_points
         self.own_from += len(records)
 
     def summary(self, before: dict | None, after: dict | None, rollout: RolloutStats, router: dict | None) -> dict:

@@ -22,8 +22,10 @@ from contextlib import ExitStack
 from app.evaluate import EvaluationLost
 from app.kinds.registry import serve_environment
 from app.messages import ResumePoint
+from app.periodic_eval import EvalPoint, Measured, PeriodicEvaluation
+from app.run_evaluation import Evaluation, lost_note
 from app.run_log import Run, StepLog, previous_steps
-from app.spot import DriverNotices, Preempted, finished_line, preempted_line, resumed_line
+from app.spot import DriverNotices, Preempted, finished_line, preempted_line
 from app.tasks.checks import check_episode_budget, check_names
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, admin_token, inference_token
@@ -32,6 +34,8 @@ from core.models import is_local, pin_revision
 from tiny.build import prepare_run
 
 log = logging.getLogger("spotrl.train")
+# How long the end of a run waits for an evaluation during training still in flight, before its final one.
+EVAL_IN_FLIGHT_WAIT_S = 300.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,7 +237,8 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
         stack.callback(learner.shutdown)
         resume = learner.start()
         ensure_served(fleet, cfg, resume.policy_version)
-        evaluation = Evaluation(cfg, fleet.base_url, model_path, token or inference_token(cfg))
+        extra_sets = {s.name: serve_environment(stack, s.applied_to(cfg)) for s in cfg.eval.extra}
+        evaluation = Evaluation(cfg, fleet.base_url, model_path, token or inference_token(cfg), extra_sets)
         before = evaluation.baseline(resume)
         teacher = start_teacher(
             cfg, run, fleet, model_path, evaluation, token or admin_token(cfg), resume.policy_version
@@ -241,8 +246,9 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
         rollout = start_rollout(stack, cfg, model_path, fleet.base_url, resume, run_token, teacher)
         run.restore(previous_steps(cfg.run_dir, resume.step))  # a resumed run's summary is the whole run's
         steps = StepLog(stack, run, resume.step)
-        version = loop(cfg, run, steps, learner, rollout, resume, notices)
-        return finish(cfg, run, steps, rollout, fleet, evaluation, before, version)
+        periodic = start_periodic_eval(stack, cfg, run, evaluation)
+        version = loop(cfg, run, steps, learner, rollout, resume, notices, periodic)
+        return finish(cfg, run, steps, rollout, fleet, evaluation, before, version, periodic)
 
 
 def report_finished(cfg: RunConfig) -> bool:
@@ -253,10 +259,31 @@ def report_finished(cfg: RunConfig) -> bool:
     return line is not None
 
 
-def loop(cfg, run: Run, steps: StepLog, learner, rollout, resume: ResumePoint, notices: DriverNotices | None) -> int:
+def start_periodic_eval(stack: ExitStack, cfg: RunConfig, run: Run, evaluation: Evaluation) -> PeriodicEvaluation:
+    """Evaluation during training (`eval.every_steps`; with 0 it never evaluates), stopped with the run (a spot
+    notice included) without waiting for an evaluation in flight."""
+    e = cfg.eval
+    best = max((p.measured.accuracy for p in run.eval_points), default=None)  # an earlier process's best
+    keep = evaluation.keep if e.keep_best else None
+    periodic = PeriodicEvaluation(evaluation.during, e.every_steps, e.max_retries, cfg.train.max_steps, keep, best)
+    stack.callback(periodic.stop)
+    return periodic
+
+
+def loop(
+    cfg,
+    run: Run,
+    steps: StepLog,
+    learner,
+    rollout,
+    resume: ResumePoint,
+    notices: DriverNotices | None,
+    periodic: PeriodicEvaluation,
+) -> int:
     """Get groups, train, log, to `train.max_steps`; returns the policy version trained last. A spot notice for this
     machine stops it after the step under way, checkpointed (`Preempted`). The last step is always checkpointed, so
-    that a run trained further later resumes exactly where this one ended."""
+    that a run trained further later resumes exactly where this one ended. Each step hands its version to the
+    evaluation during training and logs what it measured meanwhile; it never waits for it."""
     import ray
 
     from app.weight_sync import tell_rollout
@@ -278,16 +305,29 @@ def loop(cfg, run: Run, steps: StepLog, learner, rollout, resume: ResumePoint, n
             version = result.policy_version
             tell_rollout(rollout, version)
         step = result.step
+        periodic.committed(step, version)
         if step % cfg.learner.save_steps == 0:
             checkpointed = step
-        steps.write(result, run.record(result, rollout_stats, rollout_wait_s))
+        evaluated = periodic.landed()
+        metrics = run.record(result, rollout_stats, rollout_wait_s, evaluated, periodic.counts() if evaluated else {})
+        steps.write(result, metrics)
     if checkpointed != step:
         learner.checkpoint()
     run.end_loop()
     return version
 
 
-def finish(cfg, run: Run, steps: StepLog, rollout, fleet, evaluation: Evaluation, before: dict, version: int) -> dict:
+def finish(
+    cfg,
+    run: Run,
+    steps: StepLog,
+    rollout,
+    fleet,
+    evaluation: Evaluation,
+    before: dict,
+    version: int,
+    periodic: PeriodicEvaluation,
+) -> dict:
     """Evaluate the trained policy, write the summary, say which side was the bottleneck."""
     import ray
 
@@ -295,52 +335,24 @@ def finish(cfg, run: Run, steps: StepLog, rollout, fleet, evaluation: Evaluation
 
     final_stats = ray.get(rollout.stats.remote())
     verdict = diagnose(run.history[-max(2, cfg.logging.diagnose_every * 2) :], cfg)
+    late = periodic.stop(wait_s=EVAL_IN_FLIGHT_WAIT_S)  # an evaluation in flight would compete with the final one
     after = evaluation.of(version)
     log.info("held-out accuracy after: %.3f (%s)%s", after["accuracy"], after["model"], lost_note(after))
     summary = run.summary(before, after, final_stats, fleet.router_stats())
+    if cfg.eval.every_steps:
+        try:
+            measured = evaluation.during(version, after)  # the extra sets too
+        except Exception as e:  # noqa: BLE001 - an extra set failing costs its point, never the summary
+            log.warning("evaluation of the extra sets after the run failed: %s", e)
+            measured = Measured(after["accuracy"], after.get("lost", 0))
+        curve = [*run.eval_points, *late, EvalPoint(cfg.train.max_steps, version, measured)]
+        summary.update(evaluation.summary(curve, periodic.counts()))
+        log.info("best evaluated version: %s (accuracy %.3f)", summary["best_version"], summary["best_accuracy"])
     summary["bottleneck"] = verdict.kind
     summary["bottleneck_detail"] = str(verdict)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     steps.bar.write(str(verdict))
     return summary
-
-
-def lost_note(heldout: dict) -> str:
-    """What the log line of an evaluation adds when the environment lost some of its episodes (scored unsolved)."""
-    lost = heldout.get("lost", 0)
-    return f"; {lost} of {heldout['num_problems']} episodes lost, scored unsolved" if lost else ""
-
-
-class Evaluation:
-    """Held-out accuracy through the fleet (`app.evaluate`), and the run's baseline: measured once, before the first
-    step, and kept in the run's folder, so that a resumed run reports the accuracy it started from."""
-
-    def __init__(self, cfg: RunConfig, base_url: str, model_path: str, token: str | None):
-        self.cfg, self.base_url, self.model_path, self.token = cfg, base_url, model_path, token
-
-    def of(self, version: int) -> dict:
-        from app.evaluate import evaluate
-
-        return evaluate(self.cfg, self.base_url, self.model_path, adapter_name(version, self.cfg.fleet_run), self.token)
-
-    def of_teacher(self, teacher) -> dict:
-        """The teacher's held-out accuracy, measured as the student's (where it is served, under its name)."""
-        from app.evaluate import evaluate
-
-        token = teacher.token.value if teacher.token else None
-        return evaluate(self.cfg, teacher.url, self.model_path, teacher.model, token, context=teacher.context)
-
-    def baseline(self, resume: ResumePoint) -> dict:
-        kept = self.cfg.run_dir / "heldout_before.json"
-        if resume.step > 0:
-            print(resumed_line(self.cfg, resume.step, resume.policy_version), file=sys.stderr)
-            if kept.is_file():
-                return json.loads(kept.read_text())
-        before = self.of(resume.policy_version)
-        log.info("held-out accuracy before: %.3f (%s)%s", before["accuracy"], before["model"], lost_note(before))
-        if resume.step == 0:
-            kept.write_text(json.dumps(before))
-        return before
 
 
 def main(argv: list[str] | None = None) -> None:

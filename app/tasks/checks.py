@@ -27,6 +27,7 @@ def check_names(cfg) -> None:
         reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
         # The splits themselves (a few seconds): a size the datasets cannot fill is found now, not after the fleet.
         load_task(cfg.task)
+    each_eval_set(cfg, check_names)
 
 
 def check_episode_budget(cfg, model_path: str) -> None:
@@ -34,3 +35,14 @@ def check_episode_budget(cfg, model_path: str) -> None:
     (`EnvKind.check_budget`): ConfigError naming the setting that makes room else. Called once the model's tokenizer
     exists."""
     kind_of(cfg).check_budget(cfg, model_path)
+    each_eval_set(cfg, lambda set_cfg: check_episode_budget(set_cfg, model_path))
+
+
+def each_eval_set(cfg, check) -> None:
+    """`check` each extra evaluation set (`eval.extra`) as a run of its own task and environment, its ConfigError
+    naming the set."""
+    for i, eval_set in enumerate(cfg.eval.extra):
+        try:
+            check(eval_set.applied_to(cfg))
+        except ConfigError as e:
+            raise ConfigError(f"eval.extra[{i}] ({eval_set.name}): {e}") from None

@@ -12,6 +12,7 @@ every field, read from YAML with `--set` overrides.
 """
 
 from core.config.envs import EnvConfig
+from core.config.evaluation import EvalConfig, EvalSet
 from core.config.fleet import FleetConfig, FleetSettings, slots_needed
 from core.config.loading import (
     DEFAULT_CONFIG,
@@ -53,6 +54,8 @@ __all__ = [
     "BucketConfig",
     "ConfigError",
     "EnvConfig",
+    "EvalConfig",
+    "EvalSet",
     "FleetConfig",
     "FleetSettings",
     "JoinConfig",

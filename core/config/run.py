@@ -2,7 +2,8 @@
 rollout, the fleet it brings or joins, bucket, learner, logging), so that the driver, the learner and the rollout
 read the same validated object. Field names follow TRL's AsyncGRPOConfig where one exists, so TRL users find what
 they know. Each section checks itself in its own module (`core.config.envs`, `core.config.objectives`,
-`core.config.training`, `core.config.tasks`); here are the run's own sections and the checks that cross sections.
+`core.config.training`, `core.config.tasks`, `core.config.evaluation`); here are the run's own sections and the
+checks that cross sections.
 
 The fleet is a product of its own (`core.config.fleet`): a run either brings one along, described by its
 `fleet` section (`RunConfig.own_fleet`), or joins one that runs already (`join.url`).
@@ -18,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from contracts.adapters import RUN_NAME
 from core.config.deprecated import move_grpo_keys
 from core.config.envs import EnvConfig
+from core.config.evaluation import EvalConfig
 from core.config.fleet import FleetConfig, FleetSettings, check_fleet, slots_needed, trusted_source
 from core.config.objectives import DistillObjectiveConfig, GRPOObjectiveConfig, Objectives
 from core.config.sections import (
@@ -209,6 +211,7 @@ class RunConfig(Section):
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Adapter and checkpoint bucket.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and output.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training, in the background.")
     spot: SpotConfig = Field(default_factory=SpotConfig, description="Spot interruption notices.")
 
     @model_validator(mode="before")

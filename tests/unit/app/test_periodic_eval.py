@@ -1,0 +1,203 @@
+"""Evaluation during training (`app.periodic_eval`), with a fake `measure`: due every `every_steps` steps, never
+making the caller wait, the newest version measured next (stale ones skipped, counted), a failure retried then
+skipped (counted, never raised), stopped cleanly, the best kept; and its points in the run's record and summary."""
+
+import threading
+import time
+
+import pytest
+
+from app.periodic_eval import EvalPoint, Measured, PeriodicEvaluation, eval_summary
+from app.run_log import Run
+from core.config import load_config
+
+from .test_run_log import rollout_stats, step
+
+
+def wait_for(predicate, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def collect(periodic: PeriodicEvaluation, n: int) -> list[EvalPoint]:
+    points: list[EvalPoint] = []
+
+    def enough() -> bool:
+        points.extend(periodic.landed())
+        return len(points) >= n
+
+    wait_for(enough)
+    return points
+
+
+def test_due_every_n_steps_but_not_at_the_last_which_the_final_evaluation_measures():
+    measured = []
+    periodic = PeriodicEvaluation(lambda v: measured.append(v) or Measured(v / 10), 3, 0, last_step=9)
+    for s in range(1, 10):
+        periodic.committed(s, s + 100)
+        wait_for(lambda s=s: len(measured) == s // 3 - (s == 9))
+    points = collect(periodic, 2)
+    assert [(p.step, p.version) for p in points] == [(3, 103), (6, 106)]
+    assert measured == [103, 106] and periodic.counts() == {"eval/skipped": 0, "eval/retried": 0}
+    periodic.stop(wait_s=1)
+
+
+def test_off_with_every_steps_0():
+    periodic = PeriodicEvaluation(lambda v: pytest.fail("measured"), 0, 0, last_step=9)
+    for s in range(1, 10):
+        periodic.committed(s, s)
+    assert periodic.stop(wait_s=1) == [] and not periodic._thread.is_alive()
+
+
+def test_a_blocked_evaluation_never_makes_a_step_wait_and_the_newest_version_is_measured_next():
+    release, started = threading.Event(), []
+
+    def measure(version: int) -> Measured:
+        started.append(version)
+        release.wait(10)
+        return Measured(0.5)
+
+    periodic = PeriodicEvaluation(measure, 1, 0, last_step=100)
+    t0 = time.perf_counter()
+    periodic.committed(1, 1)
+    wait_for(lambda: started == [1])
+    for s in range(2, 6):  # versions 2..5 fall due while 1 is measured: each replaces the one waiting
+        periodic.committed(s, s)
+    assert time.perf_counter() - t0 < 0.5  # the steps never waited on the evaluation blocked in flight
+    release.set()
+    points = collect(periodic, 2)
+    assert started == [1, 5] and [p.version for p in points] == [1, 5]
+    assert periodic.counts()["eval/skipped"] == 3  # versions 2, 3, 4: stale before they started
+    periodic.stop(wait_s=1)
+
+
+def test_a_failure_is_retried_then_measured_and_counted():
+    tries = []
+
+    def measure(version: int) -> Measured:
+        tries.append(version)
+        if len(tries) < 3:
+            raise ConnectionError("replica lost")
+        return Measured(0.7)
+
+    periodic = PeriodicEvaluation(measure, 2, 2, last_step=100, retry_delay_s=0.01)
+    periodic.committed(2, 7)
+    (point,) = collect(periodic, 1)
+    assert (point.version, point.measured.accuracy, tries) == (7, 0.7, [7, 7, 7])
+    assert periodic.counts() == {"eval/skipped": 0, "eval/retried": 2}
+    periodic.stop(wait_s=1)
+
+
+def test_an_evaluation_failing_every_try_is_skipped_counted_and_the_next_one_still_runs():
+    def measure(version: int) -> Measured:
+        if version == 1:
+            raise RuntimeError("every episode lost")
+        return Measured(0.4)
+
+    periodic = PeriodicEvaluation(measure, 1, 1, last_step=100, retry_delay_s=0.01)
+    periodic.committed(1, 1)
+    wait_for(lambda: periodic.counts()["eval/skipped"] == 1)
+    assert periodic.counts()["eval/retried"] == 1
+    periodic.committed(2, 2)
+    assert [p.version for p in collect(periodic, 1)] == [2]
+    periodic.stop(wait_s=1)
+
+
+def test_a_newer_version_due_replaces_the_retry_of_a_failed_one():
+    fail_first = threading.Event()
+    tries = []
+
+    def measure(version: int) -> Measured:
+        tries.append(version)
+        if version == 1:
+            fail_first.wait(5)
+            raise ConnectionError("lost")
+        return Measured(0.3)
+
+    periodic = PeriodicEvaluation(measure, 1, 5, last_step=100, retry_delay_s=0.01)
+    periodic.committed(1, 1)
+    wait_for(lambda: tries == [1])
+    periodic.committed(2, 2)  # due while 1 is in flight; 1 then fails: no retry of a stale version
+    fail_first.set()
+    assert [p.version for p in collect(periodic, 1)] == [2]
+    assert tries == [1, 2] and periodic.counts() == {"eval/skipped": 1, "eval/retried": 0}
+    periodic.stop(wait_s=1)
+
+
+def test_stop_waits_for_the_one_in_flight_retries_nothing_and_skips_the_one_waiting():
+    release, tries = threading.Event(), []
+
+    def measure(version: int) -> Measured:
+        tries.append(version)
+        release.wait(5)
+        raise ConnectionError("the fleet is going away")
+
+    periodic = PeriodicEvaluation(measure, 1, 3, last_step=100, retry_delay_s=0.01)
+    periodic.committed(1, 1)
+    wait_for(lambda: tries == [1])
+    periodic.committed(2, 2)
+    threading.Timer(0.1, release.set).start()
+    assert periodic.stop(wait_s=5) == []
+    assert not periodic._thread.is_alive() and tries == [1]
+    assert periodic.counts() == {"eval/skipped": 2, "eval/retried": 0}
+
+
+def test_each_new_best_is_kept_and_a_failing_keep_costs_nothing_else():
+    accuracies = {1: 0.5, 2: 0.4, 3: 0.6, 4: 0.9}
+    kept = []
+
+    def keep(version: int) -> None:
+        if version == 4:
+            raise FileNotFoundError("gone from the bucket")
+        kept.append(version)
+
+    periodic = PeriodicEvaluation(lambda v: Measured(accuracies[v]), 1, 0, last_step=100, keep=keep, best=0.45)
+    for v in accuracies:
+        periodic.committed(v, v)
+        wait_for(lambda v=v: v in [p.version for p in periodic._landed])
+    assert kept == [1, 3] and len(periodic.landed()) == 4
+    periodic.stop(wait_s=1)
+
+
+def test_a_point_round_trips_through_the_logged_metrics_and_the_summary_names_the_first_best():
+    point = EvalPoint(10, 9, Measured(0.75, 2, {"rg": 0.25}), 1.5)
+    m = point.metrics()
+    assert m["eval/accuracy"] == 0.75 and m["eval/rg/accuracy"] == 0.25 and m["eval/step"] == 10
+    assert EvalPoint.from_metrics(m) == point and EvalPoint.from_metrics({"reward": 1.0}) is None
+    curve = [EvalPoint(5, 5, Measured(0.5)), point, EvalPoint(15, 14, Measured(0.75))]
+    summary = eval_summary(curve, {"eval/skipped": 1, "eval/retried": 2}, None)
+    assert (summary["best_version"], summary["best_step"], summary["best_accuracy"]) == (9, 10, 0.75)
+    assert summary["eval_curve"][1] == {"step": 10, "version": 9, "accuracy": 0.75, "rg": 0.25}
+    assert (summary["eval_skipped"], summary["eval_retried"]) == (1, 2)
+
+
+def test_the_run_logs_a_landed_point_with_its_step_and_a_resumed_run_reads_its_curve_back(tmp_path):
+    cfg = load_config(None, [f"logging.output_dir={tmp_path}"])
+    run = Run(cfg)
+    plain = run.record(step(1, 0.0, False), rollout_stats(), 0.0)
+    assert not any(k.startswith("eval/") for k in plain)
+    point = EvalPoint(1, 1, Measured(0.6))
+    logged = run.record(step(2, 0.0, False), rollout_stats(), 0.0, [point], {"eval/skipped": 0, "eval/retried": 1})
+    assert logged["eval/version"] == 1 and logged["eval/retried"] == 1 and run.eval_points == [point]
+    resumed = Run(cfg)
+    resumed.restore([{**plain, "step": 1}, {**logged, "step": 2}])
+    assert resumed.eval_points == [point]
+
+
+def test_the_eval_section_checks_its_sets_and_an_extra_set_is_a_run_of_its_own_task():
+    cfg = load_config(
+        None,
+        [
+            "eval.every_steps=5",
+            "eval.extra=[{name: digits3, task: {name: arithmetic, digits: 3, num_heldout: 8}}]",
+        ],
+    )
+    (extra,) = cfg.eval.extra
+    set_cfg = extra.applied_to(cfg)
+    assert set_cfg.task.digits == 3 and set_cfg.eval.extra == [] and set_cfg.model == cfg.model
+    with pytest.raises(Exception, match="distinct"):
+        load_config(None, ["eval.extra=[{name: a, task: {name: arithmetic}}, {name: a, task: {name: arithmetic}}]"])
+    with pytest.raises(Exception, match="reasoning_gym"):
+        load_config(None, ["eval.extra=[{name: rg, task: {name: reasoning_gym}}]"])
