@@ -74,15 +74,18 @@ class InferenceRoutes(Routes):
 
     async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
         """One generation, merged with like ones of the same run sent at the same moment (`Coalescer`)."""
-        return await self.coalescer.generate(caller.tenant, request, lambda merged: self._generate(merged, caller))
+        return await self.coalescer.generate(
+            caller.tenant, request, lambda merged, requests: self._generate(merged, caller, requests)
+        )
 
-    async def _generate(self, request: GenerateRequest, caller: Caller) -> Generated:
-        """One engine call, once the caller's run has places in the fleet for its `n` sequences
-        (`deployments.control.fair_share`)."""
+    async def _generate(self, request: GenerateRequest, caller: Caller, requests: int = 1) -> Generated:
+        """One engine call for `requests` of the caller's run's requests, once the run has places in the fleet for its
+        `n` sequences (`deployments.control.fair_share`). The run's usage counts what its clients sent, each request
+        and its prompt, as the usage each reply reports: merging them is the fleet's saving, not the run's."""
         try:
-            async with self.gate.slot(caller.tenant, request.sampling.n) as used:
+            async with self.gate.slot(caller.tenant, request.sampling.n, requests) as used:
                 result = await self.backend.generate(request)
-                used.prompt_tokens = len(request.prompt_ids)
+                used.prompt_tokens = len(request.prompt_ids) * requests
                 used.completion_tokens = sum(len(c.token_ids) for c in result.choices)
                 return result
         except Exception as e:  # a ReplicaError keeps its status (404 unknown model, 400, 503); others are 500

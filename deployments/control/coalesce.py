@@ -28,7 +28,8 @@ from contracts.serving import Generated, GenerateRequest
 # vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily, one sample per request.
 GREEDY_BELOW = 1e-5
 
-Send = Callable[[GenerateRequest], Awaitable[Generated]]
+# One engine call: the request, and how many clients' requests it serves (what their run's usage counts).
+Send = Callable[[GenerateRequest, int], Awaitable[Generated]]
 
 
 def coalescable(request: GenerateRequest) -> bool:
@@ -88,7 +89,7 @@ class Coalescer:
         self.requests += 1
         if self.window_s <= 0 or not coalescable(request) or request.sampling.n >= self.max_n:
             self.calls += 1
-            return await send(request)
+            return await send(request, 1)
         key = merge_key(tenant, request)
         batch = self._open.get(key)
         if batch is None or batch.n + request.sampling.n > self.max_n:
@@ -121,7 +122,7 @@ class Coalescer:
 
     async def _send(self, batch: _Batch, send: Send) -> None:
         try:
-            result = await send(merged(batch.first, batch.n))
+            result = await send(merged(batch.first, batch.n), len(batch.counts))
         except BaseException as e:  # every caller gets the failure (a 4xx stays a 4xx), cancellation included
             for future in batch.futures:
                 if not future.done():

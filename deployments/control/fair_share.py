@@ -102,14 +102,16 @@ class FairShare:
         self._arrivals = itertools.count()
 
     @contextlib.asynccontextmanager
-    async def slot(self, tenant: str, places: int = 1) -> AsyncIterator[Usage]:
+    async def slot(self, tenant: str, places: int = 1, requests: int = 1) -> AsyncIterator[Usage]:
         """Places for one generation of `tenant`: its `places` sequences (`n`; the whole budget at most), waited for
-        in its run's queue; the caller fills in the `Usage`."""
+        in its run's queue; the caller fills in the `Usage`. `requests`: the clients' requests it serves (several
+        when like ones were merged into one engine call), what the run's request counter counts."""
         places = max(1, places)
         state = self._tenants.setdefault(tenant, _Tenant())
         since = self._clock()
         granted = await self._acquire(tenant, state, places, since)
-        self._waited(tenant, state, self._clock() - since)
+        state.requests += requests
+        self._waited(tenant, state, self._clock() - since, requests)
         usage = Usage()
         try:
             yield usage
@@ -151,7 +153,6 @@ class FairShare:
 
     def _take(self, tenant: str, state: _Tenant, places: int) -> None:
         state.in_flight += places
-        state.requests += 1
         self._in_flight += places
         self._report(tenant, state)
 
@@ -204,12 +205,12 @@ class FairShare:
         )
         return name, state.waiting[0]
 
-    def _waited(self, tenant: str, state: _Tenant, wait_s: float) -> None:
+    def _waited(self, tenant: str, state: _Tenant, wait_s: float, requests: int) -> None:
         state.waits += 1
         state.wait_total_s += wait_s
         state.wait_max_s = max(state.wait_max_s, wait_s)
         if self._metrics is not None:
-            self._metrics.waited(tenant, wait_s)
+            self._metrics.waited(tenant, wait_s, requests)
 
     def _report(self, tenant: str, state: _Tenant) -> None:
         if self._metrics is not None:

@@ -54,8 +54,8 @@ class RunMetrics:
     def _tags(self, run: str) -> dict[str, str]:
         return {"application": self._application, "run": run}
 
-    def waited(self, run: str, wait_s: float) -> None:
-        self._requests.inc(1, self._tags(run))
+    def waited(self, run: str, wait_s: float, requests: int = 1) -> None:
+        self._requests.inc(requests, self._tags(run))
         self._wait.observe(wait_s, self._tags(run))
 
     def used(self, run: str, prompt_tokens: int, completion_tokens: int) -> None:

@@ -246,12 +246,11 @@ def test_two_runs_bursts_both_progress_each_within_its_share_and_are_counted_per
         runs = admin.router_stats()["runs"]["runs"]
         for run, prompts in sent.items():
             stats = runs[run]
-            # Every generated token counted to its run; like requests of a run that arrive together are one engine
-            # call (deployments.control.coalesce, issue 46), counted once as a request.
+            # Every request, prompt token and generated token counted to its run, as each reply's usage says, also
+            # when like requests that arrived together were one engine call (deployments.control.coalesce).
+            assert stats["requests"] == len(prompts), stats
             assert stats["completion_tokens"] == len(prompts) * length, stats
-            assert 1 <= stats["requests"] <= len(prompts), stats
-            # a merged call's prompt is counted once (the engine reads it once), so at most each request's
-            assert 0 < stats["prompt_tokens"] <= sum(map(len, prompts)), stats
+            assert stats["prompt_tokens"] == sum(map(len, prompts)), stats
             assert (stats["in_flight"], stats["queued"], stats["weight"]) == (0, 0, 1.0)
         # ben's burst was not served behind ann's queue (first come first served would finish it after all 32
         # of hers): a good part of hers was still to come when his last finished ...

@@ -1,6 +1,6 @@
 """Single-sample requests through the app (`deployments.api.inference_routes` over a fake backend): like requests of
 one run become one call of their summed `n` that holds that many places of the run's fair share, other runs' and
-seeded requests stay apart, and each caller gets its own choice."""
+seeded requests stay apart, each caller gets its own choice, and the run's usage counts every request it sent."""
 
 import asyncio
 
@@ -35,6 +35,7 @@ def test_like_requests_of_a_run_are_one_call_counted_in_its_own_share():
     assert all(r.json()["usage"]["completion_tokens"] == 2 for r in replies)
     calls = sorted((r.sampling.n, r.sampling.seed) for kind, r in backend.calls if kind == "generate")
     assert calls == [(1, 5), (1, 5), (2, None), (4, None)]  # alice's 4, bob's 2, each seeded one alone
-    runs = stats["runs"]["runs"]  # the fair share, per run
-    assert runs["alice"]["requests"] == 3 and runs["alice"]["completion_tokens"] == 6 * 2
-    assert runs["bob"]["requests"] == 1 and runs["bob"]["completion_tokens"] == 2 * 2
+    runs = stats["runs"]["runs"]  # the fair share, per run: what its clients sent, as each reply's usage says
+    usage = {"requests": 6, "prompt_tokens": 6 * 3, "completion_tokens": 6 * 2}
+    assert {k: runs["alice"][k] for k in usage} == usage
+    assert {k: runs["bob"][k] for k in usage} == {"requests": 2, "prompt_tokens": 2 * 3, "completion_tokens": 2 * 2}

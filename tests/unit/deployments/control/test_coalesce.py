@@ -18,11 +18,13 @@ class Engine:
 
     def __init__(self, pause_s: float = 0.01, fail: Exception | None = None):
         self.calls: list[GenerateRequest] = []
+        self.served: list[int] = []  # per call, the callers' requests it serves
         self.pause_s, self.fail = pause_s, fail
         self.cancelled = 0
 
-    async def __call__(self, req: GenerateRequest) -> Generated:
+    async def __call__(self, req: GenerateRequest, requests: int) -> Generated:
         self.calls.append(req)
+        self.served.append(requests)
         try:
             await asyncio.sleep(self.pause_s)
         except asyncio.CancelledError:
@@ -52,6 +54,7 @@ def test_a_group_sent_as_single_requests_is_one_engine_call_and_each_caller_gets
     assert all(len(r.choices) == 1 and r.choices[0].index == 0 and r.replica == "r0" for r in results)
     assert all(r.choices[0].logprobs == [-r.choices[0].token_ids[0] / 10] for r in results)  # a sample's own log-probs
     assert (coalescer.requests, coalescer.calls) == (8, 1)
+    assert engine.served == [8]  # the run's usage counts its 8 requests, not the one call
 
 
 def test_callers_of_n_gt_1_get_their_n_choices_numbered_from_zero():

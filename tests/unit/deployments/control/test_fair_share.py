@@ -182,6 +182,20 @@ def test_counts_per_run_requests_tokens_and_queue_waits():
     asyncio.run(main())
 
 
+def test_an_engine_call_serving_merged_requests_counts_each_request_to_its_run():
+    """Like requests merged into one engine call (`deployments.control.coalesce`) count as the requests they were."""
+
+    async def main():
+        gate = FairShare(8, lambda run: 1.0)
+        async with gate.slot("a", places=8, requests=8):
+            pass
+        async with gate.slot("a"):
+            pass
+        assert gate.stats()["runs"]["a"]["requests"] == 9
+
+    asyncio.run(main())
+
+
 def test_a_budget_below_one_is_refused():
     with pytest.raises(ValueError):
         FairShare(0, lambda run: 1.0)
