@@ -21,6 +21,7 @@ BENCHMARKS = [
     "partial_rollouts",
     "distill",
     "self_distill",
+    "dynamic_sampling",
     "tinker_rl",
 ]
 
