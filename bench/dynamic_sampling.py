@@ -323,12 +323,20 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()[0]
     t_start = time.time()
     tasks: dict[str, dict] = {}
+
+    def write(outcome: str | None) -> Path:
+        """The result so far: written after each task, so that a failure in the next one keeps it."""
+        data = {"steps": args.steps, "every": args.every, "noise_points": NOISE_POINTS, "tasks": tasks}
+        data |= {"verdict": outcome, "bench_wall_s": round(time.time() - t_start, 1)}
+        return write_result("dynamic_sampling", {**data, "loadavg_1m_at_start": round(load_start, 2)})
+
     try:
         port = free_port()  # Serve's proxy keeps the port it started on: every arm's fleet gets the same one
         start_ray(None, offline=True)
         try:
             for task in args.tasks:
                 tasks[task] = run_task(task, workdir, args.steps, args.every, port)
+                write(None)
         finally:
             ray.shutdown()
     finally:
@@ -340,19 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         f"task and at most {NOISE_POINTS:.0f} behind at equal wall on any): "
         + ("rollout.dynamic_sampling's default stays off" if outcome == "no gain" else "a case for turning it on")
     )
-    path = write_result(
-        "dynamic_sampling",
-        {
-            "steps": args.steps,
-            "every": args.every,
-            "noise_points": NOISE_POINTS,
-            "tasks": tasks,
-            "verdict": outcome,
-            "bench_wall_s": round(time.time() - t_start, 1),
-            "loadavg_1m_at_start": round(load_start, 2),
-        },
-    )
-    print(f"wrote {path}")
+    print(f"wrote {write(outcome)}")
 
 
 if __name__ == "__main__":
