@@ -201,3 +201,12 @@ def test_the_eval_section_checks_its_sets_and_an_extra_set_is_a_run_of_its_own_t
         load_config(None, ["eval.extra=[{name: a, task: {name: arithmetic}}, {name: a, task: {name: arithmetic}}]"])
     with pytest.raises(Exception, match="reasoning_gym"):
         load_config(None, ["eval.extra=[{name: rg, task: {name: reasoning_gym}}]"])
+
+
+def test_an_extra_sets_names_are_checked_at_start_as_a_runs_and_the_error_names_the_set():
+    from app.tasks.checks import check_names
+    from core.config import ConfigError
+
+    cfg = load_config(None, ["eval.extra=[{name: odd, task: {name: arithmetic, reward_funcs: [nope]}}]"])
+    with pytest.raises(ConfigError, match=r"eval.extra\[0\] \(odd\): task.reward_funcs\[0\]: unknown reward"):
+        check_names(cfg)
