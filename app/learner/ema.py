@@ -10,7 +10,18 @@ product). The learner publishes it as the run's `ema` lineage beside its policy 
 
 from __future__ import annotations
 
+import logging
+import tempfile
+from pathlib import Path
+
 import torch
+
+from app.learner.state import write_adapter
+from app.weight_sync import AdapterPublisher
+
+log = logging.getLogger(__name__)
+
+EMA_FILE = "ema.safetensors"  # in a checkpoint of a run with an ema teacher: the average, as the learner keeps it
 
 
 class AdapterEma:
@@ -48,3 +59,47 @@ class AdapterEma:
                 f"adapter tensors differ from the average's: {sorted(tensors.keys() ^ self.shadow.keys())}"
             )
         self.shadow = {key: value.detach().to("cpu", torch.float32).clone() for key, value in tensors.items()}
+
+
+class EmaLineage:
+    """Rank 0's ema teacher: the average, published as `ema-vN` beside each `policy-vN` and kept in the learner's
+    checkpoints (`EMA_FILE`), so that a resumed learner continues it rather than starting again from the base."""
+
+    def __init__(self, average: AdapterEma, publisher: AdapterPublisher):
+        self.average, self.publisher = average, publisher
+
+    def publish(self, model, dtype: torch.dtype, version: int, tmp: Path) -> None:
+        """Publish the average as `ema-v{version}` in the adapter's `dtype`, under the policy's number: a group
+        sampled from policy-vN is scored with ema-vN, committed before the driver tells the rollout of the policy."""
+        with tempfile.TemporaryDirectory(dir=tmp) as d:
+            write_adapter(model, self.average.state(dtype), Path(d))
+            published = self.publisher.publish(Path(d), version)
+        if published != version:  # ema-vN taken in the run's prefix by another writer: moved past it
+            log.warning(
+                "ema-v%d is not this run's (planted): the average went to ema-v%d, and the ema teacher finds none "
+                "for policy-v%d until the next version",
+                version,
+                published,
+                version,
+            )
+
+    def save(self, checkpoint: Path) -> None:
+        """Into a checkpoint's folder, before it is committed."""
+        from safetensors.torch import save_file
+
+        save_file(self.average.state(), checkpoint / EMA_FILE)
+
+    def restore(self, checkpoint: Path, step: int) -> None:
+        """A resumed learner's average, from its checkpoint of `step`; a checkpoint without one (the run had no ema
+        teacher then) leaves it at the base model, where a fresh one starts."""
+        if not (checkpoint / EMA_FILE).is_file():
+            log.warning(
+                "checkpoint step %d holds no ema average: the ema teacher starts again from the base model", step
+            )
+            return
+        from safetensors.torch import load_file
+
+        self.average.restore(load_file(checkpoint / EMA_FILE))
+
+    def close(self) -> None:
+        self.publisher.close()

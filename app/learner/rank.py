@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from app.learner.ema import AdapterEma
+from app.learner.ema import AdapterEma, EmaLineage
 from app.learner.logprobs import forward_scores
 from app.learner.model import (
     build_lora_model,
@@ -79,8 +79,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EMA_FILE = "ema.safetensors"  # in a checkpoint of a run with an ema teacher: the average, as the learner keeps it
-
 
 class NotStarted(RuntimeError):
     """train_step before start(): in Ray, a worker that was restarted (its node died) and not yet resumed."""
@@ -110,8 +108,7 @@ class LearnerRank:
         # Of a RunConfig, whose validation gives them one update_rate and sync_steps (bench.learner_gpu's has none).
         ema_teachers = getattr(cfg, "ema_teachers", [])
         self.ema_spec = ema_teachers[0] if ema_teachers else None
-        self.ema: AdapterEma | None = None  # rank 0's average (`ema_spec`), published beside each version
-        self.ema_publisher: AdapterPublisher | None = None
+        self.ema: EmaLineage | None = None  # rank 0's average (`ema_spec`), published beside each version
         self._started = False
         self._fsdp = uses_fsdp(world_size, cfg.learner.device)
         self._tmp = Path(tempfile.mkdtemp(prefix=f"spotrl-learner-r{rank}-"))
@@ -154,11 +151,13 @@ class LearnerRank:
             return self.state.resume_point()
         self.publisher = AdapterPublisher(self.cfg, self.fleet_url, self.fleet_token, signing_key=self.signing_key)
         if self.ema_spec is not None and self.rank == 0:
-            self.ema_publisher = AdapterPublisher(
-                self.cfg, self.fleet_url, self.fleet_token, signing_key=self.signing_key, stem=EMA_STEM
-            )
             trainable = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
-            self.ema = AdapterEma(self.ema_spec.update_rate, self.ema_spec.sync_steps, trainable)
+            self.ema = EmaLineage(
+                AdapterEma(self.ema_spec.update_rate, self.ema_spec.sync_steps, trainable),
+                AdapterPublisher(
+                    self.cfg, self.fleet_url, self.fleet_token, signing_key=self.signing_key, stem=EMA_STEM
+                ),
+            )
         self.checkpoints = CheckpointStore.from_config(self.cfg)
         step = self._rank0_decides(self.checkpoints.latest() if self.rank == 0 else None)
         folder = None
@@ -168,7 +167,8 @@ class LearnerRank:
             self._consumed = self.state.consumed()
             self._checkpointed_step = step
             load_adapter_weights(self.model, folder / ADAPTER_DIR)
-            self._restore_ema(folder)
+            if self.ema is not None:
+                self.ema.restore(folder, step)
         self.prepare_training()
         if folder is not None:
             restore_training_state(
@@ -367,20 +367,7 @@ class LearnerRank:
                 write_adapter(self.model, state, Path(d))
                 version = self.publisher.publish(Path(d), version)  # past a number planted in the run's prefix
             if self.ema is not None:
-                # Under the policy's number, before the driver tells the rollout of it: a group sampled from
-                # policy-vN is scored with ema-vN, which is committed by then (the replicas load it on demand).
-                dtype = next(iter(state.values())).dtype
-                with tempfile.TemporaryDirectory(dir=self._tmp) as d:
-                    write_adapter(self.model, self.ema.state(dtype), Path(d))
-                    ema_version = self.ema_publisher.publish(Path(d), version)
-                if ema_version != version:  # ema-vN taken in the run's prefix by another writer: moved past it
-                    log.warning(
-                        "ema-v%d is not this run's (planted): the average went to ema-v%d, and the ema teacher "
-                        "finds none for policy-v%d until the next version",
-                        version,
-                        ema_version,
-                        version,
-                    )
+                self.ema.publish(self.model, next(iter(state.values())).dtype, version, self._tmp)
         self.state.policy_version = self._rank0_decides(version)
         return time.perf_counter() - t0
 
@@ -390,22 +377,7 @@ class LearnerRank:
             return
         state = full_adapter_state(self.model)  # a collective: every rank gathers, rank 0 keeps the average
         if self.ema is not None:
-            self.ema.step(self.state.step, state)
-
-    def _restore_ema(self, checkpoint: Path) -> None:
-        """A resumed learner's average, from its checkpoint; a checkpoint without one (the run had no ema teacher
-        then) leaves it at the base model, where a fresh one starts."""
-        if self.ema is None:
-            return
-        if not (checkpoint / EMA_FILE).is_file():
-            log.warning(
-                "checkpoint step %d holds no ema average: the ema teacher starts again from the base model",
-                self.state.step,
-            )
-            return
-        from safetensors.torch import load_file
-
-        self.ema.restore(load_file(checkpoint / EMA_FILE))
+            self.ema.average.step(self.state.step, state)
 
     def save_checkpoint(self) -> float:
         """Commit the whole learner state to the bucket as `step-{step}` (unless it is there already); seconds taken."""
@@ -434,9 +406,7 @@ class LearnerRank:
                     world_size=self.world_size,
                 )
                 if self.ema is not None:
-                    from safetensors.torch import save_file
-
-                    save_file(self.ema.state(), Path(d) / EMA_FILE)
+                    self.ema.save(Path(d))
                 meta = {"policy_version": self.state.policy_version, "data_cursor": self.state.data_cursor}
                 self.checkpoints.save(self.state.step, d, meta=meta)
             self.checkpoints.gc(self.cfg.bucket.keep_checkpoints)
@@ -463,9 +433,9 @@ class LearnerRank:
 
     def close(self) -> None:
         self.notices.stop()
-        for publisher in (self.publisher, self.ema_publisher):
-            if publisher is not None:
-                publisher.close()
+        for closable in (self.publisher, self.ema):
+            if closable is not None:
+                closable.close()
         if self._fsdp and dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._tmp, ignore_errors=True)

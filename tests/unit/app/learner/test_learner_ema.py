@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.learner.rank import EMA_FILE, LearnerRank
+from app.learner.ema import EMA_FILE
+from app.learner.rank import LearnerRank
 from contracts.rollouts import RolloutBatch
 from core.bucket.store import AdapterStore, CheckpointStore, EmaAdapterStore
 from core.config.teacher import SelfTeacher
@@ -58,12 +59,12 @@ def test_each_version_is_published_with_the_average_of_the_adapters_under_its_nu
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7)
     saved = load_file(CheckpointStore(url, cache_dir=tmp_path / "c3").load(2) / EMA_FILE)
-    assert saved.keys() == rank.ema.shadow.keys()
+    assert saved.keys() == rank.ema.average.shadow.keys()
     rank.close()
 
     again = make_rank()  # resumed from step 2 (save_steps 2): its average as it was then, not zero
     assert again.state.step == 2 and again.state.policy_version == 4  # republished above v3, with the average
     for key, value in saved.items():
-        torch.testing.assert_close(again.ema.shadow[key], value)
+        torch.testing.assert_close(again.ema.average.shadow[key], value)
     assert ema.versions()[0] == 4
     again.close()
