@@ -29,6 +29,18 @@ def notice_file(tmp_path_factory):
     return tmp_path_factory.mktemp("tinker-spot") / "notice"
 
 
+def new_key(url: str, name: str) -> str:
+    """A Tinker API key for a new tenant `name`, made by the admin (the service's only way to get one)."""
+    reply = httpx.post(
+        f"{url}/api/v1/admin/keys",
+        json={"name": name, "lora_rank": RANK},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["api_key"]
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, tiny_model_path, notice_file):
     from core.config import SpotConfig
@@ -52,16 +64,7 @@ def service(tmp_path_factory, tiny_model_path, notice_file):
         )
         fleet.tinker_settings = settings  # the last test starts the service again over two learner ranks
         url = start_tinker(settings, TOKEN, spot=SpotConfig(notice_file=str(notice_file), poll_interval_s=0.5))
-        keys = {}
-        for name in ("alice", "bob"):
-            reply = httpx.post(
-                f"{url}/api/v1/admin/keys",
-                json={"name": name, "lora_rank": RANK},
-                headers={"Authorization": f"Bearer {TOKEN}"},
-                timeout=60,
-            )
-            assert reply.status_code == 200, reply.text
-            keys[name] = reply.json()["api_key"]
+        keys = {name: new_key(url, name) for name in ("alice", "bob")}
         try:
             yield fleet, url, keys
         finally:
@@ -460,14 +463,7 @@ def test_a_key_whose_run_the_admin_removes_is_refused_everywhere_at_once(service
     from launch.tinker import learner_actor
 
     fleet, url, keys = service
-    reply = httpx.post(
-        f"{url}/api/v1/admin/keys",
-        json={"name": "carol", "lora_rank": RANK},
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=60,
-    )
-    assert reply.status_code == 200, reply.text
-    carol = reply.json()["api_key"]
+    carol = new_key(url, "carol")
     rest = tinker.RestClient(base_url=url, api_key=carol)
     client = tinker.ServiceClient(base_url=url, api_key=carol)
     training, step, _ = one_datum_client(client, fleet.base, 19, "5+6=", "11")

@@ -273,14 +273,7 @@ def test_a_revoked_key_is_refused_everywhere_and_its_links_end(service, victim):
     """Carol trains, saves, exports and samples; the admin removes her run (`DELETE /v1/runs/carol` on the fleet);
     within the service's recheck of a key every SDK call of hers is a 401, and her download link ends too."""
     fleet, url, keys = service
-    reply = httpx.post(
-        f"{url}/api/v1/admin/keys",
-        json={"name": "carol-hostile", "lora_rank": RANK},
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=60,
-    )
-    assert reply.status_code == 200, reply.text
-    carol = reply.json()["api_key"]
+    carol = test_tinker_api.new_key(url, "carol-hostile")
     client = tinker.ServiceClient(base_url=url, api_key=carol)
     rest = tinker.RestClient(base_url=url, api_key=carol)
     training, step, _ = one_datum_client(client, fleet.base, 36, "6+7=", "13")
