@@ -210,3 +210,33 @@ def test_an_extra_sets_names_are_checked_at_start_as_a_runs_and_the_error_names_
     cfg = load_config(None, ["eval.extra=[{name: odd, task: {name: arithmetic, reward_funcs: [nope]}}]"])
     with pytest.raises(ConfigError, match=r"eval.extra\[0\] \(odd\): task.reward_funcs\[0\]: unknown reward"):
         check_names(cfg)
+
+
+def test_keep_best_copies_the_best_version_out_of_the_bucket_and_the_summary_names_it(tmp_path):
+    """The driver's side (`app.run_evaluation.Evaluation`): each kept version replaces the folder kept before; at the
+    end a final evaluation that is the best is kept too; a version the bucket lost leaves the one kept before."""
+    from app.run_evaluation import Evaluation
+    from core.bucket.store import AdapterStore
+
+    cfg = load_config(
+        None, [f"logging.output_dir={tmp_path}", f"bucket.url=file://{tmp_path}/bucket", "eval.keep_best=true"]
+    )
+    store = AdapterStore.from_config(cfg)
+    for v in (1, 2, 3):
+        folder = tmp_path / f"v{v}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"r": 1}')
+        (folder / "adapter_model.safetensors").write_bytes(f"weights {v}".encode())
+        store.publish(folder, v)
+    evaluation = Evaluation(cfg, "http://127.0.0.1:1", "unused", None)
+    evaluation.keep(1)
+    evaluation.keep(2)
+    assert (evaluation.best_adapter / "adapter_model.safetensors").read_bytes() == b"weights 2"
+    curve = [EvalPoint(2, 2, Measured(0.5)), EvalPoint(4, 3, Measured(0.8))]
+    summary = evaluation.summary(curve, {"eval/skipped": 0, "eval/retried": 0})
+    assert (summary["best_version"], summary["best_adapter_version"]) == (3, 3)
+    assert (evaluation.best_adapter / "adapter_model.safetensors").read_bytes() == b"weights 3"
+    curve.append(EvalPoint(6, 9, Measured(0.9)))  # never committed: gone from the bucket
+    summary = evaluation.summary(curve, {"eval/skipped": 0, "eval/retried": 0})
+    assert (summary["best_version"], summary["best_adapter_version"]) == (9, 3)
+    assert summary["best_adapter"] == str(cfg.run_dir / "best_adapter")
