@@ -60,6 +60,7 @@ class SpotCluster:
         self.port = free_port()
         self.with_metadata = metadata
         self.metadata: dict[str, FakeMetadata] = {}  # a node's fake metadata server, by the node's unique id
+        self.drivers: list[subprocess.Popen] = []  # every driver started: one a failed test left running is killed
         node = {"node_ip_address": "127.0.0.1", "object_store_memory": 150 * 2**20}
         # Loopback only, as `make train`'s Ray (core/local_ray.py); the system config reaches every node through the GCS.
         head = {**node, "num_cpus": 2, "include_dashboard": False, "_system_config": loopback_system_config()}
@@ -148,13 +149,15 @@ class SpotCluster:
     def start_driver(self, max_steps: int) -> subprocess.Popen:
         args = [a for s in [*self.overrides(), f"train.max_steps={max_steps}"] for a in ("--set", s)]
         self.log_path = self.tmp / f"driver-{max_steps}.log"
-        return subprocess.Popen(
+        driver = subprocess.Popen(
             [sys.executable, "-m", "launch.train", "--config", CONFIG, "--address", self.address, *args],
             cwd=REPO,
             stdout=open(self.log_path, "w"),  # noqa: SIM115 - the driver writes to it until it ends
             stderr=subprocess.STDOUT,
             env={**os.environ, **LOOPBACK_ENV},
         )
+        self.drivers.append(driver)
+        return driver
 
     def driver_log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -231,6 +234,12 @@ class SpotCluster:
         import ray
         from ray import serve
 
+        # A driver that a failed test never stopped would go on training against a cluster torn down under it,
+        # and take the CPU from the modules after this one (on CI, their fleets' start-up timed out).
+        for driver in self.drivers:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait(60)
         serve.shutdown()
         ray.shutdown()
         self.cluster.shutdown()
