@@ -28,7 +28,7 @@ def last_json(output: str) -> dict:
 
 
 def test_spotrl_train_is_make_trains_run_and_spotrl_eval_measures_the_adapter_it_produced(tmp_path, tiny_model_path):
-    cmd = train_cmd(tmp_path, 2)
+    cmd = train_cmd(tmp_path, 2, "fleet.num_replicas=1")  # one engine fewer to start on a 2-core CI machine
     assert cmd[1:3] == ["-m", "launch.train"]  # what `make train` runs, with these arguments
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
     trained = spotrl("train", *cmd[3:], env=env)
@@ -43,7 +43,7 @@ def test_spotrl_train_is_make_trains_run_and_spotrl_eval_measures_the_adapter_it
     # on a fleet of its own as the driver starts one (one replica is enough: greedy, the same answers), from a
     # scratch bucket where it is version 1.
     folder = AdapterStore(f"file://{tmp_path}/bucket").fetch(summary["policy_version"], dest=tmp_path / "adapter")
-    measured = spotrl("eval", *cmd[3:], "--set", "fleet.num_replicas=1", str(folder), env=env)
+    measured = spotrl("eval", *cmd[3:], str(folder), env=env)
     assert measured.returncode == 0 and "Traceback" not in measured.stderr, measured.stderr[-5000:]
     heldout = last_json(measured.stdout)
     assert heldout["model"] == "policy-v1" and heldout["num_problems"] == 256 and heldout["lost"] == 0

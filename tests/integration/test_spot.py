@@ -13,8 +13,8 @@ learner's node lost, a replica's node lost, the bucket down for 10 s, the rollou
 
 With a notice (`learner.save_steps` 100: only the notice's checkpoints keep the steps):
 - the learner's node noticed 120 s ahead (AWS), killed after two more steps;
-- the learner's node noticed 30 s ahead (GCP), killed at the deadline;
-- the learner sent SIGTERM (a scheduler's 30 s grace period), its node killed at the end of it;
+- the learner's node noticed 30 s ahead (GCP), killed at the deadline (slow: `make test-all`);
+- the learner sent SIGTERM (a scheduler's 30 s grace period), its node killed at the end of it (slow);
 - a replica's node noticed 32 s ahead, killed once the replacement serves: Serve begins to stop the noticed replica
   once its replacement runs or its graceful shutdown's length (30 s) before the deadline, whichever is first, and
   the replica hands its generations back then.
@@ -200,10 +200,15 @@ def test_an_aws_notice_on_the_learners_node_loses_no_step(spot):
     check_learner_leg(spot, "learner node, AWS notice 120 s", notify, kill_after_s=None)
 
 
+# The GCP notice and the scheduler's SIGTERM reach the learner's checkpoint by the same path as the AWS notice (after
+# its own watcher), each a leg of a minute: in `make test-all`, not CI's `make test`; `tests/unit/contracts/
+# test_notices.py` covers each watcher's reading of its notice.
+@pytest.mark.slow
 def test_a_gcp_notice_30_s_before_the_learners_node_goes_loses_no_step(spot):
     check_learner_leg(spot, "learner node, GCP notice 30 s", spot.metadata_of(spot.learner_node).gcp_preempt, 30.0)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_learner_with_a_30_s_grace_loses_no_step(spot):
     def sigterm():
         (pid,) = spot.learner_pids()
