@@ -2,11 +2,12 @@
 (by the driver's `measure`, `app.evaluate` through the fleet) on a thread of the driver, so that a step never waits
 for it.
 
-At most one evaluation is in flight: a version that falls due meanwhile waits, and a newer one due before it started
-replaces it (the older is skipped, counted), so the curve always catches up with the newest version. An evaluation
-that fails (a replica lost under it, the fleet answering 5xx, every episode lost) is tried again up to
-`eval.max_retries` times, unless a newer version fell due meanwhile, then skipped, counted; nothing it raises
-reaches the loop. The loop takes what landed after each step (`landed`) and logs it with that step's metrics, so
+At most one evaluation is in flight. An evaluation that falls due meanwhile waits, and one more falling due before it
+started replaces it (skipped, counted); whichever starts measures the version committed last when it starts, not the
+one committed when it fell due: that one is served, while an older one may have left the fleet and the bucket
+(`bucket.keep_versions`) already. An evaluation that fails (a replica lost under it, the fleet answering 5xx, every
+episode lost) is tried again up to `eval.max_retries` times, each try on the newest version, then skipped, counted;
+nothing it raises reaches the loop. The loop takes what landed after each step (`landed`) and logs it with that step's metrics, so
 metrics.jsonl keeps one row per step and a tracker draws `eval/accuracy` as a curve (`eval/step` says which step's
 version it measured).
 """
@@ -90,7 +91,8 @@ class PeriodicEvaluation:
         self.keep, self.best, self.retry_delay_s = keep, best, retry_delay_s
         self.skipped = 0  # versions due that were never measured: replaced by a newer one, or failed every try
         self.retried = 0  # tries after a failure
-        self._due: tuple[int, int] | None = None  # (step, version) waiting for the thread
+        self._newest: tuple[int, int] = (0, 0)  # (step, version) committed last
+        self._due = False  # an evaluation waits for the thread
         self._landed: list[EvalPoint] = []
         self._stopping = False
         self._cond = threading.Condition()
@@ -99,14 +101,17 @@ class PeriodicEvaluation:
             self._thread.start()
 
     def committed(self, step: int, version: int) -> None:
-        """The learner finished `step` with `version` committed: due for evaluation every `every_steps` steps (not
+        """The learner finished `step` with `version` committed: an evaluation is due every `every_steps` steps (not
         at the run's last step, which the driver's final evaluation measures). Returns at once."""
-        if self.every_steps <= 0 or step % self.every_steps or step >= self.last_step:
+        if self.every_steps <= 0:
             return
         with self._cond:
-            if self._due is not None:
-                self.skipped += 1  # stale before it started: the newer version is measured instead
-            self._due = (step, version)
+            self._newest = (step, version)
+            if step % self.every_steps or step >= self.last_step:
+                return
+            if self._due:
+                self.skipped += 1  # one waits already: they measure one version, the newest when it starts
+            self._due = True
             self._cond.notify_all()
 
     def landed(self) -> list[EvalPoint]:
@@ -126,9 +131,9 @@ class PeriodicEvaluation:
         is skipped, counted."""
         with self._cond:
             self._stopping = True
-            if self._due is not None:
+            if self._due:
                 self.skipped += 1
-                self._due = None
+                self._due = False
             self._cond.notify_all()
         if self._thread.is_alive() and wait_s > 0:
             self._thread.join(wait_s)
@@ -137,11 +142,11 @@ class PeriodicEvaluation:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while self._due is None and not self._stopping:
+                while not self._due and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
-                (step, version), self._due = self._due, None
+                (step, version), self._due = self._newest, False
             point = self._evaluate(step, version)
             if point is None:
                 continue
@@ -159,14 +164,16 @@ class PeriodicEvaluation:
                 self._landed.append(point)
 
     def _evaluate(self, step: int, version: int) -> EvalPoint | None:
-        """Measure `version`, trying again after a failure; None when it was skipped (counted)."""
+        """Measure `version`, and after a failure the newest version (an evaluation due meanwhile is this one);
+        None when it was skipped (counted)."""
         for attempt in range(self.max_retries + 1):
             if attempt:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stopping or self._due is not None, self.retry_delay_s)
-                    if self._stopping or self._due is not None:  # a newer version is due: measure that one instead
+                    self._cond.wait_for(lambda: self._stopping, self.retry_delay_s)
+                    if self._stopping:
                         self.skipped += 1
                         return None
+                    (step, version), self._due = self._newest, False
                     self.retried += 1
             t0 = time.perf_counter()
             try:

@@ -9,6 +9,7 @@ import json
 import logging
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.messages import ResumePoint
@@ -51,9 +52,16 @@ class Evaluation:
         return evaluate(cfg or self.cfg, self.base_url, self.model_path, name, self.token)
 
     def during(self, version: int, heldout: dict | None = None) -> Measured:
-        """`version` on the held-out split (unless measured already: `heldout`) and on each extra set."""
-        heldout = heldout or self.of(version)
-        extra = {name: self.of(version, cfg)["accuracy"] for name, cfg in self.extra_sets.items()}
+        """`version` on the held-out split (unless measured already: `heldout`) and on each extra set, all at once:
+        while any set has requests in flight, the fleet keeps the version loaded however many newer ones arrive
+        (`deployments.replica.adapter_slots`), where one set after another would leave it a gap to be evicted in,
+        and then gone with the bucket's gc."""
+        sets = {**({} if heldout else {"": self.cfg}), **self.extra_sets}
+        with ThreadPoolExecutor(max(1, len(sets)), thread_name_prefix="eval-set") as pool:
+            futures = {name: pool.submit(self.of, version, cfg) for name, cfg in sets.items()}
+            measured = {name: future.result() for name, future in futures.items()}
+        heldout = heldout or measured.pop("")
+        extra = {name: m["accuracy"] for name, m in measured.items()}
         return Measured(heldout["accuracy"], heldout.get("lost", 0), extra)
 
     @property

@@ -105,7 +105,8 @@ def test_an_evaluation_failing_every_try_is_skipped_counted_and_the_next_one_sti
     periodic.stop(wait_s=1)
 
 
-def test_a_newer_version_due_replaces_the_retry_of_a_failed_one():
+def test_a_retry_measures_the_newest_version_which_also_answers_an_evaluation_due_meanwhile():
+    """A version that failed may be gone from the fleet and the bucket by the retry: the retry measures the newest."""
     fail_first = threading.Event()
     tries = []
 
@@ -113,16 +114,38 @@ def test_a_newer_version_due_replaces_the_retry_of_a_failed_one():
         tries.append(version)
         if version == 1:
             fail_first.wait(5)
-            raise ConnectionError("lost")
+            raise ConnectionError("policy-v1 is not committed in the bucket")
         return Measured(0.3)
 
     periodic = PeriodicEvaluation(measure, 1, 5, last_step=100, retry_delay_s=0.01)
     periodic.committed(1, 1)
     wait_for(lambda: tries == [1])
-    periodic.committed(2, 2)  # due while 1 is in flight; 1 then fails: no retry of a stale version
+    periodic.committed(2, 2)  # due while 1 is in flight
+    periodic.committed(3, 3)  # replaces it: skipped, counted
     fail_first.set()
-    assert [p.version for p in collect(periodic, 1)] == [2]
-    assert tries == [1, 2] and periodic.counts() == {"eval/skipped": 1, "eval/retried": 0}
+    (point,) = collect(periodic, 1)
+    assert (point.step, point.version, tries) == (3, 3, [1, 3])
+    assert periodic.counts() == {"eval/skipped": 1, "eval/retried": 1}
+    periodic.stop(wait_s=1)
+    assert periodic.landed() == []
+
+
+def test_an_evaluation_starts_on_the_version_committed_last_not_the_one_when_it_fell_due():
+    release, started = threading.Event(), []
+
+    def measure(version: int) -> Measured:
+        started.append(version)
+        release.wait(5)
+        return Measured(0.5)
+
+    periodic = PeriodicEvaluation(measure, 2, 0, last_step=100)
+    periodic.committed(2, 2)
+    wait_for(lambda: started == [2])
+    for s in range(3, 8):  # due at 4 (then replaced at 6: skipped), versions committed to 7
+        periodic.committed(s, s)
+    release.set()
+    assert [(p.step, p.version) for p in collect(periodic, 2)] == [(2, 2), (7, 7)]
+    assert periodic.counts()["eval/skipped"] == 1
     periodic.stop(wait_s=1)
 
 
@@ -240,3 +263,22 @@ def test_keep_best_copies_the_best_version_out_of_the_bucket_and_the_summary_nam
     summary = evaluation.summary(curve, {"eval/skipped": 0, "eval/retried": 0})
     assert (summary["best_version"], summary["best_adapter_version"]) == (9, 3)
     assert summary["best_adapter"] == str(cfg.run_dir / "best_adapter")
+
+
+def test_the_sets_of_an_evaluation_run_at_once_so_the_version_never_waits_unused_in_between(tmp_path):
+    from app.run_evaluation import Evaluation
+
+    cfg = load_config(None, [f"logging.output_dir={tmp_path}"])
+    extra = {"a": cfg.model_copy(), "b": cfg.model_copy()}
+    evaluation = Evaluation(cfg, "http://127.0.0.1:1", "unused", None, extra)
+    together = threading.Barrier(3, timeout=5)  # the held-out split and both sets in flight at once, or it breaks
+    accuracy = {id(cfg): 0.5, id(extra["a"]): 0.25, id(extra["b"]): 0.75}
+
+    def of(version, set_cfg=None):
+        together.wait()
+        return {"accuracy": accuracy[id(set_cfg or cfg)], "lost": 1}
+
+    evaluation.of = of
+    assert evaluation.during(4) == Measured(0.5, 1, {"a": 0.25, "b": 0.75})
+    evaluation.extra_sets = {}
+    assert evaluation.during(4, {"accuracy": 0.9}) == Measured(0.9, 0, {})
