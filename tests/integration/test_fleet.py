@@ -733,3 +733,43 @@ def test_a_generation_cut_by_a_new_version_is_continued_token_exact_and_each_seg
     assert max(err) < 1e-4, err
     # The adapters differ where it matters: segment two scored under v6 is not what v7 sampled.
     assert max(abs(a - b) for a, b in zip(recorded[cut:], scored[old][cut:], strict=True)) > 1e-3
+
+
+def test_an_evaluation_during_training_survives_a_replica_lost_under_it_and_never_holds_a_step(fleet):
+    """Evaluation during training (`app.periodic_eval`) of the committed version through this fleet, as the driver
+    runs it, while the loop's side hands it a version every 50 ms; one replica is killed while the evaluation's
+    requests run on it. No hand-over waits on the evaluation; it lands (the router retried the lost requests) or is
+    retried or skipped, counted; and an evaluation after the loss lands on the replica left."""
+    import ray
+
+    from app.periodic_eval import PeriodicEvaluation
+    from app.run_evaluation import Evaluation
+
+    replicas = sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#VLLMReplica#" in a["name"]
+    )
+    assert len(replicas) == 2
+    victim = replicas[0]
+    victim_id = victim.rsplit("#", 1)[1]
+    newest = fleet.store.latest()
+    evaluation = Evaluation(fleet.cfg, fleet.url, fleet.model_path, TOKEN)
+    periodic = PeriodicEvaluation(evaluation.during, 1, 2, last_step=10**6, retry_delay_s=0.5)
+    handed, slowest, step, killed_step, points = 0, 0.0, 0, None, []
+    deadline = time.monotonic() + 300
+    while killed_step is None or not any(p.step > killed_step for p in points):  # one measured after the loss
+        assert time.monotonic() < deadline, f"no evaluation landed after the kill: {points} {periodic.counts()}"
+        step += 1
+        t0 = time.perf_counter()
+        periodic.committed(step, newest)
+        points += periodic.landed()
+        slowest, handed = max(slowest, time.perf_counter() - t0), handed + 1
+        if killed_step is None and fleet.client.router_stats()["replicas"].get(victim_id, {}).get("inflight", 0):
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)  # the evaluation's requests on it
+            killed_step = step
+        time.sleep(0.05)
+    points += periodic.stop(wait_s=120)
+    counts = periodic.counts()
+    print(f"{handed} hand-overs, slowest {slowest * 1000:.1f} ms; {len(points)} evaluations landed, {counts}")
+    assert slowest < 0.25  # a hand-over never waited on the evaluation in flight (each takes seconds)
+    assert all(0 <= p.measured.accuracy <= 1 and p.version == newest for p in points)
+    assert len(points) + counts["eval/skipped"] <= handed  # each due version measured once or skipped, counted

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -194,6 +195,51 @@ def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_com
     assert "run smoke is finished (8 steps" in finished.stderr and "train.max_steps=16" in finished.stderr
     assert (summary_file.read_bytes(), summary_file.stat().st_mtime_ns) == kept  # its files untouched
     assert "Ray" not in finished.stderr  # nothing was started
+
+
+def test_evaluation_during_training_logs_a_curve_while_the_steps_go_on_and_keeps_the_best_version(tmp_path):
+    """Every 2 steps the newest version is evaluated on the held-out split, a reasoning-gym dataset and an extra set
+    whose reward takes 2 s a problem (`tests.support.slow_reward`): each evaluation runs for several steps, which go
+    on meanwhile (a point lands steps after the step whose version it measured); one due while another runs waits, a
+    second one replaces it (skipped, counted), and each measures the version committed last as it starts; the summary
+    lists the curve with the final evaluation last, names the best version and keeps its adapter."""
+    steps = 12
+    extra = (
+        "eval.extra=[{name: slow, task: {name: arithmetic, digits: 2, num_heldout: 4, seed: 99, "
+        "reward_funcs: [tests.support.slow_reward:slow_exact_answer]}}, "
+        "{name: rg, task: {name: reasoning_gym, reward_funcs: [reasoning_gym], num_train: 16, num_heldout: 16, "
+        "datasets: {basic_arithmetic: {weight: 1, config: {min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2, "
+        "operators: ['+'], allow_parentheses: false, allow_negation: false}}}}}]"
+    )
+    sets = ("task.num_heldout=32", "eval.every_steps=2", "eval.keep_best=true", extra)  # each evaluation about 2-3 s
+    summary, metrics, output = run_train(tmp_path, steps, *sets)
+    rows = [m for m in metrics if "eval/version" in m]
+    assert rows, output[-3000:]
+    for m in rows:
+        assert m["step"] > m["eval/step"] >= 2
+        assert all(0 <= m[f"eval/{name}accuracy"] <= 1 for name in ("", "slow/", "rg/"))
+        assert m["eval/seconds"] >= 2.0 and "eval/skipped" in m
+    first = rows[0]
+    # The steps went on while it ran: those between the step it measured and the one it landed at took less than it.
+    during = [m for m in metrics if first["eval/step"] < m["step"] <= first["step"]]
+    assert len(during) >= 2 and during[-1]["time"] - during[0]["time"] < first["eval/seconds"]
+    curve = summary["eval_curve"]
+    assert [p["step"] for p in curve[: len(rows)]] == [m["eval/step"] for m in rows]  # then one landed at the end
+    assert curve[-1]["step"] == steps and curve[-1]["version"] == summary["policy_version"]
+    assert curve[-1]["accuracy"] == summary["heldout_accuracy_after"] and {"slow", "rg"} <= set(curve[-1])
+    best = max(curve, key=lambda p: p["accuracy"])
+    assert (summary["best_version"], summary["best_accuracy"]) == (best["version"], best["accuracy"])
+    assert summary["best_adapter_version"] == best["version"]
+    assert (Path(summary["best_adapter"]) / "adapter_config.json").is_file()
+    # trackio got the same points (its offline SQLite store under TRACKIO_DIR).
+    logged = [
+        json.loads(m)
+        for db in (tmp_path / "trackio").glob("**/*.db")
+        for (m,) in sqlite3.connect(db).execute("SELECT metrics FROM metrics")
+    ]
+    assert sum("eval/accuracy" in m for m in logged) == len(rows), len(logged)
+    due = steps // 2 - 1  # steps 2, 4, ..., 10: not the last, which the final evaluation measures
+    assert len(curve) - 1 + summary["eval_skipped"] <= due  # a retry answers those due meanwhile
 
 
 def trl_env_run(tmp_path: Path, factory: str, steps: int = 2) -> list[str]:
