@@ -14,8 +14,6 @@ the truncated importance ratio against the sampler (the samples may be a few ver
 
 from __future__ import annotations
 
-import json
-import logging
 import sys
 from collections.abc import Mapping
 from typing import Literal
@@ -127,20 +125,14 @@ def parse(argv: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from app.tasks.checks import check_names
+    from launch.train import run
 
     try:
         cfg = run_config(parse(sys.argv[1:] if argv is None else argv))
-        check_names(cfg)
     except ConfigError as e:  # one line and exit 2, as `spotrl train` says it
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    from launch.train import train
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    summary = train(cfg)
-    if summary is not None:
-        print(json.dumps(summary))
+    run(cfg)  # as `spotrl train` runs a config: the kind's own start-up check among its names, before Ray
 
 
 if __name__ == "__main__":

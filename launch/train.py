@@ -357,14 +357,25 @@ def finish(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    cfg = config_from_args(args, checks=(check_names,))
+    run(config_from_args(args), args.address)
+
+
+def run(cfg: RunConfig, address: str | None = None) -> None:
+    """Train a loaded config as `spotrl train` does, with its exit codes: 2 and one line for a config error (its
+    names checked first, before Ray and the fleet), 1 when evaluation is lost, 0 when preempted after a checkpoint,
+    130 on Ctrl-C; the summary printed as one JSON line. Recipes that build their own config (`examples/`) call it."""
+    try:
+        check_names(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the run
     # A spot notice for this machine (a SIGTERM too: a scheduler stopping us) ends the run after a checkpoint;
     # a second SIGTERM, like Ctrl-C, stops it at once. Either way train() stops what it started.
-    notices = DriverNotices(cfg.spot, joined=args.address is not None).start()
+    notices = DriverNotices(cfg.spot, joined=address is not None).start()
     try:
-        summary = train(cfg, args.address, notices)
+        summary = train(cfg, address, notices)
     except ConfigError as e:  # found once the model was built (its context, its tokenizer): as any config error
         print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
