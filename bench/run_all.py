@@ -22,6 +22,7 @@ BENCHMARKS = [
     "distill",
     "self_distill",
     "dynamic_sampling",
+    "off_policy_masks",
     "tinker_rl",
 ]
 
