@@ -23,7 +23,7 @@ from app.kinds.registry import register_kind
 from app.rollout.sampling import CompletionSampler
 from app.tasks.problems import Problem, TaskSplits, arithmetic_prompt
 from app.tasks.rewards import RewardScorer
-from core.config import ConfigError, RunConfig, load_config
+from core.config import ConfigError, RunConfig, config_errors_exit, load_config
 from core.config.envs import EnvConfig, env_kind
 from core.config.sections import Section
 
@@ -114,11 +114,8 @@ def parse(argv: list[str]) -> Config:
 def main(argv: list[str] | None = None) -> None:
     from launch.train import run
 
-    try:
+    with config_errors_exit():  # one line and exit 2, as `spotrl train` says it
         cfg = run_config(parse(sys.argv[1:] if argv is None else argv))
-    except ConfigError as e:  # one line and exit 2, as `spotrl train` says it
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     run(cfg)  # as `spotrl train` runs a config: the kind's own start-up check among its names, before Ray
 
 

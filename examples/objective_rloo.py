@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.objectives.base import LossStats, Objective
 from app.objectives.combined import register_objective
 from contracts.rollouts import SAMPLING_LOGPROBS, Group
-from core.config import ConfigError, RunConfig, load_config
+from core.config import RunConfig, config_errors_exit, load_config
 from core.config.objectives import objectives_with
 from core.config.sections import Section
 
@@ -127,11 +127,8 @@ def parse(argv: list[str]) -> Config:
 def main(argv: list[str] | None = None) -> None:
     from launch.train import run
 
-    try:
+    with config_errors_exit():  # one line and exit 2, as `spotrl train` says it
         cfg = run_config(parse(sys.argv[1:] if argv is None else argv))
-    except ConfigError as e:  # one line and exit 2, as `spotrl train` says it
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     run(cfg)  # as `spotrl train` runs a config: the kind's own start-up check among its names, before Ray
 
 

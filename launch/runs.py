@@ -20,7 +20,7 @@ import sys
 from app.fleet_client import FleetClient, FleetError
 from app.fleet_run import RUN_TOKEN_ENV
 from contracts.auth import TokenError, admin_token
-from core.config import ConfigError, load_fleet_config
+from core.config import config_errors_exit, load_fleet_config
 
 ACTIONS = ("list", "show", "remove")
 
@@ -52,12 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.action != "list" and not args.name:
         parser.error(f"{args.action} needs the run's NAME")
-    try:
+    with config_errors_exit(TokenError):
         cfg = load_fleet_config(args.config, args.overrides)
         token = admin_token(cfg) or os.environ.get(RUN_TOKEN_ENV) or None
-    except (ConfigError, TokenError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     url = args.url or f"http://{cfg.fleet.host}:{cfg.fleet.port}"
     with contextlib.closing(FleetClient(url, token=token, timeout_s=30.0)) as fleet:
         try:

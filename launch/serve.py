@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from core.bucket.filesystem import absolute_bucket_url
-from core.config import REPO_ROOT, ConfigError, FleetConfig, load_fleet_config
+from core.config import REPO_ROOT, ConfigError, FleetConfig, config_errors_exit, load_fleet_config
 from core.models import pin_revision
 from deployments.fleet import fleet_app
 from tiny.build import name_built, prepare_model
@@ -79,17 +79,13 @@ def serve_config_with(serve_config: dict, config: str | None, overrides: list[st
 
 def main(argv: list[str] | None = None) -> None:
     """Validate the fleet config first (one line and exit 2, before Ray starts), then become `ops/serve_local.sh`."""
-    import sys
 
     args = build_parser().parse_args(argv)
     path = SERVE_CONFIG
     if args.config is not None or args.overrides:
         shipped = yaml.safe_load(SERVE_CONFIG.read_text())
-        try:
+        with config_errors_exit():
             cfg = serve_fleet_config(args.config or shipped["applications"][0]["args"]["config"], args.overrides)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
         config = serve_config_with(shipped, args.config, args.overrides, cfg.fleet.host, cfg.fleet.port)
         with tempfile.NamedTemporaryFile("w", prefix="spotrl-serve-", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(config, f, sort_keys=False)  # kept: `serve run` reads it after this process is replaced

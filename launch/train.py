@@ -29,7 +29,7 @@ from app.spot import DriverNotices, Preempted, finished_line, preempted_line
 from app.tasks.checks import check_episode_budget, check_names
 from contracts.adapters import adapter_name
 from contracts.auth import Secret, admin_token, inference_token
-from core.config import ConfigError, RunConfig, add_config_args, config_from_args
+from core.config import ConfigError, RunConfig, add_config_args, config_errors_exit, config_from_args
 from core.models import is_local, pin_revision
 from tiny.build import prepare_run
 
@@ -364,11 +364,8 @@ def run(cfg: RunConfig, address: str | None = None) -> None:
     """Train a loaded config as `spotrl train` does, with its exit codes: 2 and one line for a config error (its
     names checked first, before Ray and the fleet), 1 when evaluation is lost, 0 when preempted after a checkpoint,
     130 on Ctrl-C; the summary printed as one JSON line. Recipes that build their own config (`examples/`) call it."""
-    try:
+    with config_errors_exit():
         check_names(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the run
     # A spot notice for this machine (a SIGTERM too: a scheduler stopping us) ends the run after a checkpoint;

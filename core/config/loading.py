@@ -1,13 +1,15 @@
 """Reading configs: YAML files, `--set key=value` overrides, and one-line errors that name the field.
 
 An invalid file or override is a `ConfigError` whose message names the field, never a traceback; entry
-points print it and exit with code 2 (`config_from_args`).
+points print it and exit with code 2 (`config_errors_exit`, `config_from_args`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -120,16 +122,22 @@ def add_config_args(parser) -> None:
     )
 
 
+@contextlib.contextmanager
+def config_errors_exit(*also: type[Exception]) -> Iterator[None]:
+    """What every entry point does with a config error raised inside (a `ConfigError`, or one of `also`): one line on
+    stderr naming the field, and exit 2, never a traceback."""
+    try:
+        yield
+    except (ConfigError, *also) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def config_from_args(args, checks: tuple[Callable[[RunConfig], None], ...] = ()) -> RunConfig:
     """Load the config named by parsed args and run `checks` on it (the run side's: that its names resolve); exit 2
     with one line naming the field when it is invalid."""
-    import sys
-
-    try:
+    with config_errors_exit():
         cfg = load_config(args.config, args.overrides)
         for check in checks:
             check(cfg)
         return cfg
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
