@@ -21,6 +21,18 @@ def wait_for(predicate, timeout_s: float = 5.0):
         time.sleep(0.005)
 
 
+def blocked_evaluator(timeout_s: float):
+    """A `measure` that records each version it starts on and then blocks until `release` is set (or `timeout_s`)."""
+    release, started = threading.Event(), []
+
+    def measure(version: int) -> Measured:
+        started.append(version)
+        release.wait(timeout_s)
+        return Measured(0.5)
+
+    return measure, release, started
+
+
 def collect(periodic: PeriodicEvaluation, n: int) -> list[EvalPoint]:
     points: list[EvalPoint] = []
 
@@ -52,13 +64,7 @@ def test_off_with_every_steps_0():
 
 
 def test_a_blocked_evaluation_never_makes_a_step_wait_and_the_newest_version_is_measured_next():
-    release, started = threading.Event(), []
-
-    def measure(version: int) -> Measured:
-        started.append(version)
-        release.wait(10)
-        return Measured(0.5)
-
+    measure, release, started = blocked_evaluator(10)
     periodic = PeriodicEvaluation(measure, 1, 0, last_step=100)
     t0 = time.perf_counter()
     periodic.committed(1, 1)
@@ -131,13 +137,7 @@ def test_a_retry_measures_the_newest_version_which_also_answers_an_evaluation_du
 
 
 def test_an_evaluation_starts_on_the_version_committed_last_not_the_one_when_it_fell_due():
-    release, started = threading.Event(), []
-
-    def measure(version: int) -> Measured:
-        started.append(version)
-        release.wait(5)
-        return Measured(0.5)
-
+    measure, release, started = blocked_evaluator(5)
     periodic = PeriodicEvaluation(measure, 2, 0, last_step=100)
     periodic.committed(2, 2)
     wait_for(lambda: started == [2])
