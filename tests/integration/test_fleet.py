@@ -391,6 +391,14 @@ def test_engine_and_router_metrics_reach_rays_metrics_export(fleet):
         time.sleep(1)
 
 
+def replica_actors() -> tuple[list[str], str]:
+    """The fleet's vLLM replica actors (Serve's names, sorted), and the replica id of the first: the one a test kills."""
+    import ray
+
+    actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#VLLMReplica#" in a["name"])
+    return actors, actors[0].rsplit("#", 1)[1]
+
+
 def engine_processes_of(replica_pid: int) -> list[int]:
     """The pids of a replica's vLLM engine processes (its worker process's descendants, the watchdog aside)."""
     import psutil
@@ -415,10 +423,9 @@ def test_a_replica_killed_mid_burst_loses_no_request_and_comes_back_with_the_liv
     for version in window:  # the steady state the learner keeps: the newest versions loaded everywhere
         fleet.client.load_adapter(f"policy-v{version}", fleet.store.url_of(version))
     newest = f"policy-v{window[0]}"
-    actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#VLLMReplica#" in a["name"]]
+    actors, victim_id = replica_actors()
     assert len(actors) == 2
-    victim = sorted(actors)[0]
-    victim_id = victim.rsplit("#", 1)[1]
+    victim = actors[0]
     engine_pids = engine_processes_of(engines(fleet.client)[victim_id]["pid"])
     assert engine_pids, "the replica runs its vLLM engine in child processes"
 
@@ -745,12 +752,9 @@ def test_an_evaluation_during_training_survives_a_replica_lost_under_it_and_neve
     from app.periodic_eval import PeriodicEvaluation
     from app.run_evaluation import Evaluation
 
-    replicas = sorted(
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#VLLMReplica#" in a["name"]
-    )
+    replicas, victim_id = replica_actors()
     assert len(replicas) == 2
     victim = replicas[0]
-    victim_id = victim.rsplit("#", 1)[1]
     newest = fleet.store.latest()
     evaluation = Evaluation(fleet.cfg, fleet.url, fleet.model_path, TOKEN)
     periodic = PeriodicEvaluation(evaluation.during, 1, 2, last_step=10**6, retry_delay_s=0.5)
