@@ -5,7 +5,8 @@ every field, read from YAML with `--set` overrides.
 - `core.config.run`: a run, the checks that cross its sections, and the fleet it brings along when it joins none
   (`RunConfig.own_fleet`); its sections by concern: `core.config.envs` (the environment's kinds),
   `core.config.objectives` (each objective with its settings), `core.config.training` (the optimizer and the
-  sampling every objective shares), `core.config.teacher`, `core.config.tasks` (a run's checks of its task);
+  sampling every objective shares), `core.config.teacher`, `core.config.tasks` (a run's checks of its task),
+  `core.config.judges` (the judges a run rewards with);
 - `core.config.deprecated`: old keys read for one more release, each moved with one line naming the new key;
 - `core.config.fleet`: a fleet, as `serve_config.yaml` names it and the ingress and replicas read it;
 - `core.config.loading`: YAML, overrides, errors.

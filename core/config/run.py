@@ -21,6 +21,7 @@ from core.config.deprecated import move_grpo_keys
 from core.config.envs import EnvConfig
 from core.config.evaluation import EvalConfig
 from core.config.fleet import FleetConfig, FleetSettings, check_fleet, slots_needed, trusted_source
+from core.config.judges import JudgeConfig, check_judges
 from core.config.objectives import DistillObjectiveConfig, GRPOObjectiveConfig, Objectives
 from core.config.sections import (
     VLLM_LORA_RANKS,
@@ -212,6 +213,9 @@ class RunConfig(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and output.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training, in the background.")
+    judges: dict[str, JudgeConfig] = Field(
+        default_factory=dict, description="Judges by name, rewards that task.reward_funcs may name (docs/judges.md)."
+    )
     spot: SpotConfig = Field(default_factory=SpotConfig, description="Spot interruption notices.")
 
     @model_validator(mode="before")
@@ -299,6 +303,11 @@ class RunConfig(Section):
                 f"model.tiny.warmup_tools.environment={tools.environment!r}: the tiny model is warmed up in the "
                 f"run's own environment, env.factory={self.env.factory!r}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _judges_fit(self) -> RunConfig:
+        check_judges(self.judges, self.task.reward_timeout_s)
         return self
 
     @model_validator(mode="after")
