@@ -56,13 +56,12 @@ class Evaluation:
         while any set has requests in flight, the fleet keeps the version loaded however many newer ones arrive
         (`deployments.replica.adapter_slots`), where one set after another would leave it a gap to be evicted in,
         and then gone with the bucket's gc."""
-        sets = {**({} if heldout else {"": self.cfg}), **self.extra_sets}
-        with ThreadPoolExecutor(max(1, len(sets)), thread_name_prefix="eval-set") as pool:
-            futures = {name: pool.submit(self.of, version, cfg) for name, cfg in sets.items()}
-            measured = {name: future.result() for name, future in futures.items()}
-        heldout = heldout or measured.pop("")
-        extra = {name: m["accuracy"] for name, m in measured.items()}
-        return Measured(heldout["accuracy"], heldout.get("lost", 0), extra)
+        with ThreadPoolExecutor(len(self.extra_sets) + 1, thread_name_prefix="eval-set") as pool:
+            own = None if heldout else pool.submit(self.of, version)
+            extra = {name: pool.submit(self.of, version, cfg) for name, cfg in self.extra_sets.items()}
+            heldout = heldout or own.result()
+            accuracy = {name: future.result()["accuracy"] for name, future in extra.items()}
+        return Measured(heldout["accuracy"], heldout.get("lost", 0), accuracy)
 
     @property
     def best_adapter(self) -> Path:
