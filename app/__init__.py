@@ -3,7 +3,8 @@
 - `app.learner`: the LoRA learner, one rank per device as Ray actors (FSDP2), its notices, checkpoints, scoring; and
   the Tinker API's learner (`app.learner.tinker_learner`: one adapter per Tinker training client).
 - `app.rollout`: the rollout actor that keeps generations in flight on the fleet, samples (completions or
-  multi-turn episodes), partial rollouts, the teacher's scoring, staleness rules.
+  multi-turn episodes), partial rollouts, the teacher's scoring, the judges that reward (`app.rollout.judges`),
+  staleness rules.
 - `app.objectives`: what the learner optimises (GRPO, distillation), as annotations and losses over token streams.
 - `app.tasks`: problems, rewards, environments (spotrl's, OpenEnv's through its own client, and TRL's
   `environment_factory` contract), and the names a config gives them.

@@ -207,21 +207,18 @@ class FleetClient:
         """`cut` on the caller's event loop (the rollout's, beside its generations)."""
         return await self._arequest("POST", "/v1/cut", json={"models": list(models)})
 
-    async def aprompt_logprobs(
-        self, sequences: list[list[int]], model: str, top: int = 0, temperature: float = 1.0
-    ) -> list[list[dict[int, float] | None]]:
-        """Score token-id sequences under `model` (vLLM's `prompt_logprobs` with `max_tokens: 1`, TRL's teacher
-        request): per sequence and position, None at the first, else {token id: log-prob} for the sequence's own
-        token and the `top` most likely alternatives, at `temperature` (the fleet scores at the request's, as it
-        samples; a distilling run sends its sampling temperature, so that teacher and student compare alike)."""
-        body = {
+    @staticmethod
+    def _scoring_body(sequences: list[list[int]], model: str, top: int, temperature: float) -> dict:
+        return {
             "model": model,
             "prompt": sequences,
             "max_tokens": 1,
             "temperature": temperature,
             "prompt_logprobs": top,
         }
-        answer = await self._arequest("POST", "/v1/completions", json=body)
+
+    @staticmethod
+    def _scored(answer: dict[str, Any]) -> list[list[dict[int, float] | None]]:
         return [
             [
                 None if at is None else {int(t): wire_logprob(e["logprob"]) for t, e in at.items()}
@@ -229,6 +226,23 @@ class FleetClient:
             ]
             for c in sorted(answer["choices"], key=lambda c: c["index"])
         ]
+
+    async def aprompt_logprobs(
+        self, sequences: list[list[int]], model: str, top: int = 0, temperature: float = 1.0
+    ) -> list[list[dict[int, float] | None]]:
+        """Score token-id sequences under `model` (vLLM's `prompt_logprobs` with `max_tokens: 1`, TRL's teacher
+        request): per sequence and position, None at the first, else {token id: log-prob} for the sequence's own
+        token and the `top` most likely alternatives, at `temperature` (the fleet scores at the request's, as it
+        samples; a distilling run sends its sampling temperature, so that teacher and student compare alike)."""
+        body = self._scoring_body(sequences, model, top, temperature)
+        return self._scored(await self._arequest("POST", "/v1/completions", json=body))
+
+    def prompt_logprobs(
+        self, sequences: list[list[int]], model: str, top: int = 0, temperature: float = 1.0
+    ) -> list[list[dict[int, float] | None]]:
+        """`aprompt_logprobs` from a thread of its own (a judge's, which reward functions run in)."""
+        body = self._scoring_body(sequences, model, top, temperature)
+        return self._scored(self._request("POST", "/v1/completions", json=body))
 
     def tokenize(self, text: str, model: str) -> list[int]:
         """How the server tokenizes `text` (vLLM's `/tokenize`), to compare its tokenizer with ours."""

@@ -23,6 +23,7 @@ from app.evaluate import EvaluationLost
 from app.kinds.registry import serve_environment
 from app.messages import ResumePoint
 from app.periodic_eval import EvalPoint, Measured, PeriodicEvaluation
+from app.rollout.judges import probe_judges
 from app.run_evaluation import Evaluation, lost_note
 from app.run_log import Run, StepLog, previous_steps
 from app.spot import DriverNotices, Preempted, finished_line, preempted_line
@@ -237,6 +238,8 @@ def train(cfg: RunConfig, address: str | None = None, notices: DriverNotices | N
         stack.callback(learner.shutdown)
         resume = learner.start()
         ensure_served(fleet, cfg, resume.policy_version)
+        # Each judge asked once, as the rollout will: one the fleet refuses the run (403) ends it here, in one line.
+        probe_judges(cfg, fleet.base_url, token or admin_token(cfg), model_path)
         extra_sets = {s.name: serve_environment(stack, s.applied_to(cfg)) for s in cfg.eval.extra}
         evaluation = Evaluation(cfg, fleet.base_url, model_path, token or inference_token(cfg), extra_sets)
         before = evaluation.baseline(resume)

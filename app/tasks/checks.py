@@ -1,5 +1,6 @@
 """The run side's check of its config at start: the config only checks its shape (`core.config`, which knows no
-task, environment or reward); the run finds out here, before Ray or the fleet start, whether the names resolve,
+task, environment or reward); the run finds out here, before Ray or the fleet start, whether the names resolve (a
+reward function's, or a judge's of `judges:`, whose template may name only what the task's problems have),
 the splits can be drawn, and its kind of environment can run (its own check, `app.kinds`: a TRL environment's
 `reset` takes the problems' rows, an OpenEnv client fits, a verifiers taskset loads), and (once the model's
 tokenizer is there, `check_episode_budget`) its first problem fits the episode's budget. Each failure is one
@@ -7,10 +8,14 @@ ConfigError naming the setting that fixes it."""
 
 from __future__ import annotations
 
-from app.kinds.registry import kind_of
+from app.kinds.registry import kind_of, problems_of
+from app.rollout.judges import check_template, one_token
 from app.tasks.problems import load_task, reasoning_gym_mix
-from app.tasks.rewards import resolve_reward
+from app.tasks.rewards import REGISTRY, resolve_reward
 from core.config import ConfigError
+from core.config.judges import LogprobVerdict
+
+CHECKED_PROBLEMS = 256  # of each split, whose fields a judge's template is checked against at start
 
 
 def check_names(cfg) -> None:
@@ -18,11 +23,15 @@ def check_names(cfg) -> None:
     `task.datasets` and their configs) resolve: ConfigError naming the field else, at start, not mid-run (the
     config itself only checks their shape, `core.config`)."""
     for i, name in enumerate(cfg.task.reward_funcs):
+        if name in cfg.judges:
+            continue
         try:
             resolve_reward(name)
         except ValueError as e:
-            raise ConfigError(f"task.reward_funcs[{i}]: {e}") from None
+            known = f" or a judge of judges ({', '.join(sorted(cfg.judges))})" if cfg.judges else ""
+            raise ConfigError(f"task.reward_funcs[{i}]: {e}{known}") from None
     kind_of(cfg).check(cfg)
+    check_judges(cfg)
     if cfg.task.name == "reasoning_gym":
         reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
         # The splits themselves (a few seconds): a size the datasets cannot fill is found now, not after the fleet.
@@ -30,11 +39,53 @@ def check_names(cfg) -> None:
     each_eval_set(cfg, check_names)
 
 
+def check_judges(cfg) -> None:
+    """The judges the run rewards with: none named as a registered reward function is, only where the run samples
+    single-turn completions (an environment's episodes are scored by its own rewards), and each template naming
+    only fields the task's problems have (checked on both splits' first problems)."""
+    named = [n for n in dict.fromkeys(cfg.task.reward_funcs) if n in cfg.judges]
+    for name in cfg.judges:
+        if name in REGISTRY:
+            raise ConfigError(f"judges.{name}: the name of a registered reward function; name the judge otherwise")
+    if not named:
+        return
+    if cfg.env.kind is not None:
+        raise ConfigError(
+            f"task.reward_funcs names judge {named[0]!r}: judges score single-turn completions, and env.{cfg.env.kind} "
+            "plays episodes"
+        )
+    splits = problems_of(cfg)
+    problems = splits.train[:CHECKED_PROBLEMS] + splits.heldout[:CHECKED_PROBLEMS]
+    for name in named:
+        try:
+            check_template(name, cfg.judges[name].template, problems)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_judge_tokens(cfg, tokenizer) -> None:
+    """A logprob judge's "yes" and "no" are one token each of the run's tokenizer (ConfigError naming the field)."""
+    for name in dict.fromkeys(cfg.task.reward_funcs):
+        judge = cfg.judges.get(name)
+        if judge is None or not isinstance(judge.verdict, LogprobVerdict):
+            continue
+        try:
+            one_token(tokenizer, judge.verdict.yes, f"judges.{name}.verdict.yes")
+            if judge.verdict.no is not None:
+                one_token(tokenizer, judge.verdict.no, f"judges.{name}.verdict.no")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def check_episode_budget(cfg, model_path: str) -> None:
     """The run's first problem, rendered as its kind renders it, leaves the model room in the episode's budget
     (`EnvKind.check_budget`): ConfigError naming the setting that makes room else. Called once the model's tokenizer
     exists."""
     kind_of(cfg).check_budget(cfg, model_path)
+    if any(n in cfg.judges for n in cfg.task.reward_funcs):
+        from core.models import load_tokenizer
+
+        check_judge_tokens(cfg, load_tokenizer(model_path))
     each_eval_set(cfg, lambda set_cfg: check_episode_budget(set_cfg, model_path))
 
 

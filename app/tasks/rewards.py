@@ -29,7 +29,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from app.tasks.problems import ANSWER_OPEN
 from app.tasks.registry import resolve_named
@@ -38,6 +38,13 @@ from app.tasks.timed_calls import TimedCalls
 log = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list[float | None]]
+
+
+@runtime_checkable
+class CountsItself(Protocol):
+    """A reward function that keeps counters of its own (a judge: its requests, failures), reported with the run's."""
+
+    def metrics(self) -> dict[str, float]: ...
 
 
 def exact_answer(completions, prompts, completion_ids, answer, **_) -> list[float]:
@@ -219,11 +226,13 @@ class Scores:
 class RewardScorer:
     """Calls every reward function, sums them and survives any of them failing."""
 
-    def __init__(self, funcs: list[RewardFunc], timeout_s: float = 10.0, max_steps: int = 0):
+    def __init__(self, funcs: list[RewardFunc], timeout_s: float = 10.0, max_steps: int = 0, workers: int = 2):
+        """`workers`: calls that may run at once (at least one per function), more where they mostly wait (a
+        judge's requests)."""
         if not funcs:
             raise ValueError("at least one reward function is needed")
         self.funcs, self.timeout_s, self.max_steps = funcs, timeout_s, max_steps
-        self._calls = TimedCalls(max(2, len(funcs)), timeout_s, "reward")
+        self._calls = TimedCalls(max(workers, len(funcs)), timeout_s, "reward")
         self.errors_total: Counter = Counter()
         self._logged: dict[str, list[float]] = {}  # `log_metric`'s values since the metrics were last read
         self._lock = threading.Lock()  # scores run in worker threads, the metrics are read on the event loop
@@ -286,14 +295,24 @@ class RewardScorer:
         return Scores(rewards, per_func, errors)
 
     def metrics(self) -> dict[str, float]:
-        """Failures so far by function (`reward/errors/<name>`, and their total), and the mean of what reward
-        functions logged with `log_metric` since the last read."""
+        """Failures so far by function (`reward/errors/<name>`, and their total), the mean of what reward
+        functions logged with `log_metric` since the last read, and the counters a reward function keeps of itself
+        (a judge's, `app.rollout.judges`: one with a `metrics()` method), a key several keep summed."""
         with self._lock:
             logged, self._logged = self._logged, {}
         out = {f"reward/errors/{name}": float(c) for name, c in self.errors_total.items()}
         out["reward/errors_total"] = float(sum(self.errors_total.values()))
-        return out | {f"reward/logged/{name}": sum(v) / len(v) for name, v in logged.items()}
+        own: Counter = Counter()
+        for func in self.funcs:
+            if isinstance(func, CountsItself):
+                own.update(func.metrics())
+        return out | {f"reward/logged/{name}": sum(v) / len(v) for name, v in logged.items()} | dict(own)
 
     def close(self) -> None:
-        """Take no more calls (one hung in a reward function is abandoned, never waited for)."""
+        """Take no more calls (one hung in a reward function is abandoned, never waited for), and release what a
+        reward function holds (a judge's client: one with a `close()`)."""
         self._calls.close()
+        for func in self.funcs:
+            release = getattr(func, "close", None) if not inspect.isfunction(func) else None
+            if callable(release):
+                release()

@@ -1,0 +1,274 @@
+"""Judges as rewards (`app.rollout.judges`): the template and its check at start, reading verdicts, one request per
+group, what a failing judge costs (its fallback, counted), and the fleet's refusal of another run's adapter."""
+
+import json
+import math
+import subprocess
+import sys
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from app.fleet_client import FleetClient, FleetError
+from app.rollout.judges import (
+    FAILED_TOTAL,
+    JudgeRefused,
+    JudgeReward,
+    check_template,
+    logprob_score,
+    parse_generative,
+    probe_judges,
+    render,
+)
+from app.tasks.checks import check_names
+from app.tasks.problems import Problem
+from app.tasks.rewards import RewardScorer, exact_answer
+from contracts.retry import Backoff
+from core.config import ConfigError, load_config
+from core.config.judges import GenerativeVerdict, JudgeConfig
+from deployments.api import make_app
+from tests.support.fake_fleet import BASE, FakeBackend, api_settings, register
+
+TEMPLATE = "Q: {prompt} A: {completion} Gold: {reference}. Right?"
+
+
+def problem(pid="p1", answer="5", **columns):
+    return Problem(pid, "2+3=", answer, columns)
+
+
+def test_a_template_shows_the_problem_the_completion_and_the_reference():
+    assert render(TEMPLATE, "2+3=", " 5", "5", {}) == "Q: 2+3= A:  5 Gold: 5. Right?"
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3="}]
+    completion = [{"role": "assistant", "content": "5"}]
+    assert render("{prompt}|{completion}|{level}", chat, completion, "5", {"level": 2}) == "2+3=|5|2"
+
+
+def test_a_template_naming_a_field_the_problems_lack_is_refused_naming_it():
+    check_template("j", TEMPLATE + " {level}", [problem(level=1)])
+    with pytest.raises(ValueError, match=r"judges.j.template names colour, which problem 'p2' .* \(it has: "):
+        check_template("j", "{completion} {colour}", [problem(colour="red"), problem("p2")])
+    with pytest.raises(ValueError, match="judges.j.template names reference; problem 'p1' has no answer"):
+        check_template("j", "{completion} {reference}", [problem(answer="")])
+
+
+def test_a_run_is_refused_at_start_for_an_unknown_field_or_judge():
+    judged = ["judges={j: {template: '{completion} {colour}'}}", "task.reward_funcs=[j]"]
+    with pytest.raises(ConfigError, match=r"judges.j.template names colour, which problem .* does not have"):
+        check_names(load_config(None, judged))
+    with pytest.raises(ConfigError, match=r"task.reward_funcs\[1\]: unknown reward function 'jj'.* or a judge .*\(j\)"):
+        check_names(load_config(None, [judged[0], "task.reward_funcs=[exact_answer, jj]"]))
+    with pytest.raises(ConfigError, match="judges.exact_answer: the name of a registered reward function"):
+        check_names(load_config(None, ["judges={exact_answer: {template: '{completion}'}}"]))
+    check_names(load_config(None, ["judges={j: {template: '{prompt} {completion} {reference}'}}", judged[1]]))
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("judges={j: {template: '{completion} {colour}'}}", "judges.j.template names colour"),
+        ("task.reward_funcs=[nope]", "task.reward_funcs[0]: unknown reward function 'nope'"),
+    ],
+)
+def test_the_train_cli_says_so_in_one_line(override, needle):
+    args = ["--set", override] + (["--set", "task.reward_funcs=[j]"] if override.startswith("judges") else [])
+    proc = subprocess.run([sys.executable, "-m", "launch.train", *args], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "verdict", "score"),
+    [
+        (" Yes, it is.", {}, 1.0),
+        ("no", {}, 0.0),
+        ("\n NO.", {}, 0.0),
+        ("Maybe yes", {}, None),
+        ("", {}, None),
+        ("score=3 then score=7", {"parse": "regex", "pattern": r"score=(\d+)"}, 7.0),
+        ("score=0.25", {"parse": "regex", "pattern": r"score=([\d.]+)"}, 0.25),
+        ("score=..", {"parse": "regex", "pattern": r"score=([\d.]+)"}, None),
+        ("nothing", {"parse": "regex", "pattern": r"score=(\d+)"}, None),
+        ("score=nan", {"parse": "regex", "pattern": r"score=(\w+)"}, None),
+    ],
+)
+def test_a_generated_verdict_reads_as_a_score_or_as_unreadable(text, verdict, score):
+    assert parse_generative(text, GenerativeVerdict(**verdict)) == score
+
+
+def test_a_logprob_verdict_is_the_share_of_yes():
+    assert logprob_score(math.log(0.3), math.log(0.1)) == pytest.approx(0.75)
+    assert logprob_score(math.log(0.3), None) == pytest.approx(0.3)
+    assert logprob_score(-math.inf, math.log(0.1)) == 0.0
+    with pytest.raises(ValueError, match="ruled out both"):
+        logprob_score(-math.inf, -math.inf)
+    with pytest.raises(ValueError, match="no log-prob"):
+        logprob_score(math.nan, 0.0)
+
+
+class Tokens:
+    """A tokenizer of one id per character, as `prompt_token_ids` calls one."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+class Judge:
+    """A judge server: each request recorded; `answer(body)` says what it answers, or raises."""
+
+    def __init__(self, answer):
+        self.answer, self.requests = answer, []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "base-model", "parent": None}]})
+        body = json.loads(request.content)
+        self.requests.append(body)
+        return self.answer(body)
+
+    def reward(self, name="j", tokenizer=None, **judge) -> JudgeReward:
+        client = FleetClient(
+            "http://judge.test", transport=httpx.MockTransport(self.handler), backoff=Backoff(1, 0.0), timeout_s=1.0
+        )
+        return JudgeReward(name, JudgeConfig(template=TEMPLATE, **judge), client, tokenizer)
+
+
+def texts(*answers):
+    choices = [{"index": i, "text": t, "finish_reason": "stop", "token_ids": []} for i, t in enumerate(answers)]
+    return lambda body: httpx.Response(200, json={"choices": choices[: len(body["prompt"])]})
+
+
+def score(judge: JudgeReward, completions, scorer_funcs=()):
+    """The judge scored as the rollout scores it: by a `RewardScorer`, with TRL's keywords."""
+    scorer = RewardScorer([*scorer_funcs, judge], timeout_s=10.0)
+    n = len(completions)
+    columns = {"answer": ["5"] * n, "truncated": [False] * n, "level": [1] * n}
+    try:
+        return scorer.score(completions, ["2+3="] * n, [[1]] * n, columns), scorer.metrics()
+    finally:
+        scorer.close()
+
+
+def test_a_group_is_judged_in_one_request_and_an_unreadable_verdict_counted():
+    server = Judge(texts("yes", "No.", "hmm"))
+    judge = server.reward(verdict={"unparseable_score": -1.0})
+    scores, metrics = score(judge, ["5", "6", "7"], [exact_answer])
+    assert [r["prompt"] for r in server.requests] == [
+        [TEMPLATE.format(prompt="2+3=", completion=c, reference="5") for c in "567"]
+    ]
+    assert server.requests[0]["model"] == "base-model" and server.requests[0]["temperature"] == 0.0
+    assert scores.per_func["j"] == [1.0, 0.0, -1.0] and scores.rewards == [2.0, 0.0, -1.0]
+    assert metrics["judge/j/requests"] == 1 and metrics["judge/j/samples"] == 3
+    assert metrics["judge/j/unparseable"] == 1 and metrics["judge/j/failed"] == 0 and metrics[FAILED_TOTAL] == 1
+
+
+def fails(body):
+    return httpx.Response(500, json={"error": {"message": "engine died"}})
+
+
+def times_out(body):
+    raise httpx.ReadTimeout("judge took too long")
+
+
+def garbage(body):
+    return httpx.Response(200, json={"choices": "not a list"})
+
+
+def too_few(body):
+    return texts("yes")(body)
+
+
+@pytest.mark.parametrize("answer", [fails, times_out, garbage, too_few])
+def test_a_judge_that_raises_times_out_or_answers_garbage_costs_its_group_the_fallback_counted(answer):
+    judge = Judge(answer).reward(fallback_score=0.5)
+    scores, metrics = score(judge, ["5", "6"], [exact_answer])
+    assert scores.per_func["j"] == [0.5, 0.5] and scores.rewards == [1.5, 0.5]
+    assert not scores.errors  # the judge scored its samples: no reward function failed
+    assert metrics["judge/j/failed"] == 2 and metrics[FAILED_TOTAL] == 2
+
+
+def test_every_judges_failures_add_up_in_failed_total():
+    good, bad = Judge(texts("yes", "what")).reward("good"), Judge(fails).reward("bad")
+    _, metrics = score(good, ["5", "6"], [bad])
+    assert metrics["judge/good/unparseable"] == 1 and metrics["judge/bad/failed"] == 2 and metrics[FAILED_TOTAL] == 3
+
+
+def scored_by_last_token(body):
+    """p(yes) 0.6 and p(no) 0.2 after a prompt that shows the completion 5; 0.1 and 0.7 after any other."""
+    choices = []
+    for i, seq in enumerate(body["prompt"]):
+        right = "A: 5 " in "".join(map(chr, seq[:-1]))
+        yes_no = {ord("Y"): (0.6, 0.1), ord("N"): (0.2, 0.7)}[seq[-1]][0 if right else 1]
+        positions = (
+            [None] + [{str(t): {"logprob": -1.0}} for t in seq[1:-1]] + [{str(seq[-1]): {"logprob": math.log(yes_no)}}]
+        )
+        choices.append({"index": i, "text": "", "finish_reason": "length", "prompt_logprobs": positions})
+    return httpx.Response(200, json={"choices": choices})
+
+
+def test_a_logprob_judge_scores_yes_against_no_in_one_pass():
+    server = Judge(scored_by_last_token)
+    judge = server.reward(tokenizer=Tokens(), verdict={"kind": "logprob", "yes": "Y", "no": "N"})
+    scores, metrics = score(judge, ["5", "6"])
+    assert scores.per_func["j"] == [pytest.approx(0.75), pytest.approx(0.125)]
+    (request,) = server.requests
+    assert request["max_tokens"] == 1 and request["prompt_logprobs"] == 0 and len(request["prompt"]) == 4
+    assert metrics["judge/j/requests"] == 1 and metrics[FAILED_TOTAL] == 0
+    with pytest.raises(ValueError, match=r"judges.j.verdict.yes=' yes' is 4 tokens .* name one token"):
+        server.reward(tokenizer=Tokens(), verdict="logprob")
+
+
+def in_process(client: TestClient) -> httpx.MockTransport:
+    """A transport that hands each request to the app behind `client` (the judge's client is a sync one)."""
+
+    def forward(request: httpx.Request) -> httpx.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        r = client.request(
+            request.method, request.url.path, params=request.url.params, content=request.content, headers=headers
+        )
+        return httpx.Response(r.status_code, headers={"content-type": r.headers["content-type"]}, content=r.content)
+
+    return httpx.MockTransport(forward)
+
+
+@pytest.fixture
+def shared_fleet():
+    """The fleet's real ingress over a fake backend, with runs alice and bob registered: a transport into it, the
+    backend, and bob's token."""
+    backend = FakeBackend()
+    client = TestClient(make_app(backend, api_settings(max_loras=7, max_staleness=1)))
+    register(client, "alice")
+    return in_process(client), backend, register(client, "bob")
+
+
+def test_a_judge_naming_another_runs_adapter_is_refused_403_at_start_and_scores_nothing(shared_fleet):
+    transport, backend, bob = shared_fleet
+    overrides = ["judges={j: {model: alice/policy-v1, template: 'is {completion} right'}}", "task.reward_funcs=[j]"]
+    cfg = load_config(None, overrides)
+    with pytest.raises(
+        JudgeRefused, match=r"judges.j: alice/policy-v1 at http://testserver .*403.*belongs to run 'alice'"
+    ):
+        probe_judges(cfg, "http://testserver", bob, "", transport=transport)
+    # Had it got past the start, every group would score the fallback, counted, and nothing reach alice's adapter.
+    judge = JudgeReward("j", cfg.judges["j"], FleetClient("http://testserver", bob, transport=transport))
+    assert judge(["ab"], ["cd"], answer=["x"]) == [0.0] and judge.metrics()["judge/j/failed"] == 1
+    assert not [c for c in backend.calls if c[0] == "generate"]
+    with pytest.raises(FleetError, match="403"):
+        judge.probe()
+
+
+def test_a_judge_on_the_base_or_the_runs_own_adapter_goes_through_its_token(shared_fleet):
+    transport, backend, bob = shared_fleet
+    for model, served in (("base", BASE), ("bob/policy-v1", "bob/policy-v1")):
+        cfg = load_config(
+            None, [f"judges={{j: {{model: {model}, template: 'is {{completion}} right'}}}}", "task.reward_funcs=[j]"]
+        )
+        probe_judges(cfg, "http://testserver", bob, "", transport=transport)
+        judge = JudgeReward("j", cfg.judges["j"], FleetClient("http://testserver", bob, transport=transport))
+        assert judge(["ab", "ab"], ["cd", "ef"], answer=["x", "x"]) == [0.0, 0.0]  # the fake answers "fgh": unreadable
+        assert judge.metrics()["judge/j/unparseable"] == 2 and judge.metrics()["judge/j/failed"] == 0
+        generated = [c[1] for c in backend.calls if c[0] == "generate"]
+        assert {r.model for r in generated[-2:]} == {served}
+    # Its requests counted in bob's fair share: a probe and a group of two, for each of the two judges.
+    runs = FleetClient("http://testserver", bob, transport=transport).router_stats()["runs"]["runs"]
+    assert runs["bob"]["requests"] == 6
