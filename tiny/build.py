@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from core.config import ModelConfig, RunConfig, TaskConfig, add_config_args, config_from_args
+from core.config import ModelConfig, RunConfig, TaskConfig, add_config_args, config_errors_exit, config_from_args
 from core.models import load_tokenizer
 from tiny.folder import tiny_model_folder
 from tiny.network import build_model
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     add_config_args(parser)
     cfg = config_from_args(parser.parse_args(argv))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    path, info = ensure_tiny_model(cfg.model, cfg.task, log=lambda m: print(m, file=sys.stderr))
+    with config_errors_exit():  # the build's own checks (a demo's budget against the context) are config errors too
+        path, info = ensure_tiny_model(cfg.model, cfg.task, log=lambda m: print(m, file=sys.stderr))
     print(json.dumps({k: v for k, v in info.items() if k != "config"}), file=sys.stderr)
     print(path)

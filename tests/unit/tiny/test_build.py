@@ -46,3 +46,17 @@ def test_a_fleets_tiny_is_the_embedded_defaults_and_a_folder_is_served_as_named(
 def test_no_tiny_folder_is_resolved_below_the_build():
     with pytest.raises(ConfigError, match="^model.name_or_path: tiny is built by the entry point"):
         resolve_model_path(load_config(None, []).model)
+
+
+def test_a_config_error_the_build_finds_is_one_line_and_exit_2(capsys):
+    """`python -m tiny` (`make tiny-model`): a demo's recipe that cannot take the task is found by the build, not
+    the schema, and is said as every entry point says a config error."""
+    from tiny.build import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(CONFIG_DIR / "tiny-trl-tools.yaml"), "--set", "task.name=chained_arithmetic"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "config error: model.tiny.warmup_tools: the tool warm-up demonstrates additions (task.name: arithmetic)"
+    ]
