@@ -157,8 +157,12 @@ class JudgeReward:
             if tokenizer is None:
                 raise ValueError(f"judges.{name}: a logprob verdict needs the run's tokenizer")
             verdict = judge.verdict
-            yes = one_token(tokenizer, verdict.yes, f"judges.{name}.verdict.yes")
-            no = None if verdict.no is None else one_token(tokenizer, verdict.no, f"judges.{name}.verdict.no")
+            yes = one_token(tokenizer, verdict.yes_token, f"judges.{name}.verdict.yes_token")
+            no = (
+                None
+                if verdict.no_token is None
+                else one_token(tokenizer, verdict.no_token, f"judges.{name}.verdict.no_token")
+            )
             self._verdict_ids = (yes, no)
         self.tokenizer = tokenizer
         self._model: str | None = None if judge.model == "base" else judge.model

@@ -64,15 +64,15 @@ def check_judges(cfg) -> None:
 
 
 def check_judge_tokens(cfg, tokenizer) -> None:
-    """A logprob judge's "yes" and "no" are one token each of the run's tokenizer (ConfigError naming the field)."""
+    """A logprob judge's `yes_token` and `no_token` are one token each of the run's tokenizer (ConfigError naming the field)."""
     for name in dict.fromkeys(cfg.task.reward_funcs):
         judge = cfg.judges.get(name)
         if judge is None or not isinstance(judge.verdict, LogprobVerdict):
             continue
         try:
-            one_token(tokenizer, judge.verdict.yes, f"judges.{name}.verdict.yes")
-            if judge.verdict.no is not None:
-                one_token(tokenizer, judge.verdict.no, f"judges.{name}.verdict.no")
+            one_token(tokenizer, judge.verdict.yes_token, f"judges.{name}.verdict.yes_token")
+            if judge.verdict.no_token is not None:
+                one_token(tokenizer, judge.verdict.no_token, f"judges.{name}.verdict.no_token")
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

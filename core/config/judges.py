@@ -65,8 +65,8 @@ class LogprobVerdict(Section):
     """The judge's probability of a "yes" token after the prompt, from its log-probs: one scoring pass, no text."""
 
     kind: Literal["logprob"] = Field(description="The verdict is read from the judge's log-probs.")
-    yes: str = Field(" yes", min_length=1, description="The token whose probability is the score (one token).")
-    no: str | None = Field(
+    yes_token: str = Field(" yes", min_length=1, description="The token whose probability is the score (one token).")
+    no_token: str | None = Field(
         " no", min_length=1, description="With it the score is p(yes) / (p(yes) + p(no)); None: p(yes) alone."
     )
 

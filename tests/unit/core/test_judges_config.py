@@ -17,7 +17,7 @@ def test_a_judge_names_its_model_template_and_verdict():
     cfg = load_config(None, [judge(verdict="logprob"), "task.reward_funcs=[ok]"])
     ok = cfg.judges["ok"]
     assert ok.model == "base" and ok.url is None and ok.template == TEMPLATE
-    assert isinstance(ok.verdict, LogprobVerdict) and (ok.verdict.yes, ok.verdict.no) == (" yes", " no")
+    assert isinstance(ok.verdict, LogprobVerdict) and (ok.verdict.yes_token, ok.verdict.no_token) == (" yes", " no")
     plain = load_config(None, [judge()]).judges["ok"]
     assert isinstance(plain.verdict, GenerativeVerdict) and plain.verdict.parse == "yes_no"
     regex = load_config(None, [judge(verdict="{parse: regex, pattern: 'score=(\\d+)'}")]).judges["ok"]

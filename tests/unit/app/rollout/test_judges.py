@@ -208,13 +208,13 @@ def scored_by_last_token(body):
 
 def test_a_logprob_judge_scores_yes_against_no_in_one_pass():
     server = Judge(scored_by_last_token)
-    judge = server.reward(tokenizer=Tokens(), verdict={"kind": "logprob", "yes": "Y", "no": "N"})
+    judge = server.reward(tokenizer=Tokens(), verdict={"kind": "logprob", "yes_token": "Y", "no_token": "N"})
     scores, metrics = score(judge, ["5", "6"])
     assert scores.per_func["j"] == [pytest.approx(0.75), pytest.approx(0.125)]
     (request,) = server.requests
     assert request["max_tokens"] == 1 and request["prompt_logprobs"] == 0 and len(request["prompt"]) == 4
     assert metrics["judge/j/requests"] == 1 and metrics[FAILED_TOTAL] == 0
-    with pytest.raises(ValueError, match=r"judges.j.verdict.yes=' yes' is 4 tokens .* name one token"):
+    with pytest.raises(ValueError, match=r"judges.j.verdict.yes_token=' yes' is 4 tokens .* name one token"):
         server.reward(tokenizer=Tokens(), verdict="logprob")
 
 
@@ -272,3 +272,48 @@ def test_a_judge_on_the_base_or_the_runs_own_adapter_goes_through_its_token(shar
     # Its requests counted in bob's fair share: a probe and a group of two, for each of the two judges.
     runs = FleetClient("http://testserver", bob, transport=transport).router_stats()["runs"]["runs"]
     assert runs["bob"]["requests"] == 6
+
+
+def test_a_single_turn_run_scores_with_its_judges_through_its_fleet_seat(monkeypatch):
+    """The run's sampler asks its judge at the run's fleet with the run's token (an external `url` with its own), and
+    scores as many groups at once as it has in flight."""
+    from app.kinds.kind import FleetSeat
+    from app.kinds.registry import kind_of
+
+    monkeypatch.setenv("SPOTRL_JUDGE_TOKEN", "judge-token")
+    judges = (
+        "judges={j: {template: '{completion}'}, far: {template: '{completion}', url: 'http://127.0.0.1:9', model: m}}"
+    )
+    cfg = load_config(None, [judges, "task.reward_funcs=[exact_answer, j, far]", "rollout.max_inflight_tasks=12"])
+    sampler = kind_of(cfg).sampler(cfg, Tokens(), None, None, FleetSeat("http://fleet.test", "run-token"))
+    try:
+        exact, j, far = sampler.scorer.funcs
+        assert exact is exact_answer and (j.__name__, far.__name__) == ("j", "far")
+        assert (j.client.base_url, j.client._headers) == ("http://fleet.test", {"Authorization": "Bearer run-token"})
+        assert (far.client.base_url, far.client._headers) == (
+            "http://127.0.0.1:9",
+            {"Authorization": "Bearer judge-token"},
+        )
+        assert sampler.scorer._calls.workers == 12
+    finally:
+        sampler.close()
+
+
+def test_a_logprob_judges_tokens_are_checked_against_the_runs_tokenizer_at_start(tiny_model_path):
+    from app.tasks.checks import check_episode_budget
+
+    judged = ["task.reward_funcs=[j]"]
+    check_episode_budget(
+        load_config(
+            None,
+            [
+                "judges={j: {template: '{completion}', verdict: {kind: logprob, yes_token: '1', no_token: '0'}}}",
+                *judged,
+            ],
+        ),
+        tiny_model_path,
+    )
+    with pytest.raises(ConfigError, match=r"judges.j.verdict.yes_token=' yes' is 4 tokens of the judge's tokenizer"):
+        check_episode_budget(
+            load_config(None, ["judges={j: {template: '{completion}', verdict: logprob}}", *judged]), tiny_model_path
+        )
