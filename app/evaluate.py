@@ -88,8 +88,12 @@ def evaluate(
 ) -> dict:
     """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split, each problem under the
     privileged prompt `context` renders where one is given (a self teacher); its client and sampler are closed when
-    done (the driver evaluates twice a run, a long-lived caller many times)."""
+    done (the driver evaluates twice a run, a long-lived caller many times). Its samples are scored by
+    `eval.reward_funcs` where the run names them (a run rewarded by a judge measured by the exact answer)."""
     from app.tasks.privileged import privileged_problem
+
+    if cfg.eval.reward_funcs is not None:
+        cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": cfg.eval.reward_funcs})})
     from core.models import load_tokenizer
 
     problems = problems_of(cfg).heldout

@@ -22,21 +22,30 @@ def check_names(cfg) -> None:
     """The names a run's config gives (its environment's, `task.reward_funcs`, the reasoning-gym datasets of
     `task.datasets` and their configs) resolve: ConfigError naming the field else, at start, not mid-run (the
     config itself only checks their shape, `core.config`)."""
-    for i, name in enumerate(cfg.task.reward_funcs):
+    check_reward_names(cfg, "task.reward_funcs", cfg.task.reward_funcs)
+    check_reward_names(cfg, "eval.reward_funcs", cfg.eval.reward_funcs or [])
+    kind_of(cfg).check(cfg)
+    check_judges(cfg)
+    if cfg.eval.reward_funcs is not None:
+        evaluated = cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": cfg.eval.reward_funcs})})
+        check_judges(evaluated)
+    if cfg.task.name == "reasoning_gym":
+        reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
+        # The splits themselves (a few seconds): a size the datasets cannot fill is found now, not after the fleet.
+        load_task(cfg.task)
+    each_eval_set(cfg, check_names)
+
+
+def check_reward_names(cfg, where: str, names: list[str]) -> None:
+    """Each of `names` (the rewards at `where`) is a judge of `judges:` or a reward function that resolves."""
+    for i, name in enumerate(names):
         if name in cfg.judges:
             continue
         try:
             resolve_reward(name)
         except ValueError as e:
             known = f" or a judge of judges ({', '.join(sorted(cfg.judges))})" if cfg.judges else ""
-            raise ConfigError(f"task.reward_funcs[{i}]: {e}{known}") from None
-    kind_of(cfg).check(cfg)
-    check_judges(cfg)
-    if cfg.task.name == "reasoning_gym":
-        reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
-        # The splits themselves (a few seconds): a size the datasets cannot fill is found now, not after the fleet.
-        load_task(cfg.task)
-    each_eval_set(cfg, check_names)
+            raise ConfigError(f"{where}[{i}]: {e}{known}") from None
 
 
 def check_judges(cfg) -> None:

@@ -45,6 +45,11 @@ class EvalConfig(Section):
     max_retries: int = Field(
         2, ge=0, description="Retries of an evaluation that failed (a lost replica) before it is skipped, counted."
     )
+    reward_funcs: list[str] | None = Field(
+        None,
+        description="What the held-out split is scored by (solved: a positive sum), e.g. exact_answer beside a judge; "
+        "None: task.reward_funcs.",
+    )
 
     @field_validator("extra")
     @classmethod

@@ -3,6 +3,7 @@ group, what a failing judge costs (its fallback, counted), and the fleet's refus
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ from app.rollout.judges import (
 )
 from app.tasks.checks import check_names
 from app.tasks.problems import Problem
-from app.tasks.rewards import RewardScorer, exact_answer
+from app.tasks.rewards import RewardScorer, exact_answer, trainer_state
 from contracts.retry import Backoff
 from core.config import ConfigError, load_config
 from core.config.judges import GenerativeVerdict, JudgeConfig
@@ -317,3 +318,39 @@ def test_a_logprob_judges_tokens_are_checked_against_the_runs_tokenizer_at_start
         check_episode_budget(
             load_config(None, ["judges={j: {template: '{completion}', verdict: logprob}}", *judged]), tiny_model_path
         )
+
+
+def test_a_judged_run_is_evaluated_by_eval_reward_funcs_and_its_names_are_checked(monkeypatch, tmp_path):
+    """Held-out accuracy is a positive summed reward: a judge's p(yes) is always positive, so a judged run measures
+    its held-out split by what `eval.reward_funcs` names (the exact answer), never asking the judge."""
+    import app.evaluate as evaluation
+    import app.rollout.judges as judges
+    import core.models
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        a, b = re.search(r"(\d+)\+(\d+)", "".join(map(chr, body["prompt"]))).groups()  # Tokens' ids are characters
+        right = {"token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}, "text": str(int(a) + int(b))}
+        choices = [{"index": i, **right, "finish_reason": "stop"} for i in range(body["n"])]
+        return httpx.Response(200, json={"choices": choices})
+
+    class Answering(FleetClient):
+        """Answers each held-out problem right."""
+
+        def __init__(self, base_url, token=None):
+            super().__init__(base_url, token)
+            self._async = httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(answer))
+
+    # transformers' TrainerState imported before the scorer's threads need it: in a process that has not imported it
+    # yet, their first imports at once race in transformers' lazy module (an ImportError in all but one).
+    trainer_state(0, 0)
+    monkeypatch.setattr(evaluation, "FleetClient", Answering)
+    monkeypatch.setattr(core.models, "load_tokenizer", lambda path: Tokens())
+    monkeypatch.setattr(judges, "judge_client", lambda *a, **k: pytest.fail("the evaluation asked a judge"))
+    overrides = ["judges={j: {template: '{completion}'}}", "task.reward_funcs=[j]", "task.num_heldout=4"]
+    cfg = load_config(None, [*overrides, "eval.reward_funcs=[exact_answer]", f"bucket.url=file://{tmp_path}/bucket"])
+    check_names(cfg)
+    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1")
+    assert result["num_problems"] == 4 and result["accuracy"] == 1.0, result
+    with pytest.raises(ConfigError, match=r"eval.reward_funcs\[0\]: unknown reward function 'nope'.* or a judge"):
+        check_names(load_config(None, [*overrides, "eval.reward_funcs=[nope]"]))
