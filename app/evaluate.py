@@ -91,11 +91,10 @@ def evaluate(
     done (the driver evaluates twice a run, a long-lived caller many times). Its samples are scored by
     `eval.reward_funcs` where the run names them (a run rewarded by a judge measured by the exact answer)."""
     from app.tasks.privileged import privileged_problem
-
-    if cfg.eval.reward_funcs is not None:
-        cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": cfg.eval.reward_funcs})})
+    from core.config.evaluation import scored_as_evaluated
     from core.models import load_tokenizer
 
+    cfg = scored_as_evaluated(cfg)
     problems = problems_of(cfg).heldout
     if context is not None:
         problems = [privileged_problem(context, p) for p in problems]

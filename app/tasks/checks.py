@@ -13,6 +13,7 @@ from app.rollout.judges import check_template, one_token
 from app.tasks.problems import load_task, reasoning_gym_mix
 from app.tasks.rewards import REGISTRY, resolve_reward
 from core.config import ConfigError
+from core.config.evaluation import scored_as_evaluated
 from core.config.judges import LogprobVerdict
 
 CHECKED_PROBLEMS = 256  # of each split, whose fields a judge's template is checked against at start
@@ -27,8 +28,7 @@ def check_names(cfg) -> None:
     kind_of(cfg).check(cfg)
     check_judges(cfg)
     if cfg.eval.reward_funcs is not None:
-        evaluated = cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": cfg.eval.reward_funcs})})
-        check_judges(evaluated)
+        check_judges(scored_as_evaluated(cfg))
     if cfg.task.name == "reasoning_gym":
         reasoning_gym_mix(cfg.task, cfg.task.seed, 1)  # makes each dataset with its config, as the splits will
         # The splits themselves (a few seconds): a size the datasets cannot fill is found now, not after the fleet.

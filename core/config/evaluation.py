@@ -58,3 +58,11 @@ class EvalConfig(Section):
         if len(set(names)) != len(names) or "heldout" in names:
             raise ValueError(f"eval.extra: names must be distinct and not 'heldout' (got {names})")
         return sets
+
+
+def scored_as_evaluated(cfg: Any) -> Any:
+    """`cfg` (a RunConfig) as its held-out split is scored: its task rewarded by `eval.reward_funcs` where it names
+    them (a run rewarded by a judge, measured by the exact answer)."""
+    if cfg.eval.reward_funcs is None:
+        return cfg
+    return cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": cfg.eval.reward_funcs})})
