@@ -38,6 +38,7 @@ from app.tasks.timed_calls import TimedCalls
 log = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list[float | None]]
+_TRANSFORMERS_IMPORT = threading.Lock()
 
 
 @runtime_checkable
@@ -197,7 +198,8 @@ def trainer_state(step: int, max_steps: int):
     """What TRL's reward functions read as `trainer_state` (transformers' `TrainerState`): the step the group was
     sampled at (its policy version: one version per step) and the run's `train.max_steps`, for rewards shaped by
     progress."""
-    from transformers import TrainerState
+    with _TRANSFORMERS_IMPORT:  # transformers' lazy module: first imports racing in threads fail in all but one
+        from transformers import TrainerState
 
     return TrainerState(global_step=step, max_steps=max_steps)
 

@@ -24,7 +24,7 @@ from app.rollout.judges import (
 )
 from app.tasks.checks import check_names
 from app.tasks.problems import Problem
-from app.tasks.rewards import RewardScorer, exact_answer, trainer_state
+from app.tasks.rewards import RewardScorer, exact_answer
 from contracts.retry import Backoff
 from core.config import ConfigError, load_config
 from core.config.judges import GenerativeVerdict, JudgeConfig
@@ -341,9 +341,6 @@ def test_a_judged_run_is_evaluated_by_eval_reward_funcs_and_its_names_are_checke
             super().__init__(base_url, token)
             self._async = httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(answer))
 
-    # transformers' TrainerState imported before the scorer's threads need it: in a process that has not imported it
-    # yet, their first imports at once race in transformers' lazy module (an ImportError in all but one).
-    trainer_state(0, 0)
     monkeypatch.setattr(evaluation, "FleetClient", Answering)
     monkeypatch.setattr(core.models, "load_tokenizer", lambda path: Tokens())
     monkeypatch.setattr(judges, "judge_client", lambda *a, **k: pytest.fail("the evaluation asked a judge"))

@@ -90,3 +90,32 @@ def test_rewards_that_hung_cost_no_later_call_its_thread_and_a_timeout_counts_on
     finally:
         stuck.set()
         scorer.close()
+
+
+RACE = """
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from app.tasks.rewards import trainer_state
+start = threading.Barrier(8)
+def first_call(step):
+    start.wait()
+    return trainer_state(step, 10).global_step
+with ThreadPoolExecutor(8) as pool:
+    futures = [pool.submit(first_call, step) for step in range(8)]
+print(sum(f.exception() is not None for f in futures))
+"""
+
+
+def test_reward_threads_that_first_need_trainer_state_at_once_all_get_it():
+    """TRL's rewards get `trainer_state`; in a process that has not imported transformers' trainer yet, the scorer's
+    threads import it at once, which its lazy module fails in all but one (two fresh processes: the race does not
+    always show)."""
+    import subprocess
+    import sys
+
+    from core.config import REPO_ROOT
+
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", RACE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == "0", out.stdout
