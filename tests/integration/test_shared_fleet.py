@@ -507,3 +507,56 @@ def test_two_runs_self_distil_at_once_each_scoring_only_with_its_own_lineage(fle
         removed = {run: sorted(admin.remove_run(run)["unloaded"]) for run in runs}
     assert removed == {run: [f"{run}/ema-v1", f"{run}/policy-v1"] for run in runs}
     assert not [m for m in admin.models() if m["id"].startswith("sdft-")]
+
+
+def test_a_judge_is_a_tenant_of_the_shared_fleet_in_its_runs_share_and_refused_another_runs_adapter(fleet):
+    """Judges (issue 48) through a run's token on the real fleet: a logprob judge on the base model scores each
+    sample of a group in one request, counted in the run's fair share; a judge naming another run's adapter is
+    refused at start (403); a judge out of time scores its fallback, counted."""
+    from app.fleet_client import FleetClient
+    from app.rollout.judges import JudgeRefused, judge_rewards, probe_judges
+    from app.tasks.rewards import RewardScorer
+    from core.config import load_config
+    from core.models import load_tokenizer
+
+    admin = fleet.client
+    for run in admin.list_runs():
+        admin.remove_run(run)
+    tokens = {run: admin.register_run(run)["token"] for run in ("ivy", "jon")}
+    store = run_store(fleet, "ivy")
+    store.publish(random_adapter(fleet.model_path, fleet.work / "ivy-v1", seed=501), 1)
+    ivy = FleetClient(fleet.url, token=tokens["ivy"])
+    try:
+        ivy.load_adapter("ivy/policy-v1", "adapters/policy-v1")
+        template = "'Compute 2+3. Answer: {completion} Right: '"
+        judged = ["task.reward_funcs=[j]", "task.reward_timeout_s=30"]
+        stolen = load_config(None, [f"judges={{j: {{model: ivy/policy-v1, template: {template}}}}}", *judged])
+        with pytest.raises(JudgeRefused, match="judges.j: ivy/policy-v1 .*403.*belongs to run 'ivy'"):
+            probe_judges(stolen, fleet.url, tokens["jon"], fleet.model_path)
+
+        logprob = "{kind: logprob, yes_token: '1', no_token: '0'}"
+        cfg = load_config(None, [f"judges={{j: {{template: {template}, verdict: {logprob}, timeout_s: 10}}}}", *judged])
+        probe_judges(cfg, fleet.url, tokens["jon"], fleet.model_path)
+        tokenizer = load_tokenizer(fleet.model_path)
+        scorer = RewardScorer(list(judge_rewards(cfg, fleet.url, tokens["jon"], tokenizer).values()), 30.0)
+        completions = ["5", "6", "7", "55"]
+        columns = {"answer": ["5"] * 4, "truncated": [False] * 4}
+        scores = scorer.score(completions, ["Compute 2+3. Answer: "] * 4, [[1]] * 4, columns)
+        metrics = scorer.metrics()
+        scorer.close()
+        assert all(0.0 < s < 1.0 for s in scores.per_func["j"]), scores.per_func
+        assert len(set(scores.per_func["j"])) > 1  # the judge read the completions
+        assert metrics["judge/j/requests"] == 1 and metrics["judge/failed_total"] == 0
+        stats = admin.router_stats()["runs"]["runs"]
+        assert stats["jon"]["requests"] == 1 + 8, stats["jon"]  # the probe, then 4 samples x (yes, no): jon's share
+
+        hasty = cfg.model_copy(update={"judges": {"j": cfg.judges["j"].model_copy(update={"timeout_s": 1e-4})}})
+        scorer = RewardScorer(list(judge_rewards(hasty, fleet.url, tokens["jon"], tokenizer).values()), 30.0)
+        scores = scorer.score(completions, ["Compute 2+3. Answer: "] * 4, [[1]] * 4, columns)
+        metrics = scorer.metrics()
+        scorer.close()
+        assert scores.per_func["j"] == [0.0] * 4 and metrics["judge/failed_total"] == 4
+    finally:
+        ivy.close()
+        for run in ("ivy", "jon"):
+            admin.remove_run(run)
