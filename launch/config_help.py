@@ -85,6 +85,15 @@ def item_models(annotation: Any) -> list[type[BaseModel]]:
     return []
 
 
+def kind_models(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field may hold, one of several kinds (a judge's `verdict`: generative or logprob)."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return []
+    return [m for m in get_args(annotation) if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
 def config_keys(schema: type[BaseModel], prefix: str = "") -> list[ConfigKey]:
     """Every field of `schema` with its dotted key, a section's own fields before its subsections (each a heading,
     then its fields); the models a list or mapping holds are listed after it, under `key[]`."""
@@ -99,6 +108,10 @@ def config_keys(schema: type[BaseModel], prefix: str = "") -> list[ConfigKey]:
             nested.extend(config_keys(section, f"{key}."))
             continue
         leaves.append(ConfigKey(key, type_text(field.annotation), default_text(field), description))
+        for model in kind_models(field.annotation):
+            heading = f"one kind of {key}: {(model.__doc__ or '').strip().splitlines()[0]}"
+            nested.append(ConfigKey(key, model.__name__, "", heading, is_section=True))
+            nested.extend(config_keys(model, f"{key}."))
         for model in item_models(field.annotation):
             heading = f"an item of {key}, set whole as YAML: {(model.__doc__ or '').strip().splitlines()[0]}"
             nested.append(ConfigKey(f"{key}[]", model.__name__, "", heading, is_section=True))
