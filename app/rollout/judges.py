@@ -123,6 +123,20 @@ def one_token(tokenizer, text: str, where: str) -> int:
     return ids[0]
 
 
+def verdict_token_ids(tokenizer, name: str, verdict: LogprobVerdict) -> tuple[int, int | None]:
+    """A logprob verdict's "yes" and "no" token ids (no: None without a no_token); ValueError naming the setting that
+    is not one token of `tokenizer`."""
+    yes = one_token(tokenizer, verdict.yes_token, f"judges.{name}.verdict.yes_token")
+    if verdict.no_token is None:
+        return yes, None
+    return yes, one_token(tokenizer, verdict.no_token, f"judges.{name}.verdict.no_token")
+
+
+def rewarding_judges(cfg) -> dict[str, JudgeConfig]:
+    """The judges the run's `task.reward_funcs` names, by name, in its order, each once."""
+    return {name: cfg.judges[name] for name in cfg.task.reward_funcs if name in cfg.judges}
+
+
 def judge_client(
     judge: JudgeConfig, fleet_url: str, token: str | None, transport: httpx.BaseTransport | None = None
 ) -> FleetClient:
@@ -156,14 +170,7 @@ class JudgeReward:
         if isinstance(judge.verdict, LogprobVerdict):
             if tokenizer is None:
                 raise ValueError(f"judges.{name}: a logprob verdict needs the run's tokenizer")
-            verdict = judge.verdict
-            yes = one_token(tokenizer, verdict.yes_token, f"judges.{name}.verdict.yes_token")
-            no = (
-                None
-                if verdict.no_token is None
-                else one_token(tokenizer, verdict.no_token, f"judges.{name}.verdict.no_token")
-            )
-            self._verdict_ids = (yes, no)
+            self._verdict_ids = verdict_token_ids(tokenizer, name, judge.verdict)
         self.tokenizer = tokenizer
         self._model: str | None = None if judge.model == "base" else judge.model
         self._lock = threading.Lock()
@@ -245,9 +252,8 @@ class JudgeReward:
         the scorer sums this key over its judges)."""
         with self._lock:
             counts = dict(self.counts)
-        out = {f"judge/{self.name}/{k}": float(counts.get(k, 0)) for k in ("requests", "samples", "failed")}
-        out[f"judge/{self.name}/unparseable"] = float(counts.get("unparseable", 0))
-        out[f"judge/{self.name}/seconds"] = float(counts.get("seconds", 0.0))
+        kept = ("requests", "samples", "failed", "unparseable", "seconds")
+        out = {f"judge/{self.name}/{k}": float(counts.get(k, 0)) for k in kept}
         out[FAILED_TOTAL] = float(counts.get("failed", 0) + counts.get("unparseable", 0))
         return out
 
@@ -270,16 +276,15 @@ def judge_rewards(
     cfg, fleet_url: str, token: str | None, tokenizer=None, transport: httpx.BaseTransport | None = None
 ) -> dict[str, JudgeReward]:
     """The judges that the run's `task.reward_funcs` names, by name, each with a client of its own."""
-    named = [n for n in cfg.task.reward_funcs if n in cfg.judges]
     return {
         name: JudgeReward(
             name,
-            cfg.judges[name],
-            judge_client(cfg.judges[name], fleet_url, token, transport),
+            judge,
+            judge_client(judge, fleet_url, token, transport),
             tokenizer,
             cfg.fleet.max_prompt_logprobs_per_request,
         )
-        for name in dict.fromkeys(named)
+        for name, judge in rewarding_judges(cfg).items()
     }
 
 
@@ -289,9 +294,8 @@ def probe_judges(
     """At start: each judge the run rewards with answers once through the client the rollout will use (the run's
     token on its fleet), or JudgeRefused names it and why (a 403 for another run's adapter, a 404 for a model that
     is not served)."""
-    named = [cfg.judges[n] for n in cfg.task.reward_funcs if n in cfg.judges]
     tokenizer = None
-    if any(isinstance(judge.verdict, LogprobVerdict) for judge in named):
+    if any(isinstance(judge.verdict, LogprobVerdict) for judge in rewarding_judges(cfg).values()):
         from core.models import load_tokenizer
 
         tokenizer = load_tokenizer(model_path)

@@ -9,7 +9,7 @@ ConfigError naming the setting that fixes it."""
 from __future__ import annotations
 
 from app.kinds.registry import kind_of, problems_of
-from app.rollout.judges import check_template, one_token
+from app.rollout.judges import check_template, rewarding_judges, verdict_token_ids
 from app.tasks.problems import load_task, reasoning_gym_mix
 from app.tasks.rewards import REGISTRY, resolve_reward
 from core.config import ConfigError
@@ -52,7 +52,7 @@ def check_judges(cfg) -> None:
     """The judges the run rewards with: none named as a registered reward function is, only where the run samples
     single-turn completions (an environment's episodes are scored by its own rewards), and each template naming
     only fields the task's problems have (checked on both splits' first problems)."""
-    named = [n for n in dict.fromkeys(cfg.task.reward_funcs) if n in cfg.judges]
+    named = list(rewarding_judges(cfg))
     for name in cfg.judges:
         if name in REGISTRY:
             raise ConfigError(f"judges.{name}: the name of a registered reward function; name the judge otherwise")
@@ -74,16 +74,12 @@ def check_judges(cfg) -> None:
 
 def check_judge_tokens(cfg, tokenizer) -> None:
     """A logprob judge's `yes_token` and `no_token` are one token each of the run's tokenizer (ConfigError naming the field)."""
-    for name in dict.fromkeys(cfg.task.reward_funcs):
-        judge = cfg.judges.get(name)
-        if judge is None or not isinstance(judge.verdict, LogprobVerdict):
-            continue
-        try:
-            one_token(tokenizer, judge.verdict.yes_token, f"judges.{name}.verdict.yes_token")
-            if judge.verdict.no_token is not None:
-                one_token(tokenizer, judge.verdict.no_token, f"judges.{name}.verdict.no_token")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    for name, judge in rewarding_judges(cfg).items():
+        if isinstance(judge.verdict, LogprobVerdict):
+            try:
+                verdict_token_ids(tokenizer, name, judge.verdict)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
 def check_episode_budget(cfg, model_path: str) -> None:
@@ -91,7 +87,7 @@ def check_episode_budget(cfg, model_path: str) -> None:
     (`EnvKind.check_budget`): ConfigError naming the setting that makes room else. Called once the model's tokenizer
     exists."""
     kind_of(cfg).check_budget(cfg, model_path)
-    if any(n in cfg.judges for n in cfg.task.reward_funcs):
+    if rewarding_judges(cfg):
         from core.models import load_tokenizer
 
         check_judge_tokens(cfg, load_tokenizer(model_path))
