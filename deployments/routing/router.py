@@ -22,7 +22,9 @@ with it (its counts join one `retired` sum), so the snapshot's size follows the 
 
 A replica whose node is going (a spot notice) is routed nothing more while another one is live: the
 ingress marks it the moment the replica says so (`mark_draining`, `deployments.replica.notices`), and the
-replica's routing stats say so too. Serve keeps it among the candidates until its replacement runs.
+replica's routing stats say so too. Serve keeps it among the candidates until its replacement runs. The last drains
+stay in the snapshot (`drains`) after their replicas leave: when each was heard, what had been routed to it by then,
+and what was routed to it while it drained (only while no other replica was live).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ import importlib
 import logging
 import random
 import threading
+import time
 import weakref
+from collections import deque
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -56,6 +61,18 @@ log = logging.getLogger("ray.serve")
 DEFAULT_SETTINGS = RouterConfig().model_dump()
 
 _ROUTERS: weakref.WeakSet[PrefixHashRouter] = weakref.WeakSet()
+KEPT_DRAINS = 32  # drains the snapshot remembers after their replicas left (spot churn would otherwise grow it)
+
+
+@dataclass
+class Drain:
+    """One replica's drain as this router heard it: Serve stops the replica within seconds of the notice on a busy
+    node, and its row leaves the stats with it, so the drain is kept apart."""
+
+    replica: str
+    at: float  # unix time the router heard it
+    routed_before: int  # routed to the replica by then
+    routed_while_draining: int = 0  # routed to it while it drained (no other replica was live)
 
 
 def _rid(replica: RunningReplica | ReplicaID) -> str:
@@ -93,6 +110,7 @@ class PrefixHashRouter(RequestRouter):
         self._rng = random.Random(seed)
         self._inflight: dict[str, int] = {}
         self._draining: set[str] = set()  # replicas whose node is going: routed nothing while another is live
+        self._drains: deque[Drain] = deque(maxlen=KEPT_DRAINS)
         self._lock = threading.Lock()  # counters are read by the ingress's loop, written by the router's
         self._counts: dict[str, dict[str, int]] = {}
         # What replicas that left (died, drained, scaled down) had counted: kept as one sum, so that the totals and
@@ -152,6 +170,9 @@ class PrefixHashRouter(RequestRouter):
                 self._session_counts[session_outcome(held, loads, decision)] += 1
             counts = self._counts.setdefault(decision.replica, dict.fromkeys(("routed", *OUTCOMES), 0))
             counts["routed"] += 1
+            if decision.replica in self._draining:
+                drain = next(d for d in reversed(self._drains) if d.replica == decision.replica)
+                drain.routed_while_draining += 1
             counts[decision.outcome] += 1
             if request.turn is not None:
                 turn = self._turns.setdefault(request.turn, dict.fromkeys(("routed", *OUTCOMES), 0))
@@ -169,6 +190,9 @@ class PrefixHashRouter(RequestRouter):
         its node outlived the notice, it serves again)."""
         if draining and replica_id not in self._draining:
             self._draining.add(replica_id)
+            with self._lock:
+                routed = self._counts.get(replica_id, {}).get("routed", 0)
+                self._drains.append(Drain(replica_id, time.time(), routed))
             log.warning("PrefixHashRouter: replica %s drains (its node is going); routing around it", replica_id)
         elif not draining and replica_id in self._draining:
             self._draining.discard(replica_id)
@@ -245,6 +269,7 @@ class PrefixHashRouter(RequestRouter):
             turns = {k: dict(v) for k, v in self._turns.items()}
             sessions = {**self._session_counts, "table_entries": len(self._sessions)}
             retired = dict(self._retired)
+            drains = [asdict(drain) for drain in self._drains]
         for rid in live - set(replicas):
             replicas[rid] = {
                 **dict.fromkeys(("routed", *OUTCOMES), 0),
@@ -259,6 +284,7 @@ class PrefixHashRouter(RequestRouter):
             "retired": retired,
             "turns": turns,
             "sessions": sessions,
+            "drains": drains,
         }
 
 
@@ -313,8 +339,16 @@ def router_stats() -> dict[str, Any]:
     retired = dict.fromkeys(("routed", *OUTCOMES), 0)
     turns: dict[int, dict[str, int]] = {}
     sessions = dict.fromkeys(("routed", *SESSION_OUTCOMES, "table_entries"), 0)
+    drains: dict[tuple[str, int], dict[str, Any]] = {}  # every router heard each drain: one row, its counts summed
     for router in list(_ROUTERS):
         snap = router.stats()
+        seen: dict[str, int] = {}
+        for drain in snap["drains"]:
+            nth = seen[drain["replica"]] = seen.get(drain["replica"], -1) + 1
+            into = drains.setdefault((drain["replica"], nth), {**drain, "routed_before": 0, "routed_while_draining": 0})
+            into["at"] = min(into["at"], drain["at"])
+            into["routed_before"] += drain["routed_before"]
+            into["routed_while_draining"] += drain["routed_while_draining"]
         for key in sessions:
             sessions[key] += snap["sessions"][key]
         merged["settings"] = snap["settings"]
@@ -334,6 +368,7 @@ def router_stats() -> dict[str, Any]:
             into["live"] = into["live"] or counts["live"]
             into["draining"] = into["draining"] or counts["draining"]
     merged["retired"] = retired  # the counts of replicas no longer in the fleet, summed
+    merged["drains"] = sorted(drains.values(), key=lambda drain: drain["at"])
     totals = dict(retired)
     for counts in merged["replicas"].values():
         for key in totals:

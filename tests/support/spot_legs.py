@@ -138,11 +138,13 @@ async def long_generations(
 
 class ReplicaWatch:
     """Samples the router's rows of some replicas every half second (a row leaves the stats with its replica, so the
-    figures are those last seen): what was routed to them, whether the router marks them draining, and when."""
+    figures are those last seen): what was routed to them; and the router's record of their drains, which outlives
+    the rows (Serve may stop a noticed replica well under a second after the router hears it drains)."""
 
     def __init__(self, url: str, replicas: set[str]):
         self.url, self.replicas = url, replicas
-        self.samples: list[tuple[float, int, bool]] = []
+        self.samples: list[tuple[float, int]] = []
+        self.drains: list[dict] = []  # the router's drain records of these replicas (`/router/stats` `drains`)
         self.counters: dict = {}  # the ingress's spot counters (`ServeBackend.spot`) since the watch began
         self.handed_back_at: float | None = None  # when the ingress first counted a generation handed back
         self._first: dict | None = None
@@ -162,32 +164,34 @@ class ReplicaWatch:
                 self.handed_back_at = time.time()
             rows = [stats["replicas"][r] for r in self.replicas if r in stats["replicas"]]
             if rows:
-                self.samples.append((time.time(), sum(r["routed"] for r in rows), all(r["draining"] for r in rows)))
+                self.samples.append((time.time(), sum(r["routed"] for r in rows)))
+            self.drains = [d for d in stats["drains"] if d["replica"] in self.replicas]
             self._stop.wait(0.5)
-
-    def routed(self) -> int:
-        return self.samples[-1][1] if self.samples else 0
-
-    def _first_sample(self, match: Callable[[tuple[float, int, bool]], bool], timeout_s: float, never: str):
-        """The first sample that `match`es, waiting for it up to `timeout_s`."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            found = next((sample for sample in self.samples if match(sample)), None)
-            if found is not None:
-                return found
-            time.sleep(0.1)
-        raise AssertionError(never)
 
     def routed_after(self, t: float, timeout_s: float = 30) -> int:
         """What was routed to them as first sampled after `t` (a sample may be up to half a second old)."""
-        return self._first_sample(lambda sample: sample[0] > t, timeout_s, "the router's stats did not answer")[1]
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            found = next((routed for at, routed in self.samples if at > t), None)
+            if found is not None:
+                return found
+            time.sleep(0.1)
+        raise AssertionError("the router's stats did not answer")
 
-    def drained_at(self, timeout_s: float = 60) -> tuple[float, int]:
-        """When the router first marked them draining, and what it had routed to them by then."""
-        at, routed, _ = self._first_sample(
-            lambda sample: sample[2], timeout_s, "the router never heard that the replica drains"
-        )
-        return at, routed
+    def drained(self, timeout_s: float = 60) -> tuple[float, int, int]:
+        """When the router heard that they all drain (its clock: the same machine), what it had routed to them by
+        then, and what it routed to them while they drained."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            drains = list(self.drains)
+            if {d["replica"] for d in drains} == self.replicas:
+                return (
+                    max(d["at"] for d in drains),
+                    sum(d["routed_before"] for d in drains),
+                    sum(d["routed_while_draining"] for d in drains),
+                )
+            time.sleep(0.1)
+        raise AssertionError("the router never heard that the replica drains")
 
     def stop(self) -> None:
         self._stop.set()
@@ -248,11 +252,12 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
             figures["routed_at_notice"] = watch.routed_after(time.time())  # the long generations counted in
             t0 = time.time()
             spot.metadata_of(node).aws_notice(in_s=notice_in_s)
-            drained_at, figures["routed_at_drain"] = watch.drained_at()
+            drained_at, figures["routed_at_drain"], _ = watch.drained()
             figures["notice_to_routed_around_s"] = drained_at - t0
             responses = long.result(timeout=900)
             replaced_at = wait_for_replacement(url, before, spot)
             figures["notice_to_replacement_serving_s"] = replaced_at - t0
+            figures["routed_after_drain"] = watch.drained()[2]  # Serve has stopped it by now: the count is whole
             figures["notice_to_handed_back_s"] = watch.handed_back_at - t0 if watch.handed_back_at else None
         killed_at = time.time()
         spot.remove_node(node)
@@ -267,7 +272,6 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     figures.update(
         {
             "kill_to_next_step_s": step_at - killed_at,
-            "routed_after_drain": watch.routed() - figures.get("routed_at_drain", watch.routed()),
             "handed_back": watch.counters.get("handed_back", 0),
             "refused_draining": watch.counters.get("refused_draining", 0),
             "replica_failures": watch.counters.get("replica_failures", 0),

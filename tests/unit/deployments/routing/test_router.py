@@ -200,7 +200,7 @@ def test_a_draining_replica_is_routed_nothing_while_another_is_live(patched_repl
 
 
 async def _draining_replica():
-    from deployments.routing.router import mark_draining
+    from deployments.routing.router import mark_draining, router_stats
 
     router = _router()
     a, b, c = (_FakeReplica(n, {"router": {"block_size": 16}}) for n in "abc")
@@ -221,6 +221,15 @@ async def _draining_replica():
     router.update_replicas([a, b, c])
     router.update_replicas([r for r in (a, b, c) if r is not first])  # it left: forgotten
     assert first.replica_id.unique_id not in router._draining
+    # Its drain outlives its row (Serve stops a noticed replica within seconds): routed 1 before, 1 while draining.
+    (drain,) = router.stats()["drains"]
+    assert (drain["replica"], drain["routed_before"], drain["routed_while_draining"]) == (
+        first.replica_id.unique_id,
+        1,
+        1,
+    )
+    merged = [d for d in router_stats()["drains"] if d["replica"] == first.replica_id.unique_id]
+    assert len(merged) == 1 and merged[0]["routed_while_draining"] >= 1
 
 
 def test_a_sessions_requests_stay_on_its_replica_whatever_their_prompts_and_are_counted(patched_replicas):
