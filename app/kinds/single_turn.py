@@ -18,5 +18,5 @@ class SingleTurn(EnvKind):
         funcs = [judges[name] if name in judges else resolve_reward(name) for name in task.reward_funcs]
         # A judge's call mostly waits on the fleet: as many at once as groups in flight, or they queue behind two.
         workers = cfg.rollout.max_inflight_tasks if judges else 2
-        scorer = RewardScorer(funcs, task.reward_timeout_s, cfg.train.max_steps, workers)
+        scorer = RewardScorer(funcs, task.reward_timeout_s, cfg.train.max_steps, workers, task.weights())
         return CompletionSampler(generate, scorer, decode)

@@ -100,6 +100,7 @@ class ToolEpisodeRunner(Sampler):
         max_steps: int = 0,
         max_threads: int = 32,
         decode: Callable[[list[int]], str] | None = None,
+        reward_weights: list[float] | None = None,
     ):
         super().__init__(generate, decode)
         self.factories, self.chat = factories, chat
@@ -114,7 +115,9 @@ class ToolEpisodeRunner(Sampler):
                 "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
                 "defines a `get_reward` method."
             )
-        self.scorer = RewardScorer(funcs, reward_timeout_s, max_steps)
+        # As TRL: `reward_weights` weigh `reward_funcs`; an environment's `get_reward` added after them weighs 1.0.
+        weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
+        self.scorer = RewardScorer(funcs, reward_timeout_s, max_steps, weights=weights + [1.0] * len(self.env_rewards))
         self._calls = TimedCalls(max_threads, timeout_s, "env")
 
     @classmethod
@@ -134,6 +137,7 @@ class ToolEpisodeRunner(Sampler):
             reward_timeout_s=cfg.task.reward_timeout_s,
             max_steps=cfg.train.max_steps,
             decode=decode,
+            reward_weights=cfg.task.weights(),
         )
 
     @property

@@ -4,7 +4,8 @@ Reward functions are called as TRL 1.16 calls them (`GRPOTrainer._calculate_rewa
 `prompts=`, `completions=`, `completion_ids=`, the dataset's columns, `trainer_state=`, `log_extra=`,
 `log_metric=` (and `environments=` for a TRL environment's episodes), so a function written for TRL, in whatever
 order it names its parameters, drops in unchanged; each returns one float (or None) per sample. The scorer
-sums them like TRL (a None contributes nothing); a function that raises or runs past its timeout
+sums them like TRL, each times its weight (`task.reward_weights`, TRL's `reward_weights`; a None contributes
+nothing, as TRL's `nansum`); a function that raises or runs past its timeout
 (counted from when it starts) gives None for its samples and is counted in `reward/errors/<name>` instead of
 killing the run; a call that hangs leaves its thread behind (`app.tasks.timed_calls`), never takes one of the
 scorer's for good.
@@ -218,7 +219,8 @@ def _invoke(func: RewardFunc, kwargs: dict[str, Any]):
 
 @dataclass
 class Scores:
-    """Summed rewards per sample, each function's own scores, and its failures in this call."""
+    """Weighted sums per sample, each function's own scores (unweighted, as TRL logs them), and its failures in
+    this call."""
 
     rewards: list[float]
     per_func: dict[str, list[float | None]]
@@ -226,22 +228,35 @@ class Scores:
 
 
 class RewardScorer:
-    """Calls every reward function, sums them and survives any of them failing."""
+    """Calls every reward function, sums them by weight and survives any of them failing."""
 
-    def __init__(self, funcs: list[RewardFunc], timeout_s: float = 10.0, max_steps: int = 0, workers: int = 2):
+    def __init__(
+        self,
+        funcs: list[RewardFunc],
+        timeout_s: float = 10.0,
+        max_steps: int = 0,
+        workers: int = 2,
+        weights: list[float] | None = None,
+    ):
         """`workers`: calls that may run at once (at least one per function), more where they mostly wait (a
-        judge's requests)."""
+        judge's requests); `weights`: one per function, in their order (None: 1.0 each)."""
         if not funcs:
             raise ValueError("at least one reward function is needed")
+        if weights is not None and len(weights) != len(funcs):
+            raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions: one each")
         self.funcs, self.timeout_s, self.max_steps = funcs, timeout_s, max_steps
+        self.weights = [float(w) for w in weights] if weights is not None else [1.0] * len(funcs)
         self._calls = TimedCalls(max(workers, len(funcs)), timeout_s, "reward")
         self.errors_total: Counter = Counter()
         self._logged: dict[str, list[float]] = {}  # `log_metric`'s values since the metrics were last read
         self._lock = threading.Lock()  # scores run in worker threads, the metrics are read on the event loop
 
     @classmethod
-    def from_names(cls, names: list[str], timeout_s: float = 10.0, max_steps: int = 0) -> RewardScorer:
-        return cls([resolve_reward(n) for n in names], timeout_s, max_steps)
+    def from_names(
+        cls, names: list[str], timeout_s: float = 10.0, max_steps: int = 0, weights: list[float] | None = None
+    ) -> RewardScorer:
+        """The scorer of registered or `module:function` names, weighted as `weights` (a task's `weights()`)."""
+        return cls([resolve_reward(n) for n in names], timeout_s, max_steps, weights=weights)
 
     def _log_metric(self, name: str, value: float) -> None:
         """TRL's `log_metric`: a scalar a reward function reports, averaged over a step (`reward/logged/<name>`)."""
@@ -284,15 +299,16 @@ class RewardScorer:
             "log_extra": _no_log_extra,
             "log_metric": self._log_metric,
         }
-        per_func, errors = {}, Counter()
-        for func in self.funcs:
+        per_func, weighted, errors = {}, [], Counter()
+        for func, weight in zip(self.funcs, self.weights, strict=True):
             values = self._call(func, n, kwargs)
             if values is None:
                 errors[_name(func)] += n
                 values = [None] * n
             per_func[_name(func)] = values
-        # As TRL: a None contributes nothing to the sum (nansum), so one broken function never zeroes the rest.
-        rewards = [sum(v[i] for v in per_func.values() if v[i] is not None) for i in range(n)]
+            weighted.append((weight, values))
+        # As TRL: a None contributes nothing to the weighted sum (nansum), so one broken function never zeroes the rest.
+        rewards = [sum(w * v[i] for w, v in weighted if v[i] is not None) for i in range(n)]
         self.errors_total.update(errors)
         return Scores(rewards, per_func, errors)
 

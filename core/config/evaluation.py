@@ -47,8 +47,8 @@ class EvalConfig(Section):
     )
     reward_funcs: list[str] | None = Field(
         None,
-        description="What the held-out split is scored by (solved: a positive sum), e.g. exact_answer beside a judge; "
-        "None: task.reward_funcs.",
+        description="What the held-out split is scored by (solved: a positive sum), e.g. exact_answer beside a judge, "
+        "each weighing 1.0; None: task.reward_funcs, with task.reward_weights.",
     )
 
     @field_validator("extra")
@@ -62,7 +62,9 @@ class EvalConfig(Section):
 
 def scored_as_evaluated(cfg: Any) -> Any:
     """`cfg` (a RunConfig) as its held-out split is scored: its task rewarded by `eval.reward_funcs` where it names
-    them (a run rewarded by a judge, measured by the exact answer)."""
+    them (a run rewarded by a judge, measured by the exact answer), each weighing 1.0: `task.reward_weights` weigh
+    the task's functions, not these."""
     if cfg.eval.reward_funcs is None:
         return cfg
-    return cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": cfg.eval.reward_funcs})})
+    task = cfg.task.model_copy(update={"reward_funcs": cfg.eval.reward_funcs, "reward_weights": None})
+    return cfg.model_copy(update={"task": task})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from core.config.context import check_template
 
@@ -174,10 +174,26 @@ class TaskConfig(Section):
         default_factory=lambda: ["exact_answer"],
         description='Reward functions summed per sample: registered names or "module:function" paths.',
     )
+    reward_weights: list[float] | None = Field(
+        None, description="Weight of each of reward_funcs in the sum, in their order, as TRL's (None: all 1.0)."
+    )
     reward_timeout_s: float = Field(10.0, gt=0, description="Per-batch timeout of a reward function.")
     eval_concurrency: int = Field(
         64, ge=1, description="Held-out problems (greedy requests, or episodes) evaluated at once."
     )
+
+    @model_validator(mode="after")
+    def _one_weight_per_reward(self) -> TaskConfig:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"task.reward_weights has {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
+                "task.reward_funcs: one per reward function, in their order"
+            )
+        return self
+
+    def weights(self) -> list[float]:
+        """The weight of each of `reward_funcs`, in their order (1.0 each when unset)."""
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_funcs)
 
 
 class RouterConfig(Section):

@@ -50,12 +50,22 @@ def test_overrides_are_typed_and_nested():
         ("task.datasets={leg_counting: {weight: 0}}", "task.datasets.leg_counting.weight"),
         ("task.datasets={leg_counting: {config: {seed: 1}}}", "task.datasets.leg_counting.config"),
         ("task.datasets={leg_counting: {config: [1]}}", "task.datasets.leg_counting.config"),
+        ("task.reward_weights=[1.0, 2.0]", "task.reward_weights"),  # two weights for one reward function
     ],
 )
 def test_bad_override_names_the_field(override, field):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_held_out_split_scored_by_its_own_reward_funcs_weighs_each_one():
+    from core.config.evaluation import scored_as_evaluated
+
+    weighed = ["task.reward_funcs=[j, exact_answer]", "task.reward_weights=[0.5, 2.0]"]
+    assert scored_as_evaluated(load_config(None, weighed)).task.weights() == [0.5, 2.0]
+    judged_apart = scored_as_evaluated(load_config(None, [*weighed, "eval.reward_funcs=[exact_answer]"])).task
+    assert judged_apart.reward_funcs == ["exact_answer"] and judged_apart.weights() == [1.0]
 
 
 def test_malformed_yaml_and_bad_shapes(tmp_path):

@@ -252,3 +252,22 @@ def test_trls_shipped_reward_functions_score_episodes_unchanged(chat):
     expected = [f(completions=[completion], completion_ids=[ids], solution=["$3$"])[0] for f in funcs]
     assert expected[0] == 1.0 and expected[2] > 0.5  # right, and short
     assert [s.reward for s in sampled.samples] == [pytest.approx(sum(expected))] * 2
+
+
+def test_task_weights_weigh_the_reward_funcs_and_get_reward_weighs_one_as_in_trl(chat):
+    from app.tasks.rewards import exact_answer
+
+    runner = ToolEpisodeRunner(
+        {None: CalculatorEnv},
+        chat,
+        ScriptedFleet(chat.tokenizer, []),
+        [exact_answer],
+        max_tool_calling_iterations=None,
+        max_episode_tokens=64,
+        timeout_s=1.0,
+        reward_weights=[0.5],
+    )
+    try:
+        assert runner.scorer.weights == [0.5, 1.0]  # exact_answer's, then CalculatorEnv's get_reward
+    finally:
+        runner.close()

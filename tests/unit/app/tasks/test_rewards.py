@@ -32,6 +32,29 @@ def test_scorer_sums_functions():
     assert scores.per_func["bonus"] == [0.5, 0.5]
 
 
+def test_scorer_weighs_functions_and_a_none_contributes_nothing():
+    """TRL's `reward_weights`: the weighted sum of each function's scores, a None left out (its `nansum`)."""
+
+    def bonus(completions, prompts, completion_ids, **_):
+        return [0.5, None]
+
+    scorer = RewardScorer([exact_answer, bonus], weights=[2.0, -1.0])
+    scores = scorer.score(["1", "2"], ["p", "p"], [[1], [2]], {"answer": ["1", "1"]})
+    assert scores.rewards == [2.0 - 0.5, 0.0]  # the second: exact_answer's 0 times 2, bonus's None nothing
+    assert scores.per_func == {"exact_answer": [1.0, 0.0], "bonus": [0.5, None]}  # unweighted, as TRL logs them
+    with pytest.raises(ValueError, match="2 reward weights for 1 reward functions"):
+        RewardScorer([exact_answer], weights=[1.0, 1.0])
+
+
+def test_a_tasks_weights_reach_its_scorer():
+    from core.config import load_config
+
+    task = load_config(None, ["task.reward_funcs=[exact_answer, exact_answer]", "task.reward_weights=[0.5, 0.25]"]).task
+    scorer = RewardScorer.from_names(task.reward_funcs, weights=task.weights())
+    assert scorer.score(["1"], ["p"], [[1]], {"answer": ["1"]}).rewards == [0.75]
+    assert load_config(None, []).task.weights() == [1.0]  # unset: 1.0 each
+
+
 def test_raising_and_slow_rewards_give_none_and_are_counted():
     def broken(completions, prompts, completion_ids, **_):
         raise ZeroDivisionError("boom")
