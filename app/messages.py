@@ -93,6 +93,7 @@ class RolloutStats:
     failing: str | None = None  # why the run cannot go on: every one of the last rollout.max_failed_groups failed
     zero_variance_share: float = 0.0  # of the groups scored, those whose rewards were all equal (no advantage)
     dropped_zero_variance_total: int = 0  # dropped by dynamic sampling: each one an extra group sampled in its place
+    dropped_judge_failed_total: int = 0  # dropped because a judge with on_failure: drop failed to score them
     overlong_penalised_total: int = 0  # samples whose reward the overlong penalty lowered
     truncated_masked_total: int = 0  # truncated samples given no reward (rollout.mask_truncated)
 
@@ -116,6 +117,7 @@ class RolloutStats:
             "rollout/prefilled_again_total": self.prefilled_again_total,
             "sample/zero_variance_share": self.zero_variance_share,
             "rollout/dropped_zero_variance_total": self.dropped_zero_variance_total,
+            "rollout/dropped_judge_failed_total": self.dropped_judge_failed_total,
             "rollout/overlong_penalised_total": self.overlong_penalised_total,
             "rollout/truncated_masked_total": self.truncated_masked_total,
             **(self.staleness_inflight.metrics("inflight") if self.staleness_inflight else {}),

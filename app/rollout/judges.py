@@ -14,7 +14,9 @@ first group is the score; a `logprob` judge is scored, not sampled: each sample'
 (and by the "no" token) in one `prompt_logprobs` request, the score p(yes) / (p(yes) + p(no)).
 
 A judge that raises (the fleet refused, gave up after its retries, answered something malformed) or times out scores
-the group's samples `fallback_score`; a verdict that cannot be read scores `unparseable_score`. Both are counted:
+the group's samples `fallback_score`, or, with `on_failure: drop`, raises on to the scorer, which gives them None
+(nothing) and counts the failure against the judge (`reward/errors/<name>`), so that the rollout drops the group
+(`app.rollout.producer`); a verdict that cannot be read scores `unparseable_score`. Both are counted:
 `judge/<name>/failed`, `judge/<name>/unparseable`, and over every judge `judge/failed_total` (the samples a judge did
 not score), beside `judge/<name>/requests`, `judge/<name>/samples` and `judge/<name>/seconds`.
 """
@@ -194,8 +196,10 @@ class JudgeReward:
             ]
             verdicts = self.verdicts(texts)
         except Exception as e:  # the fleet's refusal, retries spent, a timeout, a malformed answer: the group's only
-            log.warning("judge %s: %s: %s; its %d samples score %s", self.name, type(e).__name__, e, n, self.fallback)
             self._count(n, failed=n, seconds=time.monotonic() - started)
+            if self.judge.on_failure == "drop":  # the scorer counts it against the judge, the rollout drops the group
+                raise
+            log.warning("judge %s: %s: %s; its %d samples score %s", self.name, type(e).__name__, e, n, self.fallback)
             return [self.fallback] * n
         unreadable = sum(v is None for v in verdicts)
         self._count(n, unparseable=unreadable, seconds=time.monotonic() - started)

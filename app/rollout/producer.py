@@ -10,10 +10,10 @@ so a slow learner stops new requests instead of growing memory (backpressure). H
 get is the staleness rule's (`app.rollout.staleness`): drop at take time, or bound at admission with a
 hard limit; a group that could never be trained is dropped and counted when taken (a multi-turn group
 as soon as it is found so, between turns). A request that still fails after the fleet client's
-retries costs its group, counted, never the producer; so does a teacher that fails or times out
-(counted apart). Only when `rollout.max_failed_groups` groups in a row failed (an environment that fails on every
-problem, a fleet gone for good) does taking groups raise `GroupsKeepFailing`, naming the last cause, instead of
-waiting for ever for groups that will never come.
+retries costs its group, counted, never the producer; so does a teacher that fails or times out, or a judge
+whose `on_failure` is drop that fails to score the group (each counted apart). Only when `rollout.max_failed_groups`
+groups in a row failed (an environment that fails on every problem, a fleet or a judge gone for good) does taking
+groups raise `GroupsKeepFailing`, naming the last cause, instead of waiting for ever for groups that will never come.
 
 With partial rollouts on, a newer version cuts the run's generations in flight under versions at least
 `partial_min_lag` behind (one `cut` call naming their adapters), and each group's sampler continues
@@ -37,8 +37,9 @@ from app.messages import ResumePoint, RolloutStats
 from app.objectives import Objectives
 from app.objectives.distill import TEACHER_LOGPROBS
 from app.rollout.continuation import Flight, version_of
+from app.rollout.judges import rewarding_judges
 from app.rollout.overlong import OverlongShaping
-from app.rollout.sampling import GroupStale, Sampler, SamplingArgs
+from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
 from app.rollout.staleness import StalenessRule, figures
 from app.rollout.teacher import TeacherChoice, TeacherScorer
 from app.tasks.problems import Problem
@@ -78,6 +79,8 @@ class GroupProducer:
         self.retries_done, self.cut = retries_done, cut
         self.staleness = StalenessRule.from_config(cfg)
         self.overlong = OverlongShaping.from_config(cfg)
+        # Judges whose failure costs the group (`judges.<name>.on_failure: drop`), by the name the scorer counts under.
+        self.dropping_judges = [n for n, j in rewarding_judges(cfg).items() if j.on_failure == "drop"]
         resume = resume or ResumePoint()
         self.cursor = resume.data_cursor or 0
         self.sampling_version = resume.policy_version  # version new requests use (the newest the fleet serves)
@@ -102,6 +105,7 @@ class GroupProducer:
             "cut_calls": 0,
             "cut_failures": 0,
             "teacher_failed": 0,
+            "dropped_judge_failed": 0,  # groups a judge that drops (on_failure: drop) failed to score
             "scored": 0,  # groups sampled and scored (dynamic sampling's denominator)
             "zero_variance": 0,  # of them, those whose rewards were all equal
             "dropped_zero_variance": 0,  # of those, dropped by dynamic sampling (each one more group sampled)
@@ -205,6 +209,8 @@ class GroupProducer:
             return None
         finally:
             del self._flights[group_id]
+        if self._judge_failed(group_id, sampled):  # before anything else spends on it
+            return None
         if sampled.prompt_ids is not None:  # the sampler rendered the prompt itself (a TRL environment's)
             prompt_ids = sampled.prompt_ids
         group = Group(group_id, problem.id, prompt_ids, version, sampled.samples, time.time(), sampled.reward_errors)
@@ -244,9 +250,23 @@ class GroupProducer:
         self.counters["dropped_zero_variance"] += 1
         return True
 
-    def _failed(self, error: BaseException, where: str = "") -> None:
+    def _judge_failed(self, group_id: int, sampled: Sampled) -> bool:
+        """A judge whose `on_failure` is drop failed to score the group (raised or timed out: the scorer counted its
+        samples as that judge's errors): drop it, counted, and let the producer sample another in its place. Such
+        drops count as lost groups too, so a judge that fails on every group ends the run (`rollout.max_failed_groups`)
+        instead of the producer sampling for ever."""
+        failed = [name for name in self.dropping_judges if sampled.reward_errors.get(name)]
+        if not failed:
+            return False
+        log.warning("judge %s failed to score group %d, dropping it (on_failure: drop)", failed[0], group_id)
+        self.counters["dropped_judge_failed"] += 1
+        self._failed(f"judge {failed[0]} failing to score it (on_failure: drop)")
+        return True
+
+    def _failed(self, error: BaseException | str, where: str = "") -> None:
         self.failed_in_row += 1
-        self.last_failure = f"{where}{type(error).__name__}: {error}".splitlines()[0]
+        why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.last_failure = f"{where}{why}".splitlines()[0]
 
     @property
     def failing(self) -> str | None:
@@ -371,6 +391,7 @@ class GroupProducer:
             failing=self.failing,
             zero_variance_share=c["zero_variance"] / c["scored"] if c["scored"] else 0.0,
             dropped_zero_variance_total=c["dropped_zero_variance"],
+            dropped_judge_failed_total=c["dropped_judge_failed"],
             overlong_penalised_total=c["overlong_penalised"],
             truncated_masked_total=c["truncated_masked"],
         )

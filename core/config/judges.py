@@ -12,8 +12,9 @@ Python reward functions. A judge is:
   `unparseable_score`) or `logprob` (one scoring pass, no generation: the probability of a "yes" token after the
   prompt, against a "no" token's).
 
-A judge that raises or runs out of time scores its samples `fallback_score`, counted (`app.rollout.judges`); the
-judge's whole call, its retries included, must fit in `task.reward_timeout_s`, which bounds every reward function.
+A judge that raises or runs out of time scores its samples `fallback_score`, counted (`app.rollout.judges`), or, with
+`on_failure: drop`, costs its group, which is not trained (`app.rollout.producer`, counted too); the judge's whole
+call, its retries included, must fit in `task.reward_timeout_s`, which bounds every reward function.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ class JudgeConfig(Section):
     )
     verdict: Verdict = Field(default_factory=GenerativeVerdict, description="generative or logprob, with settings.")
     fallback_score: float = Field(0.0, description="What a sample scores when the judge raised or timed out.")
+    on_failure: Literal["fallback", "drop"] = Field(
+        "fallback",
+        description="fallback: a failed call's samples score fallback_score; drop: its group is not trained, counted.",
+    )
     timeout_s: float = Field(4.0, gt=0, description="Timeout of one request of the judge (a group's samples).")
     max_retries: int = Field(1, ge=0, description="Retries of a failed request before its samples score the fallback.")
 
