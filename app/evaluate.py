@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
+from collections.abc import Mapping
 
 from app.fleet_client import FleetClient
 from app.kinds.registry import problems_of, sampler_for
+from app.rollout.judges import JudgeReward, judge_agreement, judge_rewards
 from app.rollout.sampling import Sampler, SamplingArgs
 from app.tasks.problems import Problem
 from contracts.rollouts import Sample
 from core.models import prompt_token_ids
+
+log = logging.getLogger(__name__)
 
 
 async def evaluate_async(
@@ -28,11 +33,13 @@ async def evaluate_async(
     model: str,
     max_tokens: int,
     concurrency: int = 32,
+    judges: Mapping[str, JudgeReward] | None = None,
 ) -> dict:
     """Accuracy = share of problems whose greedy sample succeeds: a positive reward, or an episode that the
     environment says is solved (else a positive reward). An episode the environment lost (its group of one failed,
     or the environment ended it) scores as unsolved and is counted in `lost`, as a lost episode costs the training
-    that episode and never the run; only when every problem was lost is there no measure: EvaluationLost."""
+    that episode and never the run; only when every problem was lost is there no measure: EvaluationLost. With
+    `judges` (a judged run measured otherwise), each one's agreement with that measure on the samples played."""
     gate = asyncio.Semaphore(concurrency)
     greedy = SamplingArgs(max_tokens, temperature=0.0)
     causes: list[str] = []
@@ -56,7 +63,7 @@ async def evaluate_async(
     by_dataset: dict[str, list[bool]] = {}
     for problem, ok in zip(problems, solved, strict=True):
         by_dataset.setdefault(source_dataset(problem), []).append(ok)
-    return {
+    out = {
         "model": model,
         "accuracy": sum(solved) / len(samples),
         # A mix of datasets: each one's own accuracy, which the mix's one number hides.
@@ -70,6 +77,26 @@ async def evaluate_async(
         "num_problems": len(problems),
         "lost": lost,
     }
+    if judges:
+        out["judge_agreement"] = await asyncio.to_thread(agreements, judges, problems, samples, solved)
+    return out
+
+
+def agreements(
+    judges: Mapping[str, JudgeReward], problems: list[Problem], samples: list[Sample | None], solved: list[bool]
+) -> dict[str, float]:
+    """Each judge's agreement with the evaluation's verdicts on the samples played (`app.rollout.judges`); a judge
+    that fails here is left out, logged: the accuracy stands without it."""
+    kept = [(p, s.text, ok) for p, s, ok in zip(problems, samples, solved, strict=True) if s and not s.env_error]
+    found: dict[str, float] = {}
+    if not kept:
+        return found
+    for name, judge in judges.items():
+        try:
+            found[name] = judge_agreement(judge, *map(list, zip(*kept, strict=True)))
+        except Exception as e:  # noqa: BLE001 - the measure of trust in a judge never costs the evaluation
+            log.warning("judge %s: no agreement measured: %s: %s", name, type(e).__name__, e)
+    return found
 
 
 def source_dataset(problem: Problem) -> str:
@@ -84,22 +111,33 @@ class EvaluationLost(RuntimeError):
 
 
 def evaluate(
-    cfg, base_url: str, model_path: str, model: str, token: str | None = None, context: str | None = None
+    cfg,
+    base_url: str,
+    model_path: str,
+    model: str,
+    token: str | None = None,
+    context: str | None = None,
+    judged: bool = False,
 ) -> dict:
     """Evaluate `model` (the base name or `policy-vN`) on the config's held-out split, each problem under the
     privileged prompt `context` renders where one is given (a self teacher); its client and sampler are closed when
     done (the driver evaluates twice a run, a long-lived caller many times). Its samples are scored by
-    `eval.reward_funcs` where the run names them (a run rewarded by a judge measured by the exact answer)."""
+    `eval.reward_funcs` where the run names them (a run rewarded by a judge measured by the exact answer); then, with
+    `judged` (the run's own versions on its own fleet), each judge it rewards with says how often it agrees."""
     from app.tasks.privileged import privileged_problem
     from core.config.evaluation import scored_as_evaluated
     from core.models import load_tokenizer
 
+    tokenizer = load_tokenizer(model_path)
+    measured_otherwise = judged and cfg.eval.reward_funcs is not None
+    judges = judge_rewards(cfg, base_url, token, tokenizer) if measured_otherwise else {}
     cfg = scored_as_evaluated(cfg)
     problems = problems_of(cfg).heldout
     if context is not None:
         problems = [privileged_problem(context, p) for p in problems]
-    tokenizer = load_tokenizer(model_path)
-    with contextlib.closing(FleetClient(base_url, token)) as client:
+    with contextlib.ExitStack() as stack, contextlib.closing(FleetClient(base_url, token)) as client:
+        for judge in judges.values():
+            stack.callback(judge.close)
         sampler = sampler_for(
             cfg, tokenizer, client.acompletions, fleet_url=base_url, token=token, model_path=model_path
         )
@@ -107,7 +145,13 @@ def evaluate(
         async def run() -> dict:
             try:
                 return await evaluate_async(
-                    sampler, tokenizer, problems, model, cfg.sampling.max_completion_length, cfg.task.eval_concurrency
+                    sampler,
+                    tokenizer,
+                    problems,
+                    model,
+                    cfg.sampling.max_completion_length,
+                    cfg.task.eval_concurrency,
+                    judges,
                 )
             finally:
                 await client.aclose()  # on the loop its connections belong to

@@ -25,11 +25,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Measured:
-    """What one evaluation of a version found: its held-out accuracy, the episodes lost, each extra set's accuracy."""
+    """What one evaluation of a version found: its held-out accuracy, the episodes lost, each extra set's accuracy,
+    and each judge's agreement with the held-out measure (a judged run measured otherwise)."""
 
     accuracy: float
     lost: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    judge_agreement: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class EvalPoint:
             "eval/lost": self.measured.lost,
             "eval/seconds": self.seconds,
             **{f"eval/{name}/accuracy": acc for name, acc in self.measured.extra.items()},
+            **{f"eval/judge/{name}/agreement": share for name, share in self.measured.judge_agreement.items()},
         }
 
     @classmethod
@@ -62,7 +65,12 @@ class EvalPoint:
             for k, v in m.items()
             if k.startswith("eval/") and k.endswith("/accuracy") and k != "eval/accuracy"
         }
-        measured = Measured(m["eval/accuracy"], int(m.get("eval/lost", 0)), extra)
+        agreed = {
+            k.removeprefix("eval/judge/").removesuffix("/agreement"): v
+            for k, v in m.items()
+            if k.startswith("eval/judge/") and k.endswith("/agreement")
+        }
+        measured = Measured(m["eval/accuracy"], int(m.get("eval/lost", 0)), extra, agreed)
         return cls(int(m["eval/step"]), int(m["eval/version"]), measured, m.get("eval/seconds", 0.0))
 
     def row(self) -> dict:

@@ -22,9 +22,12 @@ log = logging.getLogger("spotrl.train")
 
 
 def lost_note(heldout: dict) -> str:
-    """What the log line of an evaluation adds when the environment lost some of its episodes (scored unsolved)."""
+    """What the log line of an evaluation adds when the environment lost some of its episodes (scored unsolved), and
+    how often each judge of a judged run agreed with the measure."""
     lost = heldout.get("lost", 0)
-    return f"; {lost} of {heldout['num_problems']} episodes lost, scored unsolved" if lost else ""
+    note = f"; {lost} of {heldout['num_problems']} episodes lost, scored unsolved" if lost else ""
+    agreed = heldout.get("judge_agreement") or {}
+    return note + "".join(f"; judge {name} agrees with it on {share:.1%}" for name, share in agreed.items())
 
 
 class Evaluation:
@@ -49,7 +52,7 @@ class Evaluation:
         from app.evaluate import evaluate
 
         name = adapter_name(version, self.cfg.fleet_run)
-        return evaluate(cfg or self.cfg, self.base_url, self.model_path, name, self.token)
+        return evaluate(cfg or self.cfg, self.base_url, self.model_path, name, self.token, judged=cfg is None)
 
     def during(self, version: int, heldout: dict | None = None) -> Measured:
         """`version` on the held-out split (unless measured already: `heldout`) and on each extra set, all at once:
@@ -61,7 +64,7 @@ class Evaluation:
             extra = {name: pool.submit(self.of, version, cfg) for name, cfg in self.extra_sets.items()}
             heldout = heldout or own.result()
             accuracy = {name: future.result()["accuracy"] for name, future in extra.items()}
-        return Measured(heldout["accuracy"], heldout.get("lost", 0), accuracy)
+        return Measured(heldout["accuracy"], heldout.get("lost", 0), accuracy, heldout.get("judge_agreement", {}))
 
     @property
     def best_adapter(self) -> Path:

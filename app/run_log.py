@@ -117,6 +117,9 @@ class Run:
             "heldout_lost_after": after and after.get("lost"),
             "heldout_accuracy_by_dataset_before": before and before.get("accuracy_by_dataset"),
             "heldout_accuracy_by_dataset_after": after and after.get("accuracy_by_dataset"),
+            # A judged run measured by `eval.reward_funcs`: how often each judge agreed with that measure.
+            "heldout_judge_agreement_before": before and before.get("judge_agreement"),
+            "heldout_judge_agreement_after": after and after.get("judge_agreement"),
             "affinity_share": router_affinity(router),
             **episode_summary(self.history, rollout, router),
             **distill_summary(self.history, rollout, self.teacher_heldout, self.teachers_heldout),

@@ -139,6 +139,13 @@ def rewarding_judges(cfg) -> dict[str, JudgeConfig]:
     return {name: cfg.judges[name] for name in cfg.task.reward_funcs if name in cfg.judges}
 
 
+def used_judges(cfg) -> dict[str, JudgeConfig]:
+    """The judges the run rewards with or measures its held-out split with (`eval.reward_funcs`), by name, each once:
+    what is checked and asked at start."""
+    names = [*cfg.task.reward_funcs, *(cfg.eval.reward_funcs or ())]
+    return {name: cfg.judges[name] for name in names if name in cfg.judges}
+
+
 def judge_client(
     judge: JudgeConfig, fleet_url: str, token: str | None, transport: httpx.BaseTransport | None = None
 ) -> FleetClient:
@@ -295,15 +302,18 @@ def judge_rewards(
 def probe_judges(
     cfg, fleet_url: str, token: str | None, model_path: str, transport: httpx.BaseTransport | None = None
 ) -> None:
-    """At start: each judge the run rewards with answers once through the client the rollout will use (the run's
-    token on its fleet), or JudgeRefused names it and why (a 403 for another run's adapter, a 404 for a model that
+    """At start: each judge the run rewards or measures with answers once through the client the rollout will use (the
+    run's token on its fleet), or JudgeRefused names it and why (a 403 for another run's adapter, a 404 for a model that
     is not served)."""
+    judges = used_judges(cfg)
     tokenizer = None
-    if any(isinstance(judge.verdict, LogprobVerdict) for judge in rewarding_judges(cfg).values()):
+    if any(isinstance(judge.verdict, LogprobVerdict) for judge in judges.values()):
         from core.models import load_tokenizer
 
         tokenizer = load_tokenizer(model_path)
-    for name, judge in judge_rewards(cfg, fleet_url, token, tokenizer, transport).items():
+    # Each as the run's rewards build it, those that only measure the held-out split too.
+    every = cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": list(judges)})})
+    for name, judge in judge_rewards(every, fleet_url, token, tokenizer, transport).items():
         try:
             judge.probe()
         except (FleetError, StopIteration) as e:
@@ -311,3 +321,15 @@ def probe_judges(
             raise JudgeRefused(f"judges.{name}: {cfg.judges[name].model} at {where} does not judge: {e}") from None
         finally:
             judge.close()
+
+
+def judge_agreement(judge: JudgeReward, problems: list[Problem], completions: list[str], solved: list[bool]) -> float:
+    """Share of held-out samples on which the judge's verdict (a score over one half: right) is the evaluation's
+    (`solved`, by `eval.reward_funcs`): how far a judged run's reward can be trusted. An unreadable verdict counts as
+    the score it trains with; raises what the judge's client raises."""
+    texts = [
+        render(judge.judge.template, p.prompt, c, p.answer, p.columns)
+        for p, c in zip(problems, completions, strict=True)
+    ]
+    scores = [judge.unreadable if v is None else v for v in judge.verdicts(texts)]
+    return sum((s > 0.5) == ok for s, ok in zip(scores, solved, strict=True)) / len(solved)

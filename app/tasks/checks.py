@@ -9,7 +9,7 @@ ConfigError naming the setting that fixes it."""
 from __future__ import annotations
 
 from app.kinds.registry import kind_of, problems_of
-from app.rollout.judges import check_template, rewarding_judges, verdict_token_ids
+from app.rollout.judges import check_template, used_judges, verdict_token_ids
 from app.tasks.problems import load_task, reasoning_gym_mix
 from app.tasks.rewards import REGISTRY, resolve_reward
 from core.config import ConfigError
@@ -49,10 +49,10 @@ def check_reward_names(cfg, where: str, names: list[str]) -> None:
 
 
 def check_judges(cfg) -> None:
-    """The judges the run rewards with: none named as a registered reward function is, only where the run samples
-    single-turn completions (an environment's episodes are scored by its own rewards), and each template naming
-    only fields the task's problems have (checked on both splits' first problems)."""
-    named = list(rewarding_judges(cfg))
+    """The judges the run rewards or measures with: none named as a registered reward function is, only where the run
+    samples single-turn completions (an environment's episodes are scored by its own rewards), and each template
+    naming only fields the task's problems have (checked on both splits' first problems)."""
+    named = list(used_judges(cfg))
     for name in cfg.judges:
         if name in REGISTRY:
             raise ConfigError(f"judges.{name}: the name of a registered reward function; name the judge otherwise")
@@ -60,7 +60,7 @@ def check_judges(cfg) -> None:
         return
     if cfg.env.kind is not None:
         raise ConfigError(
-            f"task.reward_funcs names judge {named[0]!r}: judges score single-turn completions, and env.{cfg.env.kind} "
+            f"judge {named[0]!r} is named in task.reward_funcs or eval.reward_funcs: judges score single-turn completions, and env.{cfg.env.kind} "
             "plays episodes"
         )
     splits = problems_of(cfg)
@@ -74,7 +74,7 @@ def check_judges(cfg) -> None:
 
 def check_judge_tokens(cfg, tokenizer) -> None:
     """A logprob judge's `yes_token` and `no_token` are one token each of the run's tokenizer (ConfigError naming the field)."""
-    for name, judge in rewarding_judges(cfg).items():
+    for name, judge in used_judges(cfg).items():
         if isinstance(judge.verdict, LogprobVerdict):
             try:
                 verdict_token_ids(tokenizer, name, judge.verdict)
@@ -87,7 +87,7 @@ def check_episode_budget(cfg, model_path: str) -> None:
     (`EnvKind.check_budget`): ConfigError naming the setting that makes room else. Called once the model's tokenizer
     exists."""
     kind_of(cfg).check_budget(cfg, model_path)
-    if rewarding_judges(cfg):
+    if used_judges(cfg):
         from core.models import load_tokenizer
 
         check_judge_tokens(cfg, load_tokenizer(model_path))

@@ -258,6 +258,14 @@ def test_a_judge_naming_another_runs_adapter_is_refused_403_at_start_and_scores_
         judge.probe()
 
 
+def test_a_judge_that_only_measures_the_heldout_split_is_asked_at_start_too(shared_fleet):
+    transport, backend, bob = shared_fleet
+    judge = "judges={j: {model: alice/policy-v1, template: 'is {completion} right'}}"
+    cfg = load_config(None, [judge, "task.reward_funcs=[exact_answer]", "eval.reward_funcs=[j]"])
+    with pytest.raises(JudgeRefused, match=r"judges.j: alice/policy-v1 .*403"):
+        probe_judges(cfg, "http://testserver", bob, "", transport=transport)
+
+
 def test_a_judge_on_the_base_or_the_runs_own_adapter_goes_through_its_token(shared_fleet):
     transport, backend, bob = shared_fleet
     for model, served in (("base", BASE), ("bob/policy-v1", "bob/policy-v1")):
@@ -320,11 +328,10 @@ def test_a_logprob_judges_tokens_are_checked_against_the_runs_tokenizer_at_start
         )
 
 
-def test_a_judged_run_is_evaluated_by_eval_reward_funcs_and_its_names_are_checked(monkeypatch, tmp_path):
-    """Held-out accuracy is a positive summed reward: a judge's p(yes) is always positive, so a judged run measures
-    its held-out split by what `eval.reward_funcs` names (the exact answer), never asking the judge."""
+@pytest.fixture
+def answering_fleet(monkeypatch):
+    """A fleet that answers each held-out problem right (`app.evaluate`'s client), and the tokenizer of `Tokens`."""
     import app.evaluate as evaluation
-    import app.rollout.judges as judges
     import core.models
 
     def answer(request: httpx.Request) -> httpx.Response:
@@ -335,19 +342,50 @@ def test_a_judged_run_is_evaluated_by_eval_reward_funcs_and_its_names_are_checke
         return httpx.Response(200, json={"choices": choices})
 
     class Answering(FleetClient):
-        """Answers each held-out problem right."""
-
         def __init__(self, base_url, token=None):
             super().__init__(base_url, token)
             self._async = httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(answer))
 
     monkeypatch.setattr(evaluation, "FleetClient", Answering)
     monkeypatch.setattr(core.models, "load_tokenizer", lambda path: Tokens())
+
+
+JUDGED = ["judges={j: {template: '{completion}'}}", "task.reward_funcs=[j]", "task.num_heldout=4"]
+
+
+def test_a_judged_run_is_evaluated_by_eval_reward_funcs_and_its_names_are_checked(
+    answering_fleet, monkeypatch, tmp_path
+):
+    """Held-out accuracy is a positive summed reward: a judge's p(yes) is always positive, so a judged run measures
+    its held-out split by what `eval.reward_funcs` names (the exact answer), never asking the judge."""
+    import app.evaluate as evaluation
+    import app.rollout.judges as judges
+
     monkeypatch.setattr(judges, "judge_client", lambda *a, **k: pytest.fail("the evaluation asked a judge"))
-    overrides = ["judges={j: {template: '{completion}'}}", "task.reward_funcs=[j]", "task.num_heldout=4"]
+    overrides = JUDGED
     cfg = load_config(None, [*overrides, "eval.reward_funcs=[exact_answer]", f"bucket.url=file://{tmp_path}/bucket"])
     check_names(cfg)
     result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1")
     assert result["num_problems"] == 4 and result["accuracy"] == 1.0, result
     with pytest.raises(ConfigError, match=r"eval.reward_funcs\[0\]: unknown reward function 'nope'.* or a judge"):
         check_names(load_config(None, [*overrides, "eval.reward_funcs=[nope]"]))
+
+
+def test_a_judged_run_measured_otherwise_reports_each_judges_agreement_with_the_measure(
+    answering_fleet, monkeypatch, tmp_path
+):
+    """The run's own versions (`judged`): each judge it rewards with is asked once for the held-out samples, and says
+    how often its verdict is the measure's: here every answer is right and the judge says no to one of four."""
+    import app.evaluate as evaluation
+    import app.rollout.judges as judges
+
+    server = Judge(texts("no", "yes", "yes", "yes"))
+    client = FleetClient("http://judge.test", transport=httpx.MockTransport(server.handler), backoff=Backoff(1, 0.0))
+    monkeypatch.setattr(judges, "judge_client", lambda *a, **k: client)
+    cfg = load_config(None, [*JUDGED, "eval.reward_funcs=[exact_answer]", f"bucket.url=file://{tmp_path}/bucket"])
+    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1", judged=True)
+    assert result["accuracy"] == 1.0 and result["judge_agreement"] == {"j": 0.75}, result
+    assert len(server.requests) == 1 and len(server.requests[0]["prompt"]) == 4
+    server.answer = lambda body: httpx.Response(503, json={"error": "down"})  # a judge down costs its agreement alone
+    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1", judged=True)
+    assert result["accuracy"] == 1.0 and "j" not in result["judge_agreement"]
