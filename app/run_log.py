@@ -130,6 +130,7 @@ class Run:
             "cut_share": rollout.cut_share,
             "prefilled_again_total": rollout.prefilled_again_total,
             "dropped_failed_total": rollout.dropped_failed_total,
+            "dropped_judge_failed_total": rollout.dropped_judge_failed_total,  # groups a judge with on_failure: drop lost
             **reward_error_summary(rollout),
             "ratio_mean": statistics.fmean(ratios) if ratios else None,
             "step_s_median": statistics.median([m["perf/step_s"] for m in self.history]) if self.history else None,

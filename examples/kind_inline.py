@@ -67,7 +67,8 @@ class Inline(EnvKind):
             raise ConfigError("env.inline.problems: every problem needs an answer")
 
     def sampler(self, cfg, tokenizer, generate, decode, fleet):
-        scorer = RewardScorer.from_names(cfg.task.reward_funcs, cfg.task.reward_timeout_s, cfg.train.max_steps)
+        task = cfg.task
+        scorer = RewardScorer.from_names(task.reward_funcs, task.reward_timeout_s, cfg.train.max_steps, task.weights())
         return CompletionSampler(generate, scorer, decode)
 
 

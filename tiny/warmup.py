@@ -60,7 +60,7 @@ def rewarded(scorer) -> Judge:
 @contextmanager
 def rewards_judge(task: TaskConfig) -> Iterator[Judge]:
     """A judge by the task's reward functions, their scorer closed after."""
-    scorer = RewardScorer.from_names(task.reward_funcs, task.reward_timeout_s)
+    scorer = RewardScorer.from_names(task.reward_funcs, task.reward_timeout_s, weights=task.weights())
     try:
         yield rewarded(scorer)
     finally:
