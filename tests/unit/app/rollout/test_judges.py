@@ -389,3 +389,38 @@ def test_a_judged_run_measured_otherwise_reports_each_judges_agreement_with_the_
     server.answer = lambda body: httpx.Response(503, json={"error": "down"})  # a judge down costs its agreement alone
     result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1", judged=True)
     assert result["accuracy"] == 1.0 and "j" not in result["judge_agreement"]
+
+
+def test_a_judge_request_handed_back_by_a_noticed_replica_is_answered_elsewhere(monkeypatch):
+    """The judge's generation goes through the ingress's real backend (`ServeBackend`): the replica whose node is
+    going hands it back after one token ("y"), the ingress continues it on another ("es"), and the judge reads the
+    stitched verdict as if nothing happened."""
+    import deployments.ingress.shell as ingress
+    from contracts.serving import ABORTED, Generated, SampledChoice
+    from deployments.ingress.shell import ServeBackend
+    from tests.support.serve_handles import GenerateHandle
+
+    monkeypatch.setattr(ingress, "mark_draining", lambda replica: None)
+    y, e, s = (ord(c) - ord("a") for c in "yes")  # `api_settings`' vocabulary: a letter's place in the alphabet
+    handle = GenerateHandle(
+        Generated("a", [SampledChoice(0, [y], [-0.1], None, ABORTED, None)], handed_back=True),
+        Generated("b", [SampledChoice(0, [e, s], [-0.1, -0.1], None, "stop", None)]),
+    )
+
+    class Draining(FakeBackend):
+        def __init__(self):
+            super().__init__()
+            self.ingress = ServeBackend(handle)
+
+        async def generate(self, request):
+            return await self.ingress.generate(request)
+
+    backend = Draining()
+    client = TestClient(make_app(backend, api_settings(max_loras=7, max_staleness=1)))
+    token = register(client, "bob")
+    cfg = load_config(None, ["judges={j: {template: 'is {completion} right'}}", "task.reward_funcs=[j]"])
+    judge = JudgeReward("j", cfg.judges["j"], FleetClient("http://testserver", token, transport=in_process(client)))
+    judge._model = BASE  # the fake backend lists no models: the judge asks for the base model by its name
+    assert judge(["ab"], ["cd"], answer=["x"]) == [1.0]
+    assert backend.ingress.spot["handed_back"] == 1 and judge.metrics()["judge/failed_total"] == 0
+    assert [r.prompt_ids[-1:] for r in handle.sent][1] == [y]  # the continuation starts after the token handed back
