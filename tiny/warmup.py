@@ -68,6 +68,29 @@ def rewards_judge(task: TaskConfig) -> Iterator[Judge]:
 
 
 @torch.no_grad()
+def greedy_completions(
+    model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 256
+) -> list[tuple[str, list[int]]]:
+    """Each prompt's greedy completion: its text and its ids up to EOS, as the fleet returns them (plain PyTorch, no
+    vLLM)."""
+    model.eval()
+    tokenizer.padding_side = "left"
+    eos = tokenizer.eos_token_id
+    out: list[tuple[str, list[int]]] = []
+    for i in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        generated = model.generate(
+            **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos, eos_token_id=eos
+        )
+        new = generated[:, enc["input_ids"].shape[1] :]
+        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+        out += [
+            (t, row[: row.index(eos) + 1] if eos in row else row) for t, row in zip(texts, new.tolist(), strict=True)
+        ]
+    model.train()
+    return out
+
+
 def greedy_accuracy(
     model,
     tokenizer,
@@ -76,27 +99,14 @@ def greedy_accuracy(
     batch_size: int = 256,
     judge: Judge = exactly_the_answer,
 ) -> float:
-    """Share of problems whose greedy completion `judge` accepts, by default exactly the answer (plain PyTorch, no
-    vLLM)."""
-    model.eval()
-    tokenizer.padding_side = "left"
+    """Share of problems whose greedy completion `judge` accepts, by default exactly the answer."""
     eos = tokenizer.eos_token_id
     correct = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
-        enc = tokenizer([p.prompt for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=eos,
-            eos_token_id=eos,
-        )
-        new = out[:, enc["input_ids"].shape[1] :]
-        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-        ids = [row[: row.index(eos) + 1] if eos in row else row for row in new.tolist()]  # as the fleet returns them
+        done = greedy_completions(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, batch_size)
+        texts, ids = [t for t, _ in done], [row for _, row in done]
         correct += sum(judge(texts, chunk, ids, [eos not in row for row in ids]))
-    model.train()
     return correct / len(problems)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.config.context import check_template
+from core.config.context import check_template, template_fields
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -83,11 +83,28 @@ class TinyModelConfig(Section):
     warmup_tools: ToolWarmupConfig | None = Field(
         None, description="Make the model call tools: a tool chat template and a warm-up on demonstrated episodes."
     )
+    warmup_judge: str | None = Field(
+        None,
+        description="A judge's template the warm-up goes on with: verdict 1 when {completion} is {reference}, else 0.",
+    )
+    warmup_judge_accuracy: float = Field(
+        0.97, gt=0, lt=1, description="With warmup_judge: train on it until held-out verdicts are right this often."
+    )
+    warmup_judge_lr: float = Field(3e-4, gt=0, description="With warmup_judge: the learning rate of its warm-up.")
 
     @field_validator("warmup_context")
     @classmethod
     def _a_template(cls, template: str | None) -> str | None:
         return None if template is None else check_template(template)
+
+    @field_validator("warmup_judge")
+    @classmethod
+    def _a_judge_template(cls, template: str | None) -> str | None:
+        if template is not None and not {"completion", "reference"} <= template_fields(template):
+            raise ValueError(
+                f"{template!r} must show the answer judged ({{completion}}) and the gold one ({{reference}})"
+            )
+        return template
 
 
 class ModelConfig(Section):
