@@ -24,6 +24,7 @@ BENCHMARKS = [
     "dynamic_sampling",
     "off_policy_masks",
     "tinker_rl",
+    "judge",
 ]
 
 
