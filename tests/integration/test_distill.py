@@ -59,6 +59,7 @@ def fleet(tmp_path_factory, tiny_model_path):
     finished = f"file://{work}/finished"  # a finished run's bucket, whose last version teaches as an adapter
     overrides = [
         "fleet.num_replicas=1",
+        "fleet.max_loras=6",  # the fleet's window of 3, a slot to load into, and two runs of one version each
         _distill(f"{{model: {{name_or_path: '{teacher}', max_model_len: 128}}}}"),
         f"fleet.extra_adapter_buckets=['{finished}']",
     ]
@@ -205,6 +206,48 @@ def test_each_kind_of_teacher_is_resolved_and_checked_at_start(fleet):
     _assert_same(_fleet_scores(fleet, ids, "teacher-v0"), _reference(_hf(fleet.model_path, folder), ids), ids)
     with pytest.raises(SystemExit, match="not committed"):
         prepared(f"{{adapter: '{fleet.finished}/adapters/policy-v9'}}")
+
+
+def test_a_judge_on_the_fleets_deployment_serves_two_runs_at_once_each_in_its_own_share(fleet):
+    """A judge deployment shared by two runs is one deployment of the fleet (here its `teacher`): both runs' judges
+    ask it at once, each through its own token, get the same verdicts, and each run's requests count in its own
+    fair share (issue 48)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.rollout.judges import judge_rewards, probe_judges
+    from app.tasks.rewards import RewardScorer
+    from core.models import load_tokenizer
+
+    admin, runs = fleet.client, ("kim", "lou")
+    tokens = {run: admin.register_run(run, max_staleness=0, lineages=1)["token"] for run in runs}
+    prompt, completions = "Compute 2+3. Answer: ", ["5", "6", "7", "55"]
+    verdict = "{kind: logprob, yes_token: '1', no_token: '0'}"
+    judge = f"{{model: teacher, template: '{prompt}{{completion}} Right: ', verdict: {verdict}, timeout_s: 20}}"
+    cfg = load_config(None, [f"judges={{j: {judge}}}", "task.reward_funcs=[j]", "task.reward_timeout_s=60"])
+    tokenizer = load_tokenizer(fleet.model_path)
+    columns = {"answer": ["5"] * 4, "truncated": [False] * 4}
+
+    def judged(run: str):
+        probe_judges(cfg, fleet.url, tokens[run], fleet.model_path)
+        scorer = RewardScorer(list(judge_rewards(cfg, fleet.url, tokens[run], tokenizer).values()), 60.0)
+        try:
+            groups = [scorer.score(completions, [prompt] * 4, [[1]] * 4, columns) for _ in range(3)]
+            return [g.per_func["j"] for g in groups], scorer.metrics()
+        finally:
+            scorer.close()
+
+    try:
+        with ThreadPoolExecutor(len(runs)) as pool:
+            found = dict(zip(runs, pool.map(judged, runs), strict=True))
+        for scores, metrics in found.values():
+            assert all(0.0 < s < 1.0 for group in scores for s in group), scores
+            assert metrics["judge/j/requests"] == 3 and metrics["judge/failed_total"] == 0
+        assert found["kim"][0][0] == pytest.approx(found["lou"][0][0], abs=1e-4)  # one deployment judged both
+        shares = admin.router_stats()["runs"]["runs"]
+        assert [shares[run]["requests"] for run in runs] == [1 + 3 * 8] * 2, shares  # a probe, 3 x 4 x (yes, no)
+    finally:
+        for run in runs:
+            admin.remove_run(run)
 
 
 def test_a_teacher_of_another_tokenizer_is_refused(fleet, tmp_path):
