@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from app.tasks.privileged import privileged_problem
 from app.tasks.problems import Problem
 from core.config import ConfigError, TaskConfig
-from core.models import load_tokenizer
-from tiny.recipe import Built, Variant
+from tiny.recipe import Built, Variant, warmed_further
 from tiny.recipes import recipe_for
 from tiny.warmup import Judge, WarmUpData, WarmUpPlan, encode, greedy_accuracy, reference_example, warm_up
 
@@ -43,14 +40,8 @@ def context_plan(
 def taught_context(model_cfg, task_cfg, log, plain) -> Built:
     """The same config's model without the context (`plain` builds it if it is not cached), warmed up on the problems
     shown under the template; what the build measured holds the student's own accuracy after, shown no answer."""
-    from transformers import Qwen2ForCausalLM
-
     tiny = model_cfg.tiny
-    plain_cfg = model_cfg.model_copy(update={"tiny": tiny.model_copy(update={"warmup_context": None})})
-    folder, plain_info = plain(plain_cfg, task_cfg, log=log)
-    tokenizer = load_tokenizer(folder)
-    model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.train()
+    model, tokenizer, origin = warmed_further(model_cfg, task_cfg, log, plain, "warmup_context")
     recipe = recipe_for(task_cfg)
     data = recipe.data(task_cfg, tiny)
     with recipe.judge(task_cfg) as judge:
@@ -65,8 +56,7 @@ def taught_context(model_cfg, task_cfg, log, plain) -> Built:
             "heldout_accuracy": acc,
             "context_heldout_accuracy": shown_acc,
             "context_warmup_steps": steps,
-            "warmed_from": {"folder": folder.name, "heldout_accuracy": plain_info["heldout_accuracy"]},
-            "warmup_steps": plain_info["warmup_steps"],
+            **origin,
         },
     )
 

@@ -24,8 +24,7 @@ import torch
 from app.rollout.judges import render
 from app.tasks.problems import Problem
 from core.config import ConfigError, TaskConfig
-from core.models import load_tokenizer
-from tiny.recipe import Built, Variant
+from tiny.recipe import Built, Variant, warmed_further
 from tiny.recipes import recipe_for
 from tiny.warmup import WarmUpData, WarmUpPlan, encode, greedy_completions, warm_up
 
@@ -134,17 +133,11 @@ def judge_plan(
 def taught_to_judge(model_cfg, task_cfg, log, plain) -> Built:
     """The same config's model without the judge (`plain` builds it if it is not cached), warmed up on judge prompts;
     what the build measured holds the model's own held-out accuracy after (as a student) and its verdicts'."""
-    from transformers import Qwen2ForCausalLM
-
     tiny = model_cfg.tiny
-    plain_cfg = model_cfg.model_copy(update={"tiny": tiny.model_copy(update={"warmup_judge": None})})
-    folder, plain_info = plain(plain_cfg, task_cfg, log=log)
-    tokenizer = load_tokenizer(folder)
+    model, tokenizer, origin = warmed_further(model_cfg, task_cfg, log, plain, "warmup_judge")
     for verdict in (YES, NO):
         if len(encode(tokenizer, verdict)) != 1:
             raise ConfigError(f"model.tiny.warmup_judge: the verdict {verdict!r} is not one token of the tiny model")
-    model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.train()
     recipe = recipe_for(task_cfg)
     data = recipe.data(task_cfg, tiny)
     own = own_answers(model, tokenizer, task_cfg, data, tiny.seed + 3)
@@ -162,8 +155,7 @@ def taught_to_judge(model_cfg, task_cfg, log, plain) -> Built:
             "heldout_accuracy": acc,
             "judge_heldout_accuracy": judged,
             "judge_warmup_steps": steps,
-            "warmed_from": {"folder": folder.name, "heldout_accuracy": plain_info["heldout_accuracy"]},
-            "warmup_steps": plain_info["warmup_steps"],
+            **origin,
         },
     )
 

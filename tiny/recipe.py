@@ -76,3 +76,23 @@ class Variant:
 
     def on(self, tiny: TinyModelConfig) -> bool:
         return self.key(tiny) is not None
+
+
+def warmed_further(model_cfg: ModelConfig, task_cfg: TaskConfig, log, plain: Plain, *off: str):
+    """A variant's starting point: the same config's model with the variant's fields `off` (None), which `plain`
+    builds if it is not cached, loaded to train on; (model, tokenizer, what its build measured, as the variant's
+    build reports it under `warmed_from` and `warmup_steps`)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from core.models import load_tokenizer
+
+    tiny = model_cfg.tiny.model_copy(update=dict.fromkeys(off))
+    folder, info = plain(model_cfg.model_copy(update={"tiny": tiny}), task_cfg, log=log)
+    model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train()
+    origin = {
+        "warmed_from": {"folder": folder.name, "heldout_accuracy": info["heldout_accuracy"]},
+        "warmup_steps": info["warmup_steps"],
+    }
+    return model, load_tokenizer(folder), origin

@@ -60,41 +60,34 @@ def producer(cfg, judge, *funcs):
     return GroupProducer(cfg, PROBLEMS, lambda p: [1, 2, 3], sampler)
 
 
-def test_a_dropping_judges_failed_group_is_dropped_counted_and_another_sampled():
-    cfg, judge = judged("drop", lambda i: i % 3 == 0)  # one request in three fails
+def four_groups(cfg, judge):
+    """The producer, once it has handed over four trained groups, and their batch."""
 
-    async def main():
+    async def take():
         p = producer(cfg, judge)
         try:
-            batch = await p.get_groups(4)
+            return p, await p.get_groups(4)
         finally:
             await p.stop()
-        assert len(batch.groups) == 4
-        assert all([s.reward for s in g.samples] == [1.0, 0.0] * 2 for g in batch.groups)  # only judged groups
-        dropped = p.counters["dropped_judge_failed"]
-        assert dropped >= 2 and p.counters["dropped_failed"] == 0
-        assert p.stats().metrics()["rollout/dropped_judge_failed_total"] == dropped
-        assert p.sampler.reward_metrics()["reward/errors/j"] == 4 * dropped  # its samples: the judge's errors
 
-    run(main())
+    return run(take())
+
+
+def test_a_dropping_judges_failed_group_is_dropped_counted_and_another_sampled():
+    p, batch = four_groups(*judged("drop", lambda i: i % 3 == 0))  # one request in three fails
+    assert len(batch.groups) == 4
+    assert all([s.reward for s in g.samples] == [1.0, 0.0] * 2 for g in batch.groups)  # only judged groups
+    dropped = p.counters["dropped_judge_failed"]
+    assert dropped >= 2 and p.counters["dropped_failed"] == 0
+    assert p.stats().metrics()["rollout/dropped_judge_failed_total"] == dropped
+    assert p.sampler.reward_metrics()["reward/errors/j"] == 4 * dropped  # its samples: the judge's errors
 
 
 def test_a_fallback_judges_failed_group_is_scored_its_fallback_and_trained():
-    cfg, judge = judged("fallback", lambda i: i % 3 == 0, "judges.j.fallback_score=-1")
-
-    async def main():
-        p = producer(cfg, judge)
-        try:
-            batch = await p.get_groups(4)
-        finally:
-            await p.stop()
-        rewards = [[s.reward for s in g.samples] for g in batch.groups]
-        assert [-1.0] * 4 in rewards and [1.0, 0.0] * 2 in rewards  # failed, scored the fallback; judged
-        assert (
-            p.counters["dropped_judge_failed"] == 0 and p.stats().metrics()["rollout/dropped_judge_failed_total"] == 0
-        )
-
-    run(main())
+    p, batch = four_groups(*judged("fallback", lambda i: i % 3 == 0, "judges.j.fallback_score=-1"))
+    rewards = [[s.reward for s in g.samples] for g in batch.groups]
+    assert [-1.0] * 4 in rewards and [1.0, 0.0] * 2 in rewards  # failed, scored the fallback; judged
+    assert p.counters["dropped_judge_failed"] == 0 and p.stats().metrics()["rollout/dropped_judge_failed_total"] == 0
 
 
 def test_a_dropping_judge_that_always_fails_ends_the_run_in_one_line_instead_of_stalling_it():
