@@ -109,7 +109,9 @@ class PrefixHashRouter(RequestRouter):
         self._session_counts: dict[str, int] = dict.fromkeys(("routed", *SESSION_OUTCOMES), 0)
         self._rng = random.Random(seed)
         self._inflight: dict[str, int] = {}
-        self._draining: set[str] = set()  # replicas whose node is going: routed nothing while another is live
+        # Replicas whose node is going (routed nothing while another is live), each with its drain's record; the
+        # records of the last drains, ended or not, stay in `_drains` after their replicas leave.
+        self._draining: dict[str, Drain] = {}
         self._drains: deque[Drain] = deque(maxlen=KEPT_DRAINS)
         self._lock = threading.Lock()  # counters are read by the ingress's loop, written by the router's
         self._counts: dict[str, dict[str, int]] = {}
@@ -171,8 +173,7 @@ class PrefixHashRouter(RequestRouter):
             counts = self._counts.setdefault(decision.replica, dict.fromkeys(("routed", *OUTCOMES), 0))
             counts["routed"] += 1
             if decision.replica in self._draining:
-                drain = next(d for d in reversed(self._drains) if d.replica == decision.replica)
-                drain.routed_while_draining += 1
+                self._draining[decision.replica].routed_while_draining += 1
             counts[decision.outcome] += 1
             if request.turn is not None:
                 turn = self._turns.setdefault(request.turn, dict.fromkeys(("routed", *OUTCOMES), 0))
@@ -189,13 +190,13 @@ class PrefixHashRouter(RequestRouter):
         """The replica's node is going: route nothing more to it while another replica is live (`draining` False:
         its node outlived the notice, it serves again)."""
         if draining and replica_id not in self._draining:
-            self._draining.add(replica_id)
             with self._lock:
                 routed = self._counts.get(replica_id, {}).get("routed", 0)
-                self._drains.append(Drain(replica_id, time.time(), routed))
+                self._draining[replica_id] = drain = Drain(replica_id, time.time(), routed)
+                self._drains.append(drain)
             log.warning("PrefixHashRouter: replica %s drains (its node is going); routing around it", replica_id)
         elif not draining and replica_id in self._draining:
-            self._draining.discard(replica_id)
+            del self._draining[replica_id]
             log.warning("PrefixHashRouter: replica %s serves again (its node outlived the notice)", replica_id)
 
     # ---- load bookkeeping: requests this router has in flight on each replica ----------------------
@@ -229,7 +230,8 @@ class PrefixHashRouter(RequestRouter):
             return
         self._table.forget(gone)
         self._sessions.forget(gone)
-        self._draining -= gone
+        for rid in gone:
+            self._draining.pop(rid, None)
         with self._lock:
             for rid in gone:
                 self._inflight.pop(rid, None)
