@@ -91,9 +91,10 @@ def agreements(
     found: dict[str, float] = {}
     if not kept:
         return found
+    played, texts, verdicts = (list(column) for column in zip(*kept, strict=True))
     for name, judge in judges.items():
         try:
-            found[name] = judge_agreement(judge, *map(list, zip(*kept, strict=True)))
+            found[name] = judge_agreement(judge, played, texts, verdicts)
         except Exception as e:  # noqa: BLE001 - the measure of trust in a judge never costs the evaluation
             log.warning("judge %s: no agreement measured: %s: %s", name, type(e).__name__, e)
     return found

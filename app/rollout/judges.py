@@ -284,9 +284,15 @@ class JudgeReward:
 
 
 def judge_rewards(
-    cfg, fleet_url: str, token: str | None, tokenizer=None, transport: httpx.BaseTransport | None = None
+    cfg,
+    fleet_url: str,
+    token: str | None,
+    tokenizer=None,
+    transport: httpx.BaseTransport | None = None,
+    judges: Mapping[str, JudgeConfig] | None = None,
 ) -> dict[str, JudgeReward]:
-    """The judges that the run's `task.reward_funcs` names, by name, each with a client of its own."""
+    """`judges` (by default those the run's `task.reward_funcs` names) as rewards, by name, each with a client of its
+    own."""
     return {
         name: JudgeReward(
             name,
@@ -295,7 +301,7 @@ def judge_rewards(
             tokenizer,
             cfg.fleet.max_prompt_logprobs_per_request,
         )
-        for name, judge in rewarding_judges(cfg).items()
+        for name, judge in (rewarding_judges(cfg) if judges is None else judges).items()
     }
 
 
@@ -311,9 +317,7 @@ def probe_judges(
         from core.models import load_tokenizer
 
         tokenizer = load_tokenizer(model_path)
-    # Each as the run's rewards build it, those that only measure the held-out split too.
-    every = cfg.model_copy(update={"task": cfg.task.model_copy(update={"reward_funcs": list(judges)})})
-    for name, judge in judge_rewards(every, fleet_url, token, tokenizer, transport).items():
+    for name, judge in judge_rewards(cfg, fleet_url, token, tokenizer, transport, judges).items():
         try:
             judge.probe()
         except (FleetError, StopIteration) as e:

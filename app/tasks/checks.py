@@ -60,8 +60,8 @@ def check_judges(cfg) -> None:
         return
     if cfg.env.kind is not None:
         raise ConfigError(
-            f"judge {named[0]!r} is named in task.reward_funcs or eval.reward_funcs: judges score single-turn completions, and env.{cfg.env.kind} "
-            "plays episodes"
+            f"judge {named[0]!r} is named in task.reward_funcs or eval.reward_funcs: judges score single-turn "
+            f"completions, and env.{cfg.env.kind} plays episodes"
         )
     splits = problems_of(cfg)
     problems = splits.train[:CHECKED_PROBLEMS] + splits.heldout[:CHECKED_PROBLEMS]
