@@ -5,6 +5,8 @@ A kind answers, for a run's config: where its problems come from (`problems`: th
 brings its own), whether the config can run (`check`, at start, before Ray or the fleet: one ConfigError naming the
 field; `check_budget` once the model's tokenizer exists), what the run must hold up for it (`serve`, entered in the
 driver's ExitStack) and what plays its groups (`sampler`). Its config is the field of `EnvConfig` named `field`.
+A kind whose sampler asks the run's judges for its samples (`app.rollout.judges`) says so (`unjudged` None); a run
+that names a judge with any other kind is refused at start, with the kind's reason.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class EnvKind(ABC):
     """One kind of environment at run time; `field` is its field of `EnvConfig` (None: no environment)."""
 
     field: str | None
+    # Why the run's judges cannot score this kind's samples (a run naming one is refused at start with it), or None
+    # where its sampler asks them: a kind of one's own is unjudged until its sampler asks them too.
+    unjudged: str | None = "its sampler does not ask the run's judges"
 
     def problems(self, cfg) -> TaskSplits:
         """The run's train and held-out problems: its task's, unless the kind brings its own."""

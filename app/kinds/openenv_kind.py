@@ -1,15 +1,18 @@
 """An OpenEnv environment (`env.openenv`): a server running, or an app the run serves on 127.0.0.1 for its length,
-played over OpenEnv's own client in the OpenEnv venv (`app.tasks.openenv_env`) by spotrl's episode runner."""
+played over OpenEnv's own client in the OpenEnv venv (`app.tasks.openenv_env`) by spotrl's episode runner; rewarded by
+the environment, and by the judges `task.reward_funcs` names."""
 
 from __future__ import annotations
 
 from app.kinds.kind import EnvKind
 from app.rollout.episodes import EpisodeRunner
+from app.rollout.judges import episode_judges
 from core.config import ConfigError
 
 
 class OpenEnv(EnvKind):
     field = "openenv"
+    unjudged = None
 
     def check(self, cfg) -> None:
         """The client and Action classes fit and the app imports, resolved in the OpenEnv venv as the run will
@@ -31,4 +34,5 @@ class OpenEnv(EnvKind):
         from app.tasks.openenv_env import openenv_factory
 
         factory = openenv_factory(cfg.env.openenv, cfg.env.timeout_s)
-        return EpisodeRunner.from_config(cfg, factory, tokenizer, generate, decode)
+        judges = episode_judges(cfg, fleet.url, fleet.token, tokenizer)
+        return EpisodeRunner.from_config(cfg, factory, tokenizer, generate, decode, judges)

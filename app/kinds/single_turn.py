@@ -4,19 +4,19 @@
 from __future__ import annotations
 
 from app.kinds.kind import EnvKind
-from app.rollout.judges import judge_rewards
+from app.rollout.judges import scoring_workers, task_rewards
 from app.rollout.sampling import CompletionSampler
-from app.tasks.rewards import RewardScorer, resolve_reward
+from app.tasks.rewards import RewardScorer
 
 
 class SingleTurn(EnvKind):
     field = None
+    unjudged = None
 
     def sampler(self, cfg, tokenizer, generate, decode, fleet):
         task = cfg.task
-        judges = judge_rewards(cfg, fleet.url, fleet.token, tokenizer)
-        funcs = [judges[name] if name in judges else resolve_reward(name) for name in task.reward_funcs]
-        # A judge's call mostly waits on the fleet: as many at once as groups in flight, or they queue behind two.
-        workers = cfg.rollout.max_inflight_tasks if judges else 2
-        scorer = RewardScorer(funcs, task.reward_timeout_s, cfg.train.max_steps, workers, task.weights())
+        funcs = task_rewards(cfg, fleet.url, fleet.token, tokenizer)
+        scorer = RewardScorer(
+            funcs, task.reward_timeout_s, cfg.train.max_steps, scoring_workers(cfg, funcs), task.weights()
+        )
         return CompletionSampler(generate, scorer, decode)

@@ -1,16 +1,19 @@
 """TRL's `environment_factory` (`env.factory`): a class of one's own, or several by name, whose public methods are
 the model's tools (`app.tasks.trl_environments`), played by spotrl's tool-episode runner (`app.rollout.tool_episodes`)
-and scored by the task's reward functions or the environment's `get_reward`."""
+and scored by the task's reward functions (its judges among them, asked through the run's fleet seat) or the
+environment's `get_reward`."""
 
 from __future__ import annotations
 
 from app.kinds.kind import EnvKind
+from app.rollout.judges import task_rewards
 from app.rollout.tool_episodes import ToolEpisodeRunner
 from core.config import ConfigError
 
 
 class TrlEnvironments(EnvKind):
     field = "factory"
+    unjudged = None
 
     def check(self, cfg) -> None:
         """`env.factory` imports, each factory makes an environment with a `reset` whose tools have schemas (probed once,
@@ -92,4 +95,5 @@ class TrlEnvironments(EnvKind):
         raise ConfigError(f"{field}={budget}: {what}, which leaves no room for the model's turn: raise it")
 
     def sampler(self, cfg, tokenizer, generate, decode, fleet):
-        return ToolEpisodeRunner.from_config(cfg, tokenizer, generate, decode)
+        funcs = task_rewards(cfg, fleet.url, fleet.token, tokenizer)
+        return ToolEpisodeRunner.from_config(cfg, tokenizer, generate, decode, funcs)

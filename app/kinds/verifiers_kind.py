@@ -9,6 +9,10 @@ from app.kinds.kind import EnvKind
 
 class VerifiersTasksets(EnvKind):
     field = "verifiers"
+    unjudged = (
+        "verifiers plays and scores its episodes itself (the taskset's @vf.reward), where spotrl's judges never see "
+        "them; judge in the taskset instead"
+    )
 
     def problems(self, cfg):
         """The taskset's tasks in its order: the first `task.num_heldout` held out, the next `task.num_train`."""

@@ -28,6 +28,11 @@ carries the version that sampled it. A group outlives its oldest token only so l
 never be trained (`app.rollout.staleness`), the runner stops it before the next turn (`GroupStale`)
 instead of sampling for nothing.
 
+The environment rewards each episode; a run whose `task.reward_funcs` names judges (`app.rollout.judges`) also has
+them score each played episode, as TRL's reward functions are called (`prompts=`, `completions=` as chat messages:
+the model's turns the assistant's, the environment's observations the user's), their weighted verdicts added to its
+last turn's reward; a judge that fails costs what it costs a single-turn group (its fallback, or its group dropped).
+
 The runner is a `Sampler` (`app.rollout.sampling`): the rollout and the evaluation both take a group
 of episodes as scored samples from it. No Ray here; tests drive it with a fake `generate`.
 """
@@ -40,10 +45,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.rollout.continuation import Flight
+from app.rollout.continuation import Flight, version_of
 from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
 from app.tasks.environments import Environment, EnvLost, EnvStep
 from app.tasks.problems import Problem
+from app.tasks.rewards import RewardScorer, reward_columns
 from app.tasks.timed_calls import TimedCalls
 from contracts.rollouts import VERSIONS, Choice, Generate, Sample
 
@@ -77,6 +83,7 @@ class Episode:
     solved: bool | None = None  # the environment's verdict at the end, if it gave one
     turns: int = 0  # model turns so far
     feedback: str = ""  # what the environment said last: its last observation, or its error (a self teacher's context)
+    messages: list[dict] = field(default_factory=list)  # the turns as chat messages, as a judge reads them
 
     @property
     def reward(self) -> float:
@@ -94,13 +101,17 @@ class Episode:
         self.versions += choice.version_stream()
         self.text += choice.text
         self.turns += 1
+        self.messages.append({"role": "assistant", "content": choice.text})
 
-    def add_observation(self, ids: list[int], text: str) -> None:
+    def add_observation(self, ids: list[int], text: str, said: str | None = None) -> None:
+        """The environment's answer: its token ids and text (`said`: what it reads as, where `text` is empty because
+        the environment gave ids)."""
         self.completion_ids += ids
         self.completion_mask += [0] * len(ids)
         self.sampling_logprobs += [math.nan] * len(ids)  # not the model's: never scored
         self.versions += [math.nan] * len(ids)
         self.text += text
+        self.messages.append({"role": "user", "content": text if said is None else said})
 
     def sample(self) -> Sample:
         return Sample(
@@ -133,19 +144,27 @@ class EpisodeRunner(Sampler):
         timeout_s: float,
         max_threads: int = 32,
         decode: Callable[[list[int]], str] | None = None,
+        judges: RewardScorer | None = None,
     ):
+        """`judges`: the run's judges, weighted, that score each played episode besides the environment (None: none)."""
         super().__init__(generate, decode)
-        self.env_factory, self.encode = env_factory, encode
+        self.env_factory, self.encode, self.judges = env_factory, encode, judges
         self.max_turns, self.max_episode_tokens, self.timeout_s = max_turns, max_episode_tokens, timeout_s
         # Its own threads, never the reward scorer's; a call that hangs past the timeout is given up on.
         self._calls = TimedCalls(max_threads, timeout_s, "env")
 
     @classmethod
     def from_config(
-        cls, cfg, factory: Callable[[], Environment], tokenizer, generate: Generate, decode=None
+        cls,
+        cfg,
+        factory: Callable[[], Environment],
+        tokenizer,
+        generate: Generate,
+        decode=None,
+        judges: RewardScorer | None = None,
     ) -> EpisodeRunner:
         """The runner of the environments `factory` makes (one per episode; its kind's, `app.kinds`) under the
-        config's budgets, observations tokenised as prompts are."""
+        config's budgets, observations tokenised as prompts are, its episodes judged by `judges` too."""
         from core.models import prompt_token_ids
 
         return cls(
@@ -156,14 +175,42 @@ class EpisodeRunner(Sampler):
             max_episode_tokens=cfg.max_episode_tokens,
             timeout_s=cfg.env.timeout_s,
             decode=decode,
+            judges=judges,
         )
 
     async def sample(self, problem, prompt_ids, model, n, sampling, flight=None) -> Sampled:
         with self.meter.on_the_wire():
             episodes = await self.run_group(problem, prompt_ids, model, n, sampling, flight)
+        judges, errors = self.judges, {}
+        if judges is not None:
+            errors = await self._judge(judges, problem, episodes, version_of(model) or 0)
         samples = [e.sample() for e in episodes]
         self.meter.generated(sum(sum(s.completion_mask) for s in samples))
-        return Sampled(samples)
+        return Sampled(samples, errors)
+
+    async def _judge(
+        self, judges: RewardScorer, problem: Problem, episodes: list[Episode], step: int
+    ) -> dict[str, int]:
+        """The judges' weighted verdict on each episode played to its end (one the environment cost has no reward to
+        add to), added to its last turn's reward; what each judge failed to score, by name."""
+        played = [e for e in episodes if not e.env_error]
+        if not played:
+            return {}
+        scores = await asyncio.to_thread(
+            judges.score,
+            [e.messages for e in played],
+            [problem.prompt] * len(played),
+            [e.sample().model_token_ids() for e in played],
+            reward_columns([problem] * len(played), [e.truncated for e in played]),
+            step,
+        )
+        for e, score in zip(played, scores.rewards, strict=True):
+            e.turn_rewards[-1] += score
+        return dict(scores.errors)
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The environment's losses by cause, and, with judges, their counts and failures."""
+        return (self.judges.metrics() if self.judges is not None else {}) | super().reward_metrics()
 
     async def _env_call(self, call: str, fn: Callable, *args):
         """`fn(*args)` in a worker thread under the timeout; any failure becomes EnvFailed, its cause named after
@@ -295,7 +342,11 @@ class EpisodeRunner(Sampler):
                 if episode.turns >= self.max_turns or used + len(obs_ids) >= self.max_episode_tokens:
                     episode.truncated = True  # the environment wanted more, the budget had no room for it
                     return False
-                episode.add_observation(obs_ids, step.observation if isinstance(step.observation, str) else "")
+                if isinstance(step.observation, str):
+                    episode.add_observation(obs_ids, step.observation)
+                else:  # ids: no text in the sample, as before; the judges read them decoded
+                    decode = self.continuation.decode
+                    episode.add_observation(obs_ids, "", decode(obs_ids) if decode is not None else "")
                 return True
         cause = failure.cause if isinstance(failure, EnvFailed) else "reset_raised"
         self.counters[f"env/errors/{cause}"] += 1
@@ -306,6 +357,8 @@ class EpisodeRunner(Sampler):
 
     def close(self) -> None:
         self._calls.close()
+        if self.judges is not None:
+            self.judges.close()
         # A factory object that holds something for its environments (an OpenEnv worker) lets it go; an environment
         # class as the factory holds nothing (its `close` is its episodes').
         if not isinstance(self.env_factory, type) and callable(getattr(self.env_factory, "close", None)):

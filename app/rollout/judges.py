@@ -2,7 +2,10 @@
 
 A `JudgeReward` is called as every reward function is (`app.tasks.rewards`: by keyword, once per group, in a worker
 thread of the run's `RewardScorer`) and asks its judge once per group: one request whose prompts are the group's
-samples, each shown to the judge by the judge's template (`core.config.judges`). A judge on the run's fleet goes
+samples, each shown to the judge by the judge's template (`core.config.judges`). A sample is a completion, or an
+episode of an environment (`app.kinds`: its prompt and completion as chat messages, the model's turns and the
+environment's or tools' replies); `{transcript}` shows the whole of it, one line per turn (`role: text`), and
+`{completion}` its last turn. A judge on the run's fleet goes
 through the fleet with the run's token, as the rollout's generations do, so that its requests count in the run's
 fair share and the fleet's check of what the run may use applies: a run's token may use the base model, its own
 adapters and the fleet's deployments, never another run's adapter (403, `deployments.api.callers`). `probe_judges`
@@ -23,6 +26,7 @@ not score), beside `judge/<name>/requests`, `judge/<name>/samples` and `judge/<n
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -32,6 +36,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -39,6 +44,7 @@ import httpx
 from app.fleet_client import FleetClient, FleetError
 from app.rollout.teacher import request_batches
 from app.tasks.problems import Problem
+from app.tasks.rewards import RewardScorer, resolve_reward
 from contracts.retry import Backoff
 from core.config.context import template_fields
 from core.config.judges import RETRY_PAUSE_MAX_S, GenerativeVerdict, JudgeConfig, LogprobVerdict
@@ -46,7 +52,8 @@ from core.config.judges import RETRY_PAUSE_MAX_S, GenerativeVerdict, JudgeConfig
 log = logging.getLogger(__name__)
 
 JUDGE_TOKEN_ENV = "SPOTRL_JUDGE_TOKEN"  # the bearer token of a judge `url`, if its server wants one
-FIXED_FIELDS = ("prompt", "completion", "reference")  # what every template may name besides the problems' columns
+# What every template may name besides the problems' columns.
+FIXED_FIELDS = ("prompt", "completion", "transcript", "reference")
 FAILED_TOTAL = "judge/failed_total"
 _FIRST_WORD = re.compile(r"[A-Za-z]+")
 
@@ -56,18 +63,51 @@ class JudgeRefused(SystemExit):
 
 
 def last_text(value: Any) -> str:
-    """A prompt or a completion as the judge reads it: text as is; chat messages by the last one's content."""
+    """A prompt or a completion as the judge reads it: text as is; chat messages by the last one's text (an episode's
+    last turn)."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and isinstance(value[-1], Mapping):
-        return str(value[-1].get("content", ""))
+        return message_text(value[-1])
     return str(value)
+
+
+def messages(value: Any, role: str) -> list[Mapping]:
+    """A prompt or a completion as chat messages: text is one message of `role` (a prompt the user's, a completion
+    the assistant's), messages as they are."""
+    if isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
+        return value
+    return [{"role": role, "content": value if isinstance(value, str) else str(value)}]
+
+
+def message_text(message: Mapping) -> str:
+    """A message's text as the judge reads it: its content (the text parts of a list of parts), then each tool it
+    calls as `name(arguments)`, since a tool-calling turn may say nothing else."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    text = "" if content is None else str(content)
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        function = function if isinstance(function, Mapping) else {}
+        arguments = function.get("arguments", {})
+        shown = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        text += f"{' ' if text else ''}{function.get('name', 'unknown')}({shown})"
+    return text
+
+
+def transcript(prompt: Any, completion: Any) -> str:
+    """The whole sample as the judge reads it, one line per message in order, `role: text`: the prompt's messages,
+    then the completion's (an episode's turns: the model's, the environment's or its tools' replies). A single-turn
+    sample is two lines, `user: <prompt>` and `assistant: <completion>`."""
+    shown = [*messages(prompt, "user"), *messages(completion, "assistant")]
+    return "\n".join(f"{m.get('role', 'user')}: {message_text(m)}" for m in shown)
 
 
 def check_template(name: str, template: str, problems: list[Problem]) -> None:
     """ValueError (one line, naming the judge and the field) when `template` names a field that a problem of the task
-    does not have: `prompt`, `completion`, `reference` (a task's gold answer, which every problem must give) or a
-    column of the problems."""
+    does not have: `prompt`, `completion`, `transcript`, `reference` (a task's gold answer, which every problem must
+    give) or a column of the problems."""
     names = template_fields(template)
     for problem in problems:
         missing = sorted(n for n in names if n not in FIXED_FIELDS and n not in problem.columns)
@@ -83,8 +123,14 @@ def check_template(name: str, template: str, problems: list[Problem]) -> None:
 
 def render(template: str, prompt: Any, completion: Any, reference: Any, columns: Mapping[str, Any]) -> str:
     """The judge's prompt for one sample: `template` filled with the problem's columns, its prompt's text, the
-    sample's completion and the gold answer (`reference`)."""
-    values = {**columns, "prompt": last_text(prompt), "completion": last_text(completion), "reference": reference}
+    sample's completion (an episode's last turn), the whole of it (`transcript`) and the gold answer (`reference`)."""
+    values = {
+        **columns,
+        "prompt": last_text(prompt),
+        "completion": last_text(completion),
+        "transcript": transcript(prompt, completion),
+        "reference": reference,
+    }
     return string.Formatter().vformat(template, (), values)
 
 
@@ -125,13 +171,21 @@ def one_token(tokenizer, text: str, where: str) -> int:
     return ids[0]
 
 
-def verdict_token_ids(tokenizer, name: str, verdict: LogprobVerdict) -> tuple[int, int | None]:
-    """A logprob verdict's "yes" and "no" token ids (no: None without a no_token); ValueError naming the setting that
-    is not one token of `tokenizer`."""
+@dataclass(frozen=True)
+class VerdictIds:
+    """A logprob verdict's token ids in the run's tokenizer: its "yes", and its "no" (None without a no_token)."""
+
+    yes: int
+    no: int | None
+
+
+def verdict_token_ids(tokenizer, name: str, verdict: LogprobVerdict) -> VerdictIds:
+    """A logprob verdict's "yes" and "no" token ids; ValueError naming the setting that is not one token of
+    `tokenizer`."""
     yes = one_token(tokenizer, verdict.yes_token, f"judges.{name}.verdict.yes_token")
     if verdict.no_token is None:
-        return yes, None
-    return yes, one_token(tokenizer, verdict.no_token, f"judges.{name}.verdict.no_token")
+        return VerdictIds(yes, None)
+    return VerdictIds(yes, one_token(tokenizer, verdict.no_token, f"judges.{name}.verdict.no_token"))
 
 
 def rewarding_judges(cfg) -> dict[str, JudgeConfig]:
@@ -144,6 +198,33 @@ def used_judges(cfg) -> dict[str, JudgeConfig]:
     what is checked and asked at start."""
     names = [*cfg.task.reward_funcs, *(cfg.eval.reward_funcs or ())]
     return {name: cfg.judges[name] for name in names if name in cfg.judges}
+
+
+def task_rewards(cfg, fleet_url: str, token: str | None, tokenizer=None) -> list:
+    """`task.reward_funcs` as the scorer calls them, in their order: each judge a `JudgeReward` asked through the run's
+    fleet seat (`fleet_url`, `token`), each other name its reward function."""
+    judges = judge_rewards(cfg, fleet_url, token, tokenizer)
+    return [judges[name] if name in judges else resolve_reward(name) for name in cfg.task.reward_funcs]
+
+
+def scoring_workers(cfg, funcs: list) -> int:
+    """Reward calls a scorer of `funcs` runs at once: a judge's call mostly waits on the fleet, so with one as many as
+    groups in flight, or they queue behind two."""
+    return cfg.rollout.max_inflight_tasks if any(isinstance(f, JudgeReward) for f in funcs) else 2
+
+
+def episode_judges(cfg, fleet_url: str, token: str | None, tokenizer=None) -> RewardScorer | None:
+    """The scorer of the judges `task.reward_funcs` names, each weighted as there (`task.reward_weights`), for a kind
+    whose environment rewards its episodes itself (`app.rollout.episodes`): its other names are not called there.
+    None when it names no judge."""
+    judges = judge_rewards(cfg, fleet_url, token, tokenizer)
+    if not judges:
+        return None
+    named = [(name, w) for name, w in zip(cfg.task.reward_funcs, cfg.task.weights(), strict=True) if name in judges]
+    funcs = [judges[name] for name, _ in named]
+    return RewardScorer(
+        funcs, cfg.task.reward_timeout_s, cfg.train.max_steps, scoring_workers(cfg, funcs), [w for _, w in named]
+    )
 
 
 def judge_client(
@@ -175,11 +256,15 @@ class JudgeReward:
     ):
         self.__name__ = name  # what the scorer names its failures by, as a function's
         self.name, self.judge, self.client, self.max_entries = name, judge, client, max_entries
-        self._verdict_ids: tuple[int, int | None] | None = None
+        # How a verdict is read: the generated text by its settings, or the log-probs of these token ids (a logprob
+        # verdict's, found once, here: one field, so that a logprob judge always has its ids).
+        self._reading: GenerativeVerdict | VerdictIds
         if isinstance(judge.verdict, LogprobVerdict):
             if tokenizer is None:
                 raise ValueError(f"judges.{name}: a logprob verdict needs the run's tokenizer")
-            self._verdict_ids = verdict_token_ids(tokenizer, name, judge.verdict)
+            self._reading = verdict_token_ids(tokenizer, name, judge.verdict)
+        else:
+            self._reading = judge.verdict
         self.tokenizer = tokenizer
         self._model: str | None = None if judge.model == "base" else judge.model
         self._lock = threading.Lock()
@@ -224,16 +309,16 @@ class JudgeReward:
     def verdicts(self, texts: list[str]) -> list[float | None]:
         """Each judge prompt's score (None: a generated verdict that cannot be read), in one request per group (a
         log-prob verdict's cut where the fleet bounds the log-probs of a request); raises what the client raises."""
-        verdict = self.judge.verdict
-        if isinstance(verdict, GenerativeVerdict):
+        reading = self._reading
+        if isinstance(reading, GenerativeVerdict):
             choices = self.client.completions(
-                texts, self.model(), n=1, max_tokens=verdict.max_tokens, temperature=verdict.temperature
+                texts, self.model(), n=1, max_tokens=reading.max_tokens, temperature=reading.temperature
             )
             self._count(0, requests=1)
             if len(choices) != len(texts):
                 raise ValueError(f"the judge answered {len(choices)} verdicts for {len(texts)} samples")
-            return [parse_generative(c.text, verdict) for c in choices]
-        yes, no = self._verdict_ids or (0, None)
+            return [parse_generative(c.text, reading) for c in choices]
+        yes, no = reading.yes, reading.no
         prompts = [self._prompt_ids(t) for t in texts]
         sequences = [p + [yes] for p in prompts] + ([p + [no] for p in prompts] if no is not None else [])
         scored: list[list[dict[int, float] | None]] = []
@@ -273,11 +358,10 @@ class JudgeReward:
         that is not there, a server that does not answer all raise here)."""
         columns = dict.fromkeys(template_fields(self.judge.template), "probe")
         probe = render(self.judge.template, "probe", "probe", "probe", columns)
-        verdict = self.judge.verdict
-        if isinstance(verdict, GenerativeVerdict):
+        if isinstance(self._reading, GenerativeVerdict):
             self.client.completions([probe], self.model(), n=1, max_tokens=1, temperature=0.0)
         else:
-            self.client.prompt_logprobs([self._prompt_ids(probe) + [self._verdict_ids[0]]], self.model())
+            self.client.prompt_logprobs([self._prompt_ids(probe) + [self._reading.yes]], self.model())
 
     def close(self) -> None:
         self.client.close()

@@ -7,7 +7,8 @@ a turn that calls none ends the episode, and so does `env.max_tool_calling_itera
 sequence laid out as GRPOTrainer lays it out: the prompt, the model's tokens as the fleet returned them (never
 re-tokenised), the tool results' tokens (TRL's own `_get_tool_suffix_ids`; not trained, `completion_mask` 0). Its
 reward is TRL's too: the task's reward functions with TRL's signature, the completions as messages and
-`environments=`, plus `get_reward()` where the environment defines it, as a reward named after its class.
+`environments=`, plus `get_reward()` where the environment defines it, as a reward named after its class. A judge
+among them (`app.rollout.judges`) reads the episode from those messages, its `{transcript}` every one in order.
 
 As in `app.rollout.episodes`, a group's first turn is one `n=G` request when every episode's prompt is the same (a
 `reset` that returns the same observation, or none), and each later turn one request holding every episode still
@@ -101,6 +102,7 @@ class ToolEpisodeRunner(Sampler):
         max_threads: int = 32,
         decode: Callable[[list[int]], str] | None = None,
         reward_weights: list[float] | None = None,
+        reward_workers: int = 2,
     ):
         super().__init__(generate, decode)
         self.factories, self.chat = factories, chat
@@ -117,20 +119,27 @@ class ToolEpisodeRunner(Sampler):
             )
         # As TRL: `reward_weights` weigh `reward_funcs`; an environment's `get_reward` added after them weighs 1.0.
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
-        self.scorer = RewardScorer(funcs, reward_timeout_s, max_steps, weights=weights + [1.0] * len(self.env_rewards))
+        self.scorer = RewardScorer(
+            funcs, reward_timeout_s, max_steps, reward_workers, weights + [1.0] * len(self.env_rewards)
+        )
         self._calls = TimedCalls(max_threads, timeout_s, "env")
 
     @classmethod
-    def from_config(cls, cfg, tokenizer, generate: Generate, decode=None) -> ToolEpisodeRunner:
+    def from_config(
+        cls, cfg, tokenizer, generate: Generate, decode=None, reward_funcs: list[Callable] | None = None
+    ) -> ToolEpisodeRunner:
         """The runner of the config's environment factories, rendering with the model's template (the tiny model's
-        made able to call tools, `tool_tokenizer`)."""
+        made able to call tools, `tool_tokenizer`), scored by `reward_funcs` (`task.reward_funcs` as its kind calls
+        them, judges included, `app.rollout.judges.task_rewards`; None: the registered or `module:function` ones)."""
+        from app.rollout.judges import scoring_workers
         from app.tasks.trl_environments import tool_tokenizer
 
+        funcs = [resolve_reward(n) for n in cfg.task.reward_funcs] if reward_funcs is None else reward_funcs
         return cls(
             resolve_factories(cfg.env.factory),
             ToolChat(tool_tokenizer(tokenizer)),
             generate,
-            [resolve_reward(n) for n in cfg.task.reward_funcs],
+            funcs,
             max_tool_calling_iterations=cfg.env.max_tool_calling_iterations,
             max_episode_tokens=cfg.max_episode_tokens,
             timeout_s=cfg.env.timeout_s,
@@ -138,6 +147,7 @@ class ToolEpisodeRunner(Sampler):
             max_steps=cfg.train.max_steps,
             decode=decode,
             reward_weights=cfg.task.weights(),
+            reward_workers=scoring_workers(cfg, funcs),
         )
 
     @property

@@ -49,19 +49,21 @@ def check_reward_names(cfg, where: str, names: list[str]) -> None:
 
 
 def check_judges(cfg) -> None:
-    """The judges the run rewards or measures with: none named as a registered reward function is, only where the run
-    samples single-turn completions (an environment's episodes are scored by its own rewards), and each template
-    naming only fields the task's problems have (checked on both splits' first problems)."""
+    """The judges the run rewards or measures with: none named as a registered reward function is, only where the
+    run's kind of environment has them score its samples (single-turn completions, or episodes: `EnvKind.unjudged`
+    says why a kind does not), and each template naming only fields the task's problems have (checked on both splits'
+    first problems)."""
     named = list(used_judges(cfg))
     for name in cfg.judges:
         if name in REGISTRY:
             raise ConfigError(f"judges.{name}: the name of a registered reward function; name the judge otherwise")
     if not named:
         return
-    if cfg.env.kind is not None:
+    unjudged = kind_of(cfg).unjudged
+    if unjudged is not None:
         raise ConfigError(
-            f"judge {named[0]!r} is named in task.reward_funcs or eval.reward_funcs: judges score single-turn "
-            f"completions, and env.{cfg.env.kind} plays episodes"
+            f"judge {named[0]!r} is named in task.reward_funcs or eval.reward_funcs, but no judge scores the episodes "
+            f"of env.{cfg.env.kind}: {unjudged}"
         )
     splits = problems_of(cfg)
     problems = splits.train[:CHECKED_PROBLEMS] + splits.heldout[:CHECKED_PROBLEMS]

@@ -6,8 +6,10 @@ Python reward functions. A judge is:
 - a model: `base` (the base model the run's fleet serves), any other name the fleet serves the run (an adapter the
   run may read, `<run>/policy-vN`, or a deployment), or, with `url`, a model of an OpenAI-compatible server elsewhere;
 - a prompt `template` over the problem's fields: `{prompt}`, the problem's columns, `{completion}` (the sample
-  judged, which every template shows) and `{reference}` (the problem's gold answer, where the task has one); a field
-  the task's problems lack is refused at start (`app.tasks.checks`), in one line;
+  judged: of an environment's episode, its last turn), `{transcript}` (the whole sample, one `role: text` line per
+  turn: the prompt and the completion, or every turn of an episode, the environment's and its tools' replies
+  included), one of which every template shows, and `{reference}` (the problem's gold answer, where the task has
+  one); a field the task's problems lack is refused at start (`app.tasks.checks`), in one line;
 - a verdict: `generative` (the judge writes an answer, read as yes/no or by a regex, an unreadable one scoring
   `unparseable_score`) or `logprob` (one scoring pass, no generation: the probability of a "yes" token after the
   prompt, against a "no" token's).
@@ -87,7 +89,7 @@ class JudgeConfig(Section):
         None, description="An OpenAI-compatible server's base URL (token SPOTRL_JUDGE_TOKEN); None: the run's fleet."
     )
     template: str = Field(
-        description="The judge's prompt: {completion}, and {prompt}, {reference} or the problem's columns."
+        description="The judge's prompt: {completion} or {transcript}, and {prompt}, {reference}, the problem's columns."
     )
     verdict: Verdict = Field(default_factory=GenerativeVerdict, description="generative or logprob, with settings.")
     fallback_score: float = Field(0.0, description="What a sample scores when the judge raised or timed out.")
@@ -111,8 +113,10 @@ class JudgeConfig(Section):
     @field_validator("template")
     @classmethod
     def _shows_the_completion(cls, template: str) -> str:
-        if "completion" not in template_fields(template):
-            raise ValueError(f"{template!r} must show the judge the sample it judges ({{completion}})")
+        if not {"completion", "transcript"} & template_fields(template):
+            raise ValueError(
+                f"{template!r} must show the judge the sample it judges ({{completion}} or {{transcript}})"
+            )
         return template
 
     @model_validator(mode="after")

@@ -377,3 +377,108 @@ def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_
     assert batch.groups[0].policy_version == 2 and stats.dropped_stale_total == 1 and stats.dropped_failed_total == 0
     assert turns_asked[:2] == [1, 1]  # the stale group never asked for its second turn: the next group did turn 1
     assert "failed" not in caplog.text
+
+
+class Judging:
+    """A judge's server answering each judge prompt by `verdict(prompt)` ("yes"/"no", or raising: a 500), every
+    prompt recorded."""
+
+    def __init__(self, verdict):
+        self.verdict, self.prompts = verdict, []
+
+    def handler(self, request):
+        import json
+
+        import httpx
+
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "base-model", "parent": None}]})
+        prompts = json.loads(request.content)["prompt"]
+        self.prompts += prompts
+        try:
+            texts = [self.verdict(p) for p in prompts]
+        except RuntimeError as e:
+            return httpx.Response(500, json={"error": {"message": str(e)}})
+        choices = [{"index": i, "text": t, "finish_reason": "stop", "token_ids": []} for i, t in enumerate(texts)]
+        return httpx.Response(200, json={"choices": choices})
+
+    def runner(self, fleet, env, weight=0.5, **judge):
+        """An episode runner whose episodes this judge scores too, weighted `weight`."""
+        import httpx
+
+        from app.fleet_client import FleetClient
+        from app.rollout.judges import JudgeReward
+        from app.tasks.rewards import RewardScorer
+        from contracts.retry import Backoff
+        from core.config.judges import JudgeConfig
+        from tests.support.scripted_fleet import decode
+
+        client = FleetClient(
+            "http://judge.test", transport=httpx.MockTransport(self.handler), backoff=Backoff(1, 0.0), timeout_s=1.0
+        )
+        config = JudgeConfig(template="{transcript} | {completion}", **judge)
+        scorer = RewardScorer([JudgeReward("j", config, client)], weights=[weight])
+        return EpisodeRunner(
+            env, encode, fleet, max_turns=4, max_episode_tokens=200, timeout_s=0.5, decode=decode, judges=scorer
+        )
+
+
+def judged(r, n):
+    try:
+        return asyncio.run(asyncio.wait_for(r.sample(PROBLEM, PROMPT, "policy-v0", n, SamplingArgs(8)), 120))
+    finally:
+        r.close()
+
+
+def test_a_judge_scores_each_played_episode_by_its_transcript_beside_the_environments_reward():
+    judge = Judging(lambda prompt: "yes")
+    made = iter([Exploding("step"), ChainedArithmetic()])
+    r = judge.runner(ScriptedFleet(["46", "53", "55"]), lambda: next(made))
+    lost, played = judged(r, 2).samples
+    # One request for the group, one prompt per episode played (the one the environment cost has no reward to add to).
+    assert judge.prompts == [
+        "user: Compute 12+34. Answer: \nassistant: 46\nuser:  Add 7. Answer: \nassistant: 53\n"
+        "user:  Add 2. Answer: \nassistant: 55 | 55"
+    ]
+    assert played.reward == pytest.approx(1.0 + 0.5) and played.turn_rewards == pytest.approx(
+        [1 / 3, 1 / 3, 1 / 3 + 0.5]
+    )
+    assert lost.env_error and math.isnan(lost.reward)
+    metrics = r.reward_metrics()
+    assert (
+        metrics["judge/j/requests"] == 1 and metrics["judge/j/samples"] == 1 and metrics["env/errors/step_raised"] == 1
+    )
+
+
+def test_a_judge_reads_observations_given_as_token_ids_decoded():
+    class Ids(Environment):
+        def reset(self, problem):
+            self.turn = 0
+
+        def step(self, text, token_ids):
+            self.turn += 1
+            return EnvStep(1.0, done=True) if self.turn == 2 else EnvStep(0.0, observation=encode(" more"))
+
+    judge = Judging(lambda prompt: "no")
+    (sample,) = judged(judge.runner(ScriptedFleet(["1", "2"]), Ids), 1).samples
+    assert judge.prompts == ["user: Compute 12+34. Answer: \nassistant: 1\nuser:  more\nassistant: 2 | 2"]
+    assert sample.text == "12" and sample.reward == pytest.approx(1.0)  # the sample's text is as before: no observation
+
+
+def fails(prompt):
+    raise RuntimeError("engine died")
+
+
+@pytest.mark.parametrize(
+    ("on_failure", "errors", "reward"), [("fallback", {}, 1.0 + 0.5 * 0.2), ("drop", {"j": 2}, 1.0)]
+)
+def test_a_judge_that_fails_on_episodes_costs_what_it_costs_a_single_turn_group(on_failure, errors, reward):
+    """Its fallback, counted; or, with drop, its samples unscored, named in the group's reward errors, which the
+    rollout drops (`app.rollout.producer`)."""
+    r = Judging(fails).runner(
+        ScriptedFleet(["46", "53", "55"]), ChainedArithmetic, on_failure=on_failure, fallback_score=0.2
+    )
+    sampled = judged(r, 2)
+    assert sampled.reward_errors == errors
+    assert [s.reward for s in sampled.samples] == [pytest.approx(reward)] * 2
+    assert r.reward_metrics()["judge/j/failed"] == 2

@@ -1,5 +1,6 @@
 """Judges as rewards (`app.rollout.judges`): the template and its check at start, reading verdicts, one request per
-group, what a failing judge costs (its fallback, counted), and the fleet's refusal of another run's adapter."""
+group, what a failing judge costs (its fallback, counted), and the fleet's refusal of another run's adapter; an
+episode's transcript, and which kinds of environment a judge may score."""
 
 import json
 import math
@@ -21,6 +22,7 @@ from app.rollout.judges import (
     parse_generative,
     probe_judges,
     render,
+    transcript,
 )
 from app.tasks.checks import check_names
 from app.tasks.problems import Problem
@@ -45,6 +47,37 @@ def test_a_template_shows_the_problem_the_completion_and_the_reference():
     assert render("{prompt}|{completion}|{level}", chat, completion, "5", {"level": 2}) == "2+3=|5|2"
 
 
+def test_a_transcript_is_every_turn_in_order_and_a_single_turn_one_the_prompt_then_the_completion():
+    assert transcript("2+3=", " 5") == "user: 2+3=\nassistant:  5"
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Compute 1+2."}]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    episode = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},  # a turn that only calls a tool shows the call
+        {"role": "tool", "name": "add", "content": "3"},
+        {"role": "assistant", "content": [{"type": "text", "text": "It is "}, {"type": "text", "text": "3"}]},
+    ]
+    shown = render("{transcript}\nlast: {completion}", prompt, episode, "3", {})
+    assert shown == (
+        'system: be brief\nuser: Compute 1+2.\nassistant: add({"a": 1, "b": 2})\ntool: 3\nassistant: It is 3\n'
+        "last: It is 3"
+    )
+    # An episode of spotrl's own environments: the model's turns, the environment's observations as the user's.
+    turns = [
+        {"role": "assistant", "content": "46"},
+        {"role": "user", "content": " Add 7."},
+        {"role": "assistant", "content": "53"},
+    ]
+    assert render("{transcript} ({completion})", "Compute 12+34.", turns, "53", {}) == (
+        "user: Compute 12+34.\nassistant: 46\nuser:  Add 7.\nassistant: 53 (53)"
+    )
+
+
+def test_a_template_shows_the_sample_by_its_completion_or_its_transcript():
+    assert JudgeConfig(template="{transcript} ok?").template == "{transcript} ok?"
+    with pytest.raises(ValueError, match=r"must show the judge the sample it judges \({completion} or {transcript}\)"):
+        JudgeConfig(template="{prompt} ok?")
+
+
 def test_a_template_naming_a_field_the_problems_lack_is_refused_naming_it():
     check_template("j", TEMPLATE + " {level}", [problem(level=1)])
     with pytest.raises(ValueError, match=r"judges.j.template names colour, which problem 'p2' .* \(it has: "):
@@ -62,6 +95,31 @@ def test_a_run_is_refused_at_start_for_an_unknown_field_or_judge():
     with pytest.raises(ConfigError, match="judges.exact_answer: the name of a registered reward function"):
         check_names(load_config(None, ["judges={exact_answer: {template: '{completion}'}}"]))
     check_names(load_config(None, ["judges={j: {template: '{prompt} {completion} {reference}'}}", judged[1]]))
+
+
+def test_an_environment_run_may_name_a_judge_of_its_episodes_and_a_kind_no_judge_sees_is_refused_naming_it():
+    from app.kinds import registry
+    from app.tasks.checks import check_judges
+    from core.config import RunConfig
+
+    judged = ["judges={j: {template: '{transcript} {reference}'}}", "task.reward_funcs=[j]"]
+    check_names(load_config(None, [*judged, "env.name=calculator"]))
+    check_names(
+        load_config(None, [*judged, "task.reward_funcs=[exact_answer]", "eval.reward_funcs=[j]", "env.name=calculator"])
+    )
+    with pytest.raises(ConfigError, match=r"judges.j.template names colour, which problem"):
+        check_names(
+            load_config(None, ["judges={j: {template: '{transcript} {colour}'}}", judged[1], "env.name=calculator"])
+        )
+    verifiers = {"verifiers": {"taskset": "examples.verifiers_arithmetic:ArithmeticTaskset"}}
+    verifiers = RunConfig.model_validate(load_config(None, judged).model_dump() | {"env": verifiers})
+    with pytest.raises(ConfigError) as refused:
+        check_judges(verifiers)
+    (line,) = str(refused.value).splitlines()
+    assert "judge 'j' is named in task.reward_funcs" in line and "episodes of env.verifiers: verifiers plays" in line
+    assert all(
+        kind.unjudged is None for field, kind in registry.KINDS.items() if field in (None, "name", "openenv", "factory")
+    )
 
 
 @pytest.mark.parametrize(
@@ -306,6 +364,36 @@ def test_a_single_turn_run_scores_with_its_judges_through_its_fleet_seat(monkeyp
         assert sampler.scorer._calls.workers == 12
     finally:
         sampler.close()
+
+
+def test_an_environment_runs_sampler_asks_its_judges_through_its_fleet_seat_weighted_as_named():
+    """spotrl's own environments (and OpenEnv's, the same runner): the judges of `task.reward_funcs` alone, each with
+    its weight, the environment rewarding the rest; a TRL environment's: its reward functions, the judge among them."""
+    from app.kinds.kind import FleetSeat
+    from app.kinds.registry import kind_of
+    from tiny.tokenizer import build_tokenizer
+
+    seat = FleetSeat("http://fleet.test", "run-token")
+    judged = ["judges={j: {template: '{transcript}'}}", "rollout.max_inflight_tasks=12"]
+    weighted = ["task.reward_funcs=[exact_answer, j]", "task.reward_weights=[1.0, 0.25]"]
+    cfg = load_config(None, [*judged, *weighted, "env.name=calculator"])
+    sampler = kind_of(cfg).sampler(cfg, Tokens(), None, None, seat)
+    try:
+        (j,) = sampler.judges.funcs
+        assert j.__name__ == "j" and sampler.judges.weights == [0.25] and sampler.judges._calls.workers == 12
+        assert (j.client.base_url, j.client._headers) == ("http://fleet.test", {"Authorization": "Bearer run-token"})
+    finally:
+        sampler.close()
+    cfg = load_config(None, [*judged, *weighted, "env.factory=examples.trl_calculator:CalculatorEnv"])
+    sampler = kind_of(cfg).sampler(cfg, build_tokenizer(2, 0), None, None, seat)
+    try:
+        exact, j, get_reward = sampler.scorer.funcs
+        assert exact is exact_answer and j.__name__ == "j" and j.client.base_url == "http://fleet.test"
+        assert sampler.scorer.weights == [1.0, 0.25, 1.0] and sampler.scorer._calls.workers == 12
+    finally:
+        sampler.close()
+    plain = load_config(None, ["env.name=calculator"])
+    assert kind_of(plain).sampler(plain, Tokens(), None, None, seat).judges is None  # no judge, no scorer
 
 
 def test_a_logprob_judges_tokens_are_checked_against_the_runs_tokenizer_at_start(tiny_model_path):

@@ -271,3 +271,40 @@ def test_task_weights_weigh_the_reward_funcs_and_get_reward_weighs_one_as_in_trl
         assert runner.scorer.weights == [0.5, 1.0]  # exact_answer's, then CalculatorEnv's get_reward
     finally:
         runner.close()
+
+
+def test_a_judge_among_the_reward_funcs_reads_the_whole_episode_its_tool_calls_and_results_included(chat):
+    import json
+
+    import httpx
+
+    from app.fleet_client import FleetClient
+    from app.rollout.judges import JudgeReward
+    from contracts.retry import Backoff
+    from core.config.judges import JudgeConfig
+
+    prompts = []
+
+    def judge(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "base-model", "parent": None}]})
+        prompts.extend(json.loads(request.content)["prompt"])
+        return httpx.Response(
+            200, json={"choices": [{"index": i, "text": "yes", "finish_reason": "stop"} for i in range(2)]}
+        )
+
+    client = FleetClient("http://judge.test", transport=httpx.MockTransport(judge), backoff=Backoff(1, 0.0))
+    reward = JudgeReward("j", JudgeConfig(template="{transcript}\nlast: {completion}"), client)
+    sampled, metrics, _ = play(chat, CalculatorEnv, [ADD, SUBMIT, "Done.<|im_end|>"], reward_funcs=[reward])
+    assert (
+        prompts
+        == [
+            "user: Compute 1+2. Use the tools, then submit.\n"  # reset's observation joins the prompt
+            'assistant: add({"a": 1, "b": 2})\ntool: 3\n'
+            'assistant: submit({"answer": 3})\ntool: submitted\n'
+            "assistant: Done.\nlast: Done."
+        ]
+        * 2
+    )
+    assert [s.reward for s in sampled.samples] == [2.0, 2.0]  # the judge's 1.0 and CalculatorEnv's get_reward
+    assert metrics["judge/j/requests"] == 1 and metrics["judge/j/samples"] == 2
