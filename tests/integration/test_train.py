@@ -128,6 +128,37 @@ def test_the_calculator_tool_environment_runs_end_to_end(tmp_path):
     assert 0.99 <= summary["ratio_mean"] <= 1.01
 
 
+def test_a_judge_of_whole_episodes_scores_a_multi_turn_run_on_the_base_model(tmp_path):
+    """The recipe's second-chance environment (a wrong answer earns a retry: episodes of one or two turns) judged
+    besides its own reward: a logprob judge on the base model reads each episode's transcript (one scoring pass per
+    group, through the run's fleet seat), every trained episode judged, none failed. The judge's prompts get room
+    beyond the episode's budget (`model.max_model_len`); the held-out split is measured by the environment alone
+    (`eval.reward_funcs` names no judge)."""
+    steps, n = 2, 8
+    judge = "{ep: {template: '{transcript} ok? ', verdict: {kind: logprob, yes_token: '1', no_token: '0'}}}"
+    summary, metrics, _ = run_train(
+        tmp_path,
+        steps,
+        "env.name=examples.env_second_chance:SecondChance",
+        "env.kwargs={attempts: 2}",
+        "env.max_turns=2",
+        "env.max_episode_tokens=64",
+        "model.max_model_len=128",
+        f"judges={judge}",
+        "task.reward_funcs=[ep]",
+        "eval.reward_funcs=[exact_answer]",
+    )
+    assert summary["env_errors_total"] == 0 and all(m["env/episodes"] == 16 * n for m in metrics)
+    assert max(m["env/turns_max"] for m in metrics) == 2  # retries: the judge read transcripts of two turns
+    last = metrics[-1]
+    judged = last["judge/ep/samples"]
+    # Every trained episode was judged (a group is judged whole, before it is queued); groups sampled beyond the last
+    # step may have been judged too.
+    assert judged >= steps * 16 * n and judged % n == 0, last
+    assert last["judge/ep/requests"] >= judged / n  # one request per group at least
+    assert last["judge/ep/failed"] == 0 and last["judge/failed_total"] == 0 and last["reward/errors_total"] == 0
+
+
 @pytest.mark.slow
 def test_a_trl_environment_factory_run_learns_to_call_tools_on_the_tiny_model(tmp_path):
     """`configs/tiny-trl-tools.yaml`: TRL's `CalculatorEnv`, unchanged, played by the tiny model built to call tools;
