@@ -128,6 +128,7 @@ def test_the_calculator_tool_environment_runs_end_to_end(tmp_path):
     assert 0.99 <= summary["ratio_mean"] <= 1.01
 
 
+@pytest.mark.slow  # ~3 min, as its multi-turn siblings
 def test_a_judge_of_whole_episodes_scores_a_multi_turn_run_on_the_base_model(tmp_path):
     """The recipe's second-chance environment (a wrong answer earns a retry: episodes of one or two turns) judged
     besides its own reward: a logprob judge on the base model reads each episode's transcript (one scoring pass per

@@ -29,7 +29,10 @@ def test_a_judge_names_its_model_template_and_verdict():
 @pytest.mark.parametrize(
     ("fields", "why"),
     [
-        ({"template": "'Q: {prompt}'"}, r"must show the judge the sample it judges \(\{completion\}\)"),
+        (
+            {"template": "'Q: {prompt}'"},
+            r"must show the judge the sample it judges \(\{completion\} or \{transcript\}\)",
+        ),
         ({"template": "'{completion} {}'"}, "is not a field name"),
         ({"verdict": "{parse: regex}"}, "parse regex needs a pattern"),
         ({"verdict": "{parse: regex, pattern: 'score'}"}, "has no group"),
