@@ -6,8 +6,8 @@ Two ways in, one builder (`fleet_app`), both with a fleet's config (`core.config
   base URL back once every replica has loaded the live adapters; `fleet_is_running` and `shutdown_fleet`
   complete the lifecycle.
 
-Two ways to reach it: HTTP at `fleet_url` (the one proxy, on the head) for clients outside the
-cluster and for the driver's side on the head; `contracts.serving.serve_address` for callers on other
+Two ways to reach it: HTTP at `fleet_url` (the ingress's own front door on the head, `deployments.ingress.front_door`,
+with Serve's proxy behind it at `fleet.proxy_port`) for clients outside the cluster and for the driver's side on the head; `contracts.serving.serve_address` for callers on other
 nodes (the learner), who get an `app.fleet_client.ServeFleet`, a Serve handle to the ingress. fleet.host is an address as the
 head sees it: 127.0.0.1, or 0.0.0.0 read as 127.0.0.1, is the learner node itself over there.
 
@@ -54,14 +54,24 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
 
     from contracts.auth import Secret, admin_token, check_exposure, signing_secret
     from deployments.api.routing import route_factories
-    from deployments.ingress.shell import Ingress
+    from deployments.ingress.shell import DoorAddress, Ingress
     from deployments.replica.teacher import teacher_app
 
     fleet = cfg.fleet
     route_factories(fleet.routes)  # a name that does not import fails here, before any replica starts
     token = admin_token(cfg)
-    http_host = _http_address(cfg)[0]
-    check_exposure(http_host, fleet.protect_inference, token)
+    host, proxy_port = _proxy_address(cfg)
+    check_exposure(host, fleet.protect_inference, token)
+    max_connections = max(1000, fleet.max_ongoing_requests * most_replicas(fleet))
+    door_port: int | None = fleet.port
+    if proxy_port == fleet.port:  # a Serve config of an older release: its proxy holds the fleet's port
+        log.warning(
+            "Serve's proxy listens on fleet.port %d, so the fleet has no front door of its own and every request "
+            "pays the proxy's hop (docs/architecture.md); give the proxy fleet.proxy_port (%d) instead",
+            fleet.port,
+            fleet.serve_proxy_port,
+        )
+        door_port = None
     model_path = str(Path(model_path).expanduser().resolve()) if Path(model_path).expanduser().exists() else model_path
     # Requests name the base model by its folder (as vLLM does, and as TRL sends it) or by the config's name.
     aliases = sorted({cfg.model.name_or_path, model_path, Path(model_path).name} - {model_path})
@@ -75,7 +85,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
-        max_ongoing_requests=max(1000, fleet.max_ongoing_requests * most_replicas(fleet)),
+        max_ongoing_requests=max_connections,
         # On the head node, beside the only HTTP proxy: losing a spot node never takes the front door with it.
         ray_actor_options={"num_cpus": 0, "resources": dict(HEAD_NODE)},
         logging_config=QUIET,
@@ -91,7 +101,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
         config,
         secret,
         request_router_class,
-        http_host,
+        DoorAddress(host, door_port, proxy_port, max_connections),
         bucket_url,
         teacher,
         signing,
@@ -150,18 +160,35 @@ def fleet_is_running(cfg: FleetConfig) -> bool:
     return app is not None and app.status == "RUNNING"
 
 
-def _http_address(cfg: FleetConfig) -> tuple[str, int]:
+def _proxy_address(cfg: FleetConfig) -> tuple[str, int]:
     """Where Serve's HTTP proxy listens: its actual address when Serve runs, else the configured one."""
     import ray
 
     client = _serve_client() if ray.is_initialized() else None  # never start a Ray just to ask
-    return (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.port)
+    return (
+        (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.serve_proxy_port)
+    )
+
+
+def _loopback(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
 def fleet_url(cfg: FleetConfig) -> str:
-    """Base URL of the fleet: Serve's actual HTTP address when it runs, else the configured one."""
-    host, port = _http_address(cfg)
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    """Base URL of the fleet: where its ingress says its front door is when the fleet runs (Serve's proxy if it has
+    none), else the configured `fleet.host:fleet.port`."""
+    if fleet_is_running(cfg):
+        from ray import serve
+
+        from contracts.serving import INGRESS_DEPLOYMENT
+
+        ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, cfg.fleet.app_name)
+        door = ingress.front_door.remote().result(timeout_s=60)
+        if door is not None:
+            return door
+        host, port = _proxy_address(cfg)
+        return f"http://{_loopback(host)}:{port}"
+    return f"http://{_loopback(cfg.fleet.host)}:{cfg.fleet.port}"
 
 
 def deploy_fleet(
@@ -178,22 +205,21 @@ def deploy_fleet(
     from ray import serve
     from ray.serve.config import HTTPOptions
 
-    # One HTTP proxy, on the head (on-demand) node: clients have one address that outlives spot nodes.
-    serve.start(http_options=HTTPOptions(host=cfg.fleet.host, port=cfg.fleet.port), proxy_location="HeadOnly")
-    base_url = fleet_url(cfg)
-    if base_url != f"http://{cfg.fleet.host}:{cfg.fleet.port}":
-        log.warning(
-            "Serve was already running at %s; the fleet is served there, not at %s:%d",
-            base_url,
-            cfg.fleet.host,
-            cfg.fleet.port,
-        )
+    # One HTTP proxy, on the head (on-demand) node, behind the fleet's front door (the ingress, on the head too):
+    # clients have one address that outlives spot nodes.
+    serve.start(
+        http_options=HTTPOptions(host=cfg.fleet.host, port=cfg.fleet.serve_proxy_port), proxy_location="HeadOnly"
+    )
+    proxy = _proxy_address(cfg)
+    if proxy != (cfg.fleet.host, cfg.fleet.serve_proxy_port):
+        log.warning("Serve was already running, its proxy at %s:%d, not at fleet.proxy_port", *proxy)
     started = time.monotonic()
     serve.run(
         fleet_app(cfg, model_path, request_router_class=request_router_class),
         name=cfg.fleet.app_name,
         route_prefix="/",
     )
+    base_url = fleet_url(cfg)
     wait_healthy(base_url, cfg.fleet.num_replicas, timeout_s=max(1.0, timeout_s - (time.monotonic() - started)))
     log.info("fleet up at %s in %.0fs", base_url, time.monotonic() - started)
     return base_url

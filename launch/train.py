@@ -60,13 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, field: str = "fleet.port") -> None:
     """Refuse to start a fleet where another server already listens: the run would silently talk to it."""
     import socket
 
     with socket.socket() as sock:
         if sock.connect_ex((host, port)) == 0:
-            raise SystemExit(f"fleet.port: {host}:{port} is already in use by another server; pick a free one")
+            raise SystemExit(f"{field}: {host}:{port} is already in use by another server; pick a free one")
 
 
 def stop_actor(actor, timeout_s: float = 10.0) -> None:
@@ -98,6 +98,7 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
         stack.callback(ray.shutdown)
         # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
         check_port_free(cfg.fleet.host, cfg.fleet.port)
+        check_port_free(cfg.fleet.host, cfg.fleet.serve_proxy_port, "fleet.proxy_port")
     own = cfg.own_fleet()
     if not fleet_is_running(own):
         log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)

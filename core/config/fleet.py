@@ -108,7 +108,13 @@ class FleetSettings(Section):
     max_num_seqs: int = Field(256, ge=1, description="Sequences one engine batches at once.")
     cpu_threads_per_replica: int = Field(1, ge=1, description="CPU cores pinned to each engine on a CPU machine.")
     host: str = Field("127.0.0.1", description="Address the HTTP ingress binds to.")
-    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP ingress.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the fleet's front door, its HTTP API.")
+    proxy_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of Ray Serve's own HTTP proxy (the Tinker API, any other Serve app); None: fleet.port + 1.",
+    )
     app_name: str = Field("spotrl", description="Name of the Ray Serve application.")
     admin_token: SecretStr | None = Field(
         None,
@@ -192,6 +198,11 @@ class FleetSettings(Section):
         description='More endpoints of the API: "module:callable"s, each making a deployments.api.routing.Routes from '
         "the app's RouteParts (docs/extending.md).",
     )
+
+    @property
+    def serve_proxy_port(self) -> int:
+        """Where Serve's own HTTP proxy listens, behind the fleet's front door (`deployments.ingress.front_door`)."""
+        return self.proxy_port if self.proxy_port is not None else self.port + 1
 
     @field_validator("routes")
     @classmethod
@@ -320,6 +331,11 @@ def check_fleet(model: ModelConfig, fleet: FleetSettings, max_loras: int, max_st
         raise ValueError(
             "fleet.num_replicas (the replicas the fleet starts with) must lie within fleet.autoscaling.min_replicas "
             f"and max_replicas ({scaling.min_replicas}..{scaling.max_replicas})"
+        )
+    if fleet.serve_proxy_port == fleet.port or fleet.serve_proxy_port > 65535:
+        raise ValueError(
+            f"fleet.proxy_port ({fleet.serve_proxy_port}) must be a port other than fleet.port, at most 65535: "
+            "Serve's own proxy listens behind the fleet's front door"
         )
     if max_loras < slots_needed([max_staleness + 1]):
         raise ValueError(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from deployments.control.errors import ApiError
 from deployments.control.fair_share import FairShare
 from deployments.control.run_metrics import RunMetrics
 from deployments.control.runs import Registration, Runs
+from deployments.ingress.front_door import ForwardUnmatched, FrontDoor
 from deployments.ingress.handback import continue_handed_back
 from deployments.ingress.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
 
@@ -212,6 +214,21 @@ def tokenizer_functions(model_path: str):
     return encode, decode, chat_ids, vocab_size
 
 
+@dataclass(frozen=True)
+class DoorAddress:
+    """Where the fleet answers HTTP: its front door at host:port (`deployments.ingress.front_door`; port None: no door,
+    Serve's proxy alone), Serve's proxy at host:proxy_port behind it, and how many connections the door holds."""
+
+    host: str
+    port: int | None
+    proxy_port: int
+    max_connections: int
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.proxy_port}"
+
+
 class Ingress:
     """A Ray Serve deployment class; `deployments.fleet` wraps it with `serve.ingress()` and `serve.deployment`."""
 
@@ -224,7 +241,7 @@ class Ingress:
         config: dict,
         admin_token: Secret | None = None,
         request_router: str = "",
-        http_host: str = "127.0.0.1",
+        door: DoorAddress | None = None,
         bucket_url: str = "",
         teacher_replicas=None,
         signing: Secret | None = None,
@@ -234,7 +251,8 @@ class Ingress:
         # (which reaches this process without it: `fleet.admin_token` is never dumped). The builder checked the
         # same in its own process; this process's environment may differ, and decides what the API enforces.
         token = resolve_admin_token(cfg, admin_token)
-        check_exposure(http_host, cfg.fleet.protect_inference, token)
+        door = door or DoorAddress("127.0.0.1", None, cfg.fleet.serve_proxy_port, 1000)
+        check_exposure(door.host, cfg.fleet.protect_inference, token)
         encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
         settings = ApiSettings(
             base_model=base_model,
@@ -276,6 +294,10 @@ class Ingress:
         own_lineage = (lambda: own.latest() is not None) if own is not None else None
         routes = route_factories(cfg.fleet.routes)  # the fleet's own (`fleet.routes`), beside the shipped ones
         self._app = make_app(self._backend, settings, runs, records, gate, own_lineage, routes)
+        self._door = None
+        if door.port is not None:  # what the fleet does not answer, Serve's proxy does: the cluster's other apps
+            app = ForwardUnmatched(self._app, door.proxy_url)
+            self._door = FrontDoor(app, door.host, door.port, max_connections=door.max_connections)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",
             base_model,
@@ -285,6 +307,15 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         return self._app
+
+    async def front_door(self, wait_s: float = 30.0) -> str | None:
+        """The URL of the fleet's front door once it is open (waiting up to `wait_s` for it); None: there is none, or
+        it did not open, and the fleet answers at Serve's proxy alone."""
+        return await self._door.opened(wait_s) if self._door is not None else None
+
+    def __del__(self):
+        if getattr(self, "_door", None) is not None:
+            self._door.stop()
 
     def replica_draining(self, replica_id: str, draining: bool = True) -> None:
         """A replica's node is going (it says so itself, `deployments.replica.notices`): route nothing more to it;

@@ -330,7 +330,7 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
     """The issue's batch of hostile requests, all refused by the ingress; the fleet is the same fleet afterwards."""
     import ray
 
-    from deployments.fleet import _http_address
+    from deployments.fleet import fleet_url
 
     replicas = set(engines(fleet.client))
     assert len(replicas) == 2
@@ -346,7 +346,7 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
     as_json = {"content-type": "application/json"}
     status, _ = post_streaming(fleet.url, "/v1/completions", {**as_json, "content-length": str(10**10)}, [], False)
     assert status == 413
-    # Chunked: the ingress counts while it reads; Serve's proxy reads ahead of it, so the client may send it all.
+    # Chunked: the ingress counts while it reads; the HTTP server reads ahead of it, so the client may send it all.
     status, _ = post_streaming(fleet.url, "/v1/completions", {**as_json, "transfer-encoding": "chunked"}, chunks, True)
     assert status == 413
 
@@ -357,9 +357,13 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
     choices = fleet.client.completions(random_prompt(12, 40), fleet.base, n=2, max_tokens=3, seed=2**63 - 1)
     assert len(choices) == 2
     assert set(engines(fleet.client)) == replicas
-    # What `serve run`'s build task asks Serve, from inside the cluster: where its proxy listens.
-    host, port = ray.get(ray.remote(num_cpus=0)(_http_address).remote(fleet.cfg))
-    assert f"http://{host}:{port}" == fleet.url
+    # The fleet's URL is its ingress's own front door at fleet.port, as a task inside the cluster finds it too. Serve's
+    # proxy runs behind it at fleet.proxy_port; the door hands it what the fleet does not answer (here Serve's routes).
+    assert fleet.url == f"http://127.0.0.1:{fleet.cfg.fleet.port}"
+    assert ray.get(ray.remote(num_cpus=0)(fleet_url).remote(fleet.cfg)) == fleet.url
+    proxy = f"http://127.0.0.1:{fleet.cfg.fleet.serve_proxy_port}"
+    routes = httpx.get(f"{fleet.url}/-/routes", timeout=30, trust_env=False)
+    assert routes.status_code == 200 and routes.json() == httpx.get(f"{proxy}/-/routes", timeout=30).json()
 
 
 def test_engine_and_router_metrics_reach_rays_metrics_export(fleet):

@@ -1,0 +1,186 @@
+"""The fleet's front door: the ingress replica serves its HTTP API itself, at `fleet.host:fleet.port`.
+
+Why not Serve's HTTP proxy: a request through it crosses two Python processes before any of the fleet's own code runs.
+The proxy parses it and calls the ingress replica as a Ray actor; the replica then calls back into the proxy for the
+body (`receive_asgi_messages`, with a `get_actor` lookup) and streams the reply back message by message. Measured on
+`make serve`'s fleet (bench.request_shapes, issue 46), that path cost about 11 ms of CPU per request in the proxy and the
+ingress, 80% of what a single-sample request cost the fleet, against about 2 ms served here. vLLM's own server pays
+one parse per request; so does the fleet now, then one handle call to a replica, whose router still picks the replica
+by prefix and adapter. Everything the fleet guarantees lives in the app, not in the door: auth, fair share, bounded
+bodies, hand-back.
+
+Serve's proxy still runs, on `fleet.proxy_port`, for what the fleet does not answer: the other Serve applications of the
+cluster (the Tinker API under `/api`), and Serve's own paths (`/-/routes`). The door hands any path that none of the
+fleet's routes matches to it (`ForwardUnmatched`), so one address serves everything, as before.
+
+The door binds in the background and tries again while the port is taken (a replica being replaced still holds it);
+where it never opens (Serve's proxy itself on the port: a Serve config of an older release), the fleet is still
+served by the proxy, slower, and the log says what to change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.routing import Match
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger("ray.serve")
+
+BIND_RETRY_S = 0.5  # between two tries of a taken port
+BIND_WARN_AFTER = 20  # tries (10 s) before the log says the port stays taken
+# Headers that describe one connection, not the request: never passed on (RFC 9110, 7.6.1), nor the Host.
+HOP_BY_HOP = frozenset(
+    b"connection keep-alive proxy-authenticate proxy-authorization te trailer transfer-encoding upgrade host".split()
+)
+
+
+class ForwardUnmatched:
+    """ASGI app: the fleet's app answers every path one of its routes matches (a wrong method included: its 405);
+    any other path goes to Serve's proxy at `upstream`, streamed both ways, its reply passed back unchanged."""
+
+    def __init__(self, app, upstream: str, transport: httpx.AsyncBaseTransport | None = None):
+        self._app = app
+        self._routes = app.router.routes
+        self._upstream = httpx.AsyncClient(
+            base_url=upstream,
+            timeout=httpx.Timeout(None, connect=10.0),  # a Tinker future may be waited on for minutes
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            trust_env=False,
+            transport=transport,
+        )
+        self._upstream.headers = httpx.Headers()  # the client's headers go on as they came, none of httpx's added
+
+    def answers(self, scope: Scope) -> bool:
+        """Whether the fleet's own app has a route for this request's path."""
+        return any(route.matches(scope)[0] is not Match.NONE for route in self._routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.answers(scope):
+            await self._app(scope, receive, send)
+            return
+        await self._forward(scope, receive, send)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                yield message.get("body", b"")
+                if not message.get("more_body", False):
+                    return
+
+        path = scope.get("raw_path") or scope["path"].encode()
+        target = path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
+        request = self._upstream.build_request(
+            scope["method"], target.decode("latin-1"), headers=headers, content=body()
+        )
+        try:
+            response = await self._upstream.send(request, stream=True)
+        except httpx.HTTPError as e:
+            log.warning("front door: Serve's proxy did not answer %s %s: %s", scope["method"], scope["path"], e)
+            await _reply(send, 502, b'{"error": {"message": "the cluster\'s Serve proxy did not answer", "code": 502}}')
+            return
+        try:
+            raw = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": raw})
+            async for chunk in response.aiter_raw():  # as sent: a compressed reply stays compressed
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+
+    async def aclose(self) -> None:
+        await self._upstream.aclose()
+
+
+async def _reply(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket at host:port (SO_REUSEADDR, as every server's); OSError when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+class FrontDoor:
+    """uvicorn serving `app` at host:port on the running event loop (the ingress replica's), opened in the background.
+
+    Serve runs the app's lifespan itself (the control layer's upkeep), so the door runs none. uvicorn installs signal
+    handlers only on the main thread; Serve runs a replica's code on a thread of its own."""
+
+    def __init__(self, app: ASGIApp, host: str, port: int, *, max_connections: int):
+        import uvicorn
+
+        self.host, self.port = host, port
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            limit_concurrency=max_connections,  # beyond it a 503, as Serve's max_ongoing_requests gave
+            timeout_keep_alive=30,
+            server_header=False,
+        )
+        self._server = uvicorn.Server(config)
+        self._socket: socket.socket | None = None
+        self._bound = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._open_and_serve())
+
+    @property
+    def url(self) -> str | None:
+        """Where the door listens (0.0.0.0 read as 127.0.0.1) once it is bound; None before. A bound socket queues
+        connections until uvicorn accepts them, a moment later."""
+        if self._socket is None:
+            return None
+        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
+
+    async def opened(self, wait_s: float) -> str | None:
+        """`url`, waiting up to `wait_s` for the door to open; None if it has not."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._bound.wait()), timeout=wait_s)
+        except TimeoutError:
+            pass
+        return self.url
+
+    async def _open_and_serve(self) -> None:
+        tries = 0
+        while self._socket is None:
+            try:
+                self._socket = bind(self.host, self.port)
+            except OSError as e:
+                if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                    log.error("front door: cannot listen at %s:%d (%s); the fleet is served by Serve's proxy alone",
+                              self.host, self.port, e)  # fmt: skip
+                    return
+                tries += 1
+                if tries == BIND_WARN_AFTER:
+                    log.warning(
+                        "front door: %s:%d is still taken after %.0fs; trying on. Until it opens the fleet answers "
+                        "only at Serve's proxy. If Serve's proxy itself listens there, give it fleet.proxy_port "
+                        "(http_options.port in a Serve config)",
+                        self.host,
+                        self.port,
+                        tries * BIND_RETRY_S,
+                    )
+                await asyncio.sleep(BIND_RETRY_S)
+        self._bound.set()
+        log.info("front door open at %s:%d", self.host, self.port)
+        await self._server.serve(sockets=[self._socket])
+
+    def stop(self) -> None:
+        """Stop accepting and close (the replica is going); requests in flight end with the process."""
+        self._server.should_exit = True  # uvicorn's loop reads it within a tenth of a second
+        if self._socket is None and not self._loop.is_closed():  # still waiting for the port: stop waiting
+            self._loop.call_soon_threadsafe(self._task.cancel)
