@@ -67,9 +67,8 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     if proxy_port == fleet.port:  # a Serve config of an older release: its proxy holds the fleet's port
         log.warning(
             "Serve's proxy listens on fleet.port %d, so the fleet has no front door of its own and every request "
-            "pays the proxy's hop (docs/architecture.md); give the proxy fleet.proxy_port (%d) instead",
+            "pays the proxy's hop (docs/architecture.md); give the proxy another port (http_options.port)",
             fleet.port,
-            fleet.serve_proxy_port,
         )
         door_port = None
     model_path = str(Path(model_path).expanduser().resolve()) if Path(model_path).expanduser().exists() else model_path
@@ -165,9 +164,21 @@ def _proxy_address(cfg: FleetConfig) -> tuple[str, int]:
     import ray
 
     client = _serve_client() if ray.is_initialized() else None  # never start a Ray just to ask
-    return (
-        (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, cfg.fleet.serve_proxy_port)
-    )
+    return (client.http_config.host, client.http_config.port) if client else (cfg.fleet.host, proxy_port(cfg))
+
+
+def proxy_port(cfg: FleetConfig) -> int:
+    """The port Serve's proxy is to take behind the fleet's front door: `fleet.proxy_port`, else a free one now."""
+    if cfg.fleet.proxy_port is not None:
+        return cfg.fleet.proxy_port
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind((cfg.fleet.host, 0))
+        except OSError:  # not an address of this machine (a config built elsewhere): one free on all of them
+            sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def _loopback(host: str) -> str:
@@ -207,11 +218,9 @@ def deploy_fleet(
 
     # One HTTP proxy, on the head (on-demand) node, behind the fleet's front door (the ingress, on the head too):
     # clients have one address that outlives spot nodes.
-    serve.start(
-        http_options=HTTPOptions(host=cfg.fleet.host, port=cfg.fleet.serve_proxy_port), proxy_location="HeadOnly"
-    )
+    serve.start(http_options=HTTPOptions(host=cfg.fleet.host, port=proxy_port(cfg)), proxy_location="HeadOnly")
     proxy = _proxy_address(cfg)
-    if proxy != (cfg.fleet.host, cfg.fleet.serve_proxy_port):
+    if cfg.fleet.proxy_port is not None and proxy != (cfg.fleet.host, cfg.fleet.proxy_port):
         log.warning("Serve was already running, its proxy at %s:%d, not at fleet.proxy_port", *proxy)
     started = time.monotonic()
     serve.run(

@@ -25,7 +25,7 @@ import yaml
 from core.bucket.filesystem import absolute_bucket_url
 from core.config import REPO_ROOT, ConfigError, FleetConfig, config_errors_exit, load_fleet_config
 from core.models import pin_revision
-from deployments.fleet import fleet_app
+from deployments.fleet import fleet_app, proxy_port
 from tiny.build import name_built, prepare_model
 
 log = logging.getLogger("ray.serve")  # Serve shows this logger's lines in the app-build and controller logs
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve_config_with(serve_config: dict, config: str | None, overrides: list[str], host: str, port: int) -> dict:
-    """`serve_config` (serve_config.yaml's contents) naming this fleet config and overrides, on its host and port."""
+    """`serve_config` (serve_config.yaml's contents) naming this fleet config and overrides, Serve's proxy at host:port
+    (the fleet's `proxy_port`: the fleet's own front door takes `fleet.port`)."""
     (app, *others) = serve_config["applications"]
     args = {**app.get("args", {}), "overrides": [*app.get("args", {}).get("overrides", []), *overrides]}
     if config is not None:
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         shipped = yaml.safe_load(SERVE_CONFIG.read_text())
         with config_errors_exit():
             cfg = serve_fleet_config(args.config or shipped["applications"][0]["args"]["config"], args.overrides)
-        config = serve_config_with(shipped, args.config, args.overrides, cfg.fleet.host, cfg.fleet.port)
+        config = serve_config_with(shipped, args.config, args.overrides, cfg.fleet.host, proxy_port(cfg))
         with tempfile.NamedTemporaryFile("w", prefix="spotrl-serve-", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(config, f, sort_keys=False)  # kept: `serve run` reads it after this process is replaced
         path = Path(f.name)

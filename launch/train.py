@@ -98,7 +98,8 @@ def start_fleet(stack: ExitStack, cfg: RunConfig, model_path: str, address: str 
         stack.callback(ray.shutdown)
         # A Ray we just started serves nothing yet: whatever answers on the fleet's port is someone else's.
         check_port_free(cfg.fleet.host, cfg.fleet.port)
-        check_port_free(cfg.fleet.host, cfg.fleet.serve_proxy_port, "fleet.proxy_port")
+        if cfg.fleet.proxy_port is not None:
+            check_port_free(cfg.fleet.host, cfg.fleet.proxy_port, "fleet.proxy_port")
     own = cfg.own_fleet()
     if not fleet_is_running(own):
         log.info("starting the fleet (%d replicas)", cfg.fleet.num_replicas)

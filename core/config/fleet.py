@@ -113,7 +113,7 @@ class FleetSettings(Section):
         None,
         ge=1,
         le=65535,
-        description="Port of Ray Serve's own HTTP proxy (the Tinker API, any other Serve app); None: fleet.port + 1.",
+        description="Port of Ray Serve's own HTTP proxy behind the front door (other Serve apps); None: a free one.",
     )
     app_name: str = Field("spotrl", description="Name of the Ray Serve application.")
     admin_token: SecretStr | None = Field(
@@ -198,11 +198,6 @@ class FleetSettings(Section):
         description='More endpoints of the API: "module:callable"s, each making a deployments.api.routing.Routes from '
         "the app's RouteParts (docs/extending.md).",
     )
-
-    @property
-    def serve_proxy_port(self) -> int:
-        """Where Serve's own HTTP proxy listens, behind the fleet's front door (`deployments.ingress.front_door`)."""
-        return self.proxy_port if self.proxy_port is not None else self.port + 1
 
     @field_validator("routes")
     @classmethod
@@ -332,10 +327,10 @@ def check_fleet(model: ModelConfig, fleet: FleetSettings, max_loras: int, max_st
             "fleet.num_replicas (the replicas the fleet starts with) must lie within fleet.autoscaling.min_replicas "
             f"and max_replicas ({scaling.min_replicas}..{scaling.max_replicas})"
         )
-    if fleet.serve_proxy_port == fleet.port or fleet.serve_proxy_port > 65535:
+    if fleet.proxy_port == fleet.port:
         raise ValueError(
-            f"fleet.proxy_port ({fleet.serve_proxy_port}) must be a port other than fleet.port, at most 65535: "
-            "Serve's own proxy listens behind the fleet's front door"
+            f"fleet.proxy_port ({fleet.proxy_port}) must be a port other than fleet.port: Serve's own proxy listens "
+            "behind the fleet's front door"
         )
     if max_loras < slots_needed([max_staleness + 1]):
         raise ValueError(

@@ -251,8 +251,7 @@ class Ingress:
         # (which reaches this process without it: `fleet.admin_token` is never dumped). The builder checked the
         # same in its own process; this process's environment may differ, and decides what the API enforces.
         token = resolve_admin_token(cfg, admin_token)
-        door = door or DoorAddress("127.0.0.1", None, cfg.fleet.serve_proxy_port, 1000)
-        check_exposure(door.host, cfg.fleet.protect_inference, token)
+        check_exposure(door.host if door else "127.0.0.1", cfg.fleet.protect_inference, token)
         encode, decode, chat_ids, vocab_size = tokenizer_functions(model_path)
         settings = ApiSettings(
             base_model=base_model,
@@ -294,10 +293,11 @@ class Ingress:
         own_lineage = (lambda: own.latest() is not None) if own is not None else None
         routes = route_factories(cfg.fleet.routes)  # the fleet's own (`fleet.routes`), beside the shipped ones
         self._app = make_app(self._backend, settings, runs, records, gate, own_lineage, routes)
+        # What the fleet does not answer, Serve's proxy does (the cluster's other apps), or another app's own door.
+        self._forward = ForwardUnmatched(self._app, door.proxy_url) if door is not None else None
         self._door = None
-        if door.port is not None:  # what the fleet does not answer, Serve's proxy does: the cluster's other apps
-            app = ForwardUnmatched(self._app, door.proxy_url)
-            self._door = FrontDoor(app, door.host, door.port, max_connections=door.max_connections)
+        if door is not None and door.port is not None:
+            self._door = FrontDoor(self._forward, door.host, door.port, max_connections=door.max_connections)
         log.info(
             "fleet ingress up: base model %s, router %s, admin token %s",
             base_model,
@@ -312,6 +312,13 @@ class Ingress:
         """The URL of the fleet's front door once it is open (waiting up to `wait_s` for it); None: there is none, or
         it did not open, and the fleet answers at Serve's proxy alone."""
         return await self._door.opened(wait_s) if self._door is not None else None
+
+    async def open_door(self, prefix: str, url: str, ttl_s: float) -> None:
+        """Another Serve application's own door on loopback (the Tinker service's): the fleet's door hands it the paths
+        under `prefix` for `ttl_s` seconds instead of Serve's proxy (`deployments.ingress.front_door`). A handle call:
+        only a member of the cluster can make it."""
+        if self._forward is not None:
+            self._forward.open_door(prefix, url, ttl_s)
 
     def __del__(self):
         if getattr(self, "_door", None) is not None:

@@ -330,7 +330,7 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
     """The issue's batch of hostile requests, all refused by the ingress; the fleet is the same fleet afterwards."""
     import ray
 
-    from deployments.fleet import fleet_url
+    from deployments.fleet import _proxy_address, fleet_url
 
     replicas = set(engines(fleet.client))
     assert len(replicas) == 2
@@ -361,7 +361,7 @@ def test_hostile_requests_neither_crash_stall_nor_open_the_fleet(fleet):
     # proxy runs behind it at fleet.proxy_port; the door hands it what the fleet does not answer (here Serve's routes).
     assert fleet.url == f"http://127.0.0.1:{fleet.cfg.fleet.port}"
     assert ray.get(ray.remote(num_cpus=0)(fleet_url).remote(fleet.cfg)) == fleet.url
-    proxy = f"http://127.0.0.1:{fleet.cfg.fleet.serve_proxy_port}"
+    proxy = "http://{}:{}".format(*_proxy_address(fleet.cfg))
     routes = httpx.get(f"{fleet.url}/-/routes", timeout=30, trust_env=False)
     assert routes.status_code == 200 and routes.json() == httpx.get(f"{proxy}/-/routes", timeout=30).json()
 
