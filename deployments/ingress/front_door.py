@@ -11,7 +11,9 @@ bodies, hand-back.
 
 Serve's proxy still runs, on `fleet.proxy_port`, for what the fleet does not answer: the other Serve applications of the
 cluster (the Tinker API under `/api`), and Serve's own paths (`/-/routes`). The door hands any path that none of the
-fleet's routes matches to it (`ForwardUnmatched`), so one address serves everything, as before.
+fleet's routes matches to it (`ForwardUnmatched`), so one address serves everything, as before. Another application
+may open a door of its own on loopback and announce it for its path prefix (`Ingress.open_door`, renewed while it
+lives: the Tinker service does); its requests then skip Serve's proxy too, at the cost of one loopback hop.
 
 The door binds in the background and tries again while the port is taken (a replica being replaced still holds it);
 where it never opens (Serve's proxy itself on the port: a Serve config of an older release), the fleet is still
@@ -24,6 +26,7 @@ import asyncio
 import errno
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -42,23 +45,51 @@ HOP_BY_HOP = frozenset(
 
 class ForwardUnmatched:
     """ASGI app: the fleet's app answers every path one of its routes matches (a wrong method included: its 405);
-    any other path goes to Serve's proxy at `upstream`, streamed both ways, its reply passed back unchanged."""
+    any other path goes to the door announced for its prefix, else to Serve's proxy at `upstream`, streamed both ways,
+    its reply passed back unchanged."""
 
     def __init__(self, app, upstream: str, transport: httpx.AsyncBaseTransport | None = None):
         self._app = app
         self._routes = app.router.routes
-        self._upstream = httpx.AsyncClient(
-            base_url=upstream,
+        self._transport = transport
+        self._proxy = self._client(upstream)
+        self._doors: dict[str, tuple[httpx.AsyncClient, float]] = {}  # path prefix -> (its app's door, open until)
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        client = httpx.AsyncClient(
+            base_url=url,
             timeout=httpx.Timeout(None, connect=10.0),  # a Tinker future may be waited on for minutes
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             trust_env=False,
-            transport=transport,
+            transport=self._transport,
         )
-        self._upstream.headers = httpx.Headers()  # the client's headers go on as they came, none of httpx's added
+        client.headers = httpx.Headers()  # the client's headers go on as they came, none of httpx's added
+        return client
 
     def answers(self, scope: Scope) -> bool:
         """Whether the fleet's own app has a route for this request's path."""
         return any(route.matches(scope)[0] is not Match.NONE for route in self._routes)
+
+    def open_door(self, prefix: str, url: str, ttl_s: float) -> None:
+        """Paths under `prefix` go to `url` (another application's own door, on loopback) for the next `ttl_s`
+        seconds, instead of Serve's proxy; announced again before then by the application while it lives."""
+        current = self._doors.get(prefix)
+        client = current[0] if current is not None and str(current[0].base_url).rstrip("/") == url else None
+        if client is None:
+            client = self._client(url)
+            if current is not None:  # the application's replica was replaced: its old door is gone
+                asyncio.get_running_loop().create_task(current[0].aclose())
+            log.info("front door: %s* goes to %s", prefix, url)
+        self._doors[prefix] = (client, time.monotonic() + ttl_s)
+
+    def upstream(self, path: str) -> httpx.AsyncClient:
+        """Where a path the fleet does not answer goes: the door announced for its prefix, if still open, else Serve's
+        proxy (which routes every application, so a door that lapsed costs speed, not the request)."""
+        now = time.monotonic()
+        for prefix, (client, until) in self._doors.items():
+            if until > now and (path == prefix or path.startswith(prefix.rstrip("/") + "/")):
+                return client
+        return self._proxy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.answers(scope):
@@ -79,13 +110,12 @@ class ForwardUnmatched:
         path = scope.get("raw_path") or scope["path"].encode()
         target = path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
-        request = self._upstream.build_request(
-            scope["method"], target.decode("latin-1"), headers=headers, content=body()
-        )
+        upstream = self.upstream(scope["path"])
+        request = upstream.build_request(scope["method"], target.decode("latin-1"), headers=headers, content=body())
         try:
-            response = await self._upstream.send(request, stream=True)
+            response = await upstream.send(request, stream=True)
         except httpx.HTTPError as e:
-            log.warning("front door: Serve's proxy did not answer %s %s: %s", scope["method"], scope["path"], e)
+            log.warning("front door: %s did not answer %s %s: %s", upstream.base_url, scope["method"], scope["path"], e)
             await _reply(send, 502, b'{"error": {"message": "the cluster\'s Serve proxy did not answer", "code": 502}}')
             return
         try:
@@ -98,7 +128,8 @@ class ForwardUnmatched:
             await response.aclose()
 
     async def aclose(self) -> None:
-        await self._upstream.aclose()
+        for client in [self._proxy, *(client for client, _ in self._doors.values())]:
+            await client.aclose()
 
 
 async def _reply(send: Send, status: int, body: bytes) -> None:
@@ -114,7 +145,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class FrontDoor:
-    """uvicorn serving `app` at host:port on the running event loop (the ingress replica's), opened in the background.
+    """uvicorn serving `app` at host:port (0: a free port) on the running event loop (a replica's), opened in the
+    background.
 
     Serve runs the app's lifespan itself (the control layer's upkeep), so the door runs none. uvicorn installs signal
     handlers only on the main thread; Serve runs a replica's code on a thread of its own."""
@@ -146,8 +178,8 @@ class FrontDoor:
             return None
         return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
 
-    async def opened(self, wait_s: float) -> str | None:
-        """`url`, waiting up to `wait_s` for the door to open; None if it has not."""
+    async def opened(self, wait_s: float | None) -> str | None:
+        """`url`, waiting up to `wait_s` (None: as long as it takes) for the door to open; None if it has not."""
         try:
             await asyncio.wait_for(asyncio.shield(self._bound.wait()), timeout=wait_s)
         except TimeoutError:
@@ -159,6 +191,7 @@ class FrontDoor:
         while self._socket is None:
             try:
                 self._socket = bind(self.host, self.port)
+                self.port = self._socket.getsockname()[1]
             except OSError as e:
                 if e.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
                     log.error("front door: cannot listen at %s:%d (%s); the fleet is served by Serve's proxy alone",

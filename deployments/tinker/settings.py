@@ -14,7 +14,8 @@ from core.config.tinker import TinkerConfig
 class TinkerSettings(TinkerConfig):
     """What `launch/tinker.py` hands the service: the fleet's `tinker:` section and what `of_fleet` derives."""
 
-    fleet_url: str = Field(description="The fleet's HTTP address the service samples through (loopback, same proxy).")
+    fleet_url: str = Field(description="The fleet's HTTP address the service samples through (its front door).")
+    fleet_app: str = Field("spotrl", description="The fleet's Serve application, whose front door hands on /api.")
     base_model: str = Field(description="The fleet's base model id, what create_lora_training_client must name.")
     model_path: str = Field(description="The base model's folder (the fleet's own name for it is accepted too).")
     tokenizer_id: str | None = Field(
@@ -46,7 +47,11 @@ class TinkerSettings(TinkerConfig):
         }
         section = fleet.tinker.model_dump()
         return cls(
-            fleet_url=fleet_url, base_model=base_model, model_path=model_path, **{**section, **derived, **fields}
+            fleet_url=fleet_url,
+            fleet_app=fleet.fleet.app_name,
+            base_model=base_model,
+            model_path=model_path,
+            **{**section, **derived, **fields},
         )
 
 

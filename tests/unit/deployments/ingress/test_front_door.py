@@ -126,3 +126,26 @@ def test_bind_says_when_the_port_is_taken():
         bind("127.0.0.1", taken.getsockname()[1])
     assert raised.value.errno == errno.EADDRINUSE
     taken.close()
+
+
+def test_an_announced_door_takes_its_prefix_until_its_announcement_lapses(monkeypatch):
+    upstream = Upstream()
+    forward = ForwardUnmatched(fleet_app(), "http://proxy:8001", transport=httpx.MockTransport(upstream))
+    clock = [1000.0]
+    monkeypatch.setattr("deployments.ingress.front_door.time.monotonic", lambda: clock[0])
+
+    async def main():
+        forward.open_door("/api", "http://127.0.0.1:41000", ttl_s=30)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=forward), base_url="http://fleet") as client:
+            await client.get("/api/v1/healthz")
+            await client.get("/apis")  # another prefix: not the door's
+            assert (await client.get("/v1/models")).json() == {"data": ["base"]}  # the fleet's own, as ever
+            clock[0] += 31  # not announced again: Serve's proxy routes it, slower
+            await client.get("/api/v1/healthz")
+
+    asyncio.run(main())
+    assert [(r.url.host, r.url.path) for r in upstream.seen] == [
+        ("127.0.0.1", "/api/v1/healthz"),
+        ("proxy", "/apis"),
+        ("proxy", "/api/v1/healthz"),
+    ]
