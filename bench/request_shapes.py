@@ -10,13 +10,16 @@ median on the fleet (`make serve`'s: 2 replicas of the tiny model) against the s
 server with the same engine settings (`deployments.replica.engine.engine_args`), one engine: the engine's limit.
 
 Where a request's time goes, per hop, from metrics the fleet exports anyway (nothing changed for the bench): Serve's
-HTTP proxy latency, the ingress's and the replica's processing latency (`ray_serve_deployment_processing_latency_ms`),
+HTTP proxy latency, the ingress's and the replica's processing latency (`ray_serve_deployment_processing_latency_ms`;
+at the front door the ingress is no Serve request, so its latency is the client's wall time),
 and vLLM's own end-to-end latency in the engine (`ray_vllm:e2e_request_latency_seconds`), each as a mean per request
 over a shape's rounds; and the CPU seconds each process of the fleet spent on the shape (psutil), which on a small
 machine is where the time goes. Writes bench/results/request_shapes.json.
 
-The fleet is measured twice in one run, without coalescing (the ingress's window 0: every request its own engine
-call, as before issue 46) and with it (`deployments.control.coalesce`), so before and after share the machine's load.
+One fleet is measured at its two doors in one run, so before and after share the machine's load: Serve's own HTTP
+proxy (`fleet.proxy_port`, which still routes to the same ingress: the path every request took before the fleet had a
+front door of its own) and the front door (`fleet.port`, `deployments.ingress.front_door`). Both coalesce like
+single-sample requests (`deployments.control.coalesce`).
 
     python -m bench.request_shapes [--rounds 5] [--prompts 16] [--group 8] [--skip-vllm] [--skip-fleet] [--skip-before]
 """
@@ -62,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=6, help="tokens sampled per sequence")
     p.add_argument("--skip-vllm", action="store_true", help="measure the fleet alone")
     p.add_argument("--skip-fleet", action="store_true", help="measure vLLM's own server alone")
-    p.add_argument("--skip-before", action="store_true", help="leave out the fleet without coalescing (the before)")
+    p.add_argument("--skip-before", action="store_true", help="leave out the fleet at Serve's proxy (the before)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -108,12 +111,12 @@ async def send_all(url: str, headers: dict[str, str], requests: list[dict]) -> f
             if len(choices) != prompts * body.get("n", 1):
                 raise RuntimeError(f"{len(choices)} choices for {prompts} x n={body.get('n', 1)}")
 
-        async def health() -> None:
-            async with session.get("/health") as r:
+        async def connect() -> None:  # a route the ingress answers alone: no replica call in the hops' counts
+            async with session.get("/router/stats") as r:
                 await r.read()
 
         # Connections opened first, so that the timed part is the requests, as a long-running client sees them.
-        await asyncio.gather(*(health() for _ in range(min(len(requests), 32))))
+        await asyncio.gather(*(connect() for _ in range(min(len(requests), 32))))
         t0 = time.perf_counter()
         await asyncio.gather(*(one(b) for b in requests))
         return time.perf_counter() - t0
@@ -128,12 +131,8 @@ HOPS = {  # hop: (metric, label filter, scale to seconds)
         ('deployment="Ingress"', 'route="/v1/completions"'),
         1e-3,
     ),
-    # A replica's calls carry the route of the HTTP request they serve.
-    "replica": (
-        "ray_serve_deployment_processing_latency_ms",
-        ('deployment="VLLMReplica"', 'route="/v1/completions"'),
-        1e-3,
-    ),
+    # A replica's calls carry the route of the HTTP request they serve through Serve's proxy, none through the door.
+    "replica": ("ray_serve_deployment_processing_latency_ms", ('deployment="VLLMReplica"',), 1e-3),
     "engine": ("ray_vllm_e2e_request_latency_seconds", (), 1.0),
 }
 
@@ -302,17 +301,24 @@ def run_vllm(cfg, model_path: str, adapter: Path, work: Path, args) -> dict:
         stop(proc)
 
 
-def run_fleet(model_path: str, work: Path, args, window_s: float | None) -> dict:
-    """The fleet's numbers, with the ingress's coalescing window `window_s` (0: off; None: the fleet's own)."""
+def run_fleet(model_path: str, work: Path, args) -> dict[str, dict]:
+    """The fleet's numbers at its front door, and (unless --skip-before) at Serve's proxy behind it."""
+    from deployments.fleet import _proxy_address
     from tests.support.fleet_helpers import running_fleet
 
     work.mkdir()
-    sets = FLEET_SETS if window_s is None else [*FLEET_SETS, f"fleet.coalesce_window_s={window_s}"]
-    with running_fleet(work, model_path, sets, TOKEN) as fleet:
-        print(f"fleet up at {fleet.url}, measuring ...", flush=True)
+    with running_fleet(work, model_path, FLEET_SETS, TOKEN) as fleet:
+        doors = {"fleet": fleet.url}
+        if not args.skip_before:
+            doors = {"fleet_via_serve_proxy": "http://{}:{}".format(*_proxy_address(fleet.cfg)), **doors}
         headers = {"Authorization": f"Bearer {TOKEN}"}
+        models = {"base": fleet.base, "adapter": ADAPTER}
         try:
-            return measure(fleet.url, headers, {"base": fleet.base, "adapter": ADAPTER}, args, fleet.metrics_port)
+            out = {}
+            for name, url in doors.items():
+                print(f"fleet up, measuring at {url} ({name}) ...", flush=True)
+                out[name] = measure(url, headers, models, args, fleet.metrics_port)
+            return out
         finally:
             if os.environ.get("BENCH_DUMP_METRICS"):
                 url = f"http://127.0.0.1:{fleet.metrics_port}/metrics"
@@ -389,9 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             adapter = random_adapter(model_path, work / "vllm-adapter", seed=1)
             results["vllm"] = run_vllm(cfg.own_fleet(), model_path, adapter, work, args)
         if not args.skip_fleet:
-            if not args.skip_before:
-                results["fleet_uncoalesced"] = run_fleet(model_path, work / "fleet-uncoalesced", args, 0.0)
-            results["fleet"] = run_fleet(model_path, work / "fleet", args, None)
+            results.update(run_fleet(model_path, work / "fleet", args))
     found = ratios(results)
     report(results, found)
     data = {
