@@ -138,6 +138,18 @@ async def _reply(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def mounted_at(app: ASGIApp, route_prefix: str) -> ASGIApp:
+    """`app` as Serve's proxy calls an application of that route prefix: the path whole, the prefix its root path
+    (which Starlette's routing takes off the path)."""
+
+    async def mounted(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": scope.get("root_path", "") + route_prefix}
+        await app(scope, receive, send)
+
+    return mounted
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket at host:port (SO_REUSEADDR, as every server's); OSError when it is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -151,12 +163,12 @@ class FrontDoor:
     Serve runs the app's lifespan itself (the control layer's upkeep), so the door runs none. uvicorn installs signal
     handlers only on the main thread; Serve runs a replica's code on a thread of its own."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, *, max_connections: int):
+    def __init__(self, app: ASGIApp, host: str, port: int, *, max_connections: int, route_prefix: str = ""):
         import uvicorn
 
         self.host, self.port = host, port
         config = uvicorn.Config(
-            app,
+            mounted_at(app, route_prefix) if route_prefix else app,
             lifespan="off",
             access_log=False,
             log_level="warning",

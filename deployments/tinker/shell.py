@@ -39,7 +39,7 @@ class TinkerService:
         handles = learners or [None] * parsed.learners
         learners = [RayLearner(handle, learner_name(i)) for i, handle in enumerate(handles)]
         self._app = make_app(parsed, learners, admin_token)
-        self._door = FrontDoor(self._app, "127.0.0.1", 0, max_connections=1000)
+        self._door = FrontDoor(self._app, "127.0.0.1", 0, max_connections=1000, route_prefix=TINKER_ROUTE_PREFIX)
         self._loop = asyncio.get_running_loop()
         self._announcing = self._loop.create_task(self._announce(parsed.fleet_app))
 

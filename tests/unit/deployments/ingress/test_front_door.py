@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from deployments.ingress.front_door import ForwardUnmatched, FrontDoor, bind
+from deployments.ingress.front_door import ForwardUnmatched, FrontDoor, bind, mounted_at
 
 
 def fleet_app() -> FastAPI:
@@ -149,3 +149,14 @@ def test_an_announced_door_takes_its_prefix_until_its_announcement_lapses(monkey
         ("proxy", "/apis"),
         ("proxy", "/api/v1/healthz"),
     ]
+
+
+def test_an_application_mounted_at_its_route_prefix_sees_paths_as_under_serves_proxy():
+    """The Tinker service's door gets the whole path (/api/v1/...), as Serve's proxy hands it, its routes relative."""
+
+    async def main():
+        app = mounted_at(fleet_app(), "/api")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tinker") as client:
+            return (await client.get("/api/v1/models")).json()
+
+    assert asyncio.run(main()) == {"data": ["base"]}
