@@ -116,7 +116,9 @@ class ForwardUnmatched:
             response = await upstream.send(request, stream=True)
         except httpx.HTTPError as e:
             log.warning("front door: %s did not answer %s %s: %s", upstream.base_url, scope["method"], scope["path"], e)
-            await _reply(send, 502, b'{"error": {"message": "the cluster\'s Serve proxy did not answer", "code": 502}}')
+            await _reply(
+                send, 502, b'{"error": {"message": "nothing answered for this path behind the fleet", "code": 502}}'
+            )
             return
         try:
             raw = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
@@ -126,10 +128,6 @@ class ForwardUnmatched:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await response.aclose()
-
-    async def aclose(self) -> None:
-        for client in [self._proxy, *(client for client, _ in self._doors.values())]:
-            await client.aclose()
 
 
 async def _reply(send: Send, status: int, body: bytes) -> None:
@@ -193,7 +191,7 @@ class FrontDoor:
     async def opened(self, wait_s: float | None) -> str | None:
         """`url`, waiting up to `wait_s` (None: as long as it takes) for the door to open; None if it has not."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._bound.wait()), timeout=wait_s)
+            await asyncio.wait_for(self._bound.wait(), timeout=wait_s)
         except TimeoutError:
             pass
         return self.url

@@ -96,7 +96,7 @@ def test_a_proxy_that_does_not_answer_is_a_502_with_a_reason():
 
     reply = asyncio.run(main())
     assert reply.status_code == 502
-    assert "Serve proxy did not answer" in reply.json()["error"]["message"]
+    assert "nothing answered for this path" in reply.json()["error"]["message"]
 
 
 def test_the_door_waits_for_a_taken_port_and_opens_once_it_is_free(monkeypatch):
