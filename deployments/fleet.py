@@ -181,13 +181,11 @@ def proxy_port(cfg: FleetConfig) -> int:
         return sock.getsockname()[1]
 
 
-def _loopback(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
-
-
 def fleet_url(cfg: FleetConfig) -> str:
     """Base URL of the fleet: where its ingress says its front door is when the fleet runs (Serve's proxy if it has
     none), else the configured `fleet.host:fleet.port`."""
+    from deployments.ingress.front_door import reachable
+
     if fleet_is_running(cfg):
         from ray import serve
 
@@ -198,8 +196,8 @@ def fleet_url(cfg: FleetConfig) -> str:
         if door is not None:
             return door
         host, port = _proxy_address(cfg)
-        return f"http://{_loopback(host)}:{port}"
-    return f"http://{_loopback(cfg.fleet.host)}:{cfg.fleet.port}"
+        return f"http://{reachable(host)}:{port}"
+    return f"http://{reachable(cfg.fleet.host)}:{cfg.fleet.port}"
 
 
 def deploy_fleet(

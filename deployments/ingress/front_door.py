@@ -148,6 +148,11 @@ def mounted_at(app: ASGIApp, route_prefix: str) -> ASGIApp:
     return mounted
 
 
+def reachable(host: str) -> str:
+    """An address a client on this machine dials for a server bound to `host`: the wildcard ones read as loopback."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket at host:port (SO_REUSEADDR, as every server's); OSError when it is taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -186,7 +191,7 @@ class FrontDoor:
         connections until uvicorn accepts them, a moment later."""
         if self._socket is None:
             return None
-        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.port}"
+        return f"http://{reachable(self.host)}:{self.port}"
 
     async def opened(self, wait_s: float | None) -> str | None:
         """`url`, waiting up to `wait_s` (None: as long as it takes) for the door to open; None if it has not."""

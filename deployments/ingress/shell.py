@@ -54,7 +54,7 @@ from deployments.control.errors import ApiError
 from deployments.control.fair_share import FairShare
 from deployments.control.run_metrics import RunMetrics
 from deployments.control.runs import Registration, Runs
-from deployments.ingress.front_door import ForwardUnmatched, FrontDoor
+from deployments.ingress.front_door import ForwardUnmatched, FrontDoor, reachable
 from deployments.ingress.handback import continue_handed_back
 from deployments.ingress.poison import ENGINE_DEATHS_PER_REQUEST, PoisonTable, fingerprint
 
@@ -226,7 +226,7 @@ class DoorAddress:
 
     @property
     def proxy_url(self) -> str:
-        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else self.host}:{self.proxy_port}"
+        return f"http://{reachable(self.host)}:{self.proxy_port}"
 
 
 class Ingress:
