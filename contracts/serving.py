@@ -32,6 +32,8 @@ TEACHER_DEPLOYMENT = "TeacherReplica"
 
 # The VLLMReplica method that samples (called with one GenerateRequest); the router routes its calls by prefix.
 GENERATE_METHOD = "generate"
+# The VLLMReplica method that samples several requests in one call (called with one GenerateBundle), routed alike.
+BUNDLE_METHOD = "generate_bundle"
 
 # How /pause treats in-flight requests (vLLM's modes). `keep` freezes them until /resume: nothing is lost.
 PAUSE_MODES = ("keep", "wait", "abort")
@@ -88,6 +90,18 @@ class GenerateRequest:
     sampling: Sampling
     turn: int | None = None  # a multi-turn episode's turn (1-based) that this request continues, for per-turn stats
     session: str | None = None  # the client's session (verifiers' X-Session-ID), kept on one replica by the router
+
+
+@dataclass(frozen=True)
+class GenerateBundle:
+    """Requests of one run that share their routing (model, session, first KV block) sent in one replica call.
+
+    A client that sends one request per sequence (one sample, one scored sequence) would otherwise pay a Serve handle
+    call and a replica call each; the engine batches them anyway. The router routes the bundle as its first request
+    (the others would route alike) and records every request's blocks; the replica samples each as a request of its
+    own and answers each apart (`deployments.replica.shell.Replica.generate_bundle`)."""
+
+    requests: tuple[GenerateRequest, ...]
 
 
 @dataclass

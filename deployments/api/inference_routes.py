@@ -10,7 +10,8 @@ by its `X-Session-ID`). Open to anyone unless `protect_inference` puts
 them behind the token; a run's token reaches the base model and its own adapters only (`Caller`). Each
 generation waits for places in the fleet, one per sequence (`deployments.control.fair_share`; a batch of prompts is
 one generation per prompt, prompts x n places in all), then goes to the backend; like generations of one run that
-arrive together (a group sent one sample per request) go as one (`deployments.control.coalesce`);
+arrive together (a group sent one sample per request) go as one, and its scored sequences that route alike go in one
+replica call (`deployments.control.coalesce`);
 tokenizing and decoding run in worker threads (`offload`), never on the event loop, except work smaller than the trip to
 a thread (a few hundred token ids to check or answer: `offload_unless_small`).
 """
@@ -49,7 +50,7 @@ from deployments.api.routing import Routes, route
 from deployments.api.settings import ApiSettings
 from deployments.control.backend import Backend
 from deployments.control.broadcast import everywhere
-from deployments.control.coalesce import Coalescer
+from deployments.control.coalesce import Coalescer, Merged
 from deployments.control.errors import as_api_error
 from deployments.control.fair_share import FairShare
 from deployments.control.offload import INLINE_TOKENS, offload, offload_unless_small
@@ -70,29 +71,42 @@ class InferenceRoutes(Routes):
         self.prompts = Prompts(settings)
         self._token_text = cached_token_text(settings.decode)
         # Like requests of one run sent together share one engine call (`deployments.control.coalesce`).
-        self.coalescer = Coalescer(settings.coalesce_window_s, max_n=settings.limits.max_sequences_per_request)
-
-    async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
-        """One generation, merged with like ones of the same run sent at the same moment (`Coalescer`)."""
-        return await self.coalescer.generate(
-            caller.tenant, request, lambda merged, requests: self._generate(merged, caller, requests)
+        self.coalescer = Coalescer(
+            settings.coalesce_window_s,
+            max_n=settings.limits.max_sequences_per_request,
+            block_size=settings.routing_block_size,
         )
 
-    async def _generate(self, request: GenerateRequest, caller: Caller, requests: int = 1) -> Generated:
-        """One engine call for `requests` of the caller's run's requests, once the run has places in the fleet for its
-        `n` sequences (`deployments.control.fair_share`). The run's usage counts what its clients sent, each request
-        and its prompt, as the usage each reply reports: merging them is the fleet's saving, not the run's."""
+    async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:
+        """One generation, merged or bundled with like ones of the same run sent at the same moment (`Coalescer`)."""
+        return await self.coalescer.generate(caller.tenant, request, lambda call: self._call(call, caller))
+
+    async def _call(self, call: list[Merged], caller: Caller) -> list[Generated | Exception]:
+        """One replica call for the caller's run (one request, or a bundle of them), once the run has places in the
+        fleet for all its sequences (`deployments.control.fair_share`): each one's answer or API error. The run's
+        usage counts what its clients sent, each request and its prompt, as the usage each reply reports: merging
+        them is the fleet's saving, not the run's."""
+        places = sum(m.request.sampling.n for m in call)
         try:
-            async with self.gate.slot(caller.tenant, request.sampling.n, requests) as used:
-                result = await self.backend.generate(request)
-                used.prompt_tokens = len(request.prompt_ids) * requests
-                used.completion_tokens = sum(len(c.token_ids) for c in result.choices)
-                return result
-        except Exception as e:  # a ReplicaError keeps its status (404 unknown model, 400, 503); others are 500
-            api_error = as_api_error(e, "generation failed")
-            if api_error.status >= 500:
-                log.error("fleet ingress: generation failed: %s", self.scrub(repr(e))[:2000])
-            raise api_error from None
+            async with self.gate.slot(caller.tenant, places, sum(m.callers for m in call)) as used:
+                if len(call) == 1:
+                    answers: list[Generated | Exception] = [await self.backend.generate(call[0].request)]
+                else:
+                    answers = await self.backend.generate_many([m.request for m in call])
+                used.prompt_tokens = sum(len(m.request.prompt_ids) * m.callers for m in call)
+                used.completion_tokens = sum(
+                    len(c.token_ids) for a in answers if isinstance(a, Generated) for c in a.choices
+                )
+        except Exception as e:
+            raise self._api_error(e) from None
+        return [a if isinstance(a, Generated) else self._api_error(a) for a in answers]
+
+    def _api_error(self, failure: Exception) -> Exception:
+        """A ReplicaError keeps its status (404 unknown model, 400, 503); others are 500, logged."""
+        api_error = as_api_error(failure, "generation failed")
+        if api_error.status >= 500:
+            log.error("fleet ingress: generation failed: %s", self.scrub(repr(failure))[:2000])
+        return api_error
 
     def check_use(self, caller: Caller, model: str) -> None:
         """The base model and the teacher deployments are everyone's; an adapter its owner's (`Caller`)."""

@@ -39,6 +39,9 @@ class ApiSettings:
     default_run_weight: float = 1.0
     # How long like generations of one run wait for each other to share an engine call (`deployments.control.coalesce`).
     coalesce_window_s: float = 0.005
+    # Tokens per hashed block of the prefix router (`fleet.router.block_size`): scored sequences that share their first
+    # block route alike, and go in one replica call (`deployments.control.coalesce`).
+    routing_block_size: int = 32
     # The teacher deployments' model names (`FleetConfig.teacher`): served by replicas of their own, open to every run.
     teacher_models: frozenset[str] = frozenset()
     # What every lineage's signing key derives from (`contracts.auth.lineage_key`): the replicas verify with the same.

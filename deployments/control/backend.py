@@ -17,6 +17,10 @@ class Backend(Protocol):
 
     async def generate(self, request: GenerateRequest) -> Generated: ...
 
+    async def generate_many(self, requests: list[GenerateRequest]) -> list[Generated | Exception]:
+        """Requests that route alike in one replica call: each one's answer or failure, in order."""
+        ...
+
     async def broadcast(self, command: Command) -> list[Any]:
         """Send `command` to every live replica (`contracts.control`); its typed reply or exception per replica."""
         ...

@@ -1,19 +1,28 @@
-"""Coalescing: concurrent generations of one prompt under one adapter, sampled alike, become one engine call with `n`.
+"""Coalescing: concurrent requests of one run that the engine would serve alike become one replica call.
 
-Most clients ask for one sample per request (TRL's AsyncGRPOTrainer, the Tinker cookbook's RL loops, verifiers): a
-group of G samples arrives as G requests of `n=1` within milliseconds. Each would otherwise make its own trip
-through the fair share, the router, the Serve handle, the replica and the engine, which on a small machine costs far
-more than the sampling (bench/request_shapes.py measures it). Here the generations of one run that ask for the same
-thing (prompt ids, model, sampling but `n`, turn and session) within `window_s` of the first are sent as one
-`GenerateRequest` of their summed `n`, and the choices are dealt back in order, each caller's renumbered from 0.
+Most clients ask for one sample, or score one sequence, per request (TRL's AsyncGRPOTrainer, the Tinker cookbook's RL
+loops and KL penalty, verifiers, a distillation teacher): a group of G samples arrives as G requests of `n=1`, its G
+scored sequences as G requests, within milliseconds. Each would otherwise make its own trip through the fair share,
+the router, the Serve handle, the replica and the engine, which on a small machine costs far more than the sampling
+(bench/request_shapes.py measures it). Two ways to share a trip, among the requests of one run that arrive within
+`window_s` of the first:
 
-What stays as it was: the merged request goes through the same gate (its run's places, one per sequence), the same
-prefix-hash routing (same prompt, same adapter) and the same hand-back (`ServeBackend.generate` stitches before the
-choices are dealt). A choice is the engine's sample for that caller alone, its tokens and log-probs as sampled:
-vLLM samples the `n` children of a request independently. Never merged: requests with a seed (vLLM seeds a group's
-children `seed + i`, so a seeded request's tokens would change), greedy ones (vLLM samples them one by one) and runs
-apart (each run's fair share). A caller that goes away leaves its samples unread; the engine call is cancelled only
-once every caller of it has gone, and a caller gone before its call was sent is left out of it.
+- *merged*: requests that ask for the same thing (prompt ids, model, sampling but `n`, turn and session) are one
+  `GenerateRequest` of their summed `n`, and the choices are dealt back in order, each caller's renumbered from 0. A
+  choice is the engine's sample for that caller alone, its tokens and log-probs as sampled: vLLM samples the `n`
+  children of a request independently. Never merged: requests with a seed (vLLM seeds a group's children `seed + i`,
+  so a seeded request's tokens would change) and greedy ones (vLLM samples them one by one).
+- *bundled*: scored sequences (`prompt_logprobs`, at most one token sampled) that share their routing (model, session,
+  turn and first KV block: a group's sequences share their prompt) go side by side in one replica call
+  (`contracts.serving.GenerateBundle`), each still an engine request of its own, answered apart. Only scoring: its
+  engine time is one prefill, so no answer waits for a longer one, and the sequences would have been routed to the
+  replica holding their prompt anyway. Generations of distinct prompts are never bundled: a shared system prompt
+  would tie a run's whole load to one replica, and each answer to the slowest.
+
+What stays as it was: each call goes through the same gate (its run's places, one per sequence), the same
+prefix-hash routing and the same hand-back (`ServeBackend` stitches before the choices are dealt). Runs never share
+a call (each run's fair share). A caller that goes away leaves its samples unread; a call is cancelled only once
+every caller of it has gone, and a caller gone before its call was sent is left out of it.
 """
 
 from __future__ import annotations
@@ -28,20 +37,41 @@ from contracts.serving import Generated, GenerateRequest
 # vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily, one sample per request.
 GREEDY_BELOW = 1e-5
 
-# One engine call: the request, and how many clients' requests it serves (what their run's usage counts).
-Send = Callable[[GenerateRequest, int], Awaitable[Generated]]
+# One replica call: like requests as one each (`Merged`), the answer or failure of each in order.
+Send = Callable[[list["Merged"]], Awaitable[list[Generated | Exception]]]
+
+
+@dataclass(frozen=True)
+class Merged:
+    """Like requests as one engine request of their summed `n`, and how many clients' requests it answers (what
+    their run's usage counts)."""
+
+    request: GenerateRequest
+    callers: int = 1
 
 
 def coalescable(request: GenerateRequest) -> bool:
-    """Whether samples of this request may share an engine call with others': not a seeded one (its tokens depend on
-    its seed), nor a greedy one (vLLM refuses `n` > 1 below its `_SAMPLING_EPS`, the ingress's GREEDY_TEMPERATURE)."""
+    """Whether samples of this request may share an engine request with others': not a seeded one (its tokens depend
+    on its seed), nor a greedy one (vLLM refuses `n` > 1 below its `_SAMPLING_EPS`, the ingress's
+    GREEDY_TEMPERATURE)."""
     return request.sampling.seed is None and request.sampling.temperature >= GREEDY_BELOW
+
+
+def scoring(request: GenerateRequest) -> bool:
+    """A scored sequence: its prompt's log-probs asked for, at most one token sampled (one prefill of engine time)."""
+    sampling = request.sampling
+    return sampling.prompt_logprobs is not None and sampling.max_tokens is not None and sampling.max_tokens <= 1
 
 
 def merge_key(tenant: str, request: GenerateRequest) -> tuple:
     """What requests must share to be merged: the run, the prompt, the model, everything sampled but `n`."""
     same_sampling = dataclasses.replace(request.sampling, n=1)
     return (tenant, request.model, tuple(request.prompt_ids), request.turn, request.session, repr(same_sampling))
+
+
+def bundle_key(tenant: str, request: GenerateRequest, block_size: int) -> tuple:
+    """What scored sequences must share to be bundled: the run, and what routes them (model, session, first block)."""
+    return ("bundle", tenant, request.model, request.turn, request.session, tuple(request.prompt_ids[:block_size]))
 
 
 def merged(first: GenerateRequest, n: int) -> GenerateRequest:
@@ -61,75 +91,113 @@ def deal(result: Generated, counts: list[int]) -> list[Generated]:
 
 
 @dataclass
-class _Batch:
+class _Part:
+    """Requests merged into one engine request (or one alone): each caller's `n` and where its answer goes."""
+
     first: GenerateRequest
     counts: list[int] = field(default_factory=list)
     futures: list[asyncio.Future] = field(default_factory=list)
+
+    def live(self) -> _Part | None:
+        """This part without the callers gone meanwhile; None when none is left."""
+        kept = [(n, f) for n, f in zip(self.counts, self.futures, strict=True) if not f.cancelled()]
+        return _Part(self.first, [n for n, _ in kept], [f for _, f in kept]) if kept else None
+
+    def answer(self, answer: Generated | BaseException) -> None:
+        if isinstance(answer, BaseException):  # every caller gets the failure (a 4xx stays a 4xx)
+            shares = [answer] * len(self.futures)
+        else:
+            shares = deal(answer, self.counts)
+        for future, share in zip(self.futures, shares, strict=True):
+            if future.done():
+                continue
+            if isinstance(share, BaseException):
+                future.set_exception(share if isinstance(share, Exception) else asyncio.CancelledError())
+            else:
+                future.set_result(share)
+
+
+@dataclass
+class _Call:
+    """One replica call in the making: its parts by merge key."""
+
+    parts: dict[object, _Part] = field(default_factory=dict)
+    n: int = 0
     task: asyncio.Task | None = None
 
-    @property
-    def n(self) -> int:
-        return sum(self.counts)
+    def futures(self) -> list[asyncio.Future]:
+        return [f for part in self.parts.values() for f in part.futures]
 
 
 class Coalescer:
-    """Merges concurrent like generations of one run (`merge_key`) into one `send` of their summed `n`, up to
-    `max_n` sequences per call; `window_s` 0 sends every request alone."""
+    """Merges concurrent like generations of one run (`merge_key`) into one engine request of their summed `n`, and
+    bundles a run's scored sequences that route alike (`bundle_key`) into one replica call, up to `max_n` sequences
+    per call; `window_s` 0 sends every request alone."""
 
-    def __init__(self, window_s: float, max_n: int = 256):
+    def __init__(self, window_s: float, max_n: int = 256, block_size: int = 32):
         # How long the first request of a kind waits for others (`fleet.coalesce_window_s`): well under one engine
         # step on a CPU, and the samples of one group, sent back to back, reach the ingress within it.
         self.window_s = window_s
         self.max_n = max_n
-        self._open: dict[tuple, _Batch] = {}
+        self.block_size = block_size  # the router's (`fleet.router.block_size`): a bundle shares its first block
+        self._open: dict[tuple, _Call] = {}
         self.requests = 0  # generations asked for
-        self.calls = 0  # sends made for them
+        self.calls = 0  # replica calls made for them
 
     async def generate(self, tenant: str, request: GenerateRequest, send: Send) -> Generated:
         self.requests += 1
-        if self.window_s <= 0 or not coalescable(request) or request.sampling.n >= self.max_n:
+        if scoring(request):
+            key = bundle_key(tenant, request, self.block_size)
+        elif coalescable(request):
+            key = merge_key(tenant, request)
+        else:
+            key = None
+        if self.window_s <= 0 or key is None or request.sampling.n >= self.max_n:
             self.calls += 1
-            return await send(request, 1)
-        key = merge_key(tenant, request)
-        batch = self._open.get(key)
-        if batch is None or batch.n + request.sampling.n > self.max_n:
-            if batch is not None:  # full: it goes now, this request opens the next one
-                self._flush(key, batch, send)
-            batch = self._open[key] = _Batch(request)
-            asyncio.get_running_loop().call_later(self.window_s, self._flush, key, batch, send)
+            [answer] = await send([Merged(request)])
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        call = self._open.get(key)
+        if call is None or call.n + request.sampling.n > self.max_n:
+            if call is not None:  # full: it goes now, this request opens the next one
+                self._flush(key, call, send)
+            call = self._open[key] = _Call()
+            asyncio.get_running_loop().call_later(self.window_s, self._flush, key, call, send)
+        part_key = merge_key(tenant, request) if coalescable(request) else object()  # seeded, greedy: never merged
+        part = call.parts.setdefault(part_key, _Part(request))
         future = asyncio.get_running_loop().create_future()
-        batch.counts.append(request.sampling.n)
-        batch.futures.append(future)
+        part.counts.append(request.sampling.n)
+        part.futures.append(future)
+        call.n += request.sampling.n
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             future.cancel()
-            if batch.task is not None and all(f.cancelled() for f in batch.futures):
-                batch.task.cancel()  # nobody waits for its samples any more
+            if call.task is not None and all(f.cancelled() for f in call.futures()):
+                call.task.cancel()  # nobody waits for its samples any more
             raise
 
-    def _flush(self, key: tuple, batch: _Batch, send: Send) -> None:
-        if batch.task is not None:
+    def _flush(self, key: tuple, call: _Call, send: Send) -> None:
+        if call.task is not None:
             return  # sent already (it filled up before its window ended)
-        if self._open.get(key) is batch:
+        if self._open.get(key) is call:
             del self._open[key]
-        live = [(n, f) for n, f in zip(batch.counts, batch.futures, strict=True) if not f.cancelled()]
-        if not live:
+        parts = [live for part in call.parts.values() if (live := part.live()) is not None]
+        if not parts:
             return
-        batch.counts, batch.futures = [n for n, _ in live], [f for _, f in live]  # callers gone: no samples for them
+        call.parts = dict(enumerate(parts))  # callers gone: no samples for them
         self.calls += 1
-        batch.task = asyncio.get_running_loop().create_task(self._send(batch, send))
+        call.task = asyncio.get_running_loop().create_task(self._send(parts, send))
 
-    async def _send(self, batch: _Batch, send: Send) -> None:
+    async def _send(self, parts: list[_Part], send: Send) -> None:
         try:
-            result = await send(merged(batch.first, batch.n), len(batch.counts))
-        except BaseException as e:  # every caller gets the failure (a 4xx stays a 4xx), cancellation included
-            for future in batch.futures:
-                if not future.done():
-                    future.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+            answers = await send([Merged(merged(p.first, sum(p.counts)), len(p.counts)) for p in parts])
+        except BaseException as e:  # every caller gets the failure, cancellation included
+            for part in parts:
+                part.answer(e)
             if not isinstance(e, Exception):
                 raise
             return
-        for future, share in zip(batch.futures, deal(result, batch.counts), strict=True):
-            if not future.done():
-                future.set_result(share)
+        for part, answer in zip(parts, answers, strict=True):
+            part.answer(answer)

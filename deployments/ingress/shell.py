@@ -24,8 +24,10 @@ nothing elsewhere (127.0.0.1). `load_adapter` is that entry, the same all-or-not
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,10 @@ from contracts.auth import admin_token as resolve_admin_token
 from contracts.control import CONTROL_METHOD, Command, DescribeEngine
 from contracts.retry import Backoff, aretry
 from contracts.serving import (
+    BUNDLE_METHOD,
     GENERATE_METHOD,
     EngineDied,
+    GenerateBundle,
     Generated,
     GenerateRequest,
     ReplicaDraining,
@@ -130,7 +134,9 @@ class ServeBackend:
         self.spot = {"handed_back": 0, "refused_draining": 0, "replica_failures": 0}
 
     async def generate(self, request: GenerateRequest) -> Generated:
-        result = await self._generate(request)
+        return await self._finish(request, await self._generate(request))
+
+    async def _finish(self, request: GenerateRequest, result: Generated) -> Generated:
         if result.handed_back:  # its replica's node is going: continued elsewhere, stitched into one answer
             self.spot["handed_back"] += 1
             mark_draining(result.replica)
@@ -141,35 +147,87 @@ class ServeBackend:
         key = fingerprint(request)
         self._poison.check(key)  # it killed two engines lately: not a third
         engine_deaths = 0
-        handle = self._teachers.get(request.model, self._handle)
 
-        # The handle's router (PrefixHashRouter) reads `request.prompt_ids` and `request.model` to pick the replica;
-        # a retry is routed afresh, away from the replica Serve now knows is dead.
-        async def send():
+        def count(exc: BaseException) -> None:
             nonlocal engine_deaths
-            own_internal_request_id()
-            try:
-                return await handle.options(method_name=GENERATE_METHOD).remote(request)
-            except Exception as exc:
-                engine_deaths += engine_died(exc)
-                if _raised(exc, ReplicaDraining):  # sent again below, to a replica that stays
-                    self.spot["refused_draining"] += 1
-                    mark_draining(getattr(exc, "cause", exc).replica)
-                elif replica_failed(exc):
-                    self.spot["replica_failures"] += 1
-                raise
+            engine_deaths += engine_died(exc)
 
         def retryable(exc: BaseException) -> bool:
             # A dead replica (a preempted node) as often as GENERATE_BACKOFF allows; a dead engine once.
             return replica_failed(exc) or (engine_died(exc) and engine_deaths < ENGINE_DEATHS_PER_REQUEST)
 
         try:
-            return await aretry(send, GENERATE_BACKOFF, retryable, _log_retry)
+            return await self._call(request.model, GENERATE_METHOD, request, retryable, count)
         except Exception as exc:
             if not engine_died(exc):
                 raise
             # Never a 503, which clients send again: it would come back with a fresh count.
             raise self._poison.engine_failure(key, engine_deaths) from None
+
+    async def generate_many(self, requests: list[GenerateRequest]) -> list[Generated | Exception]:
+        """Requests that route alike (one model and session, one first block: `deployments.control.coalesce`) in one
+        replica call (`GenerateBundle`), each one's answer or failure in order. Each is what `generate` would answer:
+        a poisoned one is refused alone, a handed-back one continued elsewhere; and when an engine died under the
+        bundle, each goes again alone, so that the poison table finds the one that kills engines."""
+        refused: dict[int, Exception] = {}
+        for i, request in enumerate(requests):
+            try:
+                self._poison.check(fingerprint(request))
+            except Exception as exc:
+                refused[i] = exc
+        bundle = GenerateBundle(tuple(r for i, r in enumerate(requests) if i not in refused))
+        answers: list[Generated | Exception] = []
+        if bundle.requests:
+            try:
+                answers = await self._call(bundle.requests[0].model, BUNDLE_METHOD, bundle, replica_failed)
+            except Exception as exc:
+                if not engine_died(exc):
+                    raise
+                answers = [exc] * len(bundle.requests)
+        settled = iter(
+            await asyncio.gather(*(self._settle(r, a) for r, a in zip(bundle.requests, answers, strict=True)))
+        )
+        return [refused[i] if i in refused else next(settled) for i in range(len(requests))]
+
+    async def _settle(self, request: GenerateRequest, answer: Generated | Exception) -> Generated | Exception:
+        """A bundled request's answer as `generate` would give it: continued elsewhere if handed back, sent again
+        alone if an engine died under its bundle."""
+        try:
+            if isinstance(answer, Generated):
+                return await self._finish(request, answer)
+            if engine_died(answer):
+                return await self.generate(request)
+            return answer
+        except Exception as exc:
+            return exc
+
+    async def _call(
+        self,
+        model: str,
+        method: str,
+        payload: GenerateRequest | GenerateBundle,
+        retryable: Callable[[BaseException], bool],
+        failed: Callable[[BaseException], None] = lambda exc: None,
+    ) -> Any:
+        """One replica call, retried across replicas while `retryable` says so. The handle's router (PrefixHashRouter)
+        reads the payload's `prompt_ids` and `model` to pick the replica; a retry is routed afresh, away from the
+        replica Serve now knows is dead, or that said it drains."""
+        handle = self._teachers.get(model, self._handle)
+
+        async def send():
+            own_internal_request_id()
+            try:
+                return await handle.options(method_name=method).remote(payload)
+            except Exception as exc:
+                failed(exc)
+                if _raised(exc, ReplicaDraining):  # sent again, to a replica that stays
+                    self.spot["refused_draining"] += 1
+                    mark_draining(getattr(exc, "cause", exc).replica)
+                elif replica_failed(exc):
+                    self.spot["replica_failures"] += 1
+                raise
+
+        return await aretry(send, GENERATE_BACKOFF, retryable, _log_retry)
 
     async def broadcast(self, command: Command) -> list[Any]:
         """Each live replica's reply or exception. A replica that died meanwhile is left out, not counted as a
@@ -275,6 +333,7 @@ class Ingress:
             inflight_per_replica=None if cfg.fleet.inflight_budget else cfg.fleet.max_num_seqs,
             default_run_weight=cfg.fleet.default_run_weight,
             coalesce_window_s=cfg.fleet.coalesce_window_s,
+            routing_block_size=cfg.fleet.router.block_size,
             teacher_models=frozenset([cfg.teacher.name] if cfg.teacher else []),
             signing_secret=signing or signing_secret(token or None),
         )

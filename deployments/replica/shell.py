@@ -57,6 +57,8 @@ from contracts.serving import (
     INGRESS_DEPLOYMENT,
     PAUSE_MODES,
     BadRequest,
+    EngineDied,
+    GenerateBundle,
     Generated,
     GenerateRequest,
     ReplicaError,
@@ -84,6 +86,11 @@ def unstarted(sampling: Sampling, handed_back: bool) -> list[SampledChoice]:
     logprobs = [] if sampling.logprobs is not None else None
     top = [] if (sampling.logprobs or 0) > 0 else None
     return [SampledChoice(i, [], logprobs, top, ABORTED, None) for i in range(sampling.n)]
+
+
+def _the_requests_own(failure: BaseException) -> bool:
+    """A failure of the request (refused, aborted as asked), not of the replica, which would fail it anywhere."""
+    return isinstance(failure, ReplicaError) and not isinstance(failure, ReplicaUnavailable | EngineDied)
 
 
 class Replica:
@@ -115,6 +122,19 @@ class Replica:
             # 503 but not ReplicaUnavailable: the abort was asked for, so the ingress must not send it elsewhere.
             raise ReplicaError(f"replica {self.replica_id}: the request was aborted", 503)
         return Generated(self.replica_id, choices, handed_back)
+
+    async def generate_bundle(self, bundle: GenerateBundle) -> list[Generated | ReplicaError]:
+        """Each request of `bundle` sampled as a request of its own, all at once, in one call: each one's answer, or
+        its own failure (a 400, an abort asked for). A failure of the replica (its node going, its engine dead) fails
+        the whole call, as it would each request alone, so that the ingress sends them elsewhere."""
+        self._check_engine()
+        if self.notices is not None:
+            self.notices.check_accepting()
+        answers = await asyncio.gather(*(self.generate(r) for r in bundle.requests), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not _the_requests_own(answer):
+                raise answer
+        return answers
 
     async def control(self, command: Command) -> Any:
         """Every admin call of the ingress (`contracts.control`): the command's typed reply."""

@@ -5,8 +5,9 @@ across replicas, so each replica prefills the same prompt again. This router has
 token blocks the way vLLM's prefix cache does (`deployments.routing.prefix`) and sends a request to the
 replica that already holds the longest run of them, spilling to the least loaded replica when the
 preferred one is too far ahead. It sees only the arguments of the handle call, which is why the
-ingress calls `VLLMReplica.generate` with a `GenerateRequest` (`deployments.protocol`) that carries
-token ids, never raw text: the router reads its `prompt_ids` and `model`.
+ingress calls `VLLMReplica.generate` with a `GenerateRequest` (`contracts.serving`) that carries
+token ids, never raw text: the router reads its `prompt_ids` and `model` (of a `GenerateBundle`'s first request: its
+others share model and first block, and their blocks are recorded with it).
 
 Settings (block size, spill threshold, table bound) come from the replicas' own metadata, which the
 replicas take from the run config: the block size is then by construction the engines' KV block
@@ -41,7 +42,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from contracts.serving import GENERATE_METHOD, GenerateRequest
+from contracts.serving import BUNDLE_METHOD, GENERATE_METHOD, GenerateBundle, GenerateRequest
 from core.config import RouterConfig
 from deployments.routing.prefix import (
     OUTCOMES,
@@ -138,18 +139,22 @@ class PrefixHashRouter(RequestRouter):
         candidate_replicas = staying or candidate_replicas
         by_id = {_rid(r): r for r in candidate_replicas}
         loads = {rid: self._inflight.get(rid, 0) for rid in by_id}
-        request = _generate_request(pending_request)
+        requests = _generate_requests(pending_request)
         if pending_request is not None:
             # Back off between rounds when every replica is full, instead of spinning.
             pending_request.routing_context.should_backoff = True
-        if request is None:  # a call that is not a generation: plain least-loaded order
+        if not requests:  # a call that is not a generation: plain least-loaded order
             return [sorted(candidate_replicas, key=lambda r: loads[_rid(r)])]
         context = pending_request.routing_context
         chosen = getattr(context, "spotrl_replica", None)
         if chosen not in by_id:
             # First attempt (or the replica chosen before has died): decide and record now, so the
             # rest of the group, arriving a moment later, matches these blocks.
-            decision = self._decide(request, loads)
+            # A bundle's requests share their model, session and first block: the first decides for all, and the
+            # others' deeper blocks are recorded there too, so that what comes after them matches.
+            decision = self._decide(requests[0], loads)
+            for other in requests[1:]:
+                self._table.record(self._hashes(other), decision.replica)
             chosen = context.spotrl_replica = decision.replica
         rest = sorted((r for rid, r in by_id.items() if rid != chosen), key=lambda r: loads[_rid(r)])
         # If the chosen replica is full, Serve falls through to the next rank: the least loaded others.
@@ -157,7 +162,7 @@ class PrefixHashRouter(RequestRouter):
 
     def _decide(self, request: GenerateRequest, loads: dict[str, int]) -> Decision:
         # The adapter name seeds the chain: a prefix cached under policy-v3 is no match for policy-v4.
-        hashes = block_hashes(request.prompt_ids, self._settings["block_size"], request.model)
+        hashes = self._hashes(request)
         depths = self._table.match(hashes, loads)
         held = self._sessions.replica(request.session) if request.session is not None else None
         if held in loads:  # the session's replica holds its turns so far: the deepest match there is
@@ -181,6 +186,9 @@ class PrefixHashRouter(RequestRouter):
                 turn[decision.outcome] += 1
         self._metrics.record(decision, len(self._table))
         return decision
+
+    def _hashes(self, request: GenerateRequest) -> list[int]:
+        return block_hashes(request.prompt_ids, self._settings["block_size"], request.model)
 
     def _is_draining(self, replica: RunningReplica) -> bool:
         stats = getattr(replica, "routing_stats", None) or {}
@@ -290,12 +298,17 @@ class PrefixHashRouter(RequestRouter):
         }
 
 
-def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
-    """The GenerateRequest of a generation call (passed by position or by keyword), or None for any other call."""
-    if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
-        return None
-    arguments = (*pending_request.args, *pending_request.kwargs.values())
-    return next((a for a in arguments if isinstance(a, GenerateRequest)), None)
+def _generate_requests(pending_request: PendingRequest | None) -> tuple[GenerateRequest, ...]:
+    """The GenerateRequests of a generation call (one, or a `GenerateBundle`'s, passed by position or by keyword);
+    none for any other call."""
+    if pending_request is None or pending_request.metadata.call_method not in (GENERATE_METHOD, BUNDLE_METHOD):
+        return ()
+    for argument in (*pending_request.args, *pending_request.kwargs.values()):
+        if isinstance(argument, GenerateRequest):
+            return (argument,)
+        if isinstance(argument, GenerateBundle):
+            return argument.requests
+    return ()
 
 
 class _RouterMetrics:

@@ -70,6 +70,17 @@ class FakeBackend:
         ]
         return Generated("r0", choices)
 
+    async def generate_many(self, requests: list[GenerateRequest]) -> list[Generated | Exception]:
+        """A bundle (`ServeBackend.generate_many`): recorded as one call, each request answered as `generate` would."""
+        self.calls.append(("generate_many", tuple(requests)))
+        answers = []
+        for request in requests:
+            try:
+                answers.append(await self.generate(request))
+            except Exception as e:
+                answers.append(e)
+        return answers
+
     async def broadcast(self, command):
         self.calls.append((type(command).__name__, command))
         out = []

@@ -1,9 +1,9 @@
 """A stand-in for a Serve handle to the replicas, for the ingress's backend (`deployments.ingress.shell.ServeBackend`):
-it answers each generation call with the next of the outcomes it is given."""
+it answers each generation call (one request, or a bundle) with the next of the outcomes it is given."""
 
 from __future__ import annotations
 
-from contracts.serving import GENERATE_METHOD
+from contracts.serving import BUNDLE_METHOD, GENERATE_METHOD
 
 
 class GenerateHandle:
@@ -13,7 +13,7 @@ class GenerateHandle:
         self.outcomes, self.sent = list(outcomes), []
 
     def options(self, method_name):
-        assert method_name == GENERATE_METHOD
+        assert method_name in (GENERATE_METHOD, BUNDLE_METHOD)
         return self
 
     def remote(self, request):

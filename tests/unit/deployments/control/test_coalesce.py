@@ -2,11 +2,12 @@
 back, and what a failure or a caller that goes away does."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from contracts.serving import Generated, GenerateRequest, SampledChoice, Sampling
-from deployments.control.coalesce import Coalescer, deal, merge_key
+from deployments.control.coalesce import Coalescer, Merged, deal, merge_key
 
 
 def request(prompt=(1, 2, 3), model="base", n=1, seed=None, temperature=1.0, session=None) -> GenerateRequest:
@@ -14,17 +15,20 @@ def request(prompt=(1, 2, 3), model="base", n=1, seed=None, temperature=1.0, ses
 
 
 class Engine:
-    """A send that answers `n` distinct choices (token i*10, log-prob -i) after a pause, and records its calls."""
+    """A send that answers each request `n` distinct choices (token i*10, log-prob -i) after a pause, and records its
+    calls; `fail` fails the whole call, `refuse` the requests whose prompt ends in that token."""
 
-    def __init__(self, pause_s: float = 0.01, fail: Exception | None = None):
-        self.calls: list[GenerateRequest] = []
-        self.served: list[int] = []  # per call, the callers' requests it serves
-        self.pause_s, self.fail = pause_s, fail
+    def __init__(self, pause_s: float = 0.01, fail: Exception | None = None, refuse: int | None = None):
+        self.calls: list[GenerateRequest] = []  # every engine request, in the order sent
+        self.bundles: list[int] = []  # per replica call, the engine requests in it
+        self.served: list[int] = []  # per replica call, the callers' requests it serves
+        self.pause_s, self.fail, self.refuse = pause_s, fail, refuse
         self.cancelled = 0
 
-    async def __call__(self, req: GenerateRequest, requests: int) -> Generated:
-        self.calls.append(req)
-        self.served.append(requests)
+    async def __call__(self, call: list[Merged]) -> list[Generated | Exception]:
+        self.calls.extend(m.request for m in call)
+        self.bundles.append(len(call))
+        self.served.append(sum(m.callers for m in call))
         try:
             await asyncio.sleep(self.pause_s)
         except asyncio.CancelledError:
@@ -32,6 +36,11 @@ class Engine:
             raise
         if self.fail is not None:
             raise self.fail
+        return [self.answer(m.request) for m in call]
+
+    def answer(self, req: GenerateRequest) -> Generated | Exception:
+        if req.prompt_ids[-1] == self.refuse:
+            return ValueError(f"400: refused {req.prompt_ids}")
         choices = [SampledChoice(i, [i * 10], [-float(i)], None, "length", None) for i in range(req.sampling.n)]
         return Generated("r0", list(reversed(choices)))
 
@@ -182,3 +191,75 @@ def test_deal_gives_a_short_answer_what_there_is():
     shares = deal(result, [2, 2])
     assert [[c.token_ids for c in s.choices] for s in shares] == [[[0], [1]], [[2]]]
     assert all(s.handed_back and s.replica == "r1" for s in shares)
+
+
+def scored(*tail: int, prompt=tuple(range(32)), **sampling) -> GenerateRequest:
+    """A scored sequence: a prompt of one router block (32 tokens) and a completion, its prompt's log-probs asked for."""
+    return GenerateRequest([*prompt, *tail], "base", Sampling(max_tokens=1, prompt_logprobs=0, **sampling))
+
+
+def test_a_groups_scored_sequences_sent_one_per_request_are_one_replica_call_each_answered_apart():
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    sequences = [scored(40 + i, 50 + i) for i in range(8)]
+
+    async def go():
+        return await asyncio.gather(*(coalescer.generate("run-a", s, engine) for s in sequences))
+
+    results = run(go())
+    assert engine.bundles == [8] and engine.served == [8]  # one replica call, eight engine requests
+    assert engine.calls == sequences  # each sequence its own engine request, unchanged, in order
+    assert all(len(r.choices) == 1 for r in results)
+    assert (coalescer.requests, coalescer.calls) == (8, 1)
+
+
+def test_scored_sequences_that_would_route_apart_are_never_bundled():
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    other_prompt = scored(40, prompt=tuple(range(1, 33)))  # another first block: another route
+    others = [
+        other_prompt,
+        dataclasses.replace(scored(41), model="run-a/policy-v1"),  # another adapter
+        dataclasses.replace(scored(42), session="s1"),  # another session's replica
+    ]
+
+    async def go():
+        await asyncio.gather(*(coalescer.generate("run-a", s, engine) for s in [scored(43), *others]))
+        await coalescer.generate("run-b", scored(44), engine)  # another run: its own share
+
+    run(go())
+    assert engine.bundles == [1, 1, 1, 1, 1]
+
+
+def test_generations_of_distinct_prompts_are_never_bundled_even_when_they_share_a_first_block():
+    """A shared system prompt must not tie a run's generations to one replica, nor each answer to the slowest."""
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    prompts = [GenerateRequest([*range(32), 40 + i], "base", Sampling(max_tokens=8)) for i in range(4)]
+
+    async def go():
+        await asyncio.gather(*(coalescer.generate("run-a", p, engine) for p in prompts))
+
+    run(go())
+    assert engine.bundles == [1, 1, 1, 1]
+
+
+def test_seeded_and_greedy_scored_sequences_are_bundled_side_by_side_never_merged():
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    same = [scored(40, seed=3), scored(40, seed=3), scored(40, temperature=0.0), scored(40, temperature=0.0)]
+
+    async def go():
+        return await asyncio.gather(*(coalescer.generate("run-a", s, engine) for s in same))
+
+    results = run(go())
+    assert engine.bundles == [4] and [c.sampling.n for c in engine.calls] == [1, 1, 1, 1]
+    assert all(len(r.choices) == 1 for r in results)
+
+
+def test_a_bundled_requests_own_failure_reaches_its_callers_alone():
+    engine, coalescer = Engine(refuse=66), Coalescer(window_s=0.005, block_size=32)
+
+    async def go():
+        sent = [scored(40), scored(66), scored(66), scored(41)]  # the two 66s are one engine request of n=2
+        return await asyncio.gather(*(coalescer.generate("run-a", s, engine) for s in sent), return_exceptions=True)
+
+    results = run(go())
+    assert engine.bundles == [3] and [c.sampling.n for c in engine.calls] == [1, 2, 1]
+    assert [type(r).__name__ for r in results] == ["Generated", "ValueError", "ValueError", "Generated"]

@@ -10,6 +10,7 @@ from contracts.retry import Backoff
 from contracts.serving import (
     BadRequest,
     EngineDied,
+    GenerateBundle,
     Generated,
     GenerateRequest,
     ModelNotFound,
@@ -163,3 +164,46 @@ def test_the_poison_table_forgets_after_its_ttl_and_stays_bounded():
     with pytest.raises(PoisonRequest):
         table.check(keys[4])
     assert len(table) == 1
+
+
+def _scored(*tail: int, seed=None) -> GenerateRequest:
+    """A scored sequence of a group: the group's prompt and one completion."""
+    return GenerateRequest([1, 2, 3, *tail], "policy-v1", Sampling(max_tokens=1, prompt_logprobs=0, seed=seed))
+
+
+def test_a_bundle_is_one_call_answered_apart_and_sent_again_whole_when_its_replica_died(no_pauses):
+    requests = [_scored(4), _scored(5), _scored(6)]
+    answers = [Generated("a", []), BadRequest("too long"), Generated("a", [])]
+    handle = GenerateHandle(ActorDiedError(), answers)
+    assert asyncio.run(_backend(handle).generate_many(requests)) == answers  # each its own answer, in order
+    assert handle.sent == [GenerateBundle(tuple(requests))] * 2
+
+
+def test_an_engine_death_under_a_bundle_sends_each_request_again_alone_so_poison_is_found_alone(no_pauses):
+    from deployments.ingress.poison import PoisonRequest
+
+    poison, bystander = _scored(4, seed=2**63), _scored(5)
+    # The bundle kills an engine; alone, the poison kills one (sent once more), the bystander is served, the poison
+    # kills a second: refused.
+    handle = GenerateHandle(EngineDied("a"), EngineDied("b"), Generated("c", []), EngineDied("d"))
+    backend = _backend(handle, ttl_s=60.0)
+    first, second = asyncio.run(backend.generate_many([poison, bystander]))
+    assert isinstance(first, PoisonRequest) and second == Generated("c", [])
+    assert handle.sent == [GenerateBundle((poison, bystander)), poison, bystander, poison]
+    # Refused by its fingerprint from now on, alone: the others of its next bundle are served.
+    handle.outcomes = [[Generated("e", [])]]
+    first, second = asyncio.run(backend.generate_many([poison, _scored(6)]))
+    assert isinstance(first, PoisonRequest) and second == Generated("e", [])
+    assert handle.sent[-1] == GenerateBundle((_scored(6),))
+
+
+def test_a_bundled_request_its_replica_handed_back_is_continued_elsewhere(no_pauses):
+    from contracts.serving import SampledChoice
+
+    long = GenerateRequest([1, 2, 3, 4], "policy-v1", Sampling(max_tokens=1, prompt_logprobs=0))
+    cut = Generated("a", [], handed_back=True)  # handed back before it started: sent again whole
+    whole = Generated("b", [SampledChoice(0, [9], None, None, "length", None)])
+    handle = GenerateHandle([Generated("a", []), cut], whole)
+    backend = _backend(handle)
+    answers = asyncio.run(backend.generate_many([_scored(5), long]))
+    assert answers[1] is whole and handle.sent[1] == long and backend.spot["handed_back"] == 1

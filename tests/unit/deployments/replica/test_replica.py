@@ -9,9 +9,11 @@ import pytest
 
 from contracts.control import Pause, Resume
 from contracts.serving import (
+    BUNDLE_METHOD,
     GENERATE_METHOD,
     BadRequest,
     EngineDied,
+    GenerateBundle,
     GenerateRequest,
     ModelNotFound,
     ReplicaError,
@@ -27,8 +29,27 @@ def _replica(tmp_path, llm=None, *, pause_lease_s=60.0, **slot_sizes) -> Replica
     return Replica(REPLICA, slots.engine, slots, pause_lease_s)
 
 
-def test_the_routed_method_exists():
-    assert callable(getattr(VLLMReplica, GENERATE_METHOD))
+def test_the_routed_methods_exist():
+    assert callable(getattr(VLLMReplica, GENERATE_METHOD)) and callable(getattr(VLLMReplica, BUNDLE_METHOD))
+
+
+def test_a_bundle_answers_each_request_apart_and_fails_whole_only_when_the_replica_does(tmp_path):
+    scored = Sampling(max_tokens=1, prompt_logprobs=0)
+    bundle = GenerateBundle(
+        (
+            GenerateRequest([1, 2, 3], "base", scored),
+            GenerateRequest([1, 2, 4], "base", Sampling(max_tokens=1, temperature=9.0)),  # vLLM refuses it: its own 400
+            GenerateRequest([1, 2, 5], "base", scored),
+        )
+    )
+    first, refused, last = asyncio.run(_replica(tmp_path).generate_bundle(bundle))
+    assert isinstance(refused, BadRequest)
+    assert [c.token_ids for c in first.choices] == [[7]] and first.choices[0].prompt_logprobs[2] == {3: (-1.0, 1)}
+    assert last.choices[0].prompt_logprobs[2] == {5: (-1.0, 1)}  # each its own sequence scored
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    with pytest.raises(EngineDied):  # the engine died under it: the whole call fails, for the ingress to resend
+        asyncio.run(_replica(tmp_path, StandInLLM(EngineDeadError(), dies=True)).generate_bundle(bundle))
 
 
 def test_replica_errors_keep_their_class_and_status_through_pickling():

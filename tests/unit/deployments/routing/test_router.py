@@ -122,6 +122,34 @@ async def _settings_from_metadata():
     assert explicit.stats()["settings"]["block_size"] == 16
 
 
+def test_a_bundle_goes_where_its_first_request_goes_and_its_others_blocks_are_recorded_there(patched_replicas):
+    asyncio.run(_routes_a_bundle())
+
+
+async def _routes_a_bundle():
+    from ray.serve._private.request_router.common import RequestRoutingContext
+
+    from contracts.serving import BUNDLE_METHOD, GenerateBundle
+
+    router = _router(spill_threshold=100)
+    a, b = _FakeReplica("a", {"router": {"block_size": 16}}), _FakeReplica("b", {"router": {"block_size": 16}})
+    router.update_replicas([a, b])
+    prompt = list(range(32))
+    sequences = [prompt + [100 + i] * 16 for i in range(3)]  # a group's scored sequences: one prompt, three tails
+    bundle = GenerateBundle(tuple(GenerateRequest(s, "policy-v1", Sampling(max_tokens=1)) for s in sequences))
+    pending = SimpleNamespace(
+        args=[bundle],
+        kwargs={},
+        metadata=SimpleNamespace(call_method=BUNDLE_METHOD),
+        routing_context=RequestRoutingContext(),
+    )
+    chosen = (await router.choose_replicas([a, b], pending))[0][0]
+    for sequence in sequences[1:]:  # each tail's blocks are where the bundle went: a later request of one matches
+        assert (await router.choose_replicas([a, b], _pending(sequence)))[0][0] is chosen
+    counts = router.stats()["replicas"]
+    assert sum(c["routed"] for c in counts.values()) == 3  # the bundle is one routing decision
+
+
 def test_router_reads_the_generate_request_by_name_wherever_it_is_passed(patched_replicas):
     asyncio.run(_reads_the_request())
 
