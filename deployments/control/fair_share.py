@@ -8,11 +8,11 @@ once, `num_replicas x max_num_seqs`) are held on the fleet at once; a generation
 queue. When one finishes, the freed places go to the waiting run that holds the fewest places for its weight
 (smallest `(in_flight + n) / weight`, the oldest waiter on a tie), once that many are free (the free places are
 kept for it meanwhile: a large generation is never passed over by smaller ones, which would starve it), so under
-contention every run holds places in
-proportion to its weight (`share`), a run that arrives late gets the very next places until it holds
-its share, and no waiting run is passed over forever: one that holds no place gets the next one first,
-whatever its weight. It is work-conserving up to that: places are kept free only while the next waiter's
-generation does not fit yet, so a run alone on the fleet uses all of it. A generation of more sequences than the
+contention every run holds places in proportion to its weight (`share`), a run that arrives late gets the very
+next places until it holds its share, and no waiting run is passed over forever: once no run's next generation
+fits within its share, one that holds no place comes next, whatever its weight or the size of its generation.
+It is work-conserving up to that: places are kept free only while the next waiter's generation does not fit yet,
+so a run alone on the fleet uses all of it. A generation of more sequences than the
 budget holds the whole budget.
 
 What it does not do: take places back. A burst that filled an idle fleet keeps its generations until
@@ -190,19 +190,24 @@ class FairShare:
             waiter.granted.set_result(need)
 
     def _choose(self) -> tuple[str, _Waiter] | None:
-        """The next waiter to be granted places: the head of the run holding the fewest for its weight, once granted."""
+        """The next waiter to be granted places, the head of its run's queue: first a run whose generation keeps it
+        within its share, then a run holding no place, then the rest; in each, the run holding the fewest places for
+        its weight once granted, the oldest waiter on a tie."""
         candidates = [(name, s) for name, s in self._tenants.items() if s.waiting]
         if not candidates:
             return None
-        # A run holding no place comes first: even a weight whose share is under one place makes progress.
-        name, state = min(
-            candidates,
-            key=lambda c: (
-                c[1].in_flight > 0,
-                (c[1].in_flight + self._fitted(c[1].waiting[0].places)) / self._weight_of(c[0]),
-                c[1].waiting[0].order,
-            ),
-        )
+        active = sum(self._weight_of(name) for name, s in self._tenants.items() if not s.idle)
+
+        def rank(candidate: tuple[str, _Tenant]) -> tuple:
+            name, state = candidate
+            after = state.in_flight + self._fitted(state.waiting[0].places)
+            weight = self._weight_of(name)
+            # Within its share first: a run of small generations is not held back to one of them per large one
+            # of another run's. Then a run holding no place: a weight whose share is under one place, or a
+            # generation larger than its run's share, still makes progress.
+            return (after > self.budget * weight / active, state.in_flight > 0, after / weight, state.waiting[0].order)
+
+        name, state = min(candidates, key=rank)
         return name, state.waiting[0]
 
     def _waited(self, tenant: str, state: _Tenant, wait_s: float, requests: int) -> None:

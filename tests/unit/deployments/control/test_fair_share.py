@@ -307,13 +307,37 @@ def test_a_waiter_larger_than_a_shrunk_budget_takes_the_whole_of_it_and_nobody_d
         await fleet.submit("c", 2, n=1)  # behind b: the free places are kept for it
         fleet.gate.resize(4)  # half the fleet gone
         await fleet.finish("a")
-        assert fleet.admitted == ["a", "c"]  # the smaller ask first; then b, holding no place, is next
+        # c's two fit within its share (half the 4 places) and go first; then b, holding no place, is next
+        assert fleet.admitted == ["a", "c", "c"]
         await fleet.finish("c")
-        assert fleet.admitted == ["a", "c", "b"] and fleet.gate.stats()["in_flight"] == 4  # b: the whole budget
+        assert fleet.admitted == ["a", "c", "c"]  # the free places kept for b
+        await fleet.finish("c")
+        assert fleet.admitted == ["a", "c", "c", "b"] and fleet.gate.stats()["in_flight"] == 4  # b: the whole budget
         await fleet.finish("b")
-        assert fleet.admitted == ["a", "c", "b", "c"] and fleet.gate.stats()["in_flight"] == 1  # b's 4 came back
-        await fleet.finish("c")
         assert fleet.gate.stats()["in_flight"] == 0
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_small_generations_fill_their_runs_share_between_another_runs_large_ones():
+    """Single samples merged into one generation of 8 (a run's burst, `deployments.control.coalesce`) beside another
+    run's generations of 2: between two of the large ones, the small run fills its share (4 of 8 places) instead
+    of one generation of 2 per large one, which would serve it at a fifth of the fleet's sequences, not half."""
+
+    async def main():
+        fleet = Fleet(budget=8)
+        await fleet.submit("a", 4, n=8)  # one in flight, three waiting
+        await fleet.submit("b", 4, n=2)
+        await fleet.finish("a")
+        assert fleet.admitted == ["a", "b", "b"] and fleet.in_flight("b") == 4  # b's share; then a's next, whole
+        await fleet.finish("b", count=2)
+        assert fleet.admitted == ["a", "b", "b", "a"]
+        await fleet.finish("a")
+        assert fleet.admitted == ["a", "b", "b", "a", "b", "b"]  # all of b's done after two of a's four
+        await fleet.finish("b", count=2)
+        await fleet.finish("a", count=2)
+        assert fleet.admitted == ["a", "b", "b", "a", "b", "b", "a", "a"]
         await fleet.close()
 
     asyncio.run(main())
