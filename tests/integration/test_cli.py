@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from core.bucket.store import AdapterStore
 from tests.integration.test_train import train_cmd
 from tests.support.fleet_helpers import running_fleet
@@ -27,6 +29,7 @@ def last_json(output: str) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # ~4.5 min, a run and an evaluation; in CI launch/test_cli and `spotrl runs`/`eval` below
 def test_spotrl_train_is_make_trains_run_and_spotrl_eval_measures_the_adapter_it_produced(tmp_path, tiny_model_path):
     cmd = train_cmd(tmp_path, 2, "fleet.num_replicas=1")  # one engine fewer to start on a 2-core CI machine
     assert cmd[1:3] == ["-m", "launch.train"]  # what `make train` runs, with these arguments

@@ -9,6 +9,7 @@ import pytest
 from tests.integration.test_train import run_train
 
 
+@pytest.mark.slow  # ~1.5 min; in CI test_metrics_sink writes each tracker's files from the same rows
 def test_a_run_reports_every_step_to_jsonl_tensorboard_and_an_offline_wandb_run(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -172,6 +172,7 @@ def test_a_trl_environment_factory_run_learns_to_call_tools_on_the_tiny_model(tm
     assert summary["heldout_accuracy_after"] >= summary["heldout_accuracy_before"] + 0.10, summary
 
 
+@pytest.mark.slow  # ~3 min, two runs; in CI test_spot's notices on the learner's node stand for it
 def test_a_notice_for_the_machine_checkpoints_and_stops_cleanly_and_the_same_command_resumes_then_says_finished(
     tmp_path, tiny_model_path
 ):
@@ -287,6 +288,7 @@ def trl_env_run(tmp_path: Path, factory: str, steps: int = 2) -> list[str]:
     )
 
 
+@pytest.mark.slow  # ~2 min; in CI test_episodes and test_openenv's failing episodes stand for it
 def test_a_reset_that_raises_on_some_problems_costs_those_episodes_and_the_run_finishes(tmp_path):
     """The evaluation before step 1 plays each held-out problem as a group of one: a `reset` that raised on one of
     them used to end the run with a traceback. Now each such episode scores unsolved and is counted, the training
@@ -307,6 +309,7 @@ def test_a_reset_that_raises_on_some_problems_costs_those_episodes_and_the_run_f
     assert summary["reward_errors_total"] == 0 and summary["reward_errors"] == {}  # the keyword-style reward scored
 
 
+@pytest.mark.slow  # ~1.5 min; in CI test_rollout's every-recent-group-failed test stands for it
 def test_an_environment_that_fails_on_every_problem_stops_the_run_with_one_line(tmp_path):
     proc = subprocess.Popen(
         trl_env_run(tmp_path, "ResetAlwaysRaises"), cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
