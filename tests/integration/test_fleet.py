@@ -655,6 +655,32 @@ def test_one_sample_per_request_is_token_exact_against_a_group_and_like_requests
             assert c[0]["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-3)
 
 
+def test_scored_sequences_sent_one_per_request_are_one_replica_call_and_score_as_in_a_batch(fleet):
+    """What a KL penalty or a teacher sends (the Tinker cookbook, TRL): one scored sequence per request. A group's
+    sequences share their prompt, so they route alike and go in one replica call (`deployments.control.coalesce`):
+    routed less than once each, to one replica, each scored as its own sequence, as the batched request scores it."""
+    prompt = random_prompt(4444, 40)
+    sequences = [prompt + random_prompt(4500 + i, 8) for i in range(G)]
+    scoring = {"max_tokens": 1, "prompt_logprobs": 0}
+    with httpx.Client(base_url=fleet.url, timeout=120, trust_env=False) as client:
+        before = fleet.client.router_stats()["totals"]["routed"]
+        batched = client.post("/v1/completions", json={"model": "policy-v1", "prompt": sequences, **scoring})
+        assert batched.status_code == 200, batched.text
+        assert fleet.client.router_stats()["totals"]["routed"] - before == 1  # the batch's G sequences: one call
+    before = fleet.client.router_stats()["totals"]["routed"]
+    single = burst(fleet.url, [(s, "policy-v1") for s in sequences], **scoring)
+    assert [r.status_code for r in single] == [200] * G
+    # Sent together, they reach the ingress within its window (a loaded machine may split them: never one each).
+    assert fleet.client.router_stats()["totals"]["routed"] - before < G
+    assert len({r.headers["x-spotrl-replica"] for r in single}) == 1
+    for one, of_batch, sequence in zip(single, batched.json()["choices"], sequences, strict=True):
+        (choice,) = one.json()["choices"]
+        assert choice["prompt_token_ids"] == sequence
+        mine = [p[str(t)]["logprob"] for p, t in zip(choice["prompt_logprobs"][1:], sequence[1:], strict=True)]
+        batch = [p[str(t)]["logprob"] for p, t in zip(of_batch["prompt_logprobs"][1:], sequence[1:], strict=True)]
+        assert mine == pytest.approx(batch, abs=1e-3)
+
+
 def test_a_generation_cut_by_a_new_version_is_continued_token_exact_and_each_segment_scored_as_its_version(
     fleet, tmp_path
 ):
