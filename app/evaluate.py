@@ -85,16 +85,21 @@ async def evaluate_async(
 def agreements(
     judges: Mapping[str, JudgeReward], problems: list[Problem], samples: list[Sample | None], solved: list[bool]
 ) -> dict[str, float]:
-    """Each judge's agreement with the evaluation's verdicts on the samples played (`app.rollout.judges`); a judge
-    that fails here is left out, logged: the accuracy stands without it."""
-    kept = [(p, s.text, ok) for p, s, ok in zip(problems, samples, solved, strict=True) if s and not s.env_error]
+    """Each judge's agreement with the evaluation's verdicts on the samples played (`app.rollout.judges`), each
+    sample shown to it as in training: a completion after its problem's prompt, an episode as its messages (its
+    `{transcript}` every turn); a judge that fails here is left out, logged: the accuracy stands without it."""
+    kept = [
+        (p, s.judged or (p.prompt, s.text), ok)
+        for p, s, ok in zip(problems, samples, solved, strict=True)
+        if s and not s.env_error
+    ]
     found: dict[str, float] = {}
     if not kept:
         return found
-    played, texts, verdicts = (list(column) for column in zip(*kept, strict=True))
+    played, seen, verdicts = (list(column) for column in zip(*kept, strict=True))
     for name, judge in judges.items():
         try:
-            found[name] = judge_agreement(judge, played, texts, verdicts)
+            found[name] = judge_agreement(judge, played, seen, verdicts)
         except Exception as e:  # noqa: BLE001 - the measure of trust in a judge never costs the evaluation
             log.warning("judge %s: no agreement measured: %s: %s", name, type(e).__name__, e)
     return found

@@ -89,6 +89,9 @@ class Sample:
     streams: dict[str, list[float]] = field(default_factory=dict)
     # What the environment said last of an episode (its last observation, or its error): a self teacher's feedback.
     feedback: str = ""
+    # An episode as its judges read it: its prompt and its completion as chat messages (the model's turns, the
+    # environment's or its tools' replies), what `{transcript}` shows; None: a completion, read as its `text`.
+    judged: tuple[Any, list[dict]] | None = None
 
     @property
     def succeeded(self) -> bool:

@@ -44,6 +44,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.rollout.continuation import Flight, version_of
 from app.rollout.sampling import GroupStale, Sampled, Sampler, SamplingArgs
@@ -113,7 +114,10 @@ class Episode:
         self.text += text
         self.messages.append({"role": "user", "content": text if said is None else said})
 
-    def sample(self) -> Sample:
+    def sample(self, judged: tuple[Any, list[dict]] | None = None) -> Sample:
+        """The episode as a sample, carrying itself as its judges read it where `judged` says so (its prompt and its
+        completion as messages: `Sample.judged`), for a judge's agreement with the held-out measure
+        (`app.evaluate`)."""
         return Sample(
             self.completion_ids,
             self.sampling_logprobs,
@@ -127,6 +131,7 @@ class Episode:
             solved=self.solved,
             streams={VERSIONS: list(self.versions)},
             feedback=self.feedback,
+            judged=judged,
         )
 
 
@@ -184,7 +189,7 @@ class EpisodeRunner(Sampler):
         judges, errors = self.judges, {}
         if judges is not None:
             errors = await self._judge(judges, problem, episodes, version_of(model) or 0)
-        samples = [e.sample() for e in episodes]
+        samples = [e.sample(judged=(problem.prompt, e.messages)) for e in episodes]  # as `_judge` shows them
         self.meter.generated(sum(sum(s.completion_mask) for s in samples))
         return Sampled(samples, errors)
 

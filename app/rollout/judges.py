@@ -45,6 +45,7 @@ from app.fleet_client import FleetClient, FleetError
 from app.rollout.teacher import request_batches
 from app.tasks.problems import Problem
 from app.tasks.rewards import RewardScorer, resolve_reward
+from contracts.adapters import split_run
 from contracts.retry import Backoff
 from core.config.context import template_fields
 from core.config.judges import RETRY_PAUSE_MAX_S, GenerativeVerdict, JudgeConfig, LogprobVerdict
@@ -405,19 +406,44 @@ def probe_judges(
         try:
             judge.probe()
         except (FleetError, StopIteration) as e:
-            where = cfg.judges[name].url or fleet_url
-            raise JudgeRefused(f"judges.{name}: {cfg.judges[name].model} at {where} does not judge: {e}") from None
+            raise JudgeRefused(refusal(name, judge, fleet_url, e)) from None
         finally:
             judge.close()
 
 
-def judge_agreement(judge: JudgeReward, problems: list[Problem], completions: list[str], solved: list[bool]) -> float:
+def refusal(name: str, judge: JudgeReward, fleet_url: str, error: BaseException) -> str:
+    """Why judge `name` does not judge, in one line: what its probe raised; and for a name on the run's fleet that is
+    no run's adapter (`<run>/...`) and that the fleet does not list, that the fleet has no deployment of that name,
+    which deployments it has, and how a fleet gets one (its config's `judge:`)."""
+    model, url = judge.judge.model, judge.judge.url
+    said = f"judges.{name}: {model} at {url or fleet_url} does not judge: {error}"
+    if url is not None or model == "base" or split_run(model)[0] is not None:
+        return said
+    try:
+        listed = judge.client.models()
+    except FleetError:
+        return said
+    if any(m.get("id") == model for m in listed):
+        return said
+    deployments = [m["id"] for m in listed[1:] if m.get("parent") is None]  # the base model first, then those
+    return (
+        f"judges.{name}: the fleet at {fleet_url} has no deployment {model!r} (its deployments: "
+        f"{', '.join(deployments) or 'none'}) nor an adapter of that name this run may use; a judge model of the "
+        f"fleet's own is served by its config's judge deployment, `judge: {{name: {model}, model: {{...}}}}` ({error})"
+    )
+
+
+def judge_agreement(
+    judge: JudgeReward, problems: list[Problem], seen: list[tuple[Any, Any]], solved: list[bool]
+) -> float:
     """Share of held-out samples on which the judge's verdict (a score over one half: right) is the evaluation's
-    (`solved`, by `eval.reward_funcs`): how far a judged run's reward can be trusted. An unreadable verdict counts as
-    the score it trains with; raises what the judge's client raises."""
+    (`solved`, by `eval.reward_funcs`): how far a judged run's reward can be trusted. Each sample is shown to the judge
+    as `seen` gives it, a (prompt, completion) pair as in training: an episode's completion is its messages, which
+    `{transcript}` shows turn by turn and `{completion}` by its last. An unreadable verdict counts as the score it
+    trains with; raises what the judge's client raises."""
     texts = [
-        render(judge.judge.template, p.prompt, c, p.answer, p.columns)
-        for p, c in zip(problems, completions, strict=True)
+        render(judge.judge.template, prompt, completion, p.answer, p.columns)
+        for p, (prompt, completion) in zip(problems, seen, strict=True)
     ]
     scores = [judge.unreadable if v is None else v for v in judge.verdicts(texts)]
     return sum((s > 0.5) == ok for s, ok in zip(scores, solved, strict=True)) / len(solved)

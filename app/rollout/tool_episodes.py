@@ -169,7 +169,7 @@ class ToolEpisodeRunner(Sampler):
         for e, reward in zip(episodes, rewards, strict=True):
             if e.lost is None:
                 e.episode.turn_rewards = [0.0] * (e.episode.turns - 1) + [reward]
-            samples.append(e.episode.sample())
+            samples.append(e.episode.sample(judged=(e.messages[: e.prompt_len], e.completion)))  # as `_score` does
         self.meter.generated(sum(sum(s.completion_mask) for s in samples))
         return Sampled(samples, errors, prompt_ids=group_prompt)
 

@@ -402,22 +402,26 @@ class Judging:
         choices = [{"index": i, "text": t, "finish_reason": "stop", "token_ids": []} for i, t in enumerate(texts)]
         return httpx.Response(200, json={"choices": choices})
 
-    def runner(self, fleet, env, weight=0.5, **judge):
-        """An episode runner whose episodes this judge scores too, weighted `weight`."""
+    def reward(self, **judge):
+        """This judge as a reward, its template showing an episode's transcript and its last turn."""
         import httpx
 
         from app.fleet_client import FleetClient
         from app.rollout.judges import JudgeReward
-        from app.tasks.rewards import RewardScorer
         from contracts.retry import Backoff
         from core.config.judges import JudgeConfig
-        from tests.support.scripted_fleet import decode
 
         client = FleetClient(
             "http://judge.test", transport=httpx.MockTransport(self.handler), backoff=Backoff(1, 0.0), timeout_s=1.0
         )
-        config = JudgeConfig(template="{transcript} | {completion}", **judge)
-        scorer = RewardScorer([JudgeReward("j", config, client)], weights=[weight])
+        return JudgeReward("j", JudgeConfig(template="{transcript} | {completion}", **judge), client)
+
+    def runner(self, fleet, env, weight=0.5, **judge):
+        """An episode runner whose episodes this judge scores too, weighted `weight`."""
+        from app.tasks.rewards import RewardScorer
+        from tests.support.scripted_fleet import decode
+
+        scorer = RewardScorer([self.reward(**judge)], weights=[weight])
         return EpisodeRunner(
             env, encode, fleet, max_turns=4, max_episode_tokens=200, timeout_s=0.5, decode=decode, judges=scorer
         )
@@ -448,6 +452,21 @@ def test_a_judge_scores_each_played_episode_by_its_transcript_beside_the_environ
     assert (
         metrics["judge/j/requests"] == 1 and metrics["judge/j/samples"] == 1 and metrics["env/errors/step_raised"] == 1
     )
+
+
+def test_a_judges_heldout_agreement_reads_each_episode_as_training_judged_it():
+    """The held-out measure of a judge's agreement (`app.evaluate.agreements`) shows it an episode as training does:
+    its transcript, every turn in order, and its last turn as `{completion}`; never the sample's text (the turns and
+    observations run together, as if one assistant turn)."""
+    from app.evaluate import agreements
+
+    judge = Judging(lambda prompt: "yes" if prompt.endswith("assistant: 55 | 55") else "no")
+    (right,) = judged(judge.runner(ScriptedFleet(["46", "53", "55"]), ChainedArithmetic), 1).samples
+    (wrong,) = judged(judge.runner(ScriptedFleet(["46", "53", "50"]), ChainedArithmetic), 1).samples
+    trained = list(judge.prompts)
+    assert right.text == "46 Add 7. Answer: 53 Add 2. Answer: 55" and right.judged[0] == PROBLEM.prompt
+    found = agreements({"j": judge.reward()}, [PROBLEM] * 2, [right, wrong], [True, False])
+    assert found == {"j": 1.0} and judge.prompts == trained * 2  # the prompts of training, asked again
 
 
 def test_a_judge_reads_observations_given_as_token_ids_decoded():

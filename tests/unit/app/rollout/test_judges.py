@@ -341,6 +341,37 @@ def test_a_judge_on_the_base_or_the_runs_own_adapter_goes_through_its_token(shar
     assert runs["bob"]["requests"] == 6
 
 
+def test_a_judge_naming_a_deployment_the_fleet_lacks_is_refused_at_start_saying_which_it_has():
+    """A judge on a deployment of the fleet names it by its model name; a fleet without one of that name (here one
+    with a teacher deployment alone) refuses it at start in one line that says so, which deployments it has, and
+    how a fleet gets a judge deployment; the deployment it has judges."""
+    from tests.support.fake_fleet import TEACHER
+
+    client = TestClient(
+        make_app(FakeBackend(), api_settings(max_loras=7, max_staleness=1, teacher_models=frozenset({TEACHER})))
+    )
+    transport, bob = in_process(client), register(client, "bob")
+
+    def probed(model: str) -> None:
+        judge = f"judges={{j: {{model: {model}, template: 'is {{completion}} right'}}}}"
+        probe_judges(load_config(None, [judge, "task.reward_funcs=[j]"]), "http://testserver", bob, "", transport)
+
+    with pytest.raises(JudgeRefused) as refused:
+        probed("judge")
+    why = str(refused.value)
+    assert (
+        why.startswith(
+            "judges.j: the fleet at http://testserver has no deployment 'judge' (its deployments: teacher) nor an adapter "
+            "of that name this run may use; a judge model of the fleet's own is served by its config's judge deployment, "
+            "`judge: {name: judge, model: {...}}` ("
+        )
+        and "\n" not in why
+    ), why
+    probed(TEACHER)  # a deployment the fleet has: every run's
+    with pytest.raises(JudgeRefused, match=r"^judges.j: bob/policy-v7 at http://testserver does not judge: .*404"):
+        probed("bob/policy-v7")  # a run's adapter the fleet lacks: what the fleet said, no word of deployments
+
+
 def test_a_single_turn_run_scores_with_its_judges_through_its_fleet_seat(monkeypatch):
     """The run's sampler asks its judge at the run's fleet with the run's token (an external `url` with its own), and
     scores as many groups at once as it has in flight."""

@@ -293,9 +293,11 @@ def test_a_judge_among_the_reward_funcs_reads_the_whole_episode_its_tool_calls_a
             200, json={"choices": [{"index": i, "text": "yes", "finish_reason": "stop"} for i in range(2)]}
         )
 
-    client = FleetClient("http://judge.test", transport=httpx.MockTransport(judge), backoff=Backoff(1, 0.0))
-    reward = JudgeReward("j", JudgeConfig(template="{transcript}\nlast: {completion}"), client)
-    sampled, metrics, _ = play(chat, CalculatorEnv, [ADD, SUBMIT, "Done.<|im_end|>"], reward_funcs=[reward])
+    def reward():
+        client = FleetClient("http://judge.test", transport=httpx.MockTransport(judge), backoff=Backoff(1, 0.0))
+        return JudgeReward("j", JudgeConfig(template="{transcript}\nlast: {completion}"), client)
+
+    sampled, metrics, _ = play(chat, CalculatorEnv, [ADD, SUBMIT, "Done.<|im_end|>"], reward_funcs=[reward()])
     assert (
         prompts
         == [
@@ -308,3 +310,10 @@ def test_a_judge_among_the_reward_funcs_reads_the_whole_episode_its_tool_calls_a
     )
     assert [s.reward for s in sampled.samples] == [2.0, 2.0]  # the judge's 1.0 and CalculatorEnv's get_reward
     assert metrics["judge/j/requests"] == 1 and metrics["judge/j/samples"] == 2
+    # Its agreement with the held-out measure (`app.evaluate`) is asked of the episodes as they were judged in
+    # training, not of their text (the turns run together, the tools' results unseen).
+    from app.evaluate import agreements
+
+    trained = list(prompts)
+    assert agreements({"j": reward()}, [PROBLEM] * 2, sampled.samples, [True, False]) == {"j": 0.5}
+    assert prompts == trained * 2
