@@ -49,13 +49,14 @@ def most_replicas(fleet) -> int:
 
 def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = PREFIX_ROUTER):
     """The Serve application (not yet running): Ingress(handle to VLLMReplica x num_replicas, or autoscaled), and a
-    handle to the teacher deployment's replicas when the fleet has one (`deployments.replica.teacher`)."""
+    handle to each model deployment's replicas the fleet has (a teacher's, a judge's: `deployments.replica.teacher`)
+    by the model name requests give it."""
     from ray import serve
 
     from contracts.auth import Secret, admin_token, check_exposure, signing_secret
     from deployments.api.routing import route_factories
     from deployments.ingress.shell import DoorAddress, Ingress
-    from deployments.replica.teacher import teacher_app
+    from deployments.replica.teacher import deployment_apps
 
     fleet = cfg.fleet
     route_factories(fleet.routes)  # a name that does not import fails here, before any replica starts
@@ -79,7 +80,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
     replica_deployment = _replica_deployment(fleet, request_router_class)
     signing = signing_secret(token)  # one secret for the ingress and every replica, however their environments differ
     replica = replica_deployment.bind(model_path, model_path, config, bucket_url, signing)
-    teacher = teacher_app(cfg, model_path, bucket_url, replica_deployment, signing)  # None without `cfg.teacher`
+    deployed = deployment_apps(cfg, model_path, bucket_url, replica_deployment, signing)  # {} without any
     ingress = serve.deployment(
         serve.ingress()(Ingress),
         name=INGRESS_DEPLOYMENT,
@@ -102,7 +103,7 @@ def fleet_app(cfg: FleetConfig, model_path: str, *, request_router_class: str = 
         request_router_class,
         DoorAddress(host, door_port, proxy_port, max_connections),
         bucket_url,
-        teacher,
+        deployed,
         signing,
     )
 

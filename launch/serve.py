@@ -6,9 +6,10 @@ config or overrides, on a copy of it that names them (and the fleet's host and p
 repeat).
 
 It reads a fleet config file (`core.config.FleetConfig`), builds the tiny model where that is the base model (or
-the teacher's: the embedded default's, since a fleet names no task; another task's is named by its folder), pins a
-hub model's revision, and hands both to the fleet's builder (`deployments.fleet.fleet_app`). It sits above both
-products because building the tiny model is neither's (`tiny.build`): the fleet only ever loads a folder it is given.
+a teacher deployment's or a judge deployment's: the embedded default's, since a fleet names no task; another task's
+is named by its folder), pins a hub model's revision, and hands both to the fleet's builder
+(`deployments.fleet.fleet_app`). It sits above both products because building the tiny model is neither's
+(`tiny.build`): the fleet only ever loads a folder it is given.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def build_app(args: dict[str, Any]):
     """Entry point of `serve run serve_config.yaml`: args `config` (a fleet config file) and `overrides`."""
     cfg = serve_fleet_config(args.get("config"), list(args.get("overrides") or []))
     model_path = prepare_model(cfg.model, log=log.info)
-    if cfg.teacher is not None:  # its replicas load the folder its config names
-        name_built(cfg.teacher.model, log=log.info)
+    for deployment in cfg.deployments().values():  # a teacher's, a judge's: its replicas load the folder it names
+        name_built(deployment.model, log=log.info)
     pin_revision(cfg.model, model_path, log=log.info)  # every replica, restarts included, loads one commit
     log.info(
         "fleet: %d replicas of %s, bucket %s", cfg.fleet.num_replicas, model_path, absolute_bucket_url(cfg.bucket_url)

@@ -21,9 +21,13 @@ from pydantic import ConfigDict, Field, SecretStr, field_serializer, field_valid
 from contracts.adapters import split_version_url
 from contracts.auth import check_token
 from core.config.deprecated import drop_tiny_task
+from core.config.judges import JudgeDeployment
 from core.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig
-from core.config.teacher import TeacherDeployment, size_teacher_context
+from core.config.teacher import ModelDeployment, TeacherDeployment, size_teacher_context
 from core.config.tinker import TinkerConfig
+
+# The fleet's model deployments beside the base model's, by field: the order their replicas take cores in.
+DEPLOYMENTS = ("teacher", "judge")
 
 # A fleet of its own (`serve run serve_config.yaml`) hosts at least two runs of the default config out of the
 # box (window 3 each, plus one slot to load into) with room to spare.
@@ -242,6 +246,9 @@ class FleetConfig(Section):
     teacher: TeacherDeployment | None = Field(
         None, description="A teacher model served by replicas of its own beside the base model's (distillation)."
     )
+    judge: JudgeDeployment | None = Field(
+        None, description="A judge model served by replicas of its own beside the base model's (judges name it)."
+    )
     tinker: TinkerConfig = Field(
         default_factory=TinkerConfig,
         description="The Tinker API beside the fleet (python -m launch.tinker): its tenants' limits, its learners.",
@@ -255,20 +262,31 @@ class FleetConfig(Section):
     @model_validator(mode="after")
     def _check_cross_field(self) -> FleetConfig:
         check_fleet(self.model, self.fleet, self.max_loras, self.max_staleness)
-        if self.teacher is not None:
-            size_teacher_context(self.model, self.teacher.model, "teacher.model")
+        for field, deployment in self.deployments().items():
+            size_teacher_context(self.model, deployment.model, f"{field}.model", who=field)
+        if self.teacher is not None and self.judge is not None and self.teacher.name == self.judge.name:
+            raise ValueError(
+                f"judge.name={self.judge.name!r} is teacher.name too: a request reaches a deployment by its model "
+                "name, so each needs a name of its own"
+            )
         return self
 
-    def teacher_fleet(self) -> FleetConfig:
-        """The config of the teacher deployment's replicas: this fleet's settings, the teacher's model."""
-        t = self.teacher
-        if t is None:
-            raise ValueError("this fleet has no teacher deployment")
+    def deployments(self) -> dict[str, ModelDeployment]:
+        """The model deployments the fleet serves beside the base model, by field (`teacher`, `judge`), in the order
+        their replicas take cores."""
+        return {field: d for field in DEPLOYMENTS if (d := getattr(self, field)) is not None}
+
+    def deployment_fleet(self, field: str) -> FleetConfig:
+        """The config of deployment `field`'s replicas: this fleet's settings, that deployment's model, no deployment
+        of their own."""
+        d = self.deployments().get(field)
+        if d is None:
+            raise ValueError(f"this fleet has no {field} deployment")
         return self.model_copy(
             update={
-                "model": t.model,
-                "fleet": self.fleet.model_copy(update={"num_replicas": t.num_replicas}),
-                "teacher": None,
+                "model": d.model,
+                "fleet": self.fleet.model_copy(update={"num_replicas": d.num_replicas}),
+                **dict.fromkeys(DEPLOYMENTS),
             }
         )
 

@@ -14,6 +14,10 @@ Python reward functions. A judge is:
   `unparseable_score`) or `logprob` (one scoring pass, no generation: the probability of a "yes" token after the
   prompt, against a "no" token's).
 
+A judge model of its own is served by a judge deployment of the fleet (`JudgeDeployment`, `judge:` in a fleet's
+config, `judge` by default), replicas of its own beside the base model's and the teacher's: every run of the fleet
+names it by its name, and each asks it in its own fair share.
+
 A judge that raises or runs out of time scores its samples `fallback_score`, counted (`app.rollout.judges`), or, with
 `on_failure: drop`, costs its group, which is not trained (`app.rollout.producer`, counted too); the judge's whole
 call, its retries included, must fit in `task.reward_timeout_s`, which bounds every reward function.
@@ -26,11 +30,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from contracts.adapters import ADAPTER_NAME
 from core.config.context import template_fields
 from core.config.sections import Section
+from core.config.teacher import ModelDeployment
 
 JUDGE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")  # never a `module:function` reward name
 RETRY_PAUSE_MAX_S = 1.0  # the longest pause between two tries of a judge's request (jitter makes it up to 1.5x)
+
+
+class JudgeDeployment(ModelDeployment):
+    """A judge model served by vLLM replicas of its own in the fleet's Serve app, beside the base model's (and the
+    teacher's): a judge of any run of the fleet names it by `name` (`judges.<judge>.model`)."""
+
+    name: str = Field("judge", pattern=f"^{ADAPTER_NAME.pattern}$", description="The model name judges give it.")
 
 
 class GenerativeVerdict(Section):
@@ -83,7 +96,8 @@ class JudgeConfig(Section):
     model: str = Field(
         "base",
         min_length=1,
-        description="base: the fleet's base model; else a model the fleet serves the run (its adapter), or `url`'s.",
+        description="base: the fleet's base model; else a model the fleet serves the run (an adapter, a deployment such as "
+        "judge), or `url`'s.",
     )
     url: str | None = Field(
         None, description="An OpenAI-compatible server's base URL (token SPOTRL_JUDGE_TOKEN); None: the run's fleet."

@@ -31,25 +31,33 @@ TEACHER_KINDS = ("adapter", "model", "url", "self")  # besides `base`, which nam
 EMA_DEFAULTS = {"update_rate": 0.05, "sync_steps": 1}  # TRL's teacher_update_rate and teacher_sync_steps
 
 
-def size_teacher_context(student: ModelConfig, teacher: ModelConfig, field: str) -> None:
-    """A teacher model scores the student's samples whole, so it holds at least the student's context: one that
-    names no `max_model_len` gets the student's; one that names a shorter one is refused (ValueError naming `field`),
-    since every sample longer than it would be refused."""
+def size_teacher_context(student: ModelConfig, teacher: ModelConfig, field: str, who: str = "teacher") -> None:
+    """A teacher model scores the student's samples whole (a judge reads them whole too, `who` says which), so it
+    holds at least the student's context: one that names no `max_model_len` gets the student's; one that names a
+    shorter one is refused (ValueError naming `field`), since every sample longer than it would be refused."""
     if "max_model_len" not in teacher.model_fields_set:
         teacher.max_model_len = student.max_model_len
     elif teacher.max_model_len < student.max_model_len:
         raise ValueError(
             f"{field}.max_model_len={teacher.max_model_len} is shorter than the student's model.max_model_len="
-            f"{student.max_model_len}: the teacher could not score the longer samples; give it at least that"
+            f"{student.max_model_len}: the {who} could not read the longer samples; give it at least that"
         )
 
 
-class TeacherDeployment(Section):
+class ModelDeployment(Section):
+    """A model served by vLLM replicas of its own in the fleet's Serve app, beside the base model's: a teacher's
+    (`TeacherDeployment`) or a judge's (`core.config.judges.JudgeDeployment`), built alike
+    (`deployments.replica.teacher`) and reached by the name requests give it."""
+
+    name: str = Field(pattern=f"^{ADAPTER_NAME.pattern}$", description="The model name requests give it.")
+    model: ModelConfig = Field(description="The model; its tokenizer must give the base model's token ids.")
+    num_replicas: int = Field(1, ge=1, description="vLLM replicas of the model.")
+
+
+class TeacherDeployment(ModelDeployment):
     """A teacher model served by vLLM replicas of its own in the fleet's Serve app, beside the base model's."""
 
     name: str = Field("teacher", pattern=f"^{ADAPTER_NAME.pattern}$", description="The model name requests give it.")
-    model: ModelConfig = Field(description="The teacher model; its tokenizer must give the base model's token ids.")
-    num_replicas: int = Field(1, ge=1, description="vLLM replicas of the teacher.")
 
 
 class SelfTeacher(Section):

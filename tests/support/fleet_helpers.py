@@ -54,18 +54,21 @@ def start_local_ray(num_cpus: int = 2, metrics_export_port: int | None = None) -
 
 
 @contextlib.contextmanager
-def running_fleet(work: Path, model_path: str, overrides: list[str], token: str, block_size: int = 32):
+def running_fleet(
+    work: Path, model_path: str, overrides: list[str], token: str, block_size: int = 32, judge: dict | None = None
+):
     """A 2-replica fleet of the tiny model on a fresh loopback Ray, with the admin token `token`; yields what the
     tests use (config, URL, an admin client, the bucket, the base model's name, the metrics port).
 
-    `overrides` go on top of a small test config (max_model_len 128, max_staleness 2, a bucket under `work`).
+    `overrides` go on top of a small test config (max_model_len 128, max_staleness 2, a bucket under `work`); `judge`
+    is a judge deployment the fleet serves too (`FleetConfig.judge`: a fleet's config names it, a run's cannot).
     Policy version 1 is committed before start-up, so every replica loads it itself."""
     import ray
 
     from app.fleet_client import FleetClient
     from contracts.auth import lineage_key, signing_secret
     from core.bucket.store import AdapterStore
-    from core.config import load_config
+    from core.config import FleetConfig, load_config
     from deployments.fleet import deploy_fleet, shutdown_fleet
 
     cfg = load_config(
@@ -81,6 +84,9 @@ def running_fleet(work: Path, model_path: str, overrides: list[str], token: str,
             *overrides,
         ],
     )
+    own = cfg.own_fleet()
+    if judge is not None:
+        own = FleetConfig.model_validate({**own.model_dump(), "judge": judge})
     store = AdapterStore.from_config(cfg, lineage_key(signing_secret(token), None))  # as the fleet's own learner
     publish_random_adapters(store, model_path, [1], work)
     metrics_port = free_port()
@@ -88,7 +94,7 @@ def running_fleet(work: Path, model_path: str, overrides: list[str], token: str,
     saved = os.environ.get("SPOTRL_ADMIN_TOKEN")
     os.environ["SPOTRL_ADMIN_TOKEN"] = token  # as a user would export it before deploying
     try:
-        url = deploy_fleet(cfg.own_fleet(), model_path, timeout_s=600)
+        url = deploy_fleet(own, model_path, timeout_s=600)
     except BaseException:
         ray.shutdown()
         raise

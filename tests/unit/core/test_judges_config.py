@@ -1,8 +1,9 @@
-"""The `judges:` section (`core.config.judges`): what a judge accepts and what it refuses, in the run's config."""
+"""The `judges:` section (`core.config.judges`): what a judge accepts and what it refuses, in the run's config; and the
+judge deployment a fleet's config may serve judges by (`judge:`)."""
 
 import pytest
 
-from core.config import ConfigError, load_config
+from core.config import ConfigError, load_config, load_fleet_config
 from core.config.judges import GenerativeVerdict, JudgeConfig, LogprobVerdict
 
 TEMPLATE = "Q: {prompt} A: {completion} Right?"
@@ -60,3 +61,39 @@ def test_a_judge_whose_retries_fit_a_longer_reward_timeout_is_taken():
 def test_a_judges_name_never_reads_as_a_module_path():
     with pytest.raises(ConfigError, match="a judge's name is a letter"):
         load_config(None, [f"judges={{'my.mod:f': {{template: '{TEMPLATE}'}}}}"])
+
+
+def test_a_fleet_serves_a_judge_deployment_of_its_own_named_judge_and_sized_to_the_students_context():
+    """`judge:` in a fleet's config: a judge model served by replicas of its own, `judge` by default, without a teacher;
+    it reads the student's samples whole, so it gets the student's context unless it names one."""
+    fleet = load_fleet_config(None, ["model.max_model_len=96", "judge={model: {name_or_path: j}, num_replicas: 2}"])
+    assert (fleet.judge.name, fleet.judge.num_replicas, fleet.judge.model.max_model_len) == ("judge", 2, 96)
+    assert fleet.teacher is None and list(fleet.deployments()) == ["judge"]
+    replicas = fleet.deployment_fleet("judge")  # its replicas' own config: its model, no deployment of their own
+    assert replicas.model.name_or_path == "j" and replicas.fleet.num_replicas == 2 and replicas.judge is None
+    named = load_fleet_config(
+        None, ["judge={name: grader, model: {name_or_path: j}}", "teacher={model: {name_or_path: t}}"]
+    )
+    assert list(named.deployments()) == ["teacher", "judge"] and named.judge.name == "grader"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (
+            ["teacher={name: critic, model: {name_or_path: t}}", "judge={name: critic, model: {name_or_path: j}}"],
+            "judge.name='critic' is teacher.name too: a request reaches a deployment by its model name, so each needs "
+            "a name of its own",
+        ),
+        (
+            ["model.max_model_len=256", "judge={model: {name_or_path: j, max_model_len: 128}}"],
+            "judge.model.max_model_len=128 is shorter than the student's model.max_model_len=256: the judge could not "
+            "read the longer samples; give it at least that",
+        ),
+        (["judge={name: 'a b', model: {name_or_path: j}}"], "judge.name"),
+    ],
+)
+def test_a_judge_deployment_the_fleet_could_not_serve_is_a_config_error_in_one_line(overrides, why):
+    with pytest.raises(ConfigError) as err:
+        load_fleet_config(None, overrides)
+    assert why in str(err.value) and "\n" not in str(err.value).strip(), str(err.value)

@@ -59,7 +59,7 @@ def test_short_tokens_are_refused_by_the_config_in_one_line_that_does_not_quote_
 def test_the_deployments_arguments_never_carry_the_token_in_the_clear():
     from deployments.fleet import fleet_app
 
-    ingress = fleet_app(_cfg(), "/models/tiny")._bound_deployment
+    ingress = fleet_app(_cfg().own_fleet(), "/models/tiny")._bound_deployment
     replica = ingress.init_args[0]._bound_deployment
     # The replicas get the run config without the token; nothing of theirs holds it, pickled or not.
     assert KNOWN.encode() not in pickle.dumps(replica.init_args)
@@ -119,9 +119,9 @@ def test_the_fleet_refuses_to_start_open_to_others(overrides, reason):
     from deployments.fleet import fleet_app
 
     with pytest.raises(TokenError) as err:
-        fleet_app(load_config(None, overrides), "/models/tiny")
+        fleet_app(load_config(None, overrides).own_fleet(), "/models/tiny")
     assert reason in str(err.value) and "SPOTRL_ADMIN_TOKEN" in str(err.value) and "\n" not in str(err.value)
-    fleet_app(_cfg(*overrides), "/models/tiny")  # with a token it starts
+    fleet_app(_cfg(*overrides).own_fleet(), "/models/tiny")  # with a token it starts
 
 
 def test_the_fleet_refuses_a_short_token_from_the_environment(monkeypatch):
@@ -129,4 +129,4 @@ def test_the_fleet_refuses_a_short_token_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("SPOTRL_ADMIN_TOKEN", "short-env-token")
     with pytest.raises(TokenError, match="SPOTRL_ADMIN_TOKEN: the admin token must be at least 16 characters"):
-        fleet_app(load_config(None), "/models/tiny")
+        fleet_app(load_config(None).own_fleet(), "/models/tiny")
