@@ -111,7 +111,7 @@ class InferenceRoutes(Routes):
     def check_use(self, caller: Caller, model: str) -> None:
         """The base model and the teacher deployments are everyone's; an adapter its owner's (`Caller`)."""
         resolved = self.prompts.resolve_model(model)
-        if resolved not in self.settings.teacher_models:
+        if resolved not in self.settings.deployed_models:
             caller.check_use(resolved, self.settings.base_model)
 
     def token_text(self, asked: bool, as_ids: bool | None) -> TokenText | None:
@@ -261,8 +261,8 @@ class InferenceRoutes(Routes):
                 listing["replicas"] += 1
                 if listing["sha256"] != a.sha256:  # replicas disagree (a reload under way): say so
                     listing["sha256"] = None
-        teachers = [entry(name, name, None) for name in sorted(self.settings.teacher_models)]
-        data = [entry(base, base, None), *teachers, *sorted(adapters.values(), key=lambda e: _version_key(e["id"]))]
+        deployed = [entry(name, name, None) for name in sorted(self.settings.deployed_models)]
+        data = [entry(base, base, None), *deployed, *sorted(adapters.values(), key=lambda e: _version_key(e["id"]))]
         return {"object": "list", "data": data}
 
 

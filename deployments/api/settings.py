@@ -42,8 +42,8 @@ class ApiSettings:
     # Tokens per hashed block of the prefix router (`fleet.router.block_size`): scored sequences that share their first
     # block route alike, and go in one replica call (`deployments.control.coalesce`).
     routing_block_size: int = 32
-    # The teacher deployments' model names (`FleetConfig.teacher`): served by replicas of their own, open to every run.
-    teacher_models: frozenset[str] = frozenset()
+    # The model deployments' names (`FleetConfig.deployments`: a teacher's, a judge's): replicas of their own, every run's.
+    deployed_models: frozenset[str] = frozenset()
     # What every lineage's signing key derives from (`contracts.auth.lineage_key`): the replicas verify with the same.
     signing_secret: Secret | None = None
 

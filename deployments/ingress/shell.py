@@ -122,11 +122,10 @@ def _log_retry(exc: BaseException, attempt: int, pause_s: float) -> None:
 class ServeBackend:
     """`deployments.control.backend.Backend` over a DeploymentHandle to the VLLMReplica deployment."""
 
-    def __init__(self, handle, poison: PoisonTable | None = None, teachers: dict[str, Any] | None = None):
+    def __init__(self, handle, poison: PoisonTable | None = None, deployed: dict[str, Any] | None = None):
         self._handle = handle
-        self._teachers = (
-            teachers or {}
-        )  # a teacher deployment's handle by its model name (`deployments.replica.teacher`)
+        # Each model deployment's handle (a teacher's, a judge's) by its model name (`deployments.replica.teacher`).
+        self._deployed = deployed or {}
         self._server_info: dict[str, Any] | None = None
         self._poison = PoisonTable() if poison is None else poison
         # Generations a draining replica handed back (continued elsewhere), new ones it refused (sent elsewhere), and
@@ -212,7 +211,7 @@ class ServeBackend:
         """One replica call, retried across replicas while `retryable` says so. The handle's router (PrefixHashRouter)
         reads the payload's `prompt_ids` and `model` to pick the replica; a retry is routed afresh, away from the
         replica Serve now knows is dead, or that said it drains."""
-        handle = self._teachers.get(model, self._handle)
+        handle = self._deployed.get(model, self._handle)
 
         async def send():
             own_internal_request_id()
@@ -334,13 +333,11 @@ class Ingress:
             default_run_weight=cfg.fleet.default_run_weight,
             coalesce_window_s=cfg.fleet.coalesce_window_s,
             routing_block_size=cfg.fleet.router.block_size,
-            teacher_models=frozenset(d.name for d in cfg.deployments().values()),
+            deployed_models=frozenset(d.name for d in cfg.deployments().values()),
             signing_secret=signing or signing_secret(token or None),
         )
-        # Each model deployment's handle (a teacher's, a judge's) by the model name requests give it.
-        teachers = dict(deployed or {})
         poison = PoisonTable(cfg.fleet.poison_ttl_s, cfg.fleet.poison_max_entries)
-        self._backend = ServeBackend(replicas, poison, teachers)
+        self._backend = ServeBackend(replicas, poison, deployed)
         # The runs of a shared fleet outlive this process in the bucket (`deployments.control.tenancy`).
         records = RunRecords.from_config(cfg, bucket_url) if bucket_url else None
         runs = Runs.of(settings)

@@ -33,7 +33,7 @@ from deployments.api.bodies import RequestLimits
 
 TOKEN = "s3cret-token-value"
 BASE = "/models/tiny"
-TEACHER = "teacher"  # a teacher deployment's model (`api_settings(teacher_models=...)`)
+TEACHER = "teacher"  # a teacher deployment's model (`api_settings(deployed_models=...)`)
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 

@@ -348,7 +348,7 @@ def test_a_judge_naming_a_deployment_the_fleet_lacks_is_refused_at_start_saying_
     from tests.support.fake_fleet import TEACHER
 
     client = TestClient(
-        make_app(FakeBackend(), api_settings(max_loras=7, max_staleness=1, teacher_models=frozenset({TEACHER})))
+        make_app(FakeBackend(), api_settings(max_loras=7, max_staleness=1, deployed_models=frozenset({TEACHER})))
     )
     transport, bob = in_process(client), register(client, "bob")
 

@@ -206,7 +206,7 @@ def test_a_teacher_deployment_is_everyones_and_tokenize_answers_the_fleets_ids()
     from tests.support.fake_fleet import TEACHER, FakeBackend, bearer, register
 
     backend = FakeBackend()
-    settings = api_settings(teacher_models=frozenset({TEACHER}), max_loras=7, max_staleness=1)
+    settings = api_settings(deployed_models=frozenset({TEACHER}), max_loras=7, max_staleness=1)
     client = TestClient(make_app(backend, settings))
     alice = bearer(register(client, "alice"))
     body = {"model": TEACHER, "prompt": [1, 2], "max_tokens": 1, "prompt_logprobs": 0}

@@ -87,7 +87,7 @@ def test_the_ingress_sends_a_request_to_the_deployment_its_model_names():
     from deployments.ingress.shell import ServeBackend
 
     base, teacher, judge = (GenerateHandle(Generated(name, [])) for name in ("base", "teacher", "judge"))
-    backend = ServeBackend(base, teachers={"teacher": teacher, "judge": judge})
+    backend = ServeBackend(base, deployed={"teacher": teacher, "judge": judge})
     for model, handle, served_by in (
         ("judge", judge, "judge"),
         ("teacher", teacher, "teacher"),
