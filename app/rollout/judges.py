@@ -390,13 +390,24 @@ def judge_rewards(
     }
 
 
+# How long the start-up probe waits for a judge's answer: vLLM compiles on its first requests for a model new to the
+# machine (a fresh clone's `make train CONFIG=configs/tiny-judge.yaml` waited over 15 s on the CPU, four times a
+# judge's default timeout_s, and failed at start).
+PROBE_TIMEOUT_S = 120.0
+
+
 def probe_judges(
     cfg, fleet_url: str, token: str | None, model_path: str, transport: httpx.BaseTransport | None = None
 ) -> None:
     """At start: each judge the run rewards or measures with answers once through the client the rollout will use (the
     run's token on its fleet), or JudgeRefused names it and why (a 403 for another run's adapter, a 404 for a model that
     is not served)."""
-    judges = used_judges(cfg)
+    # Each judge's own timeout is for a group's request in training; the probe checks who may ask, not how fast, and
+    # a fleet just started may take long over its first answers (`PROBE_TIMEOUT_S`).
+    judges = {
+        name: judge.model_copy(update={"timeout_s": max(judge.timeout_s, PROBE_TIMEOUT_S)})
+        for name, judge in used_judges(cfg).items()
+    }
     tokenizer = None
     if any(isinstance(judge.verdict, LogprobVerdict) for judge in judges.values()):
         from core.models import load_tokenizer

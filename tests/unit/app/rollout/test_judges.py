@@ -316,6 +316,27 @@ def test_a_judge_naming_another_runs_adapter_is_refused_403_at_start_and_scores_
         judge.probe()
 
 
+def test_the_start_up_probe_waits_for_a_fleets_first_answer_longer_than_the_judges_timeout(shared_fleet):
+    """A fleet just started is slow over its first answers (vLLM compiling for a model new to the machine): the
+    probe waits PROBE_TIMEOUT_S for it, while a group's request in training keeps the judge's own `timeout_s`."""
+    from app.rollout.judges import PROBE_TIMEOUT_S, judge_rewards
+
+    transport, _, bob = shared_fleet
+    waits = []
+
+    def recording(request: httpx.Request) -> httpx.Response:
+        waits.append(request.extensions["timeout"]["read"])
+        return transport.handle_request(request)
+
+    cfg = load_config(None, ["judges={j: {model: base, template: 'is {completion} right'}}", "task.reward_funcs=[j]"])
+    probe_judges(cfg, "http://testserver", bob, "", transport=httpx.MockTransport(recording))
+    assert waits and set(waits) == {PROBE_TIMEOUT_S} and cfg.judges["j"].timeout_s < PROBE_TIMEOUT_S
+    waits.clear()
+    (judge,) = judge_rewards(cfg, "http://testserver", bob, transport=httpx.MockTransport(recording)).values()
+    judge(["ab"], ["cd"], answer=["x"])
+    assert set(waits) == {cfg.judges["j"].timeout_s}
+
+
 def test_a_judge_that_only_measures_the_heldout_split_is_asked_at_start_too(shared_fleet):
     transport, backend, bob = shared_fleet
     judge = "judges={j: {model: alice/policy-v1, template: 'is {completion} right'}}"
