@@ -7,7 +7,7 @@ GPU node, the GPU memory that the replica Ray starts next on that node needs. Th
 starts this watchdog once its engine is up; it polls the replica and, once the replica is gone,
 terminates the engine processes it was given (SIGTERM, then SIGKILL after a grace period).
 
-    python -m deployments.replica.engine_watchdog PARENT_PID PARENT_CREATE_TIME PID [PID ...]
+    python -m deployments.replica.engine_watchdog PARENT_PID PARENT_START PID [PID ...]
 """
 
 from __future__ import annotations
@@ -21,14 +21,22 @@ POLL_S = 1.0
 GRACE_S = 5.0
 
 
-def _alive(pid: int, create_time: float) -> bool:
-    """The process `pid` that started at `create_time` still runs (a reused pid is another process)."""
-    import psutil
-
+def started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (`/proc/PID/stat`'s starttime), or None if there is no
+    such process. Not psutil's `create_time`: that adds the boot time as the clock says it now, and a clock step (NTP,
+    a VM resumed from a snapshot) moves it, which made every watchdog of a machine take its live replica for gone
+    and end its engine (both replicas' engines at once, a run's fleet restarting under it)."""
     try:
-        return abs(psutil.Process(pid).create_time() - create_time) < 0.01
-    except psutil.NoSuchProcess:
-        return False
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(fields[19])  # field 22 of proc(5), the 20th after the name
+
+
+def _alive(pid: int, start: int) -> bool:
+    """The process `pid` that started at `start` (`started`) still runs (a reused pid is another process)."""
+    return started(pid) == start
 
 
 def terminate(pids: list[int], grace_s: float = GRACE_S) -> list[int]:
@@ -55,9 +63,9 @@ def terminate(pids: list[int], grace_s: float = GRACE_S) -> list[int]:
     return [p.pid for p in procs]
 
 
-def watch(parent_pid: int, parent_create_time: float, pids: list[int], poll_s: float = POLL_S) -> list[int]:
-    """Wait for the parent to go, then end `pids`."""
-    while _alive(parent_pid, parent_create_time):
+def watch(parent_pid: int, parent_start: int, pids: list[int], poll_s: float = POLL_S) -> list[int]:
+    """Wait for the parent (`parent_pid`, started at `parent_start`: `started`) to go, then end `pids`."""
+    while _alive(parent_pid, parent_start):
         time.sleep(poll_s)
     return terminate(pids)
 
@@ -67,12 +75,10 @@ def start_watchdog(engine_pids: list[int]) -> subprocess.Popen | None:
 
     The watchdog runs in a session of its own, so that a signal to the replica's process group does not
     take the watchdog with it before it has done its work."""
-    import psutil
-
     if not engine_pids:
         return None
-    me = psutil.Process()
-    cmd = [sys.executable, "-m", "deployments.replica.engine_watchdog", str(me.pid), repr(me.create_time())]
+    me = os.getpid()
+    cmd = [sys.executable, "-m", "deployments.replica.engine_watchdog", str(me), str(started(me))]
     cmd += [str(pid) for pid in engine_pids]
     return subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, cwd=os.getcwd())
 
@@ -85,5 +91,5 @@ def engine_processes() -> list[int]:
 
 
 if __name__ == "__main__":
-    parent, created, *watched = sys.argv[1:]
-    watch(int(parent), float(created), [int(p) for p in watched])
+    parent, start, *watched = sys.argv[1:]
+    watch(int(parent), int(start), [int(p) for p in watched])

@@ -6,7 +6,7 @@ import time
 
 import psutil
 
-from deployments.replica.engine_watchdog import terminate, watch
+from deployments.replica.engine_watchdog import _alive, started, terminate, watch
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 STUBBORN = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"]
@@ -47,7 +47,25 @@ def test_terminate_kills_what_ignores_sigterm_and_skips_what_is_gone():
 def test_watch_returns_at_once_for_a_parent_that_is_already_gone():
     sleeper = subprocess.Popen(SLEEPER)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    created = psutil.Process(dead.pid).create_time()
+    start = started(dead.pid)
     dead.wait()
-    assert watch(dead.pid, created, [sleeper.pid], poll_s=0.1) == [sleeper.pid]
+    assert watch(dead.pid, start, [sleeper.pid], poll_s=0.1) == [sleeper.pid]
     sleeper.wait(timeout=10)
+
+
+def test_a_live_parent_is_known_by_its_start_since_boot_whatever_the_clock_says(monkeypatch):
+    """A clock step (NTP, a VM resumed from a snapshot) moves the boot time psutil adds to a process's start: a
+    watchdog comparing those took its live replica for gone and ended its engine. The start since boot stays."""
+    parent = subprocess.Popen(SLEEPER)
+    try:
+        start = started(parent.pid)
+        assert start == started(parent.pid) and _alive(parent.pid, start) and not _alive(parent.pid, start + 1)
+        stepped = psutil.boot_time() + 1.0  # the clock stepped a second since the parent started
+        created_before = psutil.Process(parent.pid).create_time()
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: stepped)
+        assert psutil.Process(parent.pid).create_time() != created_before  # what the watchdog used to compare
+        assert _alive(parent.pid, start)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert started(parent.pid) is None and not _alive(parent.pid, start)
