@@ -52,6 +52,7 @@ def test_the_kind_recipe_trains_on_its_own_problems(tmp_path):
     assert 0 <= summary["heldout_accuracy_after"] <= 1
 
 
+@pytest.mark.slow  # ~1.7 min, a run; in CI tests/unit/examples/test_objective_rloo.py checks its loss
 def test_the_objective_recipe_trains_with_its_loss_alone(tmp_path):
     _, metrics, _ = run_recipe("objective_rloo", tmp_path, "is_cap=1.5")
     assert all("rloo/is_weight" in m and 0 < m["rloo/is_weight"] <= 1.5 for m in metrics)
