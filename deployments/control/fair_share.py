@@ -196,7 +196,7 @@ class FairShare:
         candidates = [(name, s) for name, s in self._tenants.items() if s.waiting]
         if not candidates:
             return None
-        active = sum(self._weight_of(name) for name, s in self._tenants.items() if not s.idle)
+        active = self._weight_in_use()
 
         def rank(candidate: tuple[str, _Tenant]) -> tuple:
             name, state = candidate
@@ -253,8 +253,12 @@ class FairShare:
     def share(self, tenant: str) -> float:
         """Places `tenant` holds under contention: the budget split by weight between the runs using the fleet now
         (in flight or waiting, `tenant` counted in any case)."""
-        active = {name for name, s in self._tenants.items() if not s.idle} | {tenant}
-        return self.budget * self._weight_of(tenant) / sum(self._weight_of(name) for name in active)
+        return self.budget * self._weight_of(tenant) / self._weight_in_use(tenant)
+
+    def _weight_in_use(self, tenant: str | None = None) -> float:
+        """The weights of the runs using the fleet now (in flight or waiting), `tenant` counted in any case."""
+        active = {name for name, s in self._tenants.items() if not s.idle} | ({tenant} if tenant is not None else set())
+        return sum(self._weight_of(name) for name in active)
 
     def sizes(self) -> dict[str, int]:
         """How many tenants the gate keeps, and how many slots gauges it keeps up (`/server_info`'s tables)."""
