@@ -32,10 +32,10 @@ def deployment_apps(cfg: FleetConfig, model_path: str, bucket_url: str, replica_
     cores after the base model's, one deployment's after another's (`deployments.replica.engine`)."""
     apps = {}
     first_rank = cfg.fleet.num_replicas
-    for field in cfg.deployments():
+    for field, deployment in cfg.deployments().items():
         name, app = deployment_app(cfg, field, model_path, bucket_url, replica_deployment, signing_secret, first_rank)
         apps[name] = app
-        first_rank += cfg.deployments()[field].num_replicas
+        first_rank += deployment.num_replicas
     return apps
 
 
