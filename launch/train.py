@@ -23,7 +23,7 @@ from app.evaluate import EvaluationLost
 from app.kinds.registry import serve_environment
 from app.messages import ResumePoint
 from app.periodic_eval import EvalPoint, Measured, PeriodicEvaluation
-from app.rollout.judges import probe_judges
+from app.rollout.judge_probe import probe_judges
 from app.run_evaluation import Evaluation, lost_note
 from app.run_log import Run, StepLog, previous_steps
 from app.spot import DriverNotices, Preempted, finished_line, preempted_line

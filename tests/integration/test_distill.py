@@ -217,7 +217,8 @@ def test_a_judge_on_the_fleets_deployment_serves_two_runs_at_once_each_in_its_ow
     transformers reads them, and not the teacher's), and each run's requests count in its own fair share (issue 48)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from app.rollout.judges import judge_rewards, probe_judges
+    from app.rollout.judge_probe import probe_judges
+    from app.rollout.judges import judge_rewards
     from app.tasks.rewards import RewardScorer
     from core.models import load_tokenizer, prompt_token_ids
 

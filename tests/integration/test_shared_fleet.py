@@ -514,7 +514,8 @@ def test_a_judge_is_a_tenant_of_the_shared_fleet_in_its_runs_share_and_refused_a
     sample of a group in one request, counted in the run's fair share; a judge naming another run's adapter is
     refused at start (403); a judge out of time scores its fallback, counted."""
     from app.fleet_client import FleetClient
-    from app.rollout.judges import JudgeRefused, judge_rewards, probe_judges
+    from app.rollout.judge_probe import JudgeRefused, probe_judges
+    from app.rollout.judges import judge_rewards
     from app.tasks.rewards import RewardScorer
     from core.config import load_config
     from core.models import load_tokenizer

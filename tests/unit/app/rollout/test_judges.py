@@ -13,14 +13,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.fleet_client import FleetClient, FleetError
+from app.rollout.judge_probe import JudgeRefused, probe_judges
 from app.rollout.judges import (
     FAILED_TOTAL,
-    JudgeRefused,
     JudgeReward,
     check_template,
     logprob_score,
     parse_generative,
-    probe_judges,
     render,
     transcript,
 )
@@ -319,7 +318,8 @@ def test_a_judge_naming_another_runs_adapter_is_refused_403_at_start_and_scores_
 def test_the_start_up_probe_waits_for_a_fleets_first_answer_longer_than_the_judges_timeout(shared_fleet):
     """A fleet just started is slow over its first answers (vLLM compiling for a model new to the machine): the
     probe waits PROBE_TIMEOUT_S for it, while a group's request in training keeps the judge's own `timeout_s`."""
-    from app.rollout.judges import PROBE_TIMEOUT_S, judge_rewards
+    from app.rollout.judge_probe import PROBE_TIMEOUT_S
+    from app.rollout.judges import judge_rewards
 
     transport, _, bob = shared_fleet
     waits = []
