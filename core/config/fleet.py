@@ -23,7 +23,7 @@ from contracts.auth import check_token
 from core.config.deprecated import drop_tiny_task
 from core.config.judges import JudgeDeployment
 from core.config.sections import BucketConfig, ModelConfig, RouterConfig, Section, SpotConfig
-from core.config.teacher import ModelDeployment, TeacherDeployment, size_teacher_context
+from core.config.teacher import ModelDeployment, TeacherDeployment, size_to_student_context
 from core.config.tinker import TinkerConfig
 
 # The fleet's model deployments beside the base model's, by field: the order their replicas take cores in.
@@ -263,7 +263,7 @@ class FleetConfig(Section):
     def _check_cross_field(self) -> FleetConfig:
         check_fleet(self.model, self.fleet, self.max_loras, self.max_staleness)
         for field, deployment in self.deployments().items():
-            size_teacher_context(self.model, deployment.model, f"{field}.model", who=field)
+            size_to_student_context(self.model, deployment.model, f"{field}.model", who=field)
         if self.teacher is not None and self.judge is not None and self.teacher.name == self.judge.name:
             raise ValueError(
                 f"judge.name={self.judge.name!r} is teacher.name too: a request reaches a deployment by its model "

@@ -34,7 +34,7 @@ from core.config.sections import (
     vllm_rank_for,
 )
 from core.config.tasks import RunTask
-from core.config.teacher import SelfTeacher, TeacherConfig, size_teacher_context
+from core.config.teacher import SelfTeacher, TeacherConfig, size_to_student_context
 from core.config.trackers import DEFAULT_TRACKERS, Tracker, check_trackers, move_trackio_switch
 from core.config.training import SamplingConfig, TrainConfig
 
@@ -241,7 +241,7 @@ class RunConfig(Section):
         teacher = self.teacher_of("model")
         if teacher is not None:
             index = next(i for i, o in enumerate(self.objectives) if o is self.distill)
-            size_teacher_context(self.model, teacher.model, f"objectives[{index}].teacher.model")
+            size_to_student_context(self.model, teacher.model, f"objectives[{index}].teacher.model")
         return self
 
     @model_validator(mode="after")

@@ -31,15 +31,15 @@ TEACHER_KINDS = ("adapter", "model", "url", "self")  # besides `base`, which nam
 EMA_DEFAULTS = {"update_rate": 0.05, "sync_steps": 1}  # TRL's teacher_update_rate and teacher_sync_steps
 
 
-def size_teacher_context(student: ModelConfig, teacher: ModelConfig, field: str, who: str = "teacher") -> None:
-    """A teacher model scores the student's samples whole (a judge reads them whole too, `who` says which), so it
+def size_to_student_context(student: ModelConfig, reader: ModelConfig, field: str, who: str = "teacher") -> None:
+    """A model that reads the student's samples whole (a teacher scores them, a judge judges them: `who` says which)
     holds at least the student's context: one that names no `max_model_len` gets the student's; one that names a
     shorter one is refused (ValueError naming `field`), since every sample longer than it would be refused."""
-    if "max_model_len" not in teacher.model_fields_set:
-        teacher.max_model_len = student.max_model_len
-    elif teacher.max_model_len < student.max_model_len:
+    if "max_model_len" not in reader.model_fields_set:
+        reader.max_model_len = student.max_model_len
+    elif reader.max_model_len < student.max_model_len:
         raise ValueError(
-            f"{field}.max_model_len={teacher.max_model_len} is shorter than the student's model.max_model_len="
+            f"{field}.max_model_len={reader.max_model_len} is shorter than the student's model.max_model_len="
             f"{student.max_model_len}: the {who} could not read the longer samples; give it at least that"
         )
 
