@@ -262,6 +262,7 @@ def test_a_noticed_replica_node_fails_no_request_and_hands_its_work_back(spot):
         "notices",
     )
     assert f["judge_requests_failed"] == 0 and f["judge_requests"] == ON_NODE_PROMPTS
+    assert f["judge_routed_after_drain"] == 0, "a judge request was routed to the draining judge replica"
     assert continued, f"no judge request was handed back: {f['judge_answered_by']}"
     assert all(judged[0] not in rest for _, *rest in continued), "continued on the noticed judge replica"
     choices = f["judge_choices"]

@@ -250,7 +250,8 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     if judged:
         judge_prefix = prefix_on(url, next(iter(judged)), JUDGE_MODEL)
         judge_prompts = [([*judge_prefix, i], ON_NODE_N) for i in range(ON_NODE_PROMPTS)]
-    watch = ReplicaWatch(url, lost | judged)
+    watch = ReplicaWatch(url, lost)  # the base model's replica: the figures of the leg
+    judge_watch = ReplicaWatch(url, judged) if judged else None  # the judge's: what was routed to it once it drained
     figures: dict = {"start": start, "replicas_on_node": len(lost)}
     if spot.judge:
         figures["judge_replicas_on_node"] = sorted(judged)
@@ -274,6 +275,8 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
             replaced_at = wait_for_replacement(url, before, spot)
             figures["notice_to_replacement_serving_s"] = replaced_at - t0
             figures["routed_after_drain"] = watch.drained()[2]  # Serve has stopped it by now: the count is whole
+            if judge_watch is not None:
+                figures["judge_routed_after_drain"] = judge_watch.drained()[2]
             figures["notice_to_handed_back_s"] = watch.handed_back_at - t0 if watch.handed_back_at else None
         killed_at = time.time()
         spot.remove_node(node)
@@ -285,6 +288,8 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     step_at = spot.wait_for_step(proc, spot.last_step() + 1)
     figures["kill_to_replacement_serving_s"] = wait_for_replacement(url, before, spot) - killed_at
     watch.stop()
+    if judge_watch is not None:
+        judge_watch.stop()
     last = spot.stop_driver(proc)
     figures.update(
         {
