@@ -58,8 +58,9 @@ SPOT = (
 
 @pytest.fixture(scope="module")
 def spot(tmp_path_factory):
-    work = tmp_path_factory.mktemp("spot")
-    with spot_cluster(work, save_steps=SAVE_STEPS, metadata=True, extra=SPOT, judge=True) as spot:
+    with spot_cluster(
+        tmp_path_factory.mktemp("spot"), save_steps=SAVE_STEPS, metadata=True, extra=SPOT, judge=True
+    ) as spot:
         report(
             f"spot cluster with a metadata server per node: fleet of 2 replicas and a judge deployment of 2 up in "
             f"{spot.fleet_up_s:.0f} s"

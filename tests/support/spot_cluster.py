@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from contracts.serving import REPLICA_DEPLOYMENT
 from core.local_ray import SINGLE_MACHINE_ENV
 from tests.support import REPO
 from tests.support.fake_metadata import FakeMetadata
@@ -29,6 +30,7 @@ from tests.support.s3_server import S3Server, free_base_port
 CONFIG = "configs/tiny-cpu.yaml"
 LEARNER_NODE = {"learner_node": 1}
 ROLLOUT_NODE = {"rollout_node": 1}
+JUDGE_MODEL = "judge"  # the name requests give the judge deployment, when the fleet serves one
 # Ray advertises the machine's outward address unless told that this is a one-machine "cluster" (core/local_ray.py).
 LOOPBACK_ENV = SINGLE_MACHINE_ENV
 PYTEST = {}  # pytest's config, when under pytest (tests/conftest.py): `report` writes past its capture
@@ -145,7 +147,8 @@ class SpotCluster:
         model_path = prepare_model(cfg.model, cfg.task)
         fleet = cfg.own_fleet()
         if self.judge:
-            judge = {"model": cfg.model.model_copy(update={"name_or_path": model_path}).model_dump(), "num_replicas": 2}
+            model = cfg.model.model_copy(update={"name_or_path": model_path}).model_dump()
+            judge = {"name": JUDGE_MODEL, "model": model, "num_replicas": 2}
             fleet = FleetConfig.model_validate({**fleet.model_dump(), "judge": judge})
         deploy_fleet(fleet, model_path)
         return time.time() - t0
@@ -232,26 +235,8 @@ class SpotCluster:
                 found.append(proc.pid)
         return found
 
-    def replicas_on(self, node, url: str) -> set[str]:
-        """The Serve replica ids of the fleet at `url` whose processes run on `node` (under its raylet)."""
-        import httpx
-        import psutil
-        from ray._private import ray_constants
-
-        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-        replicas = httpx.get(f"{url}/engine/stats", timeout=30, trust_env=False).json()["replicas"]
-        on_node = set()
-        for replica in replicas:
-            try:
-                if raylet in {p.pid for p in psutil.Process(replica["pid"]).parents()}:
-                    on_node.add(replica["replica"])
-            except psutil.Error:
-                continue
-        return on_node
-
-    def deployment_replicas_on(self, node, deployment: str) -> set[str]:
-        """The Serve replica ids of `deployment` (a teacher's or a judge's: `/engine/stats` lists the base model's
-        alone) that run on `node`."""
+    def replicas_on(self, node, deployment: str = REPLICA_DEPLOYMENT) -> set[str]:
+        """The Serve replica ids of `deployment` (the base model's, or a judge's or teacher's) that run on `node`."""
         from ray._private.state import actors  # the GCS's table: this cluster runs no dashboard for the state API
 
         alive = actors(actor_state_name="ALIVE").values()

@@ -20,11 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from deployments.replica.teacher import JUDGE_DEPLOYMENT
-from tests.support.spot_cluster import LEARNER_NODE, SpotCluster, retrained
+from tests.support.spot_cluster import JUDGE_MODEL, LEARNER_NODE, SpotCluster, retrained
 
 LONG_TURN = 77  # what the long generations tell the router (`turn`), so its stats count their routing apart
 JUDGE_TURN = 78  # the same for the judge's
-JUDGE_MODEL = "judge"  # the judge deployment's name (`core.config.judges.JudgeDeployment`)
 # In flight for seconds even on an idle CPU (under an adapter); prompts of up to 33 tokens: model.max_model_len >= 253,
 # which the tiny model's 256 positions allow.
 LONG_TOKENS = 220
@@ -236,7 +235,7 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     # the notice, and nothing was left in flight to hand back. No replica goes there before the notice.
     spare = spot.add_node(spot.rollout_resources) if notice_in_s is not None else None
     node = spot.rollout_nodes[0]
-    lost = spot.replicas_on(node, url)
+    lost = spot.replicas_on(node)
     before = {r["replica"] for r in httpx.get(f"{url}/engine/stats", timeout=30, trust_env=False).json()["replicas"]}
     retries_before = spot.metrics()[-1]["rollout/request_retries_total"]
     model = newest_served(url)
@@ -245,7 +244,7 @@ def replica_leg(spot: SpotCluster, notice_in_s: float | None) -> dict:
     prompts = [([*prefix, i], ON_NODE_N) for i in range(ON_NODE_PROMPTS)]
     prompts += [([3 + i, 5, 7, 11, 13, 17, 19, 23], 2) for i in range(4)]
     # A judge deployment's replica on the node too: as many long generations of the judge's on it.
-    judged = spot.deployment_replicas_on(node, JUDGE_DEPLOYMENT) if spot.judge else set()
+    judged = spot.replicas_on(node, JUDGE_DEPLOYMENT) if spot.judge else set()
     judge_prompts = []
     if judged:
         judge_prefix = prefix_on(url, next(iter(judged)), JUDGE_MODEL)
