@@ -29,9 +29,11 @@ import socket
 import time
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
+from multidict import CIMultiDict
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
+from yarl import URL
 
 log = logging.getLogger("ray.serve")
 
@@ -41,30 +43,39 @@ BIND_WARN_AFTER = 20  # tries (10 s) before the log says the port stays taken
 HOP_BY_HOP = frozenset(
     b"connection keep-alive proxy-authenticate proxy-authorization te trailer transfer-encoding upgrade host".split()
 )
+# What aiohttp would add to a request that lacks them: a forwarded request goes on with the client's headers alone.
+AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
 class ForwardUnmatched:
     """ASGI app: the fleet's app answers every path one of its routes matches (a wrong method included: its 405);
     any other path goes to the door announced for its prefix, else to Serve's proxy at `upstream`, streamed both ways,
-    its reply passed back unchanged."""
+    its reply passed back unchanged.
 
-    def __init__(self, app, upstream: str, transport: httpx.AsyncBaseTransport | None = None):
+    The hop goes through aiohttp, not httpx: a Tinker RL step's hundreds of single-sample requests and their
+    futures' polls, forwarded at once, cost httpx's connection pool seconds of the ingress's CPU (issue 46)."""
+
+    def __init__(self, app, upstream: str):
         self._app = app
         self._routes = app.router.routes
-        self._transport = transport
-        self._proxy = self._client(upstream)
-        self._doors: dict[str, tuple[httpx.AsyncClient, float]] = {}  # path prefix -> (its app's door, open until)
+        self._proxy = upstream.rstrip("/")
+        self._doors: dict[str, tuple[str, float]] = {}  # path prefix -> (its app's door, open until)
+        self._http: aiohttp.ClientSession | None = None  # made on the event loop that forwards, at its first request
 
-    def _client(self, url: str) -> httpx.AsyncClient:
-        client = httpx.AsyncClient(
-            base_url=url,
-            timeout=httpx.Timeout(None, connect=10.0),  # a Tinker future may be waited on for minutes
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            trust_env=False,
-            transport=self._transport,
-        )
-        client.headers = httpx.Headers()  # the client's headers go on as they came, none of httpx's added
-        return client
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),  # every request in flight has its connection
+                timeout=aiohttp.ClientTimeout(total=None, connect=10.0),  # a Tinker future may be waited on for minutes
+                auto_decompress=False,  # a compressed reply goes back as it came
+                cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies are never sent with another's request
+                trust_env=False,
+            )
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
 
     def answers(self, scope: Scope) -> bool:
         """Whether the fleet's own app has a route for this request's path."""
@@ -73,22 +84,19 @@ class ForwardUnmatched:
     def open_door(self, prefix: str, url: str, ttl_s: float) -> None:
         """Paths under `prefix` go to `url` (another application's own door, on loopback) for the next `ttl_s`
         seconds, instead of Serve's proxy; announced again before then by the application while it lives."""
+        url = url.rstrip("/")
         current = self._doors.get(prefix)
-        client = current[0] if current is not None and str(current[0].base_url).rstrip("/") == url else None
-        if client is None:
-            client = self._client(url)
-            if current is not None:  # the application's replica was replaced: its old door is gone
-                asyncio.get_running_loop().create_task(current[0].aclose())
+        if current is None or current[0] != url:
             log.info("front door: %s* goes to %s", prefix, url)
-        self._doors[prefix] = (client, time.monotonic() + ttl_s)
+        self._doors[prefix] = (url, time.monotonic() + ttl_s)
 
-    def upstream(self, path: str) -> httpx.AsyncClient:
+    def upstream(self, path: str) -> str:
         """Where a path the fleet does not answer goes: the door announced for its prefix, if still open, else Serve's
         proxy (which routes every application, so a door that lapsed costs speed, not the request)."""
         now = time.monotonic()
-        for prefix, (client, until) in self._doors.items():
+        for prefix, (url, until) in self._doors.items():
             if until > now and (path == prefix or path.startswith(prefix.rstrip("/") + "/")):
-                return client
+                return url
         return self._proxy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -109,25 +117,40 @@ class ForwardUnmatched:
 
         path = scope.get("raw_path") or scope["path"].encode()
         target = path + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
+        headers = CIMultiDict(
+            (k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP
+        )
+        length = headers.get("content-length")
+        sends_body = (length is not None and length.strip() != "0") or any(
+            k == b"transfer-encoding" for k, _ in scope["headers"]
+        )
         upstream = self.upstream(scope["path"])
-        request = upstream.build_request(scope["method"], target.decode("latin-1"), headers=headers, content=body())
+        url = URL(upstream + target.decode("latin-1"), encoded=True)  # the path as the client sent it, unquoted nothing
         try:
-            response = await upstream.send(request, stream=True)
-        except httpx.HTTPError as e:
-            log.warning("front door: %s did not answer %s %s: %s", upstream.base_url, scope["method"], scope["path"], e)
+            response = await self._session().request(
+                scope["method"],
+                url,
+                headers=headers,
+                data=body() if sends_body else None,
+                allow_redirects=False,
+                skip_auto_headers=AUTO_HEADERS,  # the client's headers go on as they came, none of aiohttp's added
+            )
+        except (TimeoutError, aiohttp.ClientError) as e:
+            log.warning("front door: %s did not answer %s %s: %s", upstream, scope["method"], scope["path"], e)
             await _reply(
                 send, 502, b'{"error": {"message": "nothing answered for this path behind the fleet", "code": 502}}'
             )
             return
         try:
-            raw = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
-            await send({"type": "http.response.start", "status": response.status_code, "headers": raw})
-            async for chunk in response.aiter_raw():  # as sent: a compressed reply stays compressed
+            raw = [(k, v) for k, v in response.raw_headers if k.lower() not in HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": response.status, "headers": raw})
+            async for chunk in response.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await response.aclose()
+        except BaseException:
+            response.close()  # its connection, mid-reply, is of no further use
+            raise
+        response.release()
 
 
 async def _reply(send: Send, status: int, body: bytes) -> None:

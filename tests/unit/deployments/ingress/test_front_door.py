@@ -1,16 +1,22 @@
-"""The front door's split: the fleet's routes answered by its app, any other path handed to Serve's proxy unchanged."""
+"""The front door's split: the fleet's routes answered by its app, any other path handed to Serve's proxy (a real
+HTTP server on loopback here) unchanged."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import gzip
 import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
+from aiohttp import web
 from fastapi import FastAPI, Request
 
-from deployments.ingress.front_door import ForwardUnmatched, FrontDoor, bind, mounted_at
+from deployments.ingress.front_door import HOP_BY_HOP, ForwardUnmatched, FrontDoor, bind, mounted_at
 
 
 def fleet_app() -> FastAPI:
@@ -27,35 +33,65 @@ def fleet_app() -> FastAPI:
     return app
 
 
+@dataclass
+class Seen:
+    method: str
+    raw_path: str
+    headers: dict[str, str]
+    body: bytes
+
+
 class Upstream:
-    """Serve's proxy, as the door sees it: records what reached it and answers with a streamed, compressed body."""
+    """Serve's proxy (or another application's door), as the door sees it: a real HTTP server on loopback that records
+    what reached it and answers with a gzip body, streamed in pieces."""
 
-    def __init__(self, fail: bool = False):
-        self.seen: list[httpx.Request] = []
-        self.fail = fail
+    def __init__(self):
+        self.seen: list[Seen] = []
+        self.url = ""
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if self.fail:
-            raise httpx.ConnectError("connection refused", request=request)
-        request.read()
-        self.seen.append(request)
-        return httpx.Response(
-            201,
-            headers={"content-encoding": "identity", "x-upstream": "serve", "connection": "close"},
-            stream=httpx.ByteStream(b"from the proxy: " + request.content),
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.seen.append(
+            Seen(request.method, request.raw_path, {k.lower(): v for k, v in request.headers.items()}, body)
         )
+        reply = web.StreamResponse(status=201, headers={"content-encoding": "gzip", "x-upstream": "serve"})
+        await reply.prepare(request)
+        packed = gzip.compress(b"from the proxy: " + body)
+        for at in range(0, len(packed), 1000):
+            await reply.write(packed[at : at + 1000])
+        await reply.write_eof()
+        return reply
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            yield self.url
+        finally:
+            await runner.cleanup()
 
 
-def door(upstream: Upstream) -> httpx.AsyncClient:
-    app = ForwardUnmatched(fleet_app(), "http://proxy:8001", transport=httpx.MockTransport(upstream))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fleet")
+@contextlib.asynccontextmanager
+async def door(forward: ForwardUnmatched) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the fleet's door, served in this process; the door's own connections closed after."""
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=forward), base_url="http://fleet") as client:
+            yield client
+    finally:
+        await forward.close()
 
 
 def test_the_fleets_routes_never_reach_the_proxy():
     upstream = Upstream()
 
     async def main():
-        async with door(upstream) as client:
+        async with upstream.serving() as url, door(ForwardUnmatched(fleet_app(), url)) as client:
             assert (await client.get("/v1/models")).json() == {"data": ["base"]}
             assert (await client.post("/v1/completions", content=b"{}")).json() == {"echo": "{}"}
             # A fleet path asked with a wrong method is the fleet's 405, not someone else's route.
@@ -67,31 +103,42 @@ def test_the_fleets_routes_never_reach_the_proxy():
 
 def test_other_paths_go_to_the_proxy_whole_without_connection_headers():
     upstream = Upstream()
+    body = bytes(range(256)) * 300  # more than one ASGI message
+    packed = gzip.compress(body)
 
     async def main():
-        async with door(upstream) as client:
-            body = b"x" * 70_000  # more than one ASGI message
+        async with upstream.serving() as url, door(ForwardUnmatched(fleet_app(), url)) as client:
             headers = {
                 "authorization": "Bearer tml-key",
-                "content-encoding": "zstd",
+                "content-encoding": "gzip",
                 "te": "trailers",
                 "upgrade": "h2c",
             }
-            return await client.post("/api/v1/forward_backward?wait=1", content=body, headers=headers)
+            reply = await client.post("/api/v1/forward_backward?wait=1&x=%2F", content=packed, headers=headers)
+            return reply, url
 
-    reply = asyncio.run(main())
+    reply, url = asyncio.run(main())
     assert reply.status_code == 201
     assert reply.headers["x-upstream"] == "serve" and "connection" not in reply.headers
-    assert reply.content == b"from the proxy: " + b"x" * 70_000
+    # As the upstream sent it, compressed: the client inflates it.
+    assert reply.headers["content-encoding"] == "gzip" and reply.content == b"from the proxy: " + body
     (seen,) = upstream.seen
-    assert seen.method == "POST" and seen.url.raw_path == b"/api/v1/forward_backward?wait=1"
-    assert seen.headers["authorization"] == "Bearer tml-key" and seen.headers["content-encoding"] == "zstd"
-    assert "te" not in seen.headers and "upgrade" not in seen.headers and seen.headers["host"] == "proxy:8001"
+    assert seen.method == "POST" and seen.raw_path == "/api/v1/forward_backward?wait=1&x=%2F" and seen.body == body
+    # Sent on as it came, compressed: the upstream inflates it.
+    assert seen.headers["authorization"] == "Bearer tml-key" and seen.headers["content-encoding"] == "gzip"
+    assert int(seen.headers["content-length"]) == len(packed)
+    assert "te" not in seen.headers and "upgrade" not in seen.headers
+    assert seen.headers["host"] == url.removeprefix("http://")
+    # The client's headers, less the connection's: none of the door's own added, none replaced.
+    sent = {k.lower(): v for k, v in reply.request.headers.items() if k.lower().encode() not in HOP_BY_HOP}
+    assert {k: v for k, v in seen.headers.items() if k != "host"} == sent
 
 
 def test_a_proxy_that_does_not_answer_is_a_502_with_a_reason():
     async def main():
-        async with door(Upstream(fail=True)) as client:
+        async with Upstream().serving() as url:
+            pass  # gone: nothing listens there now
+        async with door(ForwardUnmatched(fleet_app(), url)) as client:
             return await client.get("/-/routes")
 
     reply = asyncio.run(main())
@@ -129,26 +176,48 @@ def test_bind_says_when_the_port_is_taken():
 
 
 def test_an_announced_door_takes_its_prefix_until_its_announcement_lapses(monkeypatch):
-    upstream = Upstream()
-    forward = ForwardUnmatched(fleet_app(), "http://proxy:8001", transport=httpx.MockTransport(upstream))
+    proxy, tinker = Upstream(), Upstream()
     clock = [1000.0]
     monkeypatch.setattr("deployments.ingress.front_door.time.monotonic", lambda: clock[0])
 
     async def main():
-        forward.open_door("/api", "http://127.0.0.1:41000", ttl_s=30)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=forward), base_url="http://fleet") as client:
-            await client.get("/api/v1/healthz")
-            await client.get("/apis")  # another prefix: not the door's
-            assert (await client.get("/v1/models")).json() == {"data": ["base"]}  # the fleet's own, as ever
-            clock[0] += 31  # not announced again: Serve's proxy routes it, slower
-            await client.get("/api/v1/healthz")
+        async with proxy.serving() as proxy_url, tinker.serving() as tinker_url:
+            forward = ForwardUnmatched(fleet_app(), proxy_url)
+            forward.open_door("/api", tinker_url, ttl_s=30)
+            async with door(forward) as client:
+                await client.get("/api/v1/healthz")
+                await client.get("/apis")  # another prefix: not the door's
+                assert (await client.get("/v1/models")).json() == {"data": ["base"]}  # the fleet's own, as ever
+                clock[0] += 31  # not announced again: Serve's proxy routes it, slower
+                await client.get("/api/v1/healthz")
 
     asyncio.run(main())
-    assert [(r.url.host, r.url.path) for r in upstream.seen] == [
-        ("127.0.0.1", "/api/v1/healthz"),
-        ("proxy", "/apis"),
-        ("proxy", "/api/v1/healthz"),
-    ]
+    assert [s.raw_path for s in tinker.seen] == ["/api/v1/healthz"]
+    assert [s.raw_path for s in proxy.seen] == ["/apis", "/api/v1/healthz"]
+
+
+def test_one_clients_cookies_never_go_with_anothers_request():
+    """The door's one connection pool serves every client: a cookie the upstream sets for one is not kept."""
+    upstream = Upstream()
+
+    async def setter(request: web.Request) -> web.Response:
+        upstream.seen.append(Seen(request.method, request.raw_path, dict(request.headers), b""))
+        reply = web.Response(text="{}")
+        reply.set_cookie("session", "alice")
+        return reply
+
+    upstream.handle = setter
+
+    async def main():
+        async with upstream.serving() as url:
+            by_name = url.replace("127.0.0.1", "localhost")  # a host name: a cookie jar would keep its cookies
+            async with door(ForwardUnmatched(fleet_app(), by_name)) as client:
+                await client.get("/api/v1/login")
+                client.cookies.clear()  # bob's client: no cookie of its own
+                await client.get("/api/v1/whoami")
+
+    asyncio.run(main())
+    assert [("cookie" in {k.lower() for k in s.headers}) for s in upstream.seen] == [False, False]
 
 
 def test_an_application_mounted_at_its_route_prefix_sees_paths_as_under_serves_proxy():
