@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class Futures:
     def __init__(self, ttl_s: float, clock=time.monotonic):
         self.ttl_s, self._clock = ttl_s, clock
         self._entries: dict[str, _Entry] = {}
+        # The finished ones in the order they finished, so that expiring looks at the expired alone: an RL step
+        # submits hundreds at once, and a scan of every entry at each would cost the loop more than the rest of it.
+        self._finished: deque[tuple[float, str]] = deque()
 
     def submit(self, tenant: str, work: Awaitable[Result]) -> str:
         """Start `work` now and return the id the SDK will retrieve it by."""
@@ -52,9 +56,13 @@ class Futures:
         request_id = uuid.uuid4().hex
         task = asyncio.ensure_future(work)
         entry = _Entry(tenant, task)
-        task.add_done_callback(lambda _: setattr(entry, "done_at", self._clock()))
+        task.add_done_callback(lambda _: self._finish(request_id, entry))
         self._entries[request_id] = entry
         return request_id
+
+    def _finish(self, request_id: str, entry: _Entry) -> None:
+        entry.done_at = self._clock()
+        self._finished.append((entry.done_at, request_id))
 
     def owned(self, request_id: str, tenant: str) -> bool:
         entry = self._entries.get(request_id)
@@ -87,10 +95,9 @@ class Futures:
 
     def _expire(self) -> None:
         now = self._clock()
-        for request_id in [
-            r for r, e in self._entries.items() if e.done_at is not None and now - e.done_at > self.ttl_s
-        ]:
-            del self._entries[request_id]
+        while self._finished and now - self._finished[0][0] > self.ttl_s:
+            _, request_id = self._finished.popleft()
+            self._entries.pop(request_id, None)  # cancelled or dropped with its tenant already, perhaps
 
     def __len__(self) -> int:
         return len(self._entries)

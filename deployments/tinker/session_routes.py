@@ -25,11 +25,12 @@ from deployments.tinker.wire import PROTOBUF
 
 
 def client_config() -> types.ClientConfigResponse:
-    """The SDK's feature flags for this server: plain API keys, httpx, zstd forward_backward bodies, one
-    retrieve_future per request, custom losses on the client."""
+    """The SDK's feature flags for this server: plain API keys, the SDK's own default transport (pyqwest, as against
+    Thinking Machines' service), zstd forward_backward bodies, one retrieve_future per request, custom losses on the
+    client."""
     return types.ClientConfigResponse(
         pjwt_auth_enabled=False,
-        use_pyqwest_transport=False,
+        use_pyqwest_transport=True,
         proto_compress_fwdbwd=True,
         sample_use_retrieve_futures=False,
         custom_loss_server_side=False,
