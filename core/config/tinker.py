@@ -31,6 +31,12 @@ class TinkerConfig(Section):
     sample_lane: int = Field(
         64, ge=1, description="Sample requests one API key has in flight to the fleet at once; others wait their turn."
     )
+    sample_merge_window_s: float = Field(
+        0.02,
+        ge=0,
+        description="How long a sample request waits for like ones of its key (same prompt and sampler) to share one "
+        "fleet call; 0: each goes alone.",
+    )
     max_samplers_per_tenant: int = Field(
         64, ge=1, description="Sampling clients one API key holds; beyond it the least recently used is released."
     )

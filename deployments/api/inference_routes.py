@@ -50,7 +50,7 @@ from deployments.api.routing import Routes, route
 from deployments.api.settings import ApiSettings
 from deployments.control.backend import Backend
 from deployments.control.broadcast import everywhere
-from deployments.control.coalesce import Coalescer, Merged
+from deployments.control.coalesce import Coalescer, Generations, Merged
 from deployments.control.errors import as_api_error
 from deployments.control.fair_share import FairShare
 from deployments.control.offload import INLINE_TOKENS, offload, offload_unless_small
@@ -71,10 +71,10 @@ class InferenceRoutes(Routes):
         self.prompts = Prompts(settings)
         self._token_text = cached_token_text(settings.decode)
         # Like requests of one run sent together share one engine call (`deployments.control.coalesce`).
-        self.coalescer = Coalescer(
+        self.coalescer: Coalescer[GenerateRequest, Generated] = Coalescer(
             settings.coalesce_window_s,
             max_n=settings.limits.max_sequences_per_request,
-            block_size=settings.routing_block_size,
+            kind=Generations(settings.routing_block_size),
         )
 
     async def generate(self, request: GenerateRequest, caller: Caller) -> Generated:

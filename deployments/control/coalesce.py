@@ -19,6 +19,10 @@ the router, the Serve handle, the replica and the engine, which on a small machi
   replica holding their prompt anyway. Generations of distinct prompts are never bundled: a shared system prompt
   would tie a run's whole load to one replica, and each answer to the slowest.
 
+Which requests may share a call, and how one answer is dealt back, is a `Kind`: the fleet's generations here
+(`Generations`), the Tinker service's completion bodies on their way to the fleet
+(`deployments.tinker.merging`).
+
 What stays as it was: each call goes through the same gate (its run's places, one per sequence), the same
 prefix-hash routing and the same hand-back (`ServeBackend` stitches before the choices are dealt). Runs never share
 a call (each run's fair share). A caller that goes away leaves its samples unread; a call is cancelled only once
@@ -31,23 +35,45 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from contracts.serving import Generated, GenerateRequest
+
+R = TypeVar("R")  # a request
+A = TypeVar("A")  # its answer
 
 # vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily, one sample per request.
 GREEDY_BELOW = 1e-5
 
-# One replica call: like requests as one each (`Merged`), the answer or failure of each in order.
-Send = Callable[[list["Merged"]], Awaitable[list[Generated | Exception]]]
-
 
 @dataclass(frozen=True)
-class Merged:
+class Merged(Generic[R]):
     """Like requests as one engine request of their summed `n`, and how many clients' requests it answers (what
     their run's usage counts)."""
 
-    request: GenerateRequest
+    request: R
     callers: int = 1
+
+
+# One call: like requests as one each (`Merged`), the answer or failure of each in order.
+Send = Callable[[list[Merged[R]]], Awaitable[list[A | Exception]]]
+
+
+class Kind(Protocol[R, A]):
+    """Which requests of a tenant may share a call, and how they become one and their answer theirs again."""
+
+    def call_key(self, tenant: str, request: R) -> tuple | None:
+        """The call this request may join (None: it goes alone)."""
+
+    def part_key(self, tenant: str, request: R) -> object:
+        """Requests of one call with the same part key are merged into one request of their summed `n`."""
+
+    def n(self, request: R) -> int: ...
+
+    def merged(self, first: R, n: int) -> R: ...
+
+    def deal(self, answer: A, counts: list[int]) -> list[A]:
+        """The merged answer split among its callers in order, each caller's `counts[i]` renumbered from 0."""
 
 
 def coalescable(request: GenerateRequest) -> bool:
@@ -90,24 +116,48 @@ def deal(result: Generated, counts: list[int]) -> list[Generated]:
     return out
 
 
+class Generations:
+    """The fleet's kind (`Kind`): generations merged by `merge_key`, scored sequences bundled by `bundle_key`."""
+
+    def __init__(self, block_size: int = 32):
+        self.block_size = block_size  # the router's (`fleet.router.block_size`): a bundle shares its first block
+
+    def call_key(self, tenant: str, request: GenerateRequest) -> tuple | None:
+        if scoring(request):
+            return bundle_key(tenant, request, self.block_size)
+        return merge_key(tenant, request) if coalescable(request) else None
+
+    def part_key(self, tenant: str, request: GenerateRequest) -> object:
+        return merge_key(tenant, request) if coalescable(request) else object()  # seeded, greedy: never merged
+
+    def n(self, request: GenerateRequest) -> int:
+        return request.sampling.n
+
+    def merged(self, first: GenerateRequest, n: int) -> GenerateRequest:
+        return merged(first, n)
+
+    def deal(self, answer: Generated, counts: list[int]) -> list[Generated]:
+        return deal(answer, counts)
+
+
 @dataclass
-class _Part:
+class _Part(Generic[R]):
     """Requests merged into one engine request (or one alone): each caller's `n` and where its answer goes."""
 
-    first: GenerateRequest
+    first: R
     counts: list[int] = field(default_factory=list)
     futures: list[asyncio.Future] = field(default_factory=list)
 
-    def live(self) -> _Part | None:
+    def live(self) -> _Part[R] | None:
         """This part without the callers gone meanwhile; None when none is left."""
         kept = [(n, f) for n, f in zip(self.counts, self.futures, strict=True) if not f.cancelled()]
         return _Part(self.first, [n for n, _ in kept], [f for _, f in kept]) if kept else None
 
-    def answer(self, answer: Generated | BaseException) -> None:
+    def answer(self, answer: object, deal_out: Callable[[object, list[int]], list]) -> None:
         if isinstance(answer, BaseException):  # every caller gets the failure (a 4xx stays a 4xx)
             shares = [answer] * len(self.futures)
         else:
-            shares = deal(answer, self.counts)
+            shares = deal_out(answer, self.counts)
         for future, share in zip(self.futures, shares, strict=True):
             if future.done():
                 continue
@@ -119,7 +169,7 @@ class _Part:
 
 @dataclass
 class _Call:
-    """One replica call in the making: its parts by merge key."""
+    """One call in the making: its parts by part key."""
 
     parts: dict[object, _Part] = field(default_factory=dict)
     n: int = 0
@@ -129,47 +179,42 @@ class _Call:
         return [f for part in self.parts.values() for f in part.futures]
 
 
-class Coalescer:
-    """Merges concurrent like generations of one run (`merge_key`) into one engine request of their summed `n`, and
-    bundles a run's scored sequences that route alike (`bundle_key`) into one replica call, up to `max_n` sequences
-    per call; `window_s` 0 sends every request alone."""
+class Coalescer(Generic[R, A]):
+    """Merges concurrent like requests of one tenant (`Kind.part_key`) into one request of their summed `n`, and puts
+    those that may share a call (`Kind.call_key`) into one, up to `max_n` sequences per call; `window_s` 0 sends every
+    request alone. The fleet's generations (`Generations`) unless another `kind` is given."""
 
-    def __init__(self, window_s: float, max_n: int = 256, block_size: int = 32):
+    def __init__(self, window_s: float, max_n: int = 256, kind: Kind[R, A] | None = None):
         # How long the first request of a kind waits for others (`fleet.coalesce_window_s`): well under one engine
         # step on a CPU, and the samples of one group, sent back to back, reach the ingress within it.
         self.window_s = window_s
         self.max_n = max_n
-        self.block_size = block_size  # the router's (`fleet.router.block_size`): a bundle shares its first block
+        self.kind: Kind = kind if kind is not None else Generations()
         self._open: dict[tuple, _Call] = {}
-        self.requests = 0  # generations asked for
-        self.calls = 0  # replica calls made for them
+        self.requests = 0  # requests asked for
+        self.calls = 0  # calls made for them
 
-    async def generate(self, tenant: str, request: GenerateRequest, send: Send) -> Generated:
+    async def generate(self, tenant: str, request: R, send: Send[R, A]) -> A:
         self.requests += 1
-        if scoring(request):
-            key = bundle_key(tenant, request, self.block_size)
-        elif coalescable(request):
-            key = merge_key(tenant, request)
-        else:
-            key = None
-        if self.window_s <= 0 or key is None or request.sampling.n >= self.max_n:
+        kind, n = self.kind, self.kind.n(request)
+        key = kind.call_key(tenant, request)
+        if self.window_s <= 0 or key is None or n >= self.max_n:
             self.calls += 1
             [answer] = await send([Merged(request)])
             if isinstance(answer, Exception):
                 raise answer
             return answer
         call = self._open.get(key)
-        if call is None or call.n + request.sampling.n > self.max_n:
+        if call is None or call.n + n > self.max_n:
             if call is not None:  # full: it goes now, this request opens the next one
                 self._flush(key, call, send)
             call = self._open[key] = _Call()
             asyncio.get_running_loop().call_later(self.window_s, self._flush, key, call, send)
-        part_key = merge_key(tenant, request) if coalescable(request) else object()  # seeded, greedy: never merged
-        part = call.parts.setdefault(part_key, _Part(request))
+        part = call.parts.setdefault(kind.part_key(tenant, request), _Part(request))
         future = asyncio.get_running_loop().create_future()
-        part.counts.append(request.sampling.n)
+        part.counts.append(n)
         part.futures.append(future)
-        call.n += request.sampling.n
+        call.n += n
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -178,7 +223,7 @@ class Coalescer:
                 call.task.cancel()  # nobody waits for its samples any more
             raise
 
-    def _flush(self, key: tuple, call: _Call, send: Send) -> None:
+    def _flush(self, key: tuple, call: _Call, send: Send[R, A]) -> None:
         if call.task is not None:
             return  # sent already (it filled up before its window ended)
         if self._open.get(key) is call:
@@ -190,14 +235,14 @@ class Coalescer:
         self.calls += 1
         call.task = asyncio.get_running_loop().create_task(self._send(parts, send))
 
-    async def _send(self, parts: list[_Part], send: Send) -> None:
+    async def _send(self, parts: list[_Part], send: Send[R, A]) -> None:
         try:
-            answers = await send([Merged(merged(p.first, sum(p.counts)), len(p.counts)) for p in parts])
+            answers = await send([Merged(self.kind.merged(p.first, sum(p.counts)), len(p.counts)) for p in parts])
         except BaseException as e:  # every caller gets the failure, cancellation included
             for part in parts:
-                part.answer(e)
+                part.answer(e, self.kind.deal)
             if not isinstance(e, Exception):
                 raise
             return
         for part, answer in zip(parts, answers, strict=True):
-            part.answer(answer)
+            part.answer(answer, self.kind.deal)

@@ -21,7 +21,9 @@ from typing import Any
 import aiohttp
 
 from contracts.tinker import API_KEY_PREFIX, Lineage
+from deployments.control.coalesce import Coalescer, Merged
 from deployments.tinker.lanes import Lanes
+from deployments.tinker.merging import Body, CompletionBodies
 
 
 class FleetRefused(Exception):
@@ -41,9 +43,19 @@ class Tenant:
 
 
 class FleetCalls:
-    def __init__(self, fleet_url: str, cache_dir: str, timeout_s: float = 300.0, lane: int = 64):
+    def __init__(
+        self,
+        fleet_url: str,
+        cache_dir: str,
+        timeout_s: float = 300.0,
+        lane: int = 64,
+        merge_window_s: float = 0.0,
+        max_samples: int = 256,
+    ):
         """`lane`: sample requests each tenant has in flight to the fleet at once (`Lanes`); the connection pool is
-        unbounded, so it is never the queue that tenants share."""
+        unbounded, so it is never the queue that tenants share. Like sample requests of a tenant within
+        `merge_window_s` are one call of at most `max_samples` (`deployments.tinker.merging`)."""
+        self.merging: Coalescer[Body, Body] = Coalescer(merge_window_s, max_samples, kind=CompletionBodies())
         self._fleet_url = fleet_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._http: aiohttp.ClientSession | None = None  # made on the event loop that uses it, at its first call
@@ -142,10 +154,15 @@ class FleetCalls:
             "POST", "/v1/load_lora_adapter", tenant.token, json_body={"lora_name": name, "lora_path": path}
         )
 
-    async def completions(self, tenant: Tenant, body: dict[str, Any]) -> dict[str, Any]:
-        """A generation, in the tenant's own lane: behind its own samples only, never another tenant's."""
-        async with self.lanes.of(tenant.run):
-            return await self._call("POST", "/v1/completions", tenant.token, json_body=body)
+    async def completions(self, tenant: Tenant, body: Body) -> Body:
+        """A generation, merged with like ones of the tenant (`deployments.tinker.merging`), in the tenant's own lane:
+        behind its own samples only, never another tenant's."""
+
+        async def send(call: list[Merged[Body]]) -> list[Body | Exception]:
+            async with self.lanes.of(tenant.run):
+                return [await self._call("POST", "/v1/completions", tenant.token, json_body=call[0].request)]
+
+        return await self.merging.generate(tenant.run, body, send)
 
     async def models(self, token: str) -> list[str]:
         return [m["id"] for m in (await self._call("GET", "/v1/models", token))["data"]]

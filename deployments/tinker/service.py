@@ -127,7 +127,13 @@ def make_app(
     """The FastAPI app of the Tinker API; its paths are `/v1/...` under Serve's route prefix `/api`
     (`contracts.tinker.TINKER_ROUTE_PREFIX`), which Serve takes off before the app sees a path. `fleet`: the fleet's
     HTTP API at `settings.fleet_url`, unless given."""
-    fleet = fleet or FleetCalls(settings.fleet_url, settings.cache_dir, lane=settings.sample_lane)
+    fleet = fleet or FleetCalls(
+        settings.fleet_url,
+        settings.cache_dir,
+        lane=settings.sample_lane,
+        merge_window_s=settings.sample_merge_window_s,
+        max_samples=settings.max_samples,
+    )
     api = TinkerApi(settings, learners, fleet, admin_token)
 
     @contextlib.asynccontextmanager

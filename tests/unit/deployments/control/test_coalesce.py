@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from contracts.serving import Generated, GenerateRequest, SampledChoice, Sampling
-from deployments.control.coalesce import Coalescer, Merged, deal, merge_key
+from deployments.control.coalesce import Coalescer, Generations, Merged, deal, merge_key
 
 
 def request(prompt=(1, 2, 3), model="base", n=1, seed=None, temperature=1.0, session=None) -> GenerateRequest:
@@ -199,7 +199,7 @@ def scored(*tail: int, prompt=tuple(range(32)), **sampling) -> GenerateRequest:
 
 
 def test_a_groups_scored_sequences_sent_one_per_request_are_one_replica_call_each_answered_apart():
-    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, kind=Generations(block_size=32))
     sequences = [scored(40 + i, 50 + i) for i in range(8)]
 
     async def go():
@@ -213,7 +213,7 @@ def test_a_groups_scored_sequences_sent_one_per_request_are_one_replica_call_eac
 
 
 def test_scored_sequences_that_would_route_apart_are_never_bundled():
-    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, kind=Generations(block_size=32))
     other_prompt = scored(40, prompt=tuple(range(1, 33)))  # another first block: another route
     others = [
         other_prompt,
@@ -231,7 +231,7 @@ def test_scored_sequences_that_would_route_apart_are_never_bundled():
 
 def test_generations_of_distinct_prompts_are_never_bundled_even_when_they_share_a_first_block():
     """A shared system prompt must not tie a run's generations to one replica, nor each answer to the slowest."""
-    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, kind=Generations(block_size=32))
     prompts = [GenerateRequest([*range(32), 40 + i], "base", Sampling(max_tokens=8)) for i in range(4)]
 
     async def go():
@@ -242,7 +242,7 @@ def test_generations_of_distinct_prompts_are_never_bundled_even_when_they_share_
 
 
 def test_seeded_and_greedy_scored_sequences_are_bundled_side_by_side_never_merged():
-    engine, coalescer = Engine(), Coalescer(window_s=0.005, block_size=32)
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, kind=Generations(block_size=32))
     same = [scored(40, seed=3), scored(40, seed=3), scored(40, temperature=0.0), scored(40, temperature=0.0)]
 
     async def go():
@@ -254,7 +254,7 @@ def test_seeded_and_greedy_scored_sequences_are_bundled_side_by_side_never_merge
 
 
 def test_a_bundled_requests_own_failure_reaches_its_callers_alone():
-    engine, coalescer = Engine(refuse=66), Coalescer(window_s=0.005, block_size=32)
+    engine, coalescer = Engine(refuse=66), Coalescer(window_s=0.005, kind=Generations(block_size=32))
 
     async def go():
         sent = [scored(40), scored(66), scored(66), scored(41)]  # the two 66s are one engine request of n=2

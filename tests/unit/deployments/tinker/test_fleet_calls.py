@@ -8,6 +8,7 @@ import pytest
 
 from deployments.tinker.fleet_calls import FleetCalls, FleetRefused
 from tests.support.fake_fleet import BASE
+from tests.unit.deployments.tinker.conftest import SlowBackend, served_fleet
 
 LANE = 8
 BODY = {"model": BASE, "prompt": [1, 2], "max_tokens": 1, "n": 1}
@@ -61,3 +62,64 @@ def test_one_keys_flood_of_samples_does_not_delay_another_keys_sample(slow_fleet
     took = asyncio.run(flood())
     assert took < 0.85, f"bob's sample took {took:.2f} s behind alice's flood (0.5 s alone)"
     assert slow_fleet.backend.most_in_flight <= LANE + 1  # alice's lane, and bob's one
+
+
+class DistinctBackend(SlowBackend):
+    """Each generation's choice i samples token 100 + i of its request, so that each caller's share is seen."""
+
+    async def generate(self, request):
+        answer = await super().generate(request)
+        for choice in answer.choices:
+            choice.token_ids[:] = [100 + choice.index]
+        return answer
+
+
+@pytest.fixture
+def unmerged_fleet(tmp_path):
+    """The fleet API with its own coalescing off: each HTTP request it gets is one generation of the backend."""
+    with served_fleet(tmp_path, DistinctBackend(delay_s=0.05), coalesce_window_s=0.0) as served:
+        yield served
+
+
+def test_like_single_sample_requests_of_a_key_are_one_fleet_call_and_each_gets_its_own_samples(
+    unmerged_fleet, tmp_path
+):
+    """A cookbook group: 8 requests of one sample, sent at once, are one generation of n=8 on the fleet, each
+    request answered one of its choices, numbered 0; a seeded request and another key's go alone."""
+    fleet = unmerged_fleet
+    alice, bob = fleet.register("alice"), fleet.register("bob")
+
+    async def main():
+        calls = FleetCalls(fleet.url, str(tmp_path), merge_window_s=0.05, max_samples=16)
+        try:
+            a, b = await calls.tenant(alice), await calls.tenant(bob)
+            body = {**BODY, "return_token_ids": True}  # as the service asks
+            group = [calls.completions(a, body) for _ in range(8)]
+            others = [calls.completions(a, {**body, "seed": 7}), calls.completions(b, body)]
+            return await asyncio.gather(*group, *others)
+        finally:
+            await calls.close()
+
+    answers = asyncio.run(main())
+    generations = sorted(request.sampling.n for kind, request in fleet.backend.calls if kind == "generate")
+    assert generations == [1, 1, 8]  # alice's group as one; her seeded request and bob's alone
+    group = answers[:8]
+    assert all(len(a["choices"]) == 1 and a["choices"][0]["index"] == 0 for a in group)
+    assert sorted(a["choices"][0]["token_ids"][0] for a in group) == list(range(100, 108))  # a sample each
+    assert [a["choices"][0]["token_ids"] for a in answers[8:]] == [[100], [100]]
+
+
+def test_a_merged_call_never_exceeds_the_fleets_sequences_per_request(unmerged_fleet, tmp_path):
+    alice = unmerged_fleet.register("alice")
+
+    async def main():
+        calls = FleetCalls(unmerged_fleet.url, str(tmp_path), merge_window_s=0.05, max_samples=4)
+        try:
+            tenant = await calls.tenant(alice)
+            return await asyncio.gather(*(calls.completions(tenant, BODY) for _ in range(10)))
+        finally:
+            await calls.close()
+
+    answers = asyncio.run(main())
+    assert all(len(a["choices"]) == 1 for a in answers)
+    assert sorted(r.sampling.n for kind, r in unmerged_fleet.backend.calls if kind == "generate") == [2, 4, 4]
