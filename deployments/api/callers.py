@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.datastructures import Headers
 
 from contracts.adapters import split_run
 from contracts.auth import presented_token, token_matches
@@ -112,12 +113,13 @@ def require_json(request: Request) -> None:
     """415 unless the request declares a JSON body, or has no body, no Content-Type and no `Origin`
     (what `requests` and `httpx` send for a body-less POST; a browser always adds `Origin`)."""
     content_type = request.headers.get("content-type")
-    if content_type is None and not has_body(request) and "origin" not in request.headers:
+    if content_type is None and not has_body(request.headers) and "origin" not in request.headers:
         return
     if (content_type or "").split(";")[0].strip().lower() != "application/json":
         raise ApiError(415, "admin calls take Content-Type: application/json")
 
 
-def has_body(request: Request) -> bool:
-    length = request.headers.get("content-length")
-    return "transfer-encoding" in request.headers or (length is not None and length.strip() != "0")
+def has_body(headers: Headers) -> bool:
+    """Whether a request with these headers sends a body (a length above 0, or chunks)."""
+    length = headers.get("content-length")
+    return "transfer-encoding" in headers or (length is not None and length.strip() != "0")

@@ -41,6 +41,7 @@ from contracts.serving import Generated, GenerateRequest
 
 R = TypeVar("R")  # a request
 A = TypeVar("A")  # its answer
+C = TypeVar("C")  # one choice of an answer
 
 # vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily, one sample per request.
 GREEDY_BELOW = 1e-5
@@ -104,16 +105,23 @@ def merged(first: GenerateRequest, n: int) -> GenerateRequest:
     return dataclasses.replace(first, sampling=dataclasses.replace(first.sampling, n=n))
 
 
-def deal(result: Generated, counts: list[int]) -> list[Generated]:
-    """The merged answer split among its callers in order: caller i gets the next `counts[i]` choices, numbered
-    from 0. A short answer (a replica that answers fewer choices than asked) deals what there is."""
-    choices = sorted(result.choices, key=lambda c: c.index)
+def shares(choices: list[C], counts: list[int]) -> list[list[C]]:
+    """A merged answer's choices (in index order) split among its callers in order: caller i gets the next
+    `counts[i]`. A short answer (a replica that answers fewer choices than asked) deals what there is."""
     out, start = [], 0
     for count in counts:
-        mine = [dataclasses.replace(c, index=i) for i, c in enumerate(choices[start : start + count])]
-        out.append(Generated(result.replica, mine, result.handed_back))
+        out.append(choices[start : start + count])
         start += count
     return out
+
+
+def deal(result: Generated, counts: list[int]) -> list[Generated]:
+    """The merged answer split among its callers (`shares`), each caller's choices numbered from 0."""
+    mine = shares(sorted(result.choices, key=lambda c: c.index), counts)
+    return [
+        Generated(result.replica, [dataclasses.replace(c, index=i) for i, c in enumerate(share)], result.handed_back)
+        for share in mine
+    ]
 
 
 class Generations:

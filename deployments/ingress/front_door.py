@@ -31,9 +31,12 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from multidict import CIMultiDict
+from starlette.datastructures import Headers
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 from yarl import URL
+
+from deployments.api.callers import has_body
 
 log = logging.getLogger("ray.serve")
 
@@ -120,10 +123,6 @@ class ForwardUnmatched:
         headers = CIMultiDict(
             (k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP
         )
-        length = headers.get("content-length")
-        sends_body = (length is not None and length.strip() != "0") or any(
-            k == b"transfer-encoding" for k, _ in scope["headers"]
-        )
         upstream = self.upstream(scope["path"])
         url = URL(upstream + target.decode("latin-1"), encoded=True)  # the path as the client sent it, unquoted nothing
         try:
@@ -131,7 +130,7 @@ class ForwardUnmatched:
                 scope["method"],
                 url,
                 headers=headers,
-                data=body() if sends_body else None,
+                data=body() if has_body(Headers(scope=scope)) else None,
                 allow_redirects=False,
                 skip_auto_headers=AUTO_HEADERS,  # the client's headers go on as they came, none of aiohttp's added
             )

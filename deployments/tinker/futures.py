@@ -37,7 +37,6 @@ class RequestFailed(Exception):
 class _Entry:
     tenant: str
     task: asyncio.Task
-    done_at: float | None = None
 
 
 class Futures:
@@ -55,14 +54,9 @@ class Futures:
         self._expire()
         request_id = uuid.uuid4().hex
         task = asyncio.ensure_future(work)
-        entry = _Entry(tenant, task)
-        task.add_done_callback(lambda _: self._finish(request_id, entry))
-        self._entries[request_id] = entry
+        task.add_done_callback(lambda _: self._finished.append((self._clock(), request_id)))
+        self._entries[request_id] = _Entry(tenant, task)
         return request_id
-
-    def _finish(self, request_id: str, entry: _Entry) -> None:
-        entry.done_at = self._clock()
-        self._finished.append((entry.done_at, request_id))
 
     def owned(self, request_id: str, tenant: str) -> bool:
         entry = self._entries.get(request_id)

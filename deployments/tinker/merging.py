@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from deployments.control.coalesce import GREEDY_BELOW
+from deployments.control.coalesce import GREEDY_BELOW, shares
 
 Body = dict[str, Any]  # a completions request of the fleet's API (vLLM's fields), and its answer
+ONE_PART = "alike"  # every body of a call is one merged request
 
 
 class CompletionBodies:
@@ -31,7 +32,7 @@ class CompletionBodies:
         return (tenant, json.dumps({k: v for k, v in body.items() if k != "n"}, sort_keys=True))
 
     def part_key(self, tenant: str, body: Body) -> object:
-        return self.call_key(tenant, body)  # one part per call: the fleet's API takes one `n` per request
+        return ONE_PART  # the call key says all: a call's bodies are alike (and the fleet's API takes one `n`)
 
     def n(self, body: Body) -> int:
         return int(body.get("n") or 1)
@@ -40,10 +41,5 @@ class CompletionBodies:
         return {**first, "n": n}
 
     def deal(self, answer: Body, counts: list[int]) -> list[Body]:
-        choices = sorted(answer["choices"], key=lambda c: c["index"])
-        out, start = [], 0
-        for count in counts:
-            mine = [{**c, "index": i} for i, c in enumerate(choices[start : start + count])]
-            out.append({**answer, "choices": mine})
-            start += count
-        return out
+        mine = shares(sorted(answer["choices"], key=lambda c: c["index"]), counts)
+        return [{**answer, "choices": [{**c, "index": i} for i, c in enumerate(share)]} for share in mine]
