@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -83,6 +84,7 @@ class LearnerRankActor(LearnerRank):
         super().__init__(cfg, model_path, rank, world_size, fleet_url, fleet_token, signing_key)
         # The notice watcher's thread commits an idle learner at once: a step and a checkpoint hold this lock.
         self._busy = threading.RLock()
+        self._incarnation = uuid.uuid4().hex
         self.notices.watch(rank, on_notice=self._commit_if_idle)
 
     def train_step(self, batch):
@@ -102,8 +104,9 @@ class LearnerRankActor(LearnerRank):
             finally:
                 self._busy.release()
 
-    def ping(self) -> int:
-        return self.rank
+    def incarnation(self) -> str:
+        """This process's token: new in each process Ray restarts the rank in (`RankGroup.restart`)."""
+        return self._incarnation
 
     def is_started(self) -> bool:
         """False for a worker Ray restarted (its node went) that the group has not resumed yet."""

@@ -9,8 +9,8 @@ in a collective that never completes, so no rank can go on alone.
 What a rank's death costs is each learner's own, and so is what it does then: the run's learner resumes every rank
 from its last checkpoint and retries the step (its ranks are restarted by Ray, `restart`), the Tinker learner answers
 the call as a lost learner and starts new ranks with the base model alone (`replace`), the service restoring each
-client from its last saved state. A rank answers `rendezvous_address()` and `join(address, port)`, and `ping()` where
-Ray restarts it.
+client from its last saved state. A rank answers `rendezvous_address()` and `join(address, port)`, and, where Ray
+restarts it, `incarnation()`: a token of its own process, new in every process Ray starts it in again.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class RankGroup:
         self._max_restarts, self._what = max_restarts, what
         self._pg = None
         self.actors: list = []
+        self._incarnations: list = []  # each rank's process at the last join (ranks Ray restarts)
         self._start()
 
     def _start(self) -> None:
@@ -88,6 +89,8 @@ class RankGroup:
         self._join()
 
     def _join(self) -> None:
+        if self._max_restarts:
+            self._incarnations = self.all("incarnation")
         address, port = ray.get(self.actors[0].rendezvous_address.remote())
         self.all("join", address, port)
 
@@ -116,20 +119,25 @@ class RankGroup:
 
     def restart(self, dead: set[int]) -> None:
         """Every rank restarted by Ray and joined again: the living ones are killed so that Ray restarts them too
-        (`dead` are restarting already), on the placement group Ray keeps (it places a lost node's bundles again)."""
+        (`dead` are restarting already), on the placement group Ray keeps (it places a lost node's bundles again).
+
+        `ray.kill` returns before the process is gone, so a rank's old process may still answer a call or two: a
+        rank is back only once it answers from a new process (a new incarnation), else the join could reach the
+        old one and the restart land on it after."""
         for rank, actor in enumerate(self.actors):
             if rank not in dead:
                 ray.kill(actor, no_restart=False)
         deadline = time.monotonic() + RESTART_TIMEOUT_S
-        for actor in self.actors:
+        for rank, (actor, old) in enumerate(zip(self.actors, self._incarnations, strict=True)):
             while True:
                 try:
-                    ray.get(actor.ping.remote(), timeout=30)
-                    break
-                except (RayActorError, GetTimeoutError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(1.0)
+                    if ray.get(actor.incarnation.remote(), timeout=30) != old:
+                        break
+                except (RayActorError, GetTimeoutError):  # dead, restarting, or still building itself
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self._what}: rank {rank} not back within {RESTART_TIMEOUT_S:.0f} s")
+                time.sleep(1.0)
         self._join()
 
     def replace(self) -> None:

@@ -4,6 +4,7 @@ rank's death, restarted by Ray (the run learner's way) or replaced by new ones (
 
 import os
 import time
+import uuid
 
 import pytest
 import ray
@@ -19,6 +20,7 @@ class EchoRank:
     def __init__(self, label: str, rank: int, world_size: int):
         self.label, self.rank, self.world_size = label, rank, world_size
         self.joined: tuple[str, int] | None = None
+        self.born = uuid.uuid4().hex
 
     def rendezvous_address(self) -> tuple[str, int]:
         return "127.0.0.1", 29500 + os.getpid() % 1000
@@ -28,6 +30,9 @@ class EchoRank:
 
     def ping(self) -> int:
         return self.rank
+
+    def incarnation(self) -> str:
+        return self.born
 
     def who(self) -> tuple:
         return self.label, self.rank, self.world_size, os.getpid(), self.joined
