@@ -97,8 +97,12 @@ def merge_key(tenant: str, request: GenerateRequest) -> tuple:
 
 
 def bundle_key(tenant: str, request: GenerateRequest, block_size: int) -> tuple:
-    """What scored sequences must share to be bundled: the run, and what routes them (model, session, first block)."""
-    return ("bundle", tenant, request.model, request.turn, request.session, tuple(request.prompt_ids[:block_size]))
+    """What scored sequences must share to be bundled: the run, and what routes them (model, session, first block).
+    A sequence shorter than one block has no block to route by (the router hashes full blocks only, as vLLM caches
+    them): it goes to the least loaded replica, as any other such sequence of its run would, so they share a call."""
+    ids = request.prompt_ids
+    first_block = tuple(ids[:block_size]) if len(ids) >= block_size else ()
+    return ("bundle", tenant, request.model, request.turn, request.session, first_block)
 
 
 def merged(first: GenerateRequest, n: int) -> GenerateRequest:

@@ -229,6 +229,19 @@ def test_scored_sequences_that_would_route_apart_are_never_bundled():
     assert engine.bundles == [1, 1, 1, 1, 1]
 
 
+def test_scored_sequences_shorter_than_a_block_have_no_route_of_their_own_and_share_a_call():
+    """Nothing to route by (no full block): each would go to the least loaded replica, so they go there together."""
+    engine, coalescer = Engine(), Coalescer(window_s=0.005, kind=Generations(block_size=32))
+    short = [scored(40 + i, prompt=tuple(range(i, i + 16))) for i in range(6)]  # 17 tokens, distinct prompts
+    full = scored(50, prompt=tuple(range(16, 48)))  # a full block of its own: its own route
+
+    async def go():
+        await asyncio.gather(*(coalescer.generate("run-a", s, engine) for s in [*short, full]))
+
+    run(go())
+    assert sorted(engine.bundles) == [1, 6] and engine.calls[:6] == short
+
+
 def test_generations_of_distinct_prompts_are_never_bundled_even_when_they_share_a_first_block():
     """A shared system prompt must not tie a run's generations to one replica, nor each answer to the slowest."""
     engine, coalescer = Engine(), Coalescer(window_s=0.005, kind=Generations(block_size=32))
