@@ -6,6 +6,7 @@ from app.evaluate import default_model
 from app.fleet_client import FleetClient
 from core.bucket.store import AdapterStore
 from core.config import load_config
+from tests.support.served_app import answering
 
 
 def _fleet(base_name: str, adapters: list[str]) -> FleetClient:
@@ -77,23 +78,24 @@ def test_evaluation_scores_a_problem_as_training_does_with_every_column_it_has()
 def test_an_evaluation_closes_its_client_its_connections_and_its_sampler(monkeypatch, tmp_path):
     """The driver evaluates before and after every run; a caller that evaluates again and again must not leak a
     client (its connection pool) each time."""
-    import json
 
     import app.evaluate as evaluation
     import core.models
 
     made: list[FleetClient] = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    def answer(path: str, body: dict | None) -> tuple[int, dict]:
         choice = {"index": 0, "token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}, "text": "7"}
-        return httpx.Response(200, json={"choices": [{**choice, "finish_reason": "stop"}] * body["n"]})
+        return 200, {"choices": [{**choice, "finish_reason": "stop"}] * body["n"]}
 
     class Recorded(FleetClient):
         def __init__(self, base_url, token=None):
             super().__init__(base_url, token)
-            self.pool = self._async = httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(answer))
             made.append(self)
+
+        async def aclose(self) -> None:
+            self.pool = self._async  # the session its generations went through
+            await super().aclose()
 
     class Tokenizer:
         def __call__(self, text, add_special_tokens=False):
@@ -102,10 +104,11 @@ def test_an_evaluation_closes_its_client_its_connections_and_its_sampler(monkeyp
     monkeypatch.setattr(evaluation, "FleetClient", Recorded)
     monkeypatch.setattr(core.models, "load_tokenizer", lambda path: Tokenizer())
     cfg = load_config(None, ["task.num_heldout=4", f"bucket.url=file://{tmp_path}/bucket"])
-    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1")
+    with answering(answer) as url:
+        result = evaluation.evaluate(cfg, url, "unused", "policy-v1")
     assert result["num_problems"] == 4
     (client,) = made
-    assert client.pool.is_closed and client._async is None and client._client.is_closed
+    assert client.pool.closed and client._async is None and client._client.is_closed
 
 
 class ResetRaises:

@@ -31,6 +31,7 @@ from core.config import ConfigError, load_config
 from core.config.judges import GenerativeVerdict, JudgeConfig
 from deployments.api import make_app
 from tests.support.fake_fleet import BASE, FakeBackend, api_settings, register
+from tests.support.served_app import answering
 
 TEMPLATE = "Q: {prompt} A: {completion} Gold: {reference}. Right?"
 
@@ -470,24 +471,18 @@ def test_a_logprob_judges_tokens_are_checked_against_the_runs_tokenizer_at_start
 
 @pytest.fixture
 def answering_fleet(monkeypatch):
-    """A fleet that answers each held-out problem right (`app.evaluate`'s client), and the tokenizer of `Tokens`."""
-    import app.evaluate as evaluation
+    """A fleet on loopback that answers each held-out problem right (`app.evaluate`'s client): its URL; and the
+    tokenizer of `Tokens`."""
     import core.models
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    def answer(path: str, body: dict | None) -> tuple[int, dict]:
         a, b = re.search(r"(\d+)\+(\d+)", "".join(map(chr, body["prompt"]))).groups()  # Tokens' ids are characters
         right = {"token_ids": [5], "logprobs": {"token_logprobs": [-0.1]}, "text": str(int(a) + int(b))}
-        choices = [{"index": i, **right, "finish_reason": "stop"} for i in range(body["n"])]
-        return httpx.Response(200, json={"choices": choices})
+        return 200, {"choices": [{"index": i, **right, "finish_reason": "stop"} for i in range(body["n"])]}
 
-    class Answering(FleetClient):
-        def __init__(self, base_url, token=None):
-            super().__init__(base_url, token)
-            self._async = httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(answer))
-
-    monkeypatch.setattr(evaluation, "FleetClient", Answering)
     monkeypatch.setattr(core.models, "load_tokenizer", lambda path: Tokens())
+    with answering(answer) as url:
+        yield url
 
 
 JUDGED = ["judges={j: {template: '{completion}'}}", "task.reward_funcs=[j]", "task.num_heldout=4"]
@@ -505,7 +500,7 @@ def test_a_judged_run_is_evaluated_by_eval_reward_funcs_and_its_names_are_checke
     overrides = JUDGED
     cfg = load_config(None, [*overrides, "eval.reward_funcs=[exact_answer]", f"bucket.url=file://{tmp_path}/bucket"])
     check_names(cfg)
-    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1")
+    result = evaluation.evaluate(cfg, answering_fleet, "unused", "policy-v1")
     assert result["num_problems"] == 4 and result["accuracy"] == 1.0, result
     with pytest.raises(ConfigError, match=r"eval.reward_funcs\[0\]: unknown reward function 'nope'.* or a judge"):
         check_names(load_config(None, [*overrides, "eval.reward_funcs=[nope]"]))
@@ -523,11 +518,11 @@ def test_a_judged_run_measured_otherwise_reports_each_judges_agreement_with_the_
     client = FleetClient("http://judge.test", transport=httpx.MockTransport(server.handler), backoff=Backoff(1, 0.0))
     monkeypatch.setattr(judges, "judge_client", lambda *a, **k: client)
     cfg = load_config(None, [*JUDGED, "eval.reward_funcs=[exact_answer]", f"bucket.url=file://{tmp_path}/bucket"])
-    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1", judged=True)
+    result = evaluation.evaluate(cfg, answering_fleet, "unused", "policy-v1", judged=True)
     assert result["accuracy"] == 1.0 and result["judge_agreement"] == {"j": 0.75}, result
     assert len(server.requests) == 1 and len(server.requests[0]["prompt"]) == 4
     server.answer = lambda body: httpx.Response(503, json={"error": "down"})  # a judge down costs its agreement alone
-    result = evaluation.evaluate(cfg, "http://fleet.test", "unused", "policy-v1", judged=True)
+    result = evaluation.evaluate(cfg, answering_fleet, "unused", "policy-v1", judged=True)
     assert result["accuracy"] == 1.0 and "j" not in result["judge_agreement"]
 
 

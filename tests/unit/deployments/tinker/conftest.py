@@ -3,15 +3,12 @@ uvicorn on 127.0.0.1: what the Tinker service's fleet calls are tested against."
 
 import asyncio
 import contextlib
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from tests.support.fake_fleet import ADMIN, FakeBackend, api_settings
-from tests.support.fleet_helpers import free_port
+from tests.support.served_app import served
 
 
 class SlowBackend(FakeBackend):
@@ -58,16 +55,8 @@ def served_fleet(tmp_path, backend: SlowBackend, **settings):
 
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
     app = make_app(backend, api_settings(max_loras=16, max_staleness=1, **settings), None, records)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield Fleet(f"http://127.0.0.1:{server.config.port}", backend)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with served(app) as url:
+        yield Fleet(url, backend)
 
 
 @pytest.fixture
