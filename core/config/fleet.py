@@ -145,7 +145,8 @@ class FleetSettings(Section):
         0.005,
         ge=0,
         le=1,
-        description="How long the ingress holds a run's n=1 request for like ones to share its engine call (0: never).",
+        description="How long the ingress holds a run's request for another like it to share its engine call, after "
+        "the latest one (at most 4 such windows in all; 0: never).",
     )
     poison_ttl_s: float = Field(
         600.0, gt=0, description="How long the ingress refuses a request during which two engines died."

@@ -34,8 +34,8 @@ class TinkerConfig(Section):
     sample_merge_window_s: float = Field(
         0.02,
         ge=0,
-        description="How long a sample request waits for like ones of its key (same prompt and sampler) to share one "
-        "fleet call; 0: each goes alone.",
+        description="How long a sample request waits for another like it of its key (same prompt and sampler) to "
+        "share one fleet call, after the latest one (at most 4 such windows in all); 0: each goes alone.",
     )
     max_samplers_per_tenant: int = Field(
         64, ge=1, description="Sampling clients one API key holds; beyond it the least recently used is released."

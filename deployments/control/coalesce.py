@@ -4,8 +4,9 @@ Most clients ask for one sample, or score one sequence, per request (TRL's Async
 loops and KL penalty, verifiers, a distillation teacher): a group of G samples arrives as G requests of `n=1`, its G
 scored sequences as G requests, within milliseconds. Each would otherwise make its own trip through the fair share,
 the router, the Serve handle, the replica and the engine, which on a small machine costs far more than the sampling
-(bench/request_shapes.py measures it). Two ways to share a trip, among the requests of one run that arrive within
-`window_s` of the first:
+(bench/request_shapes.py measures it). Two ways to share a trip, among the requests of one run that arrive less than
+`window_s` apart (a call waits `window_s` after its latest request, and at most `MAX_WINDOWS` windows after its first:
+the requests of a group, parsed one after another by a busy ingress, reach it a millisecond or two apart each):
 
 - *merged*: requests that ask for the same thing (prompt ids, model, sampling but `n`, turn and session) are one
   `GenerateRequest` of their summed `n`, and the choices are dealt back in order, each caller's renumbered from 0. A
@@ -45,6 +46,9 @@ C = TypeVar("C")  # one choice of an answer
 
 # vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily, one sample per request.
 GREEDY_BELOW = 1e-5
+# The longest a call waits for more requests, in windows after its first one: a steady stream of like requests
+# less than a window apart still goes out.
+MAX_WINDOWS = 4
 
 
 @dataclass(frozen=True)
@@ -183,9 +187,11 @@ class _Part(Generic[R]):
 class _Call:
     """One call in the making: its parts by part key."""
 
+    opened: float  # the loop's time at its first request
     parts: dict[object, _Part] = field(default_factory=dict)
     n: int = 0
     task: asyncio.Task | None = None
+    latest: float = 0.0  # the loop's time at its latest request
 
     def futures(self) -> list[asyncio.Future]:
         return [f for part in self.parts.values() for f in part.futures]
@@ -197,8 +203,8 @@ class Coalescer(Generic[R, A]):
     request alone. The fleet's generations (`Generations`) unless another `kind` is given."""
 
     def __init__(self, window_s: float, max_n: int = 256, kind: Kind[R, A] | None = None):
-        # How long the first request of a kind waits for others (`fleet.coalesce_window_s`): well under one engine
-        # step on a CPU, and the samples of one group, sent back to back, reach the ingress within it.
+        # How long a call waits for another request after its latest (`fleet.coalesce_window_s`): well under one
+        # engine step on a CPU, and the samples of one group, sent back to back, reach the ingress closer than that.
         self.window_s = window_s
         self.max_n = max_n
         self.kind: Kind = kind if kind is not None else Generations()
@@ -216,12 +222,14 @@ class Coalescer(Generic[R, A]):
             if isinstance(answer, Exception):
                 raise answer
             return answer
+        loop = asyncio.get_running_loop()
         call = self._open.get(key)
         if call is None or call.n + n > self.max_n:
             if call is not None:  # full: it goes now, this request opens the next one
                 self._flush(key, call, send)
-            call = self._open[key] = _Call()
-            asyncio.get_running_loop().call_later(self.window_s, self._flush, key, call, send)
+            call = self._open[key] = _Call(opened=loop.time())
+            loop.call_later(self.window_s, self._due, key, call, send)
+        call.latest = loop.time()
         part = call.parts.setdefault(kind.part_key(tenant, request), _Part(request))
         future = asyncio.get_running_loop().create_future()
         part.counts.append(n)
@@ -234,6 +242,17 @@ class Coalescer(Generic[R, A]):
             if call.task is not None and all(f.cancelled() for f in call.futures()):
                 call.task.cancel()  # nobody waits for its samples any more
             raise
+
+    def _due(self, key: tuple, call: _Call, send: Send[R, A]) -> None:
+        """A call's window has passed since its latest request: it goes, unless one came within the window and the
+        call has waited less than `MAX_WINDOWS` (then it waits for the window after that one)."""
+        loop = asyncio.get_running_loop()
+        last_call_at = call.opened + MAX_WINDOWS * self.window_s
+        wait = min(call.latest + self.window_s, last_call_at) - loop.time()
+        if call.task is None and wait > 0:
+            loop.call_later(wait, self._due, key, call, send)
+        else:
+            self._flush(key, call, send)
 
     def _flush(self, key: tuple, call: _Call, send: Send[R, A]) -> None:
         if call.task is not None:

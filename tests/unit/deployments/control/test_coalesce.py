@@ -130,6 +130,36 @@ def test_window_zero_sends_every_request_alone():
     assert len(engine.calls) == 4
 
 
+def test_a_group_whose_requests_arrive_apart_but_closer_than_the_window_is_still_one_call():
+    """A busy ingress parses a group's requests one after another: the call waits a window after the latest."""
+    engine, coalescer = Engine(), Coalescer(window_s=0.1)
+
+    async def go():
+        async def later(i):
+            await asyncio.sleep(0.02 * i)  # 6 requests over 0.1 s, each 0.02 s after the one before
+            return await coalescer.generate("run-a", request(), engine)
+
+        return await asyncio.gather(*(later(i) for i in range(6)))
+
+    results = run(go())
+    assert [c.sampling.n for c in engine.calls] == [6] and all(len(r.choices) == 1 for r in results)
+
+
+def test_a_steady_stream_of_like_requests_still_goes_out_after_at_most_four_windows():
+    engine, coalescer = Engine(), Coalescer(window_s=0.05)
+
+    async def go():
+        async def later(i):
+            await asyncio.sleep(0.01 * i)  # 40 requests over 0.4 s, never a window apart
+            return await coalescer.generate("run-a", request(), engine)
+
+        return await asyncio.gather(*(later(i) for i in range(40)))
+
+    run(go())
+    sizes = [c.sampling.n for c in engine.calls]
+    assert sum(sizes) == 40 and len(sizes) >= 2 and sizes[0] <= 21  # the first call went by 0.2 s (4 windows)
+
+
 def test_a_batch_never_exceeds_max_n():
     engine, coalescer = Engine(), Coalescer(window_s=0.005, max_n=4)
 
