@@ -209,7 +209,7 @@ class FleetClient:
         logprobs: int = 0,
         **extra: Any,
     ) -> list[Choice]:
-        """`completions` on the caller's event loop (one loop per client); a batch of prompts gets `n` choices
+        """`completions` on the caller's event loop; a batch of prompts gets `n` choices
         per prompt, in prompt order."""
         body = self._completion_body(prompt_ids, model, n, max_tokens, temperature, top_p, top_k, logprobs, extra)
         return parse_choices(await self._arequest("POST", "/v1/completions", body))
