@@ -231,7 +231,7 @@ class Coalescer(Generic[R, A]):
             loop.call_later(self.window_s, self._due, key, call, send)
         call.latest = loop.time()
         part = call.parts.setdefault(kind.part_key(tenant, request), _Part(request))
-        future = asyncio.get_running_loop().create_future()
+        future = loop.create_future()
         part.counts.append(n)
         part.futures.append(future)
         call.n += n
@@ -247,8 +247,8 @@ class Coalescer(Generic[R, A]):
         """A call's window has passed since its latest request: it goes, unless one came within the window and the
         call has waited less than `MAX_WINDOWS` (then it waits for the window after that one)."""
         loop = asyncio.get_running_loop()
-        last_call_at = call.opened + MAX_WINDOWS * self.window_s
-        wait = min(call.latest + self.window_s, last_call_at) - loop.time()
+        goes_by = call.opened + MAX_WINDOWS * self.window_s
+        wait = min(call.latest + self.window_s, goes_by) - loop.time()
         if call.task is None and wait > 0:
             loop.call_later(wait, self._due, key, call, send)
         else:
