@@ -376,7 +376,8 @@ def test_a_group_that_goes_stale_between_turns_is_stopped_and_counted_stale_not_
     stats = producer.stats()
     assert batch.groups[0].policy_version == 2 and stats.dropped_stale_total == 1 and stats.dropped_failed_total == 0
     assert turns_asked[:2] == [1, 1]  # the stale group never asked for its second turn: the next group did turn 1
-    assert "failed" not in caplog.text
+    # The rollout's own logs (a Tinker SDK client an earlier test left in this process may still log its heartbeats).
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("app.") and "failed" in r.getMessage()]
 
 
 class Judging:
