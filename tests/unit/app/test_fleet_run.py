@@ -5,7 +5,6 @@ import threading
 import time
 
 import pytest
-import uvicorn
 
 from app import fleet_run
 from app.fleet_client import FleetClient
@@ -13,6 +12,7 @@ from core.config import load_config
 from deployments.api import make_app
 from tests.support.fake_fleet import BASE, TOKEN, FakeBackend, api_settings
 from tests.support.fleet_helpers import free_port
+from tests.support.served_app import served
 
 
 @pytest.fixture
@@ -24,15 +24,8 @@ def fleet(tmp_path):
     records = RunRecords(f"file://{tmp_path}/bucket", backoff=Backoff(attempts=1, first_s=0.0))
     backend = FakeBackend()
     app = make_app(backend, api_settings(max_loras=7, max_staleness=1, run_idle_timeout_s=2.0), None, records)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{server.config.port}"
-    yield url, backend, tmp_path
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served(app) as url:
+        yield url, backend, tmp_path
 
 
 def _cfg(url, name="alice"):
